@@ -1,0 +1,1 @@
+"""Task families (filled in by the edit-evaluation work; each registers with @register_family)."""
