@@ -1,0 +1,68 @@
+"""The edit task suite: size, shape and parse rules (no model needed beyond a tokenizer)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvnotes.errors import KvnotesError
+from kvnotes.tasks import FAMILIES, EditCase, load_suite
+
+
+@pytest.fixture(scope="module")
+def suite() -> list[EditCase]:
+    return load_suite()
+
+
+def test_suite_size_and_families(suite):
+    counts = Counter(c.family for c in suite)
+    assert len(counts) >= 6
+    assert len(suite) >= 150
+    assert min(counts.values()) >= 20
+    assert len({c.case_id for c in suite}) == len(suite)
+
+
+def test_suite_is_deterministic(suite):
+    again = load_suite()
+    assert [c.document for c in again] == [c.document for c in suite]
+
+
+def test_cases_are_well_formed(suite):
+    for c in suite:
+        assert c.old_value != c.new_value
+        assert c.document.value(c.field) == c.old_value
+        assert c.new_document.value(c.field) == c.new_value
+        assert c.expected_old in c.answers and c.expected_new in c.answers
+        assert c.expected_old != c.expected_new, c.case_id  # every case is meant to flip
+
+
+def test_contexts_are_realistic_and_field_early(suite, tokenizer):
+    for c in suite:
+        ids, spans = c.document.tokenize(tokenizer)
+        field = next(s for s in spans if s[1] == "field")
+        assert 150 <= len(ids) <= 400, (c.case_id, len(ids))
+        assert field[2] < len(ids) // 4, c.case_id
+
+
+def test_answer_first_tokens_are_distinct(suite, tokenizer):
+    for c in suite:
+        for space in ("", " "):
+            firsts = [tokenizer(space + a, add_special_tokens=False)["input_ids"][0]
+                      for a in c.answers]
+            assert len(set(firsts)) == len(firsts), (c.case_id, c.answers)
+
+
+def test_parse_takes_the_first_answer_as_a_word(suite):
+    case = next(c for c in suite if c.family == "access")
+    assert case.parse("Deny. I would not allow it.") == "deny"
+    assert case.parse("allowance") is None
+    assert case.parse("") is None
+
+
+def test_load_suite_by_family_and_unknown_family():
+    assert {c.family for c in load_suite(["refund", "lookup"])} == {"refund", "lookup"}
+    with pytest.raises(KvnotesError, match="unknown task family 'nope'; families: "):
+        load_suite(["nope"])
+    assert set(FAMILIES) >= {"refund", "eligibility", "membership", "scheduling", "threshold",
+                             "access", "lookup"}
