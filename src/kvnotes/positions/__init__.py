@@ -2,11 +2,19 @@
 
 Keys are stored post-RoPE, exactly as transformers caches hold them. Moving cached notes by
 ``delta`` positions is therefore a rotation of the stored keys by ``R(delta)``; values never
-carry positions. Each adapter declares what it can do with class flags (``supported``,
-``exact_shift``, ``approximate``) and one verb, :meth:`PositionAdapter.shift_layer`.
+carry positions (except MLA's value slot, which holds the rotary key). Each adapter declares
+what it can do with class flags (``supported``, ``exact_shift``, ``approximate``) and one verb,
+:meth:`PositionAdapter.shift_layer`. One module per scheme; importing registers it.
 """
 
+from kvnotes.positions.absolute import LearnedAbsoluteAdapter
+from kvnotes.positions.alibi import AlibiAdapter
 from kvnotes.positions.base import PositionAdapter, adapter_for, register_adapter
+from kvnotes.positions.interleaved import InterleavedRopeAdapter
+from kvnotes.positions.mla import MlaAdapter
+from kvnotes.positions.mrope import MropeAdapter
 from kvnotes.positions.rope import RopeAdapter
 
-__all__ = ["PositionAdapter", "RopeAdapter", "adapter_for", "register_adapter"]
+__all__ = ["PositionAdapter", "RopeAdapter", "InterleavedRopeAdapter", "MlaAdapter",
+           "MropeAdapter", "AlibiAdapter", "LearnedAbsoluteAdapter", "adapter_for",
+           "register_adapter"]

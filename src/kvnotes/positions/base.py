@@ -72,17 +72,23 @@ class PositionAdapter:
         }
 
 
-# Registry: (predicate over the model, adapter class), tried in order; first match wins.
-_REGISTRY: list[tuple[Callable[[torch.nn.Module], bool], type[PositionAdapter]]] = []
+# Registry: (priority, predicate over the model, adapter class), tried by descending priority,
+# then registration order; first match wins.
+_REGISTRY: list[tuple[int, Callable[[torch.nn.Module], bool], type[PositionAdapter]]] = []
 
 
 def register_adapter(
-    predicate: Callable[[torch.nn.Module], bool],
+    predicate: Callable[[torch.nn.Module], bool], *, priority: int = 0,
 ) -> Callable[[type[PositionAdapter]], type[PositionAdapter]]:
-    """Class decorator: use this adapter for models where ``predicate(model)`` is true."""
+    """Class decorator: use this adapter for models where ``predicate(model)`` is true.
+
+    A more specific scheme (MLA, M-RoPE, interleaved RoPE) registers with a higher ``priority``
+    so it is tried before the generic one its models would also match.
+    """
 
     def wrap(cls: type[PositionAdapter]) -> type[PositionAdapter]:
-        _REGISTRY.append((predicate, cls))
+        _REGISTRY.append((priority, predicate, cls))
+        _REGISTRY.sort(key=lambda entry: -entry[0])  # stable: ties keep registration order
         return cls
 
     return wrap
@@ -90,11 +96,11 @@ def register_adapter(
 
 def adapter_for(model: torch.nn.Module) -> PositionAdapter:
     """Pick the position adapter for a loaded model from its config and rotary module."""
-    for predicate, cls in _REGISTRY:
+    for _, predicate, cls in _REGISTRY:
         if predicate(model):
             return cls(model)
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    known = ", ".join(sorted({cls.name for _, cls in _REGISTRY}))
+    known = ", ".join(sorted({cls.name for _, _, cls in _REGISTRY}))
     raise UnsupportedModelError(
         f"no position adapter for model_type {model_type!r} (known schemes: {known}); "
         "kvnotes needs a per-token attention KV cache with rotary positions"
