@@ -90,3 +90,31 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides: Any) -> t
     auto = AutoModelForImageTextToText if arch in _MULTIMODAL else AutoModelForCausalLM
     torch.manual_seed(seed)
     return auto.from_config(config, dtype=torch.float32).eval()
+
+
+class ByteTokenizer:
+    """A stand-in tokenizer for tiny models: one id per UTF-8 byte, no special tokens.
+
+    Enough for :class:`kvnotes.Engine` (fingerprint, BOS rule, encode/decode) where no real
+    tokenizer is at hand (``kvnotes doctor --tiny ARCH``).
+    """
+
+    bos_token_id = None
+    eos_token_id = None
+    all_special_tokens: list[str] = []
+    chat_template = None
+
+    def __init__(self, vocab_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [b % self.vocab_size for b in text.encode()]}
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab_size)}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")

@@ -4,7 +4,7 @@ Each capability registers its commands from its own module (imported below), so 
 next to nothing but the API they call.
 """
 
+from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
 from kvnotes.cli.app import app
-from kvnotes.cli import core  # noqa: F401,E402  (registers demo, compose, models)
 
 __all__ = ["app"]

@@ -33,6 +33,8 @@ class AlibiAdapter(PositionAdapter):
 
     name: ClassVar[str] = "alibi"
     exact_shift = True
+    shift_reason: ClassVar[str] = ("keys carry no position: shifting only renumbers positions "
+                                   "(the bias counts cache slots, so keep positions contiguous)")
 
     def shift_layer(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, delta: int | torch.Tensor
@@ -41,6 +43,5 @@ class AlibiAdapter(PositionAdapter):
 
     def describe(self) -> dict[str, object]:
         info = super().describe()
-        info.update(note="positions are bookkeeping only; the bias counts cache slots, so keep "
-                         "notebook positions contiguous (compose does)")
+        info.update(note=self.shift_reason)
         return info

@@ -82,3 +82,8 @@ class InterleavedRopeAdapter(RopeAdapter):
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, delta: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_pairs(keys, self.inv_freqs[layer], delta), values
+
+    def describe(self) -> dict[str, object]:
+        info = super().describe()
+        info.update(rotary_pairs="adjacent")
+        return info

@@ -1,0 +1,104 @@
+"""``kvnotes doctor``: a model's position scheme and which notebook operations are exact.
+
+Examples::
+
+    kvnotes doctor --model smollm2-135m            # a bundled alias, HF folder or .gguf file
+    kvnotes doctor --tiny deepseek_v2 --check      # a tiny random model of an architecture
+    kvnotes doctor --tiny gpt2 --json
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.errors import KvnotesError
+
+console = Console()
+
+_STYLE = {"exact": "green", "approximate": "yellow", "unsupported": "red"}
+
+
+def diagnose(engine: object, *, check: bool = False) -> dict[str, object]:
+    """The doctor's findings for an engine: scheme, adapter summary, operations, live check."""
+    from kvnotes.positions.capabilities import capabilities, check_shift
+
+    adapter = engine.adapter  # type: ignore[attr-defined]
+    config = adapter.config
+    report: dict[str, object] = {
+        "model": engine.name,  # type: ignore[attr-defined]
+        "model_type": getattr(engine.model.config, "model_type", None),  # type: ignore[attr-defined]
+        "scheme": adapter.name,
+        "adapter": adapter.describe(),
+        "layers": adapter.num_layers,
+        "max_positions": adapter.max_positions,
+        "operations": [op.to_dict() for op in capabilities(adapter)],
+    }
+    if check:
+        vocab = int(getattr(config, "vocab_size", 256) or 256)
+        ids = [(17 * i + 3) % min(vocab, 256) for i in range(24)]
+        report["check"] = check_shift(engine, ids).to_dict()
+    return report
+
+
+def _tiny_engine(arch: str) -> object:
+    import kvnotes
+    from kvnotes.tiny import ByteTokenizer, tiny_model
+
+    tokenizer = ByteTokenizer(256)
+    return kvnotes.Engine.from_model(tiny_model(arch, 256), tokenizer, name=f"tiny-{arch}")
+
+
+@app.command()
+def doctor(
+    model: str = typer.Option(None, help="model alias, local HF folder, .gguf file or hub id"),
+    tiny: str = typer.Option(None, help="instead: a tiny random model of this architecture "
+                                        "(model_type, e.g. llama, deepseek_v2, qwen2_vl, gpt2)"),
+    check: bool = typer.Option(False, help="also prefill, shift by 37 and measure the error"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Print a model's position scheme and which operations are exact, approximate, unsupported."""
+    import kvnotes
+
+    if (model is None) == (tiny is None):
+        raise typer.BadParameter("give exactly one of --model or --tiny")
+    try:
+        if tiny is not None:
+            try:
+                engine = _tiny_engine(tiny)
+            except ValueError as err:  # no tiny recipe for that name: the message lists them
+                raise typer.BadParameter(str(err)) from err
+        else:
+            with console.status(f"loading {model}"):
+                engine = kvnotes.load(model)
+        report = diagnose(engine, check=check)
+    except KvnotesError as err:
+        fail(err)
+        return
+    if as_json:
+        emit_json(report)
+        return
+    adapter = report["adapter"]
+    console.print(f"[bold]{report['model']}[/bold]  model_type={report['model_type']}  "
+                  f"layers={report['layers']}  max positions={report['max_positions']}")
+    console.print(f"position scheme: [bold]{report['scheme']}[/bold]  "
+                  + "  ".join(f"{k}={v}" for k, v in adapter.items()  # type: ignore[union-attr]
+                              if k not in ("scheme", "reason") and v is not None))
+    table = Table(show_lines=False)
+    table.add_column("operation")
+    table.add_column("status")
+    table.add_column("why", overflow="fold")
+    for op in report["operations"]:  # type: ignore[union-attr]
+        style = _STYLE[op["status"]]
+        table.add_row(op["name"], f"[{style}]{op['status']}[/{style}]", op["reason"])
+    console.print(table)
+    if check:
+        c = report["check"]
+        if c["error"]:  # type: ignore[index]
+            console.print(f"check (shift by {c['delta']}): raised {c['error']}")  # type: ignore[index]
+        else:
+            console.print(f"check (shift by {c['delta']}): max |KV error| "  # type: ignore[index]
+                          f"{c['max_kv_error']:.2e}, max |logit error| "  # type: ignore[index]
+                          f"{c['max_logit_error']:.2e}")  # type: ignore[index]
