@@ -142,10 +142,17 @@ class Engine:
 
         Text and documents get BOS first when the tokenizer adds one by default; token ids are
         taken as given. Raises :class:`EmptyInputError` for empty input and
-        :class:`PositionError` for positions past the model's maximum.
+        :class:`PositionError` for positions past the model's maximum. A notebook prefilled
+        from a document remembers it (``nb.meta["document"]``) so its fields can be edited.
         """
         ids, spans = self.tokens_of(x, bos=bos, kind=kind, name=name)
-        return self._run(self.empty(start), ids, spans)[0]
+        nb = self._run(self.empty(start), ids, spans)[0]
+        if isinstance(x, Document):
+            from kvnotes.edit import document_meta
+
+            offset = spans[0].end if spans and spans[0].name == "bos" else 0
+            nb = nb.with_meta(document=document_meta(x, offset))
+        return nb
 
     def extend(self, nb: Notebook, x: TokenInput, *, kind: str = "text",
                name: str = "text") -> Notebook:

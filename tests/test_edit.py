@@ -1,0 +1,202 @@
+"""Editing fields of prefilled documents: every strategy against full recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_engine
+
+from kvnotes import Document, Field
+from kvnotes.edit import (
+    ERRATUM_TEMPLATES,
+    EditReport,
+    _runs,
+    decide,
+    erratum_text,
+    field_label,
+    parse_answer,
+)
+from kvnotes.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError
+
+BODY = ("\nCustomer: Maria Alvarez\nItems: a desk lamp and a backpack\nTotal: $84.20\n"
+        "Refunds are possible only while the order is pending; shipped or delivered orders "
+        "must be returned first. Agents decide from the status above.\n")
+
+
+def doc(status: str = "pending") -> Document:
+    return Document(["ORDER #4411\nOrder status: ", Field("status", status), BODY])
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def engine(request, tokenizer):
+    return make_tiny_engine(request.param, tokenizer)
+
+
+def logits_after(engine, nb, query="\nRefund? Answer:"):
+    return engine.next_logits(nb, query)
+
+
+def test_prefill_remembers_the_document(engine):
+    nb = engine.prefill(doc())
+    assert nb.meta["document"]["parts"][1] == ["field", "status", "pending"]
+    assert nb.fields == ["status"]
+
+
+def test_recompute_is_prefill_of_the_new_document(engine):
+    nb = engine.prefill(doc())
+    new, report = engine.edit(nb, "status", "delivered", strategy="recompute")
+    ref = engine.prefill(doc("delivered"))
+    assert torch.equal(new.token_ids, ref.token_ids)
+    torch.testing.assert_close(logits_after(engine, new), logits_after(engine, ref))
+    assert report.tokens_recomputed == len(ref) and report.compute_fraction == 1.0
+    assert new.meta["document"]["parts"][1] == ["field", "status", "delivered"]
+    assert nb.meta["document"]["parts"][1] == ["field", "status", "pending"]  # old untouched
+
+
+@pytest.mark.parametrize("value", ["shipped", "partially refunded and closed"])
+def test_prefix_matches_recompute(engine, value):
+    nb = engine.prefill(doc())
+    pre, report = engine.edit(nb, "status", value, strategy="prefix")
+    ref, _ = engine.edit(nb, "status", value, strategy="recompute")
+    torch.testing.assert_close(logits_after(engine, pre), logits_after(engine, ref),
+                               rtol=1e-4, atol=1e-4)
+    assert report.tokens_reused == nb.span("status").start
+    assert report.tokens_recomputed + report.tokens_reused == len(ref)
+
+
+def test_overwrite_equal_length_keeps_downstream_bit_identical(engine):
+    nb = engine.prefill(doc("pending"))
+    f = nb.span("status")
+    value = next(v for v in ("closed", "open", "late", "shipped", "delivered")
+                 if len(engine.encode(v)) == len(f))
+    new, report = engine.edit(nb, "status", value, strategy="overwrite")
+    assert report.tokens_recomputed == len(f) and report.delta == 0
+    assert torch.equal(new.positions, nb.positions)
+    for layer in range(engine.adapter.num_layers):
+        assert torch.equal(new.keys(layer)[..., f.end:, :], nb.keys(layer)[..., f.end:, :])
+        assert torch.equal(new.values(layer)[..., f.end:, :], nb.values(layer)[..., f.end:, :])
+        assert torch.equal(new.keys(layer)[..., :f.start, :], nb.keys(layer)[..., :f.start, :])
+        assert not torch.equal(new.keys(layer)[..., f.start:f.end, :],
+                               nb.keys(layer)[..., f.start:f.end, :])
+    # the field's own notes are what a recompute writes
+    ref = engine.prefill(doc(value))
+    torch.testing.assert_close(new.keys(0)[..., :f.end, :], ref.keys(0)[..., :f.end, :])
+
+
+def test_overwrite_length_change_shifts_downstream(engine):
+    nb = engine.prefill(doc("pending"))
+    f = nb.span("status")
+    value = "partially refunded and closed"
+    new, report = engine.edit(nb, "status", value, strategy="overwrite")
+    delta = len(engine.encode(value)) - len(f)
+    assert delta > 0 and report.delta == delta and len(new) == len(nb) + delta
+    assert torch.equal(new.positions, torch.arange(len(new)))  # contiguous
+    assert new.span("status").end == f.end + delta
+    moved = nb.slice(f.end).shifted(delta)
+    for layer in range(engine.adapter.num_layers):
+        assert torch.equal(new.keys(layer)[..., f.end + delta:, :], moved.keys(layer))
+        assert torch.equal(new.values(layer)[..., f.end + delta:, :],
+                           nb.values(layer)[..., f.end:, :])
+    shorter, _ = engine.edit(new, "status", "open", strategy="overwrite")
+    assert torch.equal(shorter.positions, torch.arange(len(shorter)))
+
+
+def test_erratum_keeps_the_old_notebook_as_exact_prefix(engine):
+    nb = engine.prefill(doc())
+    new, report = engine.edit(nb, "status", "delivered", strategy="erratum")
+    n = len(nb)
+    assert torch.equal(new.token_ids[:n], nb.token_ids)
+    assert torch.equal(new.positions[:n], nb.positions)
+    for layer in range(engine.adapter.num_layers):
+        assert torch.equal(new.keys(layer)[..., :n, :], nb.keys(layer))
+        assert torch.equal(new.values(layer)[..., :n, :], nb.values(layer))
+    span = new.spans[-1]
+    assert span.kind == "erratum" and span.end == len(new)
+    assert "delivered" in engine.decode(new.token_ids[n:])
+    assert report.tokens_appended == len(new) - n and report.tokens_recomputed == 0
+    assert new.meta["errata"] == [{"field": "status", "value": "delivered"}]
+
+
+def test_erratum_templates_and_chat_turns(engine):
+    text = erratum_text(engine, "order status", "pending", "delivered", template="update")
+    assert "changed from pending to delivered" in text
+    assert text.startswith("<|im_start|>user")  # the SmolLM2 tokenizer has a chat template
+    plain = erratum_text(engine, "order status", "pending", "delivered", chat=False)
+    assert plain == "\n\nCorrection: the order status is delivered, not pending.\n"
+    custom = erratum_text(engine, "x", "a", "b", template="Now {label}={new}", chat=False)
+    assert custom.strip() == "Now x=b"
+    with pytest.raises(ValueError, match="neither one of"):
+        erratum_text(engine, "x", "a", "b", template="nope")
+    assert set(ERRATUM_TEMPLATES) >= {"correction", "update", "strong", "restate"}
+    assert field_label(doc(), "status") == "order status"
+
+
+@pytest.mark.parametrize("select", ["attention", "kv_deviation"])
+def test_repair_with_all_downstream_equals_prefix(engine, select):
+    nb = engine.prefill(doc())
+    rep, report = engine.edit(nb, "status", "delivered", strategy="repair", k=10_000,
+                              select=select)
+    pre, _ = engine.edit(nb, "status", "delivered", strategy="prefix")
+    torch.testing.assert_close(logits_after(engine, rep), logits_after(engine, pre),
+                               rtol=1e-4, atol=1e-4)
+    assert report.tokens_reused == nb.span("status").start
+    assert report.select == select and report.select_tokens > 0
+
+
+@pytest.mark.parametrize("select", ["attention", "kv_deviation"])
+def test_repair_budget_k(engine, select):
+    nb = engine.prefill(doc())
+    over, _ = engine.edit(nb, "status", "delivered", strategy="overwrite")
+    zero, r0 = engine.edit(nb, "status", "delivered", strategy="repair", k=0, select=select)
+    torch.testing.assert_close(logits_after(engine, zero), logits_after(engine, over))
+    some, r5 = engine.edit(nb, "status", "delivered", strategy="repair", k=5, select=select)
+    assert r5.tokens_recomputed == r0.tokens_recomputed + 5
+    assert torch.equal(some.positions, torch.arange(len(some)))
+    assert 0 < r5.compute_fraction < 0.5
+
+
+def test_edit_after_extend_keeps_the_tail(engine):
+    nb = engine.extend(engine.prefill(doc()), "\nNote: customer called twice.", name="note")
+    pre, _ = engine.edit(nb, "status", "partially refunded and closed", strategy="prefix")
+    ref, _ = engine.edit(nb, "status", "partially refunded and closed", strategy="recompute")
+    assert torch.equal(pre.token_ids, ref.token_ids)
+    assert pre.span("note").end == len(pre)
+    torch.testing.assert_close(logits_after(engine, pre), logits_after(engine, ref),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_clear_errors(engine, tokenizer):
+    nb = engine.prefill(doc())
+    with pytest.raises(UnknownFieldError, match=r"unknown field 'state'; this document has "
+                                                r"fields: \['status'\]"):
+        engine.edit(nb, "state", "delivered", strategy="prefix")
+    with pytest.raises(EmptyInputError, match="the new value for field 'status' is empty"):
+        engine.edit(nb, "status", "", strategy="overwrite")
+    other = make_tiny_engine("qwen2", tokenizer)
+    with pytest.raises(NotebookMismatchError, match="cannot edit a notebook with a different"):
+        other.edit(nb, "status", "delivered", strategy="recompute")
+    with pytest.raises(ValueError, match="unknown edit strategy 'magic'; choose one of"):
+        engine.edit(nb, "status", "delivered", strategy="magic")
+    with pytest.raises(ValueError, match="unknown select 'random'"):
+        engine.edit(nb, "status", "delivered", strategy="repair", select="random")
+    with pytest.raises(Exception, match="does not remember a document"):
+        engine.edit(engine.prefill("Order status: pending"), "status", "x")
+
+
+def test_report_and_helpers():
+    r = EditReport("prefix", "f", "a", "b", tokens_total=100, tokens_recomputed=25,
+                   tokens_reused=75)
+    assert r.compute_fraction == 0.25 and r.to_dict()["compute_fraction"] == 0.25
+    assert _runs([3, 4, 5, 9, 11, 12]) == [(3, 6), (9, 10), (11, 13)]
+    assert parse_answer("Both yes and no matter. Final answer: no.", ("yes", "no")) == "no"
+    assert parse_answer("Yes, it can.", ("yes", "no")) == "yes"
+    assert parse_answer("unclear", ("yes", "no")) is None
+
+
+def test_decide_reads_first_token_logits(engine):
+    nb = engine.prefill(doc())
+    d = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"))
+    assert d.answer in ("yes", "no") and len(d.answer_logits) == 2
+    assert d.answer == ("yes", "no")[int(d.answer_logits[1] > d.answer_logits[0])]
+    c = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"), cot=True, budget=4)
+    torch.testing.assert_close(c.logits, d.logits)
