@@ -4,6 +4,7 @@ Each capability registers its commands from its own module (imported below), so 
 next to nothing but the API they call.
 """
 
+import kvnotes.cli.serve  # noqa: F401  (registers serve-bench)
 from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
 from kvnotes.cli.app import app
 
