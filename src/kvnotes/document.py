@@ -147,3 +147,25 @@ def as_parts(parts: Sequence[Part] | Document | str) -> Document:
     if isinstance(parts, str):
         return Document([parts])
     return Document(parts)
+
+
+def chat_frame(tokenizer: object) -> tuple[str, str, str]:
+    """``(head, middle, tail)``: the chat template around one system turn and one user turn.
+
+    ``head + system_text + middle + user_text + tail`` is what the template renders for a
+    system message and a user message with the assistant's turn opened. Without a chat
+    template (base models) it is a plain-text frame. BOS is left out (the engine adds it).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return "", "\n\n", "\nAnswer:"
+    s, u = "\x00SYSTEM\x00", "\x00USER\x00"
+    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": "system", "content": s}, {"role": "user", "content": u}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    head, rest = rendered.split(s, 1)
+    middle, tail = rest.split(u, 1)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and head.startswith(bos):
+        head = head[len(bos):]
+    return head, middle, tail

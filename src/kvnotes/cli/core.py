@@ -1,0 +1,124 @@
+"""Foundation commands: ``demo``, ``compose`` and ``models``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.errors import KvnotesError
+
+console = Console()
+
+models_app = typer.Typer(help="Bundled models: list them, or convert them ahead of first use.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """List the bundled model aliases."""
+    from kvnotes.models import BUNDLED
+
+    for alias, m in BUNDLED.items():
+        console.print(f"[bold]{alias}[/bold]  {m.description}")
+
+
+@models_app.command("prepare")
+def models_prepare(alias: list[str] = typer.Argument(None, help="aliases (default: all)")) -> None:
+    """Convert bundled GGUF models to cached safetensors copies (first load does this too)."""
+    from kvnotes.models import BUNDLED, resolve
+
+    try:
+        for name in alias or list(BUNDLED):
+            console.print(f"{name}: {resolve(name)}")
+    except KvnotesError as err:
+        fail(err)
+
+
+@app.command()
+def demo(
+    model: str = typer.Option("smollm2-135m", help="model alias, HF folder or .gguf file"),
+    out: Path = typer.Option(Path("out/demo"), help="folder for report.md, results.json, PNGs"),
+    max_new_tokens: int = typer.Option(24, help="greedy tokens compared per case"),
+) -> None:
+    """Compile skills once, splice them into several contexts, compare with full recompute."""
+    import kvnotes
+    from kvnotes.demo import render_table, run_compose_demo, write_report
+
+    try:
+        with console.status(f"loading {model}"):
+            engine = kvnotes.load(model)
+        console.print(f"[bold]{engine}[/bold]  position scheme: {engine.adapter.describe()}")
+        with console.status("compiling skills and composing contexts") as status:
+            result = run_compose_demo(engine, max_new_tokens=max_new_tokens,
+                                      progress=lambda n: status.update(f"done: {n}"))
+    except KvnotesError as err:
+        fail(err)
+    table = Table(title=f"compose vs full recompute ({engine.name})")
+    for col in ("case", "tokens", "reused", "computed", "TTFT full", "TTFT compose", "speedup",
+                "logit cos", "KL", "top-1", "continuation"):
+        table.add_column(col, justify="right" if col not in ("case",) else "left")
+    for r in result["cases"]:
+        table.add_row(r["case"], str(r["tokens_total"]), str(r["tokens_reused"]),
+                      str(r["tokens_computed"]), f"{r['ttft_recompute_s']*1e3:.0f} ms",
+                      f"{r['ttft_compose_s']*1e3:.0f} ms", f"{r['speedup']:.1f}x",
+                      f"{r['logit_cosine']:.4f}", f"{r['kl']:.4f}",
+                      "same" if r["top1_agree"] else "DIFF",
+                      "identical" if r["continuation_identical"] else "differs")
+    console.print(table)
+    extra = _edit_section(engine)
+    path = write_report(result, out, extra)
+    console.print(f"wrote {path} and {out / 'compose.png'}")
+    del render_table
+
+
+def _edit_section(engine) -> list[str]:
+    """The edit part of the demo, when the edit capability is installed."""
+    try:
+        from kvnotes.edit_demo import edit_section
+    except ImportError:
+        return []
+    return edit_section(engine, console)
+
+
+@app.command()
+def compose(
+    model: str = typer.Option(..., help="model alias, HF folder or .gguf file"),
+    skill: list[Path] = typer.Option(..., help="skill text file(s), spliced in order"),
+    context: str = typer.Option(..., help="context text, prefilled after the skills"),
+    query: str = typer.Option(..., help="question fed on top of the composed notes"),
+    max_new_tokens: int = typer.Option(24),
+    library: Path = typer.Option(None, help="skill library folder (compile once, reuse)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Compose one case (skills + context), answer the query, compare with full recompute."""
+    import kvnotes
+    from kvnotes.document import chat_frame
+
+    try:
+        engine = kvnotes.load(model)
+        lib = kvnotes.SkillLibrary(library, engine) if library else None
+        compiled = []
+        for f in skill:
+            if not f.is_file():
+                raise KvnotesError(f"no skill file at {f}")
+            text = f.read_text()
+            compiled.append(lib.get(text, name=f.stem) if lib else engine.compile(text, name=f.stem))
+        head, middle, tail = chat_frame(engine.tokenizer)
+        parts: list = [head] if head else []
+        for i, s in enumerate(compiled):
+            parts.extend(["\n\n", s] if i else [s])
+        parts.append(middle + context)
+        report = kvnotes.fidelity(engine, parts, "\n\n" + query + tail,
+                                  max_new_tokens=max_new_tokens)
+    except KvnotesError as err:
+        fail(err)
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    for key, value in report.to_dict().items():
+        console.print(f"{key:>24}: {value}")

@@ -1,0 +1,65 @@
+"""The bundled real models: composition against full recompute on short realistic cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvnotes
+from kvnotes.document import chat_frame
+
+pytestmark = pytest.mark.real
+
+SKILL = ("RETURNS: Unworn items may be returned within 30 days of delivery for a full refund. "
+         "Items returned between day 31 and day 60 get store credit only. Final-sale items, gift "
+         "cards and opened hygiene products cannot be returned. Return shipping is free for "
+         "loyalty members; everyone else pays 6.95.")
+CONTEXTS = [
+    ("Customer: a loyalty member. Order delivered 12 days ago, boots unworn in the box.",
+     "Can the customer get a full refund?"),
+    ("Customer: not a member. Order delivered 45 days ago, a jacket with tags.",
+     "What does the customer receive for the return?"),
+]
+
+
+def parts_for(engine, skill, context):
+    head, middle, tail = chat_frame(engine.tokenizer)
+    return [head + "You are a support agent. Policy:\n", skill, middle + context], tail
+
+
+@pytest.mark.parametrize("case", range(len(CONTEXTS)))
+def test_composed_matches_recompute(real_engine, case):
+    skill = real_engine.compile(SKILL, name="returns")
+    context, question = CONTEXTS[case]
+    parts, tail = parts_for(real_engine, skill, context)
+    report = kvnotes.fidelity(real_engine, parts, "\n" + question + tail, max_new_tokens=8)
+    assert report.tokens_reused == len(skill)
+    assert report.logit_cosine >= 0.99, report
+    assert report.top1_agree, report
+
+
+def test_shift_exact_on_real_model(real_engine):
+    nb = real_engine.prefill(SKILL)
+    moved, direct = nb.shifted(300), real_engine.prefill(SKILL, start=300)
+    err = max(float((moved.keys(l) - direct.keys(l)).abs().max()) for l in range(nb.num_layers))
+    assert err <= 1e-3  # real-model keys are O(10): 1e-3 absolute is ~1e-4 relative
+
+
+def test_gemma_keeps_full_sequence_in_sliding_layers(gemma3):
+    assert gemma3.adapter.sliding_window == 512 and gemma3.adds_bos
+    nb = gemma3.prefill("word " * 520)  # past the 512-token window
+    assert all(nb.keys(l).shape[-2] == len(nb) for l in range(nb.num_layers))
+    ids = nb.token_ids
+    with torch.no_grad():
+        own = gemma3.model(ids[None]).logits[0, -1]
+    mine = gemma3.next_logits(nb)
+    assert torch.allclose(own, mine, atol=1e-3)
+
+
+def test_real_notebook_round_trip_and_foreign_model_error(smollm2, gemma3, tmp_path):
+    nb = smollm2.prefill("Order status: pending.")
+    path = nb.save(tmp_path / "nb.safetensors")
+    back = kvnotes.Notebook.load(path, smollm2)
+    assert torch.equal(back.keys(3), nb.keys(3))
+    with pytest.raises(kvnotes.NotebookMismatchError, match="LlamaForCausalLM.*Gemma3ForCausalLM"):
+        kvnotes.Notebook.load(path, gemma3)
