@@ -327,3 +327,38 @@ def test_cli_rejects_url_and_launch_together():
                                    "--context-tokens", "100", "--sessions", "1", "--edits", "1",
                                    "--concurrency", "1"])
     assert res.exit_code == 2 and "cannot reach the server" in res.output
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_the_launched_server(tmp_path, sig):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""\
+        import sys, time
+        from kvnotes.serving import VLLMServer
+        server = VLLMServer({str(tmp_path)!r}, served_name="fake-m", python=sys.executable,
+                            module="_fake_vllm", env={{"PYTHONPATH": {str(TESTS)!r}}},
+                            log_path={str(tmp_path / "server.log")!r}, startup_timeout=60)
+        with server:
+            print("SERVER", server.pid, flush=True)
+            time.sleep(120)
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("SERVER"), line
+        server_pid = int(line.split()[1])
+        os.kill(server_pid, 0)  # running
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{server_pid}").exists():
+        time.sleep(0.2)
+    assert not Path(f"/proc/{server_pid}").exists(), "the server outlived Ctrl-C / SIGTERM"
