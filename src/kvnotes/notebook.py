@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvnotes.errors import (
     EmptyInputError,
@@ -274,9 +275,15 @@ class Notebook:
         Every layer is a full ``DynamicLayer``: a sliding-window layer still gets all tokens and
         the model's own sliding mask hides the ones outside its window, as at prefill.
         """
-        if not len(self):
-            return DynamicCache()
-        return DynamicCache(ddp_cache_data=[(l.keys, l.values) for l in self.layers])
+        cache = DynamicCache()
+        for layer in self.layers:
+            # The notebook's tensors are handed over without a copy: a DynamicLayer's update
+            # concatenates into a new tensor, so feeding more tokens never writes into them.
+            hf_layer = DynamicLayer()
+            hf_layer.lazy_initialization(layer.keys, layer.values)
+            hf_layer.keys, hf_layer.values = layer.keys, layer.values
+            cache.layers.append(hf_layer)
+        return cache
 
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
