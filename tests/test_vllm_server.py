@@ -37,7 +37,10 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(vllm_python, tmp_path):
     server = VLLMServer(folder, served_name="smollm2-135m", python=vllm_python,
                         log_path=tmp_path / "server.log", max_model_len=4096, kv_cache_gib=1,
                         startup_timeout=900)
-    config = BenchConfig(context_tokens=(2000,), field_depth=0.1, sessions=2, edits=3,
+    # vLLM's CPU backend caches in blocks of 128 tokens: the partly filled last block and the
+    # appended errata + question stay uncached, so the context must be long enough (3000)
+    # for the erratum's hit rate to clear 0.9 with a margin
+    config = BenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
                          request_timeout_s=300, time_budget_s=900)
     with server:
@@ -50,9 +53,9 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(vllm_python, tmp_path):
     assert server.alive_pids() == [], f"left running: {server.alive_pids()} of {pids}"
     rows = {s["policy"]: s for s in result["summaries"]}
     for s in rows.values():  # every request succeeded
-        assert s["failed"] == 0 and s["skipped"] == 0 and s["ok"] == s["requests"] == 6, s
+        assert s["failed"] == 0 and s["skipped"] == 0 and s["ok"] == s["requests"] == 4, s
     erratum, in_place = rows["erratum"], rows["in-place"]
     assert erratum["hit_rate"] > 0.9, erratum
     assert in_place["hit_rate"] < erratum["hit_rate"]
     assert erratum["ttft_p90_s"] < in_place["ttft_p90_s"], (erratum, in_place)
-    assert erratum["agreement_n"] == 6
+    assert erratum["agreement_n"] == 4
