@@ -11,7 +11,7 @@ from rich.table import Table
 from kvnotes.cli.app import app, emit_json, fail
 from kvnotes.errors import KvnotesError
 
-console = Console()
+console = Console(width=150)
 
 models_app = typer.Typer(help="Bundled models: list them, or convert them ahead of first use.",
                          no_args_is_help=True)
@@ -47,7 +47,7 @@ def demo(
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     import kvnotes
-    from kvnotes.demo import render_table, run_compose_demo, write_report
+    from kvnotes.demo import run_compose_demo, write_report
 
     try:
         with console.status(f"loading {model}"):
@@ -73,7 +73,6 @@ def demo(
     extra = _edit_section(engine)
     path = write_report(result, out, extra)
     console.print(f"wrote {path} and {out / 'compose.png'}")
-    del render_table
 
 
 def _edit_section(engine) -> list[str]:
