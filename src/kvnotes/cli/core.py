@@ -106,7 +106,8 @@ def compose(
             if not f.is_file():
                 raise KvnotesError(f"no skill file at {f}")
             text = f.read_text()
-            compiled.append(lib.get(text, name=f.stem) if lib else engine.compile(text, name=f.stem))
+            compiled.append(lib.get(text, name=f.stem) if lib is not None
+                            else engine.compile(text, name=f.stem))
         head, middle, tail = chat_frame(engine.tokenizer)
         parts: list = [head] if head else []
         for i, s in enumerate(compiled):
