@@ -1,0 +1,149 @@
+"""Agent commands: ``agent-bench`` (kvnotes agent vs recompute agent) and ``agent`` (one
+interactive episode in the terminal)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.errors import KvnotesError
+
+
+def _load(model: str, threads: int | None):
+    import torch
+
+    import kvnotes
+
+    if threads:
+        torch.set_num_threads(threads)
+    return kvnotes.load(model)
+
+
+@app.command("agent-bench")
+def agent_bench(
+    model: str = typer.Option(..., "--model", "-m", help="model alias, HF folder or .gguf file"),
+    episodes: int = typer.Option(40, "--episodes", "-n", min=1, help="scripted episodes"),
+    turns: int = typer.Option(5, "--turns", "-t", min=1, help="turns per episode"),
+    out: Path = typer.Option(Path("out/agent-bench"), "--out", help="folder for the outputs"),
+    tool_calls: bool = typer.Option(False, "--tool-calls", help="also write and check tool calls"),
+    stale: bool = typer.Option(True, "--stale/--no-stale",
+                               help="also run the no-errata ablation (a stale record)"),
+    skills_dir: Path | None = typer.Option(None, "--skills-dir",
+                                           help="skill library folder (default: kvnotes home)"),
+    threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Decision identity and latency: the kvnotes agent against the recompute agent.
+
+    Writes agent-bench.json, report.md and latency.png into --out (after every episode, so an
+    interrupted run keeps what it measured).
+    """
+    from kvnotes.agent.bench import run_bench, write_outputs
+
+    try:
+        engine = _load(model, threads)
+        result = run_bench(
+            engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
+            skill_root=skills_dir,
+            progress=lambda line: typer.echo(line, err=True),
+            on_episode=lambda partial: write_outputs(partial, out),
+        )
+        paths = write_outputs(result, out)
+    except KvnotesError as err:
+        fail(err)
+        return
+    if as_json:
+        emit_json({k: v for k, v in result.items() if k != "records"})
+        return
+    lat = result["latency"]
+    typer.echo(f"decision identity: {result['identity']:.1%} "
+               f"({result['decisions'] - result['flip_count']}/{result['decisions']}), "
+               f"flips: {result['flip_count']}")
+    for f in result["flips"]:
+        typer.echo(f"  flip {f['episode']} turn {f['turn'] + 1} {f['kind']}: kvnotes "
+                   f"{f['kvnotes']!r} vs recompute {f['recompute']!r} "
+                   f"(recompute margin {f['recompute_margin']:.3f})")
+    typer.echo(f"total latency: recompute {lat['recompute_total_s']:.2f}s, kvnotes "
+               f"{lat['kvnotes_total_s']:.2f}s, ratio {lat['ratio']:.2f}x")
+    tok = result["tokens"]
+    typer.echo(f"tokens computed: recompute {tok['recompute_computed']}, kvnotes "
+               f"{tok['kvnotes_computed']} (reused {tok['kvnotes_reused']})")
+    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+HELP = """Type a customer request, or:
+  /set FIELD VALUE   change a field of the record (applied as an erratum before the next request)
+  /state             show the record        /fields   list the fields
+  /skills            list the skills        /quit     end (Ctrl-D too)"""
+
+
+@app.command("agent")
+def agent_interactive(
+    model: str = typer.Option(..., "--model", "-m", help="model alias, HF folder or .gguf file"),
+    episode: int = typer.Option(0, "--episode", help="scripted episode whose record starts"),
+    tool_calls: bool = typer.Option(False, "--tool-calls", help="also write a tool call"),
+    skills_dir: Path | None = typer.Option(None, "--skills-dir", help="skill library folder"),
+    threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
+) -> None:
+    """One interactive episode: requests and state changes typed in the terminal."""
+    from kvnotes.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
+
+    try:
+        engine = _load(model, threads)
+        book = SkillBook(engine, skills_dir)
+        book.prepare()
+        agent = KvnotesAgent(engine, book, tool_calls=tool_calls)
+        agent.start(scripted_episode(episode, 1).state)
+    except KvnotesError as err:
+        fail(err)
+        return
+    typer.echo(f"{engine!r}; skills ready ({book.library.hits} loaded, "
+               f"{book.library.misses} compiled).\n{HELP}")
+    pending: list[Event] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("")
+            break
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            break
+        try:
+            if line == "/state":
+                state = agent.state.apply(pending) if agent.state else None
+                typer.echo(state.render() if state else "(no record)")
+            elif line == "/fields":
+                typer.echo(", ".join(FIELDS))
+            elif line == "/skills":
+                typer.echo(", ".join(book.names))
+            elif line.startswith("/set"):
+                parts = line.split(maxsplit=2)
+                if len(parts) < 3:
+                    typer.echo("usage: /set FIELD VALUE")
+                    continue
+                pending.append(Event(parts[1], parts[2], "typed"))
+                typer.echo(f"queued: {parts[1]} = {parts[2]} (an erratum at the next request)")
+            elif line.startswith("/"):
+                typer.echo(HELP)
+            else:
+                request = route(line)
+                result = agent.turn(request, pending)
+                pending = []
+                d = result.decision
+                scores = ", ".join(f"{k} {v:.2f}" for k, v in d.scores.items())
+                typer.echo(f"decision: {d.choice}   [{request.kind}; log-probs {scores}]")
+                if result.tool_call is not None:
+                    tc = result.tool_call
+                    typer.echo(f"tool call: {tc.tool} {tc.args}" if tc.ok
+                               else f"tool call malformed: {tc.error}\n  raw: {tc.raw!r}")
+                typer.echo(f"reused {result.tokens_reused} tokens, computed "
+                           f"{result.tokens_computed}, notebook {result.notebook_len} tokens, "
+                           f"{result.latency_s * 1000:.0f} ms")
+        except KvnotesError as err:
+            typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    sys.stdout.flush()
