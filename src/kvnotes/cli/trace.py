@@ -1,0 +1,184 @@
+"""``kvnotes trace``: notes tracing over the edit suite, written up as report.md, JSON and PNGs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import typer
+
+from kvnotes.cli.app import app, fail
+from kvnotes.errors import KvnotesError
+from kvnotes.trace import TraceOptions
+from kvnotes.trace_suite import CaseTrace, FamilySummary, summarize, trace_cases
+
+
+@app.command("trace")
+def trace_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model alias, HF directory or GGUF file."),
+    task: list[str] = typer.Option(None, "--task", "-t",
+                                   help="Task family (repeatable); default: every family."),
+    cases: int = typer.Option(4, "--cases", "-n", help="Cases per family (spread over the family)."),
+    out: Path = typer.Option(None, "--out", "-o", help="Output folder (default out/trace-MODEL)."),
+    position_bins: int = typer.Option(8, help="Downstream position bins (0 = every token)."),
+    grid_bins: int = typer.Option(4, help="Notes columns of the layer x position heatmap."),
+    grid_layer_groups: int = typer.Option(6, help="Layer rows of the heatmap (0 = every layer)."),
+    by_layer: bool = typer.Option(True, help="Per-layer field and notes effects."),
+    min_denominator: float = typer.Option(1.0, help="|m_new - m_old| below this is insensitive."),
+    detail_insensitive: bool = typer.Option(False, help="Full detail for insensitive cases too."),
+    boot: int = typer.Option(2000, help="Bootstrap resamples for the confidence intervals."),
+    batch_size: int = typer.Option(16, help="Hybrid notebooks per forward."),
+    threads: int = typer.Option(0, help="torch CPU threads (0 = leave torch's default)."),
+) -> None:
+    """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
+    from kvnotes.models import load
+    from kvnotes.tasks import (
+        load_suite,
+        recall,  # noqa: F401  (registers capital_recall)
+    )
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        suite = load_suite(task or None)
+        engine = load(model)
+    except KvnotesError as err:
+        fail(err)
+        return
+    families = list(dict.fromkeys(c.family for c in suite))
+    picked = []
+    for fam in families:
+        mine = [c for c in suite if c.family == fam]
+        k = min(cases, len(mine))
+        picked += [mine[i * len(mine) // k] for i in range(k)] if k else []
+    options = TraceOptions(
+        by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
+        grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,
+        detail_when_insensitive=detail_insensitive, batch_size=batch_size,
+    )
+    out = out or Path("out") / f"trace-{model.replace('/', '_')}"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    log = (out / "cases.jsonl").open("w")
+
+    def progress(item: CaseTrace) -> None:
+        log.write(json.dumps(item.to_dict()) + "\n")
+        log.flush()
+        r = item.result
+        what = (f"d={r.denominator:+.2f} field={r.field_effect:+.3f} notes={r.notes_effect:+.3f}"
+                f"{'' if r.sensitive else ' (insensitive)'}" if r else item.reason[:90])
+        typer.echo(f"[{time.perf_counter() - t0:6.0f}s] {item.case_id}: {what}", err=True)
+
+    traces = trace_cases(engine, picked, options, progress=progress)
+    log.close()
+    rows = summarize(traces, min_denominator=min_denominator, n_boot=boot)
+    write_report(out, engine.name, traces, rows, min_denominator,
+                 command=" ".join(["kvnotes", *sys.argv[1:]]), seconds=time.perf_counter() - t0)
+    typer.echo(summary_table(rows))
+    typer.echo(f"\nwrote {out}/report.md", err=True)
+
+
+def summary_table(rows: Sequence[FamilySummary]) -> str:
+    """The markdown summary table: share of the decision carried by field KV vs notes."""
+    lines = [
+        "| family | cases | sensitive | insensitive | skipped (length/other) | flips | "
+        "median abs(d) | field KV (denoise) | notes (denoise) | field KV (noise) | "
+        "notes (noise) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.family} | {r.n_cases} | {r.n_sensitive} | {r.n_insensitive} | "
+            f"{r.n_skipped_length}/{r.n_skipped_other} | {r.n_flips} | "
+            f"{r.median_abs_denominator:.2f} | {r.field} | {r.notes} | {r.noising_field} | "
+            f"{r.noising_notes} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(out: Path, model: str, traces: Sequence[CaseTrace],
+                 rows: Sequence[FamilySummary], min_denominator: float, *, command: str = "",
+                 seconds: float = 0.0) -> Path:
+    """Write ``report.md``, ``summary.json``, ``cases.json`` and one heatmap PNG per family."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cases.json").write_text(json.dumps([t.to_dict() for t in traces], indent=1))
+    (out / "summary.json").write_text(json.dumps(
+        {"model": model, "min_denominator": min_denominator,
+         "families": [r.to_dict() for r in rows]}, indent=1))
+    pictures = [p for r in rows if r.family != "all" and (p := _heatmap(out, model, r))]
+    md = [
+        f"# Notes tracing: {model}", "",
+        f"`{command}`" if command else "", f"({seconds:.0f} s)" if seconds else "", "",
+        "Where does the field-conditioned decision live? m = logit(new answer's first token) - "
+        "logit(old answer's first token) at the decision position (the query's last token; for "
+        "chat models the assistant prefix). Effects are normalized by d = m_new - m_old: "
+        "**denoise** = (m_patched - m_old)/d with the new KV patched into the old notebook at the "
+        "sites (the share the sites *carry*); **noise** = (m_new - m_patched)/d with the old KV "
+        "patched into the new notebook (the share *lost* when only the sites revert). "
+        "Field KV = the field's own tokens, all layers (= an in-place overwrite); notes = every "
+        "token after the field, all layers.", "",
+        f"Means over *sensitive* cases (|d| >= {min_denominator:g} logit) with 95% percentile "
+        "bootstrap CIs over cases; insensitive cases are counted but left out (their ratio is "
+        "noise); skipped = old/new values of unequal token length, or answers sharing a first "
+        "token.", "",
+        summary_table(rows), "",
+    ]
+    if pictures:
+        md += ["## Heatmaps (layer x position, mean over sensitive cases)", ""]
+        md += [f"![{p.stem}]({p.name})" for p in pictures] + [""]
+    md += ["## Cases", "", "| case | status | d | m_old | m_new | field | notes | top old/new |",
+           "|---|---|---|---|---|---|---|---|"]
+    for t in traces:
+        r = t.result
+        if r is None:
+            md.append(f"| {t.case_id} | skipped: {t.reason[:60]} | | | | | | |")
+            continue
+        e = r.denoising
+        md.append(f"| {t.case_id} | {'sensitive' if r.sensitive else 'insensitive'} | "
+                  f"{r.denominator:+.2f} | {r.m_old:+.2f} | {r.m_new:+.2f} | "
+                  f"{e.field if e else float('nan'):+.3f} | {e.notes if e else float('nan'):+.3f} "
+                  f"| {r.top_old!r}/{r.top_new!r} |")
+    path = out / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
+
+
+def _heatmap(out: Path, model: str, row: FamilySummary) -> Path | None:
+    grids = [(name, g) for name, g in (("denoise", row.grid), ("noise", row.noising_grid)) if g]
+    if not grids:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.6), squeeze=False)
+    for ax, (name, g) in zip(axes[0], grids, strict=True):
+        im = ax.imshow(g, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, origin="lower")
+        ax.set_xticks(range(len(g[0])),
+                      ["field"] + [f"notes {i + 1}" for i in range(len(g[0]) - 1)],
+                      rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("layer group (0 = first)")
+        ax.set_title(f"{name}: {row.family} (n={row.n_sensitive})", fontsize=9)
+        for (i, j), v in _cells(g):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"{model}: normalized effect by layer group x position", fontsize=9)
+    fig.tight_layout()
+    path = out / f"heatmap-{row.family}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _cells(g: list[list[float]]):
+    for i, r in enumerate(g):
+        for j, v in enumerate(r):
+            if v == v:
+                yield (i, j), v
