@@ -1,0 +1,150 @@
+"""The fidelity cost of int8 notes for composition, against fp32, on a real model.
+
+For each (skill, context) case: compose the context with the compiled skill spliced in, ask a
+query, and compare next-token logits with full recompute of the same tokens. Variants of the
+skill's notes:
+
+- ``fp32``           the compiled skill as is (the composition baseline);
+- ``int8-token``     stored int8 with per-token scales, dequantized, then re-rotated in place;
+- ``int8-channel``   the same with per-channel scales;
+- ``int8-token-requant`` moved while quantized (dequantize → rotate → quantize), then spliced.
+
+Reported per variant: logit cosine, KL and top-1 against recompute, the same against the fp32
+composition (isolates what int8 costs), greedy continuation identity, and the file size.
+
+    .venv/bin/python benchmarks/quant_fidelity.py --model smollm2-135m --out out/quant
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvnotes
+from kvnotes.metrics import compare_logits
+from kvnotes.notebook import Notebook
+from kvnotes.quant import quantize
+
+SKILLS = {
+    "refunds": ("Refund policy: a customer may return any item within 30 days of delivery for a "
+                "full refund. Items must be unused and in the original packaging. Refunds are "
+                "paid to the original payment method within 5 business days. Digital goods and "
+                "gift cards cannot be refunded. Damaged items are replaced free of charge."),
+    "shipping": ("Shipping policy: standard shipping takes 3 to 5 business days and costs $4.99; "
+                 "orders over $50 ship free. Express shipping takes 1 to 2 business days and "
+                 "costs $14.99. We do not ship to P.O. boxes. Tracking numbers are emailed when "
+                 "the parcel leaves the warehouse."),
+    "escalation": ("Escalation rules: if a customer mentions a lawyer, a chargeback or a safety "
+                   "issue, stop and hand the conversation to a human supervisor. Never promise a "
+                   "refund above $500 without approval. Always apologise once, briefly."),
+}
+CONTEXTS = {
+    "order": ("You are a support agent for an online shop. Answer using the policy below.\n"
+              "Order 1042: a blender, delivered 12 days ago, unused, box unopened.\n"),
+    "chat": ("Support chat transcript. The agent must follow company policy.\n"
+             "Customer: hi, I bought a gift card last week and a kettle yesterday.\n"),
+}
+QUERY = "\nCustomer: can I get my money back? Answer yes or no.\nAgent:"
+
+
+def run(model: str, max_new_tokens: int) -> dict[str, object]:
+    torch.set_num_threads(2)
+    engine = kvnotes.load(model)
+    cases = []
+    sizes: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for skill_name, skill_text in SKILLS.items():
+            skill = engine.compile(skill_text, name=skill_name)
+            fp32_bytes = skill.save(Path(tmp) / f"{skill_name}.safetensors").stat().st_size
+            q_tok, q_ch = quantize(skill, "token"), quantize(skill, "channel")
+            sizes[skill_name] = {
+                "tokens": len(skill), "fp32": fp32_bytes,
+                "int8-token": q_tok.save(Path(tmp) / f"{skill_name}.t.q8").stat().st_size,
+                "int8-channel": q_ch.save(Path(tmp) / f"{skill_name}.c.q8").stat().st_size,
+            }
+            for ctx_name, ctx in CONTEXTS.items():
+                cases.append(_case(engine, skill, q_tok, q_ch, ctx, f"{skill_name}+{ctx_name}",
+                                   max_new_tokens))
+                print(json.dumps({k: cases[-1][k] for k in ("case", "tokens")}),
+                      {v: round(r["vs_recompute"]["cosine"], 5)
+                       for v, r in cases[-1]["variants"].items()}, flush=True)
+    return {"model": engine.name, "scheme": engine.adapter.name, "query": QUERY,
+            "max_new_tokens": max_new_tokens, "sizes_bytes": sizes, "cases": cases,
+            "summary": _summary(cases)}
+
+
+def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: str,
+          max_new_tokens: int) -> dict[str, object]:
+    base = engine.compose([ctx, skill])
+    offset = int(base.positions[base.span(skill.spans[0].name).start])
+    reference = engine.prefill(base.token_ids, start=base.start_position)
+    ref_logits = engine.next_logits(reference, QUERY)
+    ref_text = engine.generate(reference, QUERY, max_new_tokens)
+    variants = {
+        "fp32": skill,
+        "int8-token": q_tok.dequantize(),
+        "int8-channel": q_ch.dequantize(),
+        "int8-token-requant": q_tok.shifted(offset - q_tok.positions[0].item()).dequantize(),
+    }
+    out: dict[str, dict[str, object]] = {}
+    fp32_logits = None
+    for label, notes in variants.items():
+        t0 = time.perf_counter()
+        nb = engine.compose([ctx, notes])
+        logits = engine.next_logits(nb, QUERY)
+        elapsed = time.perf_counter() - t0
+        fp32_logits = logits if label == "fp32" else fp32_logits
+        text = engine.generate(nb, QUERY, max_new_tokens)
+        out[label] = {
+            "vs_recompute": compare_logits(ref_logits, logits).to_dict(),
+            "vs_fp32_compose": compare_logits(fp32_logits, logits).to_dict(),
+            "continuation_identical_to_recompute": text == ref_text,
+            "continuation": text, "ttft_compose_s": elapsed,
+        }
+    return {"case": name, "tokens": len(base), "skill_tokens": len(skill),
+            "recompute_continuation": ref_text, "variants": out}
+
+
+def _summary(cases: list[dict]) -> dict[str, dict[str, float]]:
+    summary = {}
+    for label in cases[0]["variants"]:
+        rows = [c["variants"][label] for c in cases]
+        summary[label] = {
+            "cosine_vs_recompute_median": statistics.median(r["vs_recompute"]["cosine"]
+                                                            for r in rows),
+            "cosine_vs_recompute_min": min(r["vs_recompute"]["cosine"] for r in rows),
+            "kl_vs_recompute_median": statistics.median(r["vs_recompute"]["kl"] for r in rows),
+            "top1_vs_recompute": sum(r["vs_recompute"]["top1_agree"] for r in rows) / len(rows),
+            "cosine_vs_fp32_compose_min": min(r["vs_fp32_compose"]["cosine"] for r in rows),
+            "kl_vs_fp32_compose_max": max(r["vs_fp32_compose"]["kl"] for r in rows),
+            "top1_vs_fp32_compose": sum(r["vs_fp32_compose"]["top1_agree"] for r in rows)
+            / len(rows),
+            "continuation_identical": sum(r["continuation_identical_to_recompute"] for r in rows)
+            / len(rows),
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--out", type=Path, default=Path("out/quant"))
+    parser.add_argument("--max-new-tokens", type=int, default=12)
+    args = parser.parse_args()
+    result = run(args.model, args.max_new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant_fidelity_{args.model.replace('/', '_')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["summary"], indent=2))
+    print(json.dumps(result["sizes_bytes"], indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
