@@ -200,3 +200,75 @@ def test_decide_reads_first_token_logits(engine):
     assert d.answer == ("yes", "no")[int(d.answer_logits[1] > d.answer_logits[0])]
     c = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"), cot=True, budget=4)
     torch.testing.assert_close(c.logits, d.logits)
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+def test_parse_strategy_specs():
+    from kvnotes.errors import KvnotesError
+    from kvnotes.evaluate import DEFAULT_STRATEGIES, parse_strategy
+
+    assert parse_strategy("repair:kv_deviation:8") == ("repair", {"select": "kv_deviation",
+                                                                  "k": 8})
+    assert parse_strategy("erratum:strong") == ("erratum", {"template": "strong"})
+    assert parse_strategy("prefix") == ("prefix", {})
+    for spec in DEFAULT_STRATEGIES:
+        parse_strategy(spec)
+    with pytest.raises(KvnotesError, match="unknown strategy 'magic'"):
+        parse_strategy("magic")
+    with pytest.raises(KvnotesError, match="bad repair spec"):
+        parse_strategy("repair:random:3")
+    with pytest.raises(KvnotesError, match="unknown erratum template 'loud'"):
+        parse_strategy("erratum:loud")
+
+
+def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
+    import json
+
+    from kvnotes.evaluate import run_suite, spread, write_outputs
+    from kvnotes.tasks import load_suite
+
+    cases = spread(load_suite(["refund", "lookup"]), 1)
+    assert [c.family for c in cases] == ["refund", "lookup"]
+    strategies = ["recompute", "prefix", "overwrite", "erratum", "repair:kv_deviation:4"]
+    result = run_suite(tiny_llama, cases, strategies)
+    agg = result["per_strategy"]
+    assert agg["recompute"]["identity"] == 1.0 and agg["prefix"]["identity"] == 1.0
+    assert agg["prefix"]["cosine_mean"] > 0.9999
+    assert agg["overwrite"]["compute_fraction"] < 0.1
+    assert set(result["per_family"]) == {"refund", "lookup"}
+    paths = write_outputs(result, tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["n_cases"] == 2 and len(data["cases"][0]["rows"]) == len(strategies)
+    report = paths["report"].read_text()
+    assert "| prefix |" in report and "sensitive" in report
+    assert paths["chart"].stat().st_size > 1000
+
+
+def test_compare_strategies_rows(tiny_llama):
+    from kvnotes.edit import compare_strategies
+    from kvnotes.tasks import load_suite
+
+    case = load_suite(["access"])[0]
+    rows = compare_strategies(tiny_llama, case, ["recompute", "overwrite", "erratum"])
+    assert [r["strategy"] for r in rows] == ["recompute", "overwrite", "erratum"]
+    assert rows[0]["identical"] and rows[0]["cosine"] == pytest.approx(1.0)
+    assert set(rows[0]) == {"strategy", "decision", "identical", "cosine", "kl",
+                            "tokens_recomputed", "compute_fraction", "seconds"}
+
+
+# ---- real models --------------------------------------------------------------------------------
+@pytest.mark.real
+def test_real_model_edits(real_engine):
+    from kvnotes.evaluate import case_prompt
+    from kvnotes.tasks import load_suite
+
+    case = load_suite(["membership"])[0]
+    doc_, query = case_prompt(real_engine, case)
+    nb = real_engine.prefill(doc_)
+    pre, _ = real_engine.edit(nb, case.field, case.new_value, strategy="prefix")
+    ref, _ = real_engine.edit(nb, case.field, case.new_value, strategy="recompute")
+    torch.testing.assert_close(real_engine.next_logits(pre, query),
+                               real_engine.next_logits(ref, query), rtol=1e-3, atol=1e-3)
+    err, _ = real_engine.edit(nb, case.field, case.new_value, strategy="erratum")
+    assert torch.equal(err.keys(0)[..., :len(nb), :], nb.keys(0))
+    assert "Correction: the membership tier is" in real_engine.decode(err.token_ids[len(nb):])

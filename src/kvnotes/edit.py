@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -294,8 +294,8 @@ def _raise_stop(*_: Any) -> None:
     raise _Stop
 
 
-def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str,
-            layer: int) -> tuple[Notebook, int, int, float, float]:
+def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, layer: int,
+            memo: dict[Any, Any] | None) -> tuple[Notebook, int, int, float, float, float]:
     if select not in SELECTORS:
         raise ValueError(f"unknown select {select!r}; choose one of {list(SELECTORS)}")
     if k < 0:
@@ -304,8 +304,11 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str,
     n = len(plan.new_ids)
     down = plan.fe_new
     t0 = time.perf_counter()
+    key = (select, layer, plan.fs, tuple(plan.new_ids))
     if n - down == 0 or k == 0:
         scores, select_tokens = torch.zeros(n - down), 0.0
+    elif memo is not None and key in memo:
+        scores, select_tokens = memo[key]
     elif select == "attention":
         scores = attention_scores(engine, nb, plan.fs, plan.fe_old)
         select_tokens = float(len(nb) - plan.fs)
@@ -313,7 +316,12 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str,
         scores = kv_deviation_scores(engine, base, nb.slice(0, plan.fs),
                                      plan.new_ids[plan.fs:], down, layer)
         select_tokens = (n - plan.fs) * (layer + 1) / engine.adapter.num_layers
-    select_seconds = time.perf_counter() - t0
+    paid = time.perf_counter() - t0
+    select_seconds = paid
+    if memo is not None and k and n - down:
+        select_seconds = memo.setdefault(("seconds", *key), paid)
+        memo[key] = (scores, select_tokens)
+    unpaid = select_seconds - paid  # a memoized selection is charged as if run again
     k = min(k, n - down)
     chosen = (torch.topk(scores, k).indices + down).tolist() if k else []
     recompute = sorted({*range(plan.fs, plan.fe_new), *chosen})
@@ -323,7 +331,7 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str,
         done = engine._run(left, plan.new_ids[a:b])[0]
         rest = out.slice(b)
         out = Notebook.concat([done, rest]) if len(rest) else done
-    return out, len(recompute), n - len(recompute), select_tokens, select_seconds
+    return out, len(recompute), n - len(recompute), select_tokens, select_seconds, unpaid
 
 
 @torch.inference_mode()
@@ -375,7 +383,8 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
 def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str = "erratum", *,
          k: int = 32, select: str = "attention", layer: int = 1,
          template: str = DEFAULT_ERRATUM, chat: bool | None = None,
-         label: str | None = None) -> tuple[Notebook, EditReport]:
+         label: str | None = None, memo: dict[Any, Any] | None = None
+         ) -> tuple[Notebook, EditReport]:
     """Set ``field`` to ``new_value`` in a notebook prefilled from a Document.
 
     Args:
@@ -390,6 +399,9 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         template: ``erratum`` wording: a name in :data:`ERRATUM_TEMPLATES` or a format string.
         chat: ``erratum`` as a chat turn (None: when the tokenizer has a chat template).
         label: how the erratum names the field (default: the words before it in the document).
+        memo: a dict to keep ``repair`` selection scores in, so several budgets ``k`` for the
+            same notebook and edit choose from one selection pass (its seconds are reported
+            with every repair that uses it, as if each had paid for it).
 
     Returns:
         ``(new_notebook, report)``; ``nb`` is left as it was.
@@ -421,8 +433,9 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
     elif strategy == "overwrite":
         out, computed, reused = _overwrite(engine, nb, plan)
     else:
-        out, computed, reused, sel_tokens, sel_seconds = _repair(engine, nb, plan, k, select,
-                                                                 layer)
+        out, computed, reused, sel_tokens, sel_seconds, unpaid = _repair(
+            engine, nb, plan, k, select, layer, memo)
+        t0 -= unpaid
         extra = dict(select=select, k=k, select_tokens=sel_tokens, select_seconds=sel_seconds)
     out = _finish(engine, out, plan, field)
     seconds = time.perf_counter() - t0
@@ -440,7 +453,8 @@ class Decision:
     logits: torch.Tensor  # FloatTensor[vocab] at the decision position (first generated token)
     answer_logits: tuple[float, ...]  # first-token logit of each answer choice
     text: str = ""
-    seconds: float = 0.0
+    first_seconds: float = 0.0  # feeding the query: time to the first token's logits
+    seconds: float = 0.0  # everything, reasoning included
 
 
 def answer_token_ids(engine: Engine, answers: Sequence[str], *, leading_space: bool) -> list[int]:
@@ -452,27 +466,37 @@ def answer_token_ids(engine: Engine, answers: Sequence[str], *, leading_space: b
     return firsts
 
 
+@torch.inference_mode()
 def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
-           cot: bool = False, budget: int = 96, parse: Any = None) -> Decision:
+           cot: bool = False, budget: int = 96,
+           parse: Callable[[str], str | None] | None = None) -> Decision:
     """The model's decision after ``query`` on top of ``nb``.
 
     Without CoT: the answer whose first token has the highest logit at the decision position
     (a leading space is assumed when the query does not end in whitespace). With CoT: greedy
-    decoding up to ``budget`` tokens, then ``parse(text)`` (default: the first answer named
-    after the last "answer:" marker, else in the whole text).
+    decoding up to ``budget`` tokens, then ``parse(text)`` (default :func:`parse_answer`).
     """
     t0 = time.perf_counter()
     ids = answer_token_ids(engine, answers, leading_space=not query[-1:].isspace())
+    q_ids, q_spans = engine.tokens_of(query, bos=False, kind="query", name="query")
+    nb, logits = engine._run(nb, q_ids, q_spans)
+    first_seconds = time.perf_counter() - t0
+    scores = tuple(float(logits[i]) for i in ids)
     if not cot:
-        logits = engine.next_logits(nb, query)
-        scores = tuple(float(logits[i]) for i in ids)
         answer = answers[max(range(len(answers)), key=lambda j: scores[j])]
-        return Decision(answer, logits, scores, seconds=time.perf_counter() - t0)
-    gen = engine.greedy(nb, query, budget)
-    text = gen.text
-    scores = tuple(float(gen.first_logits[i]) for i in ids)
+        return Decision(answer, logits, scores, "", first_seconds, first_seconds)
+    first, out = logits, []
+    for _ in range(budget):
+        token = int(logits.argmax())
+        if token in engine.eos_ids:
+            break
+        out.append(token)
+        if len(out) == budget:
+            break
+        nb, logits = engine._run(nb, [token])
+    text = engine.decode(out)
     answer = (parse or (lambda t: parse_answer(t, answers)))(text)
-    return Decision(answer, gen.first_logits, scores, text, time.perf_counter() - t0)
+    return Decision(answer, first, scores, text, first_seconds, time.perf_counter() - t0)
 
 
 def parse_answer(text: str, answers: Sequence[str]) -> str | None:

@@ -1,0 +1,67 @@
+"""``kvnotes edit-eval``: every edit strategy on the task suite, against recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.errors import KvnotesError
+
+console = Console(stderr=True)
+
+
+@app.command("edit-eval")
+def edit_eval(
+    model: str = typer.Option(..., help="model alias, HF folder or .gguf file"),
+    strategies: str = typer.Option(
+        None, help="comma-separated: recompute, prefix, overwrite, erratum[:template], "
+                   "repair:<attention|kv_deviation>:<k> (default: all, k in 8/32/96)"),
+    cot: bool = typer.Option(False, "--cot", help="decide by greedy chain of thought"),
+    budget: int = typer.Option(96, help="CoT token budget"),
+    families: str = typer.Option(None, help="comma-separated task families (default: all)"),
+    per_family: int = typer.Option(0, help="use N cases of each family, spread over its value "
+                                           "pairs (0: all)"),
+    erratum_wordings: bool = typer.Option(False, "--erratum-wordings",
+                                          help="also measure the other erratum templates"),
+    out: Path = typer.Option(None, help="folder for results.json, report.md, edit.png "
+                                        "(default: out/edit-eval-<model>[-cot])"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
+    import kvnotes
+    from kvnotes.evaluate import (
+        DEFAULT_STRATEGIES,
+        ERRATUM_WORDINGS,
+        run_suite,
+        spread,
+        strategy_table,
+        write_outputs,
+    )
+    from kvnotes.tasks import load_suite
+
+    chosen = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else list(
+        DEFAULT_STRATEGIES)
+    if erratum_wordings:
+        chosen += [w for w in ERRATUM_WORDINGS if w not in chosen]
+    try:
+        cases = load_suite([f.strip() for f in families.split(",")] if families else None)
+        if per_family:
+            cases = spread(cases, per_family)
+        with console.status(f"loading {model}"):
+            engine = kvnotes.load(model)
+        with console.status("evaluating") as status:
+            result = run_suite(engine, cases, chosen, cot=cot, budget=budget,
+                               progress=lambda i, n: status.update(f"case {i}/{n}"))
+    except KvnotesError as err:
+        fail(err)
+    folder = out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}"
+    paths = write_outputs(result, folder)
+    if as_json:
+        emit_json({k: v for k, v in result.items() if k != "cases"})
+        return
+    typer.echo("\n".join(strategy_table(result["per_strategy"])))
+    typer.echo(f"{result['n_cases']} cases, {result['n_sensitive']} sensitive; "
+               f"wrote {paths['report']}, {paths['json']}, {paths['chart']}")
