@@ -2,11 +2,14 @@
 
 **Decision position.** Each :class:`~kvnotes.tasks.EditCase` becomes a document and a query
 (:func:`case_inputs`). With a chat template (SmolLM2-Instruct) the document sits inside the
-user turn, and the query is the rest of that turn (the question) plus the assistant prefix
-``<|im_start|>assistant\\n``: the decision position is where the assistant's first word is
-predicted. Without one (Gemma 3 base) the query is ``"\\n\\n" + question + "\\nAnswer:"``.
-Answers are put in sentence case (``yes`` -> ``Yes``), as a reply starts; the metric is the
-logit difference of their first tokens (new answer minus old answer).
+user turn, and the query is the rest of that turn (the question), the assistant prefix
+``<|im_start|>assistant\\n`` and a started reply ``Answer:``. Without it the chat model's first
+word is mostly a preamble ("The capital of ... is"), so its first-token logits say little about
+the decision (SmolLM2, capital recall: |m_new - m_old| 0.3-2.8 at the bare assistant prefix,
+5.4-5.5 after ``Answer:``). Without a chat template (Gemma 3 base) the query is
+``"\\n\\n" + question + "\\nAnswer:"``. Either way the decision position is the token after
+``Answer:``; answers are put in sentence case (``yes`` -> ``Yes``) with a leading space, and the
+metric is the logit difference of their first tokens (new answer minus old answer).
 
 **Aggregates.** Cases whose old/new values differ in token length, or whose answers share a
 first token, are skipped and counted. Cases with ``|m_new - m_old| < min_denominator`` are
@@ -85,6 +88,7 @@ def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[st
         rendered = chat_turn(engine.tokenizer, "user", f"{_MARK}\n\n{case.question}",
                              generation_prompt=True)
         head, query = rendered.split(_MARK, 1)
+        query += "Answer:"
         doc = Document([head, *case.document.parts]) if head else case.document
     else:
         doc, query = case.document, f"\n\n{case.question}\nAnswer:"
@@ -145,9 +149,12 @@ class FamilySummary:
 
 
 def summarize(traces: Sequence[CaseTrace], *, min_denominator: float = 1.0, n_boot: int = 2000,
-              seed: int = 0) -> list[FamilySummary]:
-    """One :class:`FamilySummary` per family (in first-seen order), then ``"all"``."""
-    families = list(dict.fromkeys(t.family for t in traces))
+              seed: int = 0, families: Sequence[str] = ()) -> list[FamilySummary]:
+    """One :class:`FamilySummary` per family (in first-seen order), then ``"all"``.
+
+    ``families`` names families to list even when none of their cases was traced.
+    """
+    families = list(dict.fromkeys([*families, *(t.family for t in traces)]))
     rows = [_summary(f, [t for t in traces if t.family == f], min_denominator, n_boot, seed)
             for f in families]
     if len(families) > 1:

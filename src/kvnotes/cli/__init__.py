@@ -7,8 +7,8 @@ next to nothing but the API they call.
 import kvnotes.cli.serve  # noqa: F401  (registers serve-bench)
 from kvnotes.cli import agent as _agent  # noqa: F401  (registers agent-bench, agent)
 from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
-from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
+from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli.app import app
 
 __all__ = ["app"]

@@ -51,11 +51,16 @@ def trace_command(
         fail(err)
         return
     families = list(dict.fromkeys(c.family for c in suite))
-    picked = []
+    picked, pool = [], {}
     for fam in families:
         mine = [c for c in suite if c.family == fam]
-        k = min(cases, len(mine))
-        picked += [mine[i * len(mine) // k] for i in range(k)] if k else []
+        # patching needs old/new values of equal token length: pick among those, count the rest
+        equal = [c for c in mine
+                 if len(engine.encode(c.old_value)) == len(engine.encode(c.new_value))]
+        pool[fam] = (len(equal), len(mine))
+        k = min(cases, len(equal))
+        picked += [equal[i * len(equal) // k] for i in range(k)] if k else []
+    pool["all"] = (sum(p[0] for p in pool.values()), sum(p[1] for p in pool.values()))
     options = TraceOptions(
         by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
         grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,
@@ -76,24 +81,31 @@ def trace_command(
 
     traces = trace_cases(engine, picked, options, progress=progress)
     log.close()
-    rows = summarize(traces, min_denominator=min_denominator, n_boot=boot)
-    write_report(out, engine.name, traces, rows, min_denominator,
+    rows = summarize(traces, min_denominator=min_denominator, n_boot=boot, families=families)
+    write_report(out, engine.name, traces, rows, min_denominator, pool=pool,
                  command=" ".join(["kvnotes", *sys.argv[1:]]), seconds=time.perf_counter() - t0)
-    typer.echo(summary_table(rows))
+    typer.echo(summary_table(rows, pool))
     typer.echo(f"\nwrote {out}/report.md", err=True)
 
 
-def summary_table(rows: Sequence[FamilySummary]) -> str:
-    """The markdown summary table: share of the decision carried by field KV vs notes."""
+def summary_table(rows: Sequence[FamilySummary],
+                  pool: dict[str, tuple[int, int]] | None = None) -> str:
+    """The markdown summary table: share of the decision carried by field KV vs notes.
+
+    ``pool[family] = (equal-length cases, all cases)`` of the suite the traced cases came from.
+    """
+    pool = pool or {}
     lines = [
-        "| family | cases | sensitive | insensitive | skipped (length/other) | flips | "
+        "| family | equal-length pool | cases | sensitive | insensitive | skipped (length/other) | flips | "
         "median abs(d) | field KV (denoise) | notes (denoise) | field KV (noise) | "
         "notes (noise) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        p = pool.get(r.family)
         lines.append(
-            f"| {r.family} | {r.n_cases} | {r.n_sensitive} | {r.n_insensitive} | "
+            f"| {r.family} | {f'{p[0]}/{p[1]}' if p else '-'} | {r.n_cases} | "
+            f"{r.n_sensitive} | {r.n_insensitive} | "
             f"{r.n_skipped_length}/{r.n_skipped_other} | {r.n_flips} | "
             f"{r.median_abs_denominator:.2f} | {r.field} | {r.notes} | {r.noising_field} | "
             f"{r.noising_notes} |"
@@ -103,13 +115,13 @@ def summary_table(rows: Sequence[FamilySummary]) -> str:
 
 def write_report(out: Path, model: str, traces: Sequence[CaseTrace],
                  rows: Sequence[FamilySummary], min_denominator: float, *, command: str = "",
-                 seconds: float = 0.0) -> Path:
+                 seconds: float = 0.0, pool: dict[str, tuple[int, int]] | None = None) -> Path:
     """Write ``report.md``, ``summary.json``, ``cases.json`` and one heatmap PNG per family."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cases.json").write_text(json.dumps([t.to_dict() for t in traces], indent=1))
     (out / "summary.json").write_text(json.dumps(
-        {"model": model, "min_denominator": min_denominator,
+        {"model": model, "min_denominator": min_denominator, "pool": pool or {},
          "families": [r.to_dict() for r in rows]}, indent=1))
     pictures = [p for r in rows if r.family != "all" and (p := _heatmap(out, model, r))]
     md = [
@@ -126,8 +138,9 @@ def write_report(out: Path, model: str, traces: Sequence[CaseTrace],
         f"Means over *sensitive* cases (|d| >= {min_denominator:g} logit) with 95% percentile "
         "bootstrap CIs over cases; insensitive cases are counted but left out (their ratio is "
         "noise); skipped = old/new values of unequal token length, or answers sharing a first "
-        "token.", "",
-        summary_table(rows), "",
+        "token. Equal-length pool = suite cases whose old and new values have the same number "
+        "of tokens with this tokenizer (cases are picked, spread out, among those).", "",
+        summary_table(rows, pool), "",
     ]
     if pictures:
         md += ["## Heatmaps (layer x position, mean over sensitive cases)", ""]
