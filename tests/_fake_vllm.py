@@ -32,6 +32,7 @@ class FakeState:
         self.prompts: dict[str | None, list[list[str]]] = {}
         self.queries = 0
         self.hits = 0
+        self.max_model_len: int | None = None
 
     def prefill(self, prompt: str, salt: str | None) -> tuple[int, int]:
         toks = tokens(prompt)
@@ -81,7 +82,8 @@ def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._send(200, b"")
             elif self.path == "/v1/models":
-                self._send(200, json.dumps({"data": [{"id": state.model}]}).encode())
+                entry = {"id": state.model, "max_model_len": state.max_model_len}
+                self._send(200, json.dumps({"data": [entry]}).encode())
             elif self.path == "/version":
                 self._send(200, b'{"version": "fake"}')
             elif self.path == "/metrics":

@@ -211,6 +211,13 @@ def test_model_not_served_lists_served_models(fake_server):
                       log=lambda s: None)
 
 
+def test_context_longer_than_the_server_allows(fake_server):
+    url, state = fake_server
+    state.max_model_len = 1024
+    with pytest.raises(ServingError, match="max model length is 1024"):
+        run_benchmark(Client(url), BenchConfig(context_tokens=(1000,)), log=lambda s: None)
+
+
 def test_missing_vllm_environment_says_make_vllm(tmp_path):
     with pytest.raises(ServingError, match="make vllm"):
         find_vllm_python(tmp_path / "nope" / "python")

@@ -85,7 +85,7 @@ def serve_bench(
         else:
             folder = export_hf_dir(model)
             # room for the longest prompt: context + errata + question + answer
-            needed = max(contexts) + 60 * edits + 200 + max_tokens
+            needed = max(contexts) + 120 + 30 * edits + max_tokens
             mml = max_model_len or min(max(4096, -(-needed // 1024) * 1024), _max_pos(folder))
             out.mkdir(parents=True, exist_ok=True)
             log(f"starting vLLM on {folder} (max-model-len {mml}); log: {out / 'server.log'}")

@@ -264,6 +264,15 @@ def run_benchmark(client: Client, config: BenchConfig, *,
                 memo[text] = client.count_tokens(config.model, text)
             return memo[text]
 
+    limit = client.max_model_len(config.model)
+    if limit is not None:
+        # chat template, errata and question come on top of the context, then the answer
+        need = max(config.context_tokens) + 120 + 30 * config.edits + config.max_tokens
+        if need > limit:
+            raise ServingError(f"the server's max model length is {limit} tokens, too short for "
+                               f"{max(config.context_tokens)}-token contexts with {config.edits}"
+                               f" edits (about {need} tokens): lower --context-tokens or --edits,"
+                               " or start the server with a larger --max-model-len")
     run_id = secrets.token_hex(3)
     deadline = _Deadline(config.time_budget_s)
     summaries: list[PhaseSummary] = []

@@ -114,6 +114,13 @@ class Client:
         """The model names the server serves (``/v1/models``)."""
         return [m["id"] for m in self.get_json("/v1/models", timeout=30).get("data", [])]
 
+    def max_model_len(self, model: str) -> int | None:
+        """The served model's context limit when the server reports it (vLLM does)."""
+        for m in self.get_json("/v1/models", timeout=30).get("data", []):
+            if m.get("id") == model and m.get("max_model_len"):
+                return int(m["max_model_len"])
+        return None
+
     def version(self) -> str | None:
         try:
             return self.get_json("/version", timeout=10).get("version")

@@ -248,10 +248,13 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
             continue
         after_blocks.append(block)
         n_after += n_block
-    after_blocks += closing
     before = header + "".join(b + sep for b in before_blocks) + head
-    after = tail + "".join(sep + b for b in after_blocks)
-    total = count_tokens(before + initial + after)
+    while True:  # block-wise counts are approximate (merges at joins): trim to the budget
+        after = tail + "".join(sep + b for b in after_blocks + closing)
+        total = count_tokens(before + initial + after)
+        if total <= context_tokens or not after_blocks:
+            break
+        after_blocks.pop()
     depth_measured = count_tokens(before) / max(total, 1)
     return Session(session_id=session_id, before=before, after=after, initial=initial,
                    turns=edit_stream(rng, initial, edits), order_id=order_id,
