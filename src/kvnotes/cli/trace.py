@@ -171,18 +171,35 @@ def _heatmap(out: Path, model: str, row: FamilySummary) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.6), squeeze=False)
-    for ax, (name, g) in zip(axes[0], grids, strict=True):
+    from kvnotes.trace import _bins
+
+    layers = len(row.field_by_layer)
+    panels = len(grids) + bool(layers)
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6), squeeze=False)
+    for ax, (name, g) in zip(axes[0], grids, strict=False):
         im = ax.imshow(g, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, origin="lower")
         ax.set_xticks(range(len(g[0])),
                       ["field"] + [f"notes {i + 1}" for i in range(len(g[0]) - 1)],
                       rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("layer group (0 = first)")
+        if layers:
+            ax.set_yticks(range(len(g)), [f"L{a}-{b - 1}" for a, b in _bins(0, layers, len(g))],
+                          fontsize=7)
+        ax.set_ylabel("layers")
         ax.set_title(f"{name}: {row.family} (n={row.n_sensitive})", fontsize=9)
         for (i, j), v in _cells(g):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6)
         fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(f"{model}: normalized effect by layer group x position", fontsize=9)
+    if layers:
+        ax = axes[0][-1]
+        ax.plot(row.field_by_layer, marker=".", label="field KV, one layer")
+        ax.plot(row.notes_by_layer, marker=".", label="notes, one layer")
+        ax.axhline(0, color="gray", lw=0.5)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("denoising effect")
+        ax.set_title(f"per layer: {row.family}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{model}: normalized effect by layer x position (mean over sensitive cases)",
+                 fontsize=9)
     fig.tight_layout()
     path = out / f"heatmap-{row.family}.png"
     fig.savefig(path, dpi=110)
