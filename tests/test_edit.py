@@ -227,6 +227,8 @@ def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
     from kvnotes.evaluate import run_suite, spread, write_outputs
     from kvnotes.tasks import load_suite
 
+    assert [c.family for c in spread(load_suite(["refund", "lookup"]), 2)] == [
+        "refund", "lookup", "refund", "lookup"]
     cases = spread(load_suite(["refund", "lookup"]), 1)
     assert [c.family for c in cases] == ["refund", "lookup"]
     strategies = ["recompute", "prefix", "overwrite", "erratum", "repair:kv_deviation:4"]

@@ -81,15 +81,14 @@ def case_prompt(engine: Engine, case: EditCase, *, cot: bool = False) -> tuple[D
 
 def spread(cases: Sequence[EditCase], per_family: int) -> list[EditCase]:
     """``per_family`` cases of each family, evenly spaced through it (so they cover its value
-    pairs rather than repeating the first one)."""
+    pairs rather than repeating the first one), taken round-robin across families (so a run
+    stopped early still covers every family)."""
     by_family: dict[str, list[EditCase]] = {}
     for c in cases:
         by_family.setdefault(c.family, []).append(c)
-    out = []
-    for group in by_family.values():
-        n = min(per_family, len(group))
-        out.extend(group[i * len(group) // n] for i in range(n))
-    return out
+    picked = [[g[i * len(g) // min(per_family, len(g))] for i in range(min(per_family, len(g)))]
+              for g in by_family.values()]
+    return [g[i] for i in range(per_family) for g in picked if i < len(g)]
 
 
 def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DEFAULT_STRATEGIES,
@@ -155,21 +154,32 @@ def _margin(scores: Sequence[float], answers: Sequence[str], target: str | None)
 
 def run_suite(engine: Engine, cases: Iterable[EditCase],
               strategies: Sequence[str] = DEFAULT_STRATEGIES, *, cot: bool = False,
-              budget: int = 96, progress: Callable[[int, int], None] | None = None
-              ) -> dict[str, Any]:
-    """Evaluate every case and aggregate per strategy and per family."""
+              budget: int = 96, progress: Callable[[int, int], None] | None = None,
+              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Evaluate every case and aggregate per strategy and per family.
+
+    ``checkpoint`` is called with the aggregate so far after every case (to write partial
+    results during long runs).
+    """
     cases = list(cases)
     for s in strategies:
         parse_strategy(s)
     t0 = time.perf_counter()
-    results = []
+    results: list[dict[str, Any]] = []
     for i, case in enumerate(cases):
         results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget))
         if progress:
             progress(i + 1, len(cases))
+        if checkpoint and i + 1 < len(cases):
+            checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases)))
+    return _summary(engine, results, strategies, cot, budget, t0, len(cases))
+
+
+def _summary(engine: Engine, results: list[dict[str, Any]], strategies: Sequence[str],
+             cot: bool, budget: int, t0: float, planned: int) -> dict[str, Any]:
     return {
         "model": engine.name, "cot": cot, "budget": budget if cot else None,
-        "strategies": list(strategies), "n_cases": len(cases),
+        "strategies": list(strategies), "n_cases": len(results), "n_planned": planned,
         "n_sensitive": sum(r["sensitive"] for r in results),
         "recompute_matches_expected": {
             "old": sum(r["decision_old"] == r["expected_old"] for r in results),
@@ -266,6 +276,8 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
     lines = [
         f"# Edit evaluation: {result['model']}",
         "",
+        *([f"**Partial: {n} of {result['n_planned']} cases done.**", ""]
+          if result.get("n_planned", n) != n else []),
         f"{n} cases, {result['n_sensitive']} sensitive (recompute decides differently for the old "
         f"and the new value). Recompute(old) matches the task author's intended answer in "
         f"{expected['old']}/{n} cases, recompute(new) in {expected['new']}/{n}.",

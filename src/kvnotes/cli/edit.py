@@ -46,6 +46,7 @@ def edit_eval(
         DEFAULT_STRATEGIES)
     if erratum_wordings:
         chosen += [w for w in ERRATUM_WORDINGS if w not in chosen]
+    folder = out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}"
     try:
         cases = load_suite([f.strip() for f in families.split(",")] if families else None)
         if per_family:
@@ -53,11 +54,15 @@ def edit_eval(
         with console.status(f"loading {model}"):
             engine = kvnotes.load(model)
         with console.status("evaluating") as status:
-            result = run_suite(engine, cases, chosen, cot=cot, budget=budget,
-                               progress=lambda i, n: status.update(f"case {i}/{n}"))
+            def progress(i: int, n: int) -> None:
+                status.update(f"case {i}/{n}")
+                if not console.is_terminal:
+                    console.print(f"case {i}/{n}")
+
+            result = run_suite(engine, cases, chosen, cot=cot, budget=budget, progress=progress,
+                               checkpoint=lambda partial: write_outputs(partial, folder))
     except KvnotesError as err:
         fail(err)
-    folder = out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}"
     paths = write_outputs(result, folder)
     if as_json:
         emit_json({k: v for k, v in result.items() if k != "cases"})
