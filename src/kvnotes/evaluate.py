@@ -139,7 +139,8 @@ def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DE
         "sensitive": sensitive, "tokens": len(ref_nb),
         "answer_logits_old": list(d_old.answer_logits),
         "answer_logits_new": list(d_new.answer_logits),
-        "text_old": d_old.text, "text_new": d_new.text, "rows": rows,
+        "answers": list(case.answers), "text_old": d_old.text, "text_new": d_new.text,
+        "rows": rows,
     }
 
 
@@ -201,8 +202,11 @@ def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> d
         if not rows:
             continue
         sens = [row for row in rows if row["sensitive"]]
+        effects = [e for r in results if (e := _effect(r, s)) is not None]
         out[s] = {
             "n": len(rows),
+            "n_field_moved": len(effects),
+            "effect_median": statistics.median(effects) if effects else None,
             "identity": _mean(row["identical"] for row in rows),
             "flips": sum(not row["identical"] for row in rows),
             "n_sensitive": len(sens),
@@ -217,6 +221,33 @@ def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> d
             "ttft_ratio_median": statistics.median(row["ttft_ratio"] for row in rows),
         }
     return out
+
+
+MIN_FIELD_EFFECT = 1.0  # logits: below this the field barely moves the decision (DESIGN.md)
+
+
+def _effect(case: dict[str, Any], strategy: str) -> float | None:
+    """Normalized effect of one strategy on one case, or None when the field barely moves it.
+
+    With m the first-token logit margin of recompute(new)'s answer over the best other answer:
+    (m_strategy - m_old) / (m_new - m_old); 1 = moved as far as recompute, 0 = still the old
+    value. Only cases where |m_new - m_old| >= MIN_FIELD_EFFECT count.
+    """
+    answers = case.get("answers") or _suite_answers().get(case["case_id"])
+    row = next((r for r in case["rows"] if r["strategy"] == strategy), None)
+    if not answers or row is None:
+        return None
+    m_old = _margin(case["answer_logits_old"], answers, case["decision_new"])
+    m_new = _margin(case["answer_logits_new"], answers, case["decision_new"])
+    if not abs(m_new - m_old) >= MIN_FIELD_EFFECT:
+        return None
+    return (row["margin"] - m_old) / (m_new - m_old)
+
+
+def _suite_answers() -> dict[str, list[str]]:
+    from kvnotes.tasks import load_suite
+
+    return {c.case_id: list(c.answers) for c in load_suite()}
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -236,14 +267,17 @@ def _fmt(x: Any, digits: int = 3) -> str:
 def strategy_table(per_strategy: dict[str, Any]) -> list[str]:
     """Markdown table rows for a per-strategy aggregate."""
     lines = ["| strategy | identity | flips | recovery (sensitive) | logit cos (mean) "
-             "| KL (median) | top-1 | compute frac | selection frac | TTFT ratio (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| KL (median) | top-1 | normalized effect (median, n) | compute frac "
+             "| selection frac | TTFT ratio (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, a in per_strategy.items():
         rec = (f"{a['recovery']:.3f} ({a['n_sensitive']})" if a["recovery"] is not None
                else "– (0)")
+        eff = (f"{a['effect_median']:.2f} ({a['n_field_moved']})"
+               if a.get("effect_median") is not None else "– (0)")
         lines.append(f"| {s} | {a['identity']:.3f} | {a['flips']}/{a['n']} | {rec} | "
                      f"{a['cosine_mean']:.4f} | {a['kl_median']:.4f} | {a['top1_agree']:.3f} | "
-                     f"{a['compute_fraction']:.3f} | {a['select_fraction']:.3f} | "
+                     f"{eff} | {a['compute_fraction']:.3f} | {a['select_fraction']:.3f} | "
                      f"{a['ttft_ratio_median']:.3f} |")
     return lines
 
@@ -294,7 +328,11 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "+ appended) / tokens a full recompute computes. Selection fraction: token-equivalent "
         "work to choose repair tokens (kv_deviation: an early-layer pass; attention: an "
         "instrumented pass standing in for statistics recorded at prefill). TTFT ratio: (edit + "
-        "question forward) / (recompute + question forward), wall clock on this machine.",
+        "question forward) / (recompute + question forward), wall clock on this machine. "
+        "Normalized effect: with m the first-token logit margin of recompute(new)'s answer over "
+        "the best other answer, (m_strategy - m_old) / (m_new - m_old), median over the cases "
+        f"where the field moves m by at least {MIN_FIELD_EFFECT:g} logit (count in brackets); "
+        "1 = as far as recompute, 0 = still the old value.",
         "",
         "## Per strategy",
         "",
@@ -340,3 +378,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def rewrite_report(folder: str | Path) -> dict[str, Path]:
+    """Re-aggregate ``folder/results.json`` and write the report and chart again (after the
+    metrics or tables change, without re-running the models)."""
+    folder = Path(folder)
+    result = json.loads((folder / "results.json").read_text())
+    strategies = result["strategies"]
+    result["per_strategy"] = aggregate(result["cases"], strategies)
+    result["per_family"] = {fam: aggregate([r for r in result["cases"] if r["family"] == fam],
+                                           strategies)
+                            for fam in sorted({r["family"] for r in result["cases"]})}
+    return write_outputs(result, folder)
