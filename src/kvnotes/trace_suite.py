@@ -141,6 +141,7 @@ class FamilySummary:
     noising_notes: Estimate  # share lost when only the notes are reverted
     field_by_layer: list[float] = field(default_factory=list)  # denoising means
     notes_by_layer: list[float] = field(default_factory=list)
+    notes_by_position: list[float] = field(default_factory=list)  # denoising, binned positions
     grid: list[list[float]] = field(default_factory=list)  # denoising mean grid
     noising_grid: list[list[float]] = field(default_factory=list)
 
@@ -185,6 +186,7 @@ def _summary(family: str, traces: list[CaseTrace], min_denominator: float, n_boo
         noising_field=est([e.field for e in noi]), noising_notes=est([e.notes for e in noi]),
         field_by_layer=_mean_rows([e.field_by_layer for e in den]),
         notes_by_layer=_mean_rows([e.notes_by_layer for e in den]),
+        notes_by_position=_mean_rows([e.notes_by_position for e in den]),
         grid=_mean_grid([e.grid for e in den]), noising_grid=_mean_grid([e.grid for e in noi]),
     )
 
