@@ -203,9 +203,12 @@ def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> d
             continue
         sens = [row for row in rows if row["sensitive"]]
         effects = [e for r in results if (e := _effect(r, s)) is not None]
+        intended = [row["decision"] == r["expected_new"] for r in results for row in r["rows"]
+                    if row["strategy"] == s and r.get("expected_new") is not None]
         out[s] = {
             "n": len(rows),
             "n_field_moved": len(effects),
+            "intended_new": _mean(intended) if intended else None,
             "effect_median": statistics.median(effects) if effects else None,
             "identity": _mean(row["identical"] for row in rows),
             "flips": sum(not row["identical"] for row in rows),
@@ -267,9 +270,9 @@ def _fmt(x: Any, digits: int = 3) -> str:
 def strategy_table(per_strategy: dict[str, Any]) -> list[str]:
     """Markdown table rows for a per-strategy aggregate."""
     lines = ["| strategy | identity | flips | recovery (sensitive) | logit cos (mean) "
-             "| KL (median) | top-1 | normalized effect (median, n) | compute frac "
-             "| selection frac | TTFT ratio (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| KL (median) | top-1 | normalized effect (median, n) | intended (new) "
+             "| compute frac | selection frac | TTFT ratio (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, a in per_strategy.items():
         rec = (f"{a['recovery']:.3f} ({a['n_sensitive']})" if a["recovery"] is not None
                else "– (0)")
@@ -277,7 +280,8 @@ def strategy_table(per_strategy: dict[str, Any]) -> list[str]:
                if a.get("effect_median") is not None else "– (0)")
         lines.append(f"| {s} | {a['identity']:.3f} | {a['flips']}/{a['n']} | {rec} | "
                      f"{a['cosine_mean']:.4f} | {a['kl_median']:.4f} | {a['top1_agree']:.3f} | "
-                     f"{eff} | {a['compute_fraction']:.3f} | {a['select_fraction']:.3f} | "
+                     f"{eff} | {_fmt(a.get('intended_new'))} | {a['compute_fraction']:.3f} | "
+                     f"{a['select_fraction']:.3f} | "
                      f"{a['ttft_ratio_median']:.3f} |")
     return lines
 
@@ -332,7 +336,9 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "Normalized effect: with m the first-token logit margin of recompute(new)'s answer over "
         "the best other answer, (m_strategy - m_old) / (m_new - m_old), median over the cases "
         f"where the field moves m by at least {MIN_FIELD_EFFECT:g} logit (count in brackets); "
-        "1 = as far as recompute, 0 = still the old value.",
+        "1 = as far as recompute, 0 = still the old value. Intended (new): decision equal to "
+        "the answer the task author intends for the new value (the model's competence, not "
+        "fidelity to recompute).",
         "",
         "## Per strategy",
         "",
