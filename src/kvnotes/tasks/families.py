@@ -20,6 +20,9 @@ from kvnotes.document import Document, Field
 from kvnotes.tasks import EditCase, register_family
 
 CASES_PER_FAMILY = 24
+# the families defined here (other modules may register more, e.g. tasks/recall.py)
+EDIT_FAMILIES = ("refund", "eligibility", "membership", "scheduling", "threshold", "access",
+                 "lookup")
 
 _FIRST = ["Maria", "James", "Aiko", "Daniel", "Fatima", "Lukas", "Priya", "Oliver", "Chen",
           "Sofia", "Mateo", "Amara", "Noah", "Elena", "Ravi", "Hannah", "Tomasz", "Grace"]
