@@ -118,3 +118,13 @@ def test_unknown_model_alias_is_a_clear_error():
         kvnotes.load("no-such-model")
     with pytest.raises(kvnotes.UnknownModelError, match="empty model name"):
         kvnotes.load("")
+
+
+def test_chat_frame_keeps_a_template_token_the_tokenizer_never_adds(tokenizer):
+    from kvnotes.document import chat_frame, chat_turn
+
+    # SmolLM2's bos_token is <|im_start|>, which tokenizer(text) never adds: it must stay.
+    head, middle, tail = chat_frame(tokenizer)
+    assert head.startswith("<|im_start|>system\n")
+    assert middle.endswith("<|im_start|>user\n") and tail.endswith("<|im_start|>assistant\n")
+    assert chat_turn(tokenizer, "system", "hi").startswith("<|im_start|>system\n")

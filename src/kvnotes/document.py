@@ -120,9 +120,7 @@ def chat_turn(tokenizer: object, role: str, text: str, *, generation_prompt: boo
         [{"role": role, "content": text}], tokenize=False,
         add_generation_prompt=generation_prompt,
     )
-    bos = getattr(tokenizer, "bos_token", None)
-    if bos and rendered.startswith(bos):
-        rendered = rendered[len(bos):]
+    rendered = _strip_added_bos(tokenizer, rendered)
     # Some templates insert a default system turn before the first user turn; keep only ours.
     marker = rendered.rfind(text)
     if marker > 0 and role != "system":
@@ -165,7 +163,18 @@ def chat_frame(tokenizer: object) -> tuple[str, str, str]:
     )
     head, rest = rendered.split(s, 1)
     middle, tail = rest.split(u, 1)
+    return _strip_added_bos(tokenizer, head), middle, tail
+
+
+def _strip_added_bos(tokenizer: object, rendered: str) -> str:
+    """Drop a leading BOS only when the tokenizer adds BOS itself (then the engine adds it).
+
+    SmolLM2's ``bos_token`` is ``<|im_start|>``, which its tokenizer never adds: there the
+    template's first token is real text and must stay.
+    """
     bos = getattr(tokenizer, "bos_token", None)
-    if bos and head.startswith(bos):
-        head = head[len(bos):]
-    return head, middle, tail
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None or not rendered.startswith(bos):
+        return rendered
+    probe = tokenizer("a")["input_ids"]  # type: ignore[operator]
+    return rendered[len(bos):] if probe and probe[0] == bos_id else rendered
