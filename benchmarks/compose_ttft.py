@@ -72,10 +72,11 @@ def main() -> None:
         start = len(composed) - len(skill) - len(engine.encode(context))
         rec, comp, splice = [], [], []
         for _ in range(args.reps):
-            rec.append(timed(lambda: engine.next_logits(engine.prefill(ids), query)))
-            comp.append(timed(lambda: engine.next_logits(engine.compose(parts), query)))
+            rec.append(timed(lambda ids=ids: engine.next_logits(engine.prefill(ids), query)))
+            comp.append(timed(lambda p=parts: engine.next_logits(engine.compose(p), query)))
             prefix = composed.slice(0, start)
-            splice.append(timed(lambda: Notebook.concat([prefix, skill.moved_to(start)])))
+            splice.append(timed(lambda pre=prefix, sk=skill, at=start:
+                                Notebook.concat([pre, sk.moved_to(at)])))
         rows.append({
             "skill_tokens": len(skill), "total_tokens": len(ids),
             "recompute_s": statistics.median(rec), "compose_s": statistics.median(comp),

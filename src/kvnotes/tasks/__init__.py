@@ -69,6 +69,7 @@ def register_family(name: str):
 def load_suite(families: Iterable[str] | None = None) -> list[EditCase]:
     """All cases of the named families (all families when None); unknown names list the valid ones."""
     from kvnotes.tasks import families as _families  # noqa: F401  (registers the families)
+    from kvnotes.tasks import recall as _recall  # noqa: F401  (registers capital_recall)
 
     names = list(FAMILIES) if families is None else list(families)
     unknown = [n for n in names if n not in FAMILIES]
