@@ -1,13 +1,16 @@
 """Time to first token: full recompute vs compose, as the spliced skill grows.
 
-For each skill length L (tokens), a skill of L tokens is compiled once; a short context and a
-query follow it. Measured (medians over --reps):
+The prompt is [system header][policy skill of L tokens][request], where the request (a short
+customer message and question) is the only new text. Both the header and the policy are
+compiled skills; a request is answered by splicing them and feeding the request once.
 
-- recompute: prefill of [skill + context] from scratch, then the query  (what a cache miss costs)
-- compose:   splice the compiled skill (re-rotate + concat), prefill the context on top, query
+- recompute: one forward over every token (header + skill + request): what a cache miss costs
+- compose:   splice header and skill (re-rotate + concat), then one forward over the request
 - splice:    the re-rotation + concat alone (the O(L) part of compose)
 
-Writes results JSON and a log-log PNG with fitted slopes. Run:
+Compose can never beat ``total tokens / request tokens`` (its forward computes the request),
+which the JSON reports as ``speedup_bound``. Writes results JSON and a log-log PNG with fitted
+slopes (medians over --reps). Run:
     .venv/bin/python benchmarks/compose_ttft.py --out out/bench
 """
 
@@ -60,25 +63,28 @@ def main() -> None:
 
     engine = kvnotes.load(args.model)
     head, middle, tail = chat_frame(engine.tokenizer)
-    context = middle + ("Customer: Dana (Trailhead member). Order N-55812, a backpack delivered "
-                        "41 days ago, unused, in the box. She asks for a refund to her card.")
-    query = "\nIs a card refund allowed? Answer yes or no." + tail
+    header = engine.compile(head + "You are a support agent. Follow the policy below.\n",
+                            name="header")
+    request = (middle + "Order N-55812: backpack delivered 41 days ago, unused. Card refund "
+               "allowed? Answer yes or no." + tail)
+    request_ids = engine.encode(request)
     rows = []
     for n in tqdm(lengths, desc="skill lengths"):
         skill = engine.compile(skill_text(engine, n), name="policy")
-        parts = [head, skill, context] if head else [skill, context]
+        parts = [header, skill]
         composed = engine.compose(parts)  # warm-up, and the token ids recompute uses
-        ids = composed.token_ids
-        start = len(composed) - len(skill) - len(engine.encode(context))
+        ids = composed.token_ids.tolist() + request_ids
+        start = len(composed) - len(skill)
         rec, comp, splice = [], [], []
         for _ in range(args.reps):
-            rec.append(timed(lambda ids=ids: engine.next_logits(engine.prefill(ids), query)))
-            comp.append(timed(lambda p=parts: engine.next_logits(engine.compose(p), query)))
+            rec.append(timed(lambda ids=ids: engine.next_logits(engine.empty(0), ids)))
+            comp.append(timed(lambda p=parts: engine.next_logits(engine.compose(p), request_ids)))
             prefix = composed.slice(0, start)
             splice.append(timed(lambda pre=prefix, sk=skill, at=start:
                                 Notebook.concat([pre, sk.moved_to(at)])))
         rows.append({
             "skill_tokens": len(skill), "total_tokens": len(ids),
+            "request_tokens": len(request_ids), "speedup_bound": len(ids) / len(request_ids),
             "recompute_s": statistics.median(rec), "compose_s": statistics.median(comp),
             "splice_s": statistics.median(splice),
             "speedup": statistics.median(rec) / statistics.median(comp),

@@ -15,6 +15,7 @@ from kvnotes.engine import Engine
 from kvnotes.fidelity import FidelityReport, fidelity
 from kvnotes.notebook import Notebook
 
+HEADER = "system header"
 SYSTEM_INTRO = ("You are a customer support agent for Northwind Outfitters. Follow the documents "
                 "below exactly.\n\n")
 
@@ -37,15 +38,14 @@ def demo_data() -> tuple[dict[str, str], list[DemoCase]]:
 
 
 def case_parts(engine: Engine, case: DemoCase, compiled: dict[str, Notebook]) -> tuple[list, str]:
-    """Compose parts (chat frame + spliced skills + context) and the query for one case."""
-    head, middle, tail = chat_frame(engine.tokenizer)
-    parts: list[Any] = [head + SYSTEM_INTRO]
-    for i, name in enumerate(case.skills):
-        if i:
-            parts.append("\n\n")
-        parts.append(compiled[name])
-    parts.append(middle + case.context)
-    return parts, "\n\n" + case.question + tail
+    """Compose parts and the request for one case.
+
+    The system header and every policy are compiled skills (a deployment caches them); what
+    arrives with the request (the customer's context and the question) is the query, fed once.
+    """
+    _, middle, tail = chat_frame(engine.tokenizer)
+    parts: list[Any] = [compiled[HEADER], *(compiled[name] for name in case.skills)]
+    return parts, middle + case.context + "\n\n" + case.question + tail
 
 
 def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24,
@@ -54,7 +54,10 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24,
     skills, cases = demo_data()
     compiled: dict[str, Notebook] = {}
     compile_s: dict[str, float] = {}
-    for name, text in skills.items():
+    head, _, _ = chat_frame(engine.tokenizer)
+    # Each policy file ends with a newline; one more leaves a blank line between spliced skills.
+    texts = {HEADER: head + SYSTEM_INTRO, **{n: t + "\n" for n, t in skills.items()}}
+    for name, text in texts.items():
         t0 = time.perf_counter()
         compiled[name] = engine.compile(text, name=name)
         compile_s[name] = time.perf_counter() - t0
@@ -131,9 +134,10 @@ def write_report(result: dict[str, Any], out: Path, extra_sections: list[str] = 
     body = [
         f"# kvnotes demo — {result['model']}",
         "",
-        "Skills are prefilled once, alone, then re-rotated to their place in each context and "
-        "spliced in; only the chat frame and the case text are computed. The reference is a full "
-        "prefill of the very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
+        "The system header and the policies are skills, prefilled once, alone, then re-rotated "
+        "to their place in each prompt and spliced in; only the request (the customer's context "
+        "and the question) is computed, in one forward. The reference is a full prefill of the "
+        "very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
         "at the first answer token; 'continuation' compares "
         f"{result['max_new_tokens']} greedy tokens.",
         "",

@@ -21,9 +21,9 @@ class FidelityReport:
     continuation_identical: bool
     recompute_text: str
     composed_text: str
-    tokens_total: int  # context tokens (without the query)
+    tokens_total: int  # every token up to the decision: composed parts + query
     tokens_reused: int  # spliced from compiled skills
-    tokens_computed: int  # prefilled by compose
+    tokens_computed: int  # prefilled at request time: text parts + query
     ttft_recompute_s: float  # full prefill of context + query
     ttft_compose_s: float  # compose (splice + prefill of the rest) + query
 
@@ -56,12 +56,13 @@ def fidelity(engine: Engine, parts: Sequence[Part], query: TokenInput, *,
     recompute_text = engine.generate(reference, query, max_new_tokens)
     composed_text = engine.generate(composed, query, max_new_tokens)
     stats = composed.meta.get("compose", {})
+    query_tokens = len(engine.tokens_of(query, bos=False)[0])
     return FidelityReport(
         logit_cosine=cmp.cosine, kl=cmp.kl, top1_agree=cmp.top1_agree,
         top2_margin=cmp.top2_margin_reference,
         continuation_identical=recompute_text == composed_text,
         recompute_text=recompute_text, composed_text=composed_text,
-        tokens_total=len(composed), tokens_reused=int(stats.get("reused", 0)),
-        tokens_computed=int(stats.get("computed", len(composed))),
+        tokens_total=len(composed) + query_tokens, tokens_reused=int(stats.get("reused", 0)),
+        tokens_computed=int(stats.get("computed", len(composed))) + query_tokens,
         ttft_recompute_s=ttft_recompute, ttft_compose_s=ttft_compose,
     )
