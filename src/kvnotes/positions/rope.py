@@ -45,17 +45,18 @@ def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.T
     """Rotate post-RoPE keys ``[b, h, n, d]`` by ``delta`` positions (int or LongTensor[n]).
 
     Only the first ``2 * len(inv_freq)`` dims of each head turn (partial rotary leaves the
-    rest as is). Angles are computed in float64 so the shift adds no error of its own beyond
-    the final cast.
+    rest as is). Angles, cos and sin are computed in float64 and rounded once; the rotation
+    itself runs in float32 (or the keys' dtype when wider), so a shift adds about one float32
+    rounding per element. A scalar ``delta`` turns every token alike: one cos/sin vector.
     """
     rot_dim = 2 * inv_freq.numel()
-    n = keys.shape[-2]
     d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
-    d = d.expand(n) if d.dim() == 0 else d
-    angles = d[:, None] * inv_freq.to(device=keys.device, dtype=torch.float64)[None, :]  # [n, rot/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [n, rot]
-    cos, sin = angles.cos(), angles.sin()
-    rot, rest = keys[..., :rot_dim].double(), keys[..., rot_dim:]
+    freqs = inv_freq.to(device=keys.device, dtype=torch.float64)
+    angles = d * freqs if d.dim() == 0 else d[:, None] * freqs[None, :]  # [rot/2] or [n, rot/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [rot] or [n, rot]
+    work = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    cos, sin = angles.cos().to(work), angles.sin().to(work)
+    rot, rest = keys[..., :rot_dim].to(work), keys[..., rot_dim:]
     turned = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
     return torch.cat((turned, rest), dim=-1) if rest.numel() else turned
 
