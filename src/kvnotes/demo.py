@@ -112,7 +112,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax1.set_xticks(list(x), names, rotation=20)
     ax1.set_ylabel("time to first token (ms)")
     ax1.set_title("Time to first token")
-    ax1.legend()
+    ax1.legend(fontsize=8, framealpha=0.9)
     ax2.bar(list(x), [1 - r["logit_cosine"] for r in rows], color="tab:green")
     ax2.set_yscale("log")
     ax2.set_xticks(list(x), names, rotation=20)
