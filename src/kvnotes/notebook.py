@@ -15,24 +15,19 @@ operation returns a new notebook; none mutates its input.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvnotes import files
 from kvnotes.errors import (
     EmptyInputError,
-    NotebookFileError,
     NotebookMismatchError,
     PositionError,
     UnknownFieldError,
@@ -288,29 +283,16 @@ class Notebook:
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the notebook as safetensors with a JSON header (written atomically)."""
-        path = Path(path)
-        tensors = {"token_ids": self.token_ids.contiguous(),
-                   "positions": self.positions.contiguous()}
+        tensors = {"token_ids": self.token_ids, "positions": self.positions}
         for l, layer in enumerate(self.layers):
-            tensors[f"layers.{l}.keys"] = layer.keys.contiguous()
-            tensors[f"layers.{l}.values"] = layer.values.contiguous()
-        header = {
+            tensors[f"layers.{l}.keys"] = layer.keys
+            tensors[f"layers.{l}.values"] = layer.values
+        return files.write(path, tensors, {
             "format": FILE_FORMAT, "version": FILE_VERSION,
             "fingerprint": self.fingerprint.to_dict(), "scheme": self.adapter.name,
             "length": len(self), "num_layers": len(self.layers), "origin": self._origin,
-            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans],
-            "meta": self.meta, "checksum": _checksum(tensors),
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"kvnotes": json.dumps(header)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans], "meta": self.meta,
+        })
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], engine: Engine) -> Notebook:
@@ -320,35 +302,8 @@ class Notebook:
             NotebookFileError: the file is missing, truncated, tampered with or not a notebook.
             NotebookMismatchError: the notebook was written by a different model.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise NotebookFileError(f"no notebook file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                raw = (f.metadata() or {}).get("kvnotes")
-                if raw is None:
-                    raise NotebookFileError(f"{path} is a safetensors file but not a kvnotes notebook")
-                header = json.loads(raw)
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, json.JSONDecodeError, RuntimeError, ValueError) as err:
-            raise NotebookFileError(
-                f"{path} is not a readable kvnotes notebook (truncated or corrupted?): {err}"
-            ) from err
-        if header.get("format") != FILE_FORMAT or header.get("version") != FILE_VERSION:
-            raise NotebookFileError(
-                f"{path}: unsupported format {header.get('format')!r} v{header.get('version')}"
-            )
-        if _checksum(tensors) != header.get("checksum"):
-            raise NotebookFileError(f"{path}: tensor checksum mismatch; the file was modified")
-        saved = ModelFingerprint.from_dict(header["fingerprint"])
-        if saved != engine.fingerprint:
-            diff = ", ".join(saved.differences(engine.fingerprint))
-            raise NotebookMismatchError(
-                f"{path} was saved by a different model ({saved.architecture}, {saved.model_type}, "
-                f"{saved.dtype}) than this engine's ({engine.fingerprint.architecture}, "
-                f"{engine.fingerprint.model_type}, {engine.fingerprint.dtype}); differing: {diff}. "
-                "Load it with the model that wrote it, or prefill again."
-            )
+        header, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
+                                     version=FILE_VERSION, what="notebook")
         layers = [LayerKV(tensors[f"layers.{l}.keys"], tensors[f"layers.{l}.values"])
                   for l in range(header["num_layers"])]
         return cls(
@@ -356,14 +311,3 @@ class Notebook:
             spans=[Span(*s) for s in header["spans"]], adapter=engine.adapter,
             fingerprint=engine.fingerprint, meta=header.get("meta"), origin=header["origin"],
         )
-
-
-def _checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()

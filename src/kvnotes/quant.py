@@ -26,22 +26,18 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from kvnotes.errors import NotebookFileError, NotebookMismatchError
+from kvnotes import files
 from kvnotes.fingerprint import ModelFingerprint
-from kvnotes.notebook import LayerKV, Notebook, Span, _checksum
+from kvnotes.notebook import LayerKV, Notebook, Span
 from kvnotes.positions import PositionAdapter
 
 if TYPE_CHECKING:
@@ -150,32 +146,19 @@ class QuantizedNotebook:
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write int8 tensors and scales as safetensors with a JSON header (atomically)."""
-        path = Path(path)
-        tensors = {"token_ids": self.token_ids.contiguous(),
-                   "positions": self.positions.contiguous()}
+        tensors = {"token_ids": self.token_ids, "positions": self.positions}
         for i, (k, v) in enumerate(self.layers):
-            tensors[f"layers.{i}.keys.q"] = k.q.contiguous()
-            tensors[f"layers.{i}.keys.scale"] = k.scale.contiguous()
-            tensors[f"layers.{i}.values.q"] = v.q.contiguous()
-            tensors[f"layers.{i}.values.scale"] = v.scale.contiguous()
-        header = {
+            tensors[f"layers.{i}.keys.q"] = k.q
+            tensors[f"layers.{i}.keys.scale"] = k.scale
+            tensors[f"layers.{i}.values.q"] = v.q
+            tensors[f"layers.{i}.values.scale"] = v.scale
+        return files.write(path, tensors, {
             "format": FILE_FORMAT, "version": FILE_VERSION, "axis": self.axis,
             "dtype": str(self.dtype).removeprefix("torch."),
             "fingerprint": self.fingerprint.to_dict(), "scheme": self.adapter.name,
             "length": len(self), "num_layers": len(self.layers), "origin": self.origin,
-            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans],
-            "meta": self.meta, "checksum": _checksum(tensors),
-        }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata={"kvnotes": json.dumps(header)})
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans], "meta": self.meta,
+        })
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], engine: Engine) -> QuantizedNotebook:
@@ -185,37 +168,9 @@ class QuantizedNotebook:
             NotebookFileError: missing, truncated, tampered with or not a quantized notebook.
             NotebookMismatchError: written by a different model.
         """
-        path = Path(path)
-        if not path.is_file():
-            raise NotebookFileError(f"no quantized notebook file at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                raw = (f.metadata() or {}).get("kvnotes")
-                if raw is None:
-                    raise NotebookFileError(f"{path} is a safetensors file but not a kvnotes file")
-                header = json.loads(raw)
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, json.JSONDecodeError, RuntimeError, ValueError) as err:
-            raise NotebookFileError(
-                f"{path} is not a readable quantized notebook (truncated or corrupted?): {err}"
-            ) from err
-        if header.get("format") != FILE_FORMAT or header.get("version") != FILE_VERSION:
-            raise NotebookFileError(
-                f"{path}: format {header.get('format')!r} v{header.get('version')} is not a "
-                f"quantized notebook ({FILE_FORMAT} v{FILE_VERSION}); use Notebook.load for "
-                "full-precision files"
-            )
-        if _checksum(tensors) != header.get("checksum"):
-            raise NotebookFileError(f"{path}: tensor checksum mismatch; the file was modified")
-        saved = ModelFingerprint.from_dict(header["fingerprint"])
-        if saved != engine.fingerprint:
-            diff = ", ".join(saved.differences(engine.fingerprint))
-            raise NotebookMismatchError(
-                f"{path} was saved by a different model ({saved.architecture}, "
-                f"{saved.model_type}) than this engine's ({engine.fingerprint.architecture}, "
-                f"{engine.fingerprint.model_type}); differing: {diff}. Load it with the model "
-                "that wrote it, or prefill again."
-            )
+        header, tensors = files.read(
+            path, engine.fingerprint, file_format=FILE_FORMAT, version=FILE_VERSION,
+            what="quantized notebook", wrong_format_hint="; use Notebook.load for full-precision files")
         layers = [
             (QuantizedTensor(tensors[f"layers.{i}.keys.q"], tensors[f"layers.{i}.keys.scale"]),
              QuantizedTensor(tensors[f"layers.{i}.values.q"], tensors[f"layers.{i}.values.scale"]))
