@@ -258,17 +258,6 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
                        "select='kv_deviation'; use select='attention'")
 
 
-def _forward(engine: Engine, nb: Notebook, ids: Sequence[int], **kwargs: Any) -> tuple[Any, Any]:
-    """One forward of ``ids`` on top of ``nb`` (as ``Engine._run``): (model output, cache)."""
-    positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
-    cache = nb.to_cache()
-    keep = {"logits_to_keep": 1} if engine._keeps_logits else {}
-    out = engine.model(input_ids=torch.tensor([list(ids)], device=engine.device),
-                       position_ids=engine.adapter.position_ids(positions).to(engine.device),
-                       cache=cache, use_cache=True, **keep, **kwargs)
-    return out, cache
-
-
 @torch.inference_mode()
 def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Tensor:
     """FloatTensor[n - fe]: attention mass each token after the field puts on the field's tokens
@@ -277,8 +266,8 @@ def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Te
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
-        out, _ = _forward(engine, nb.slice(0, fs), nb.token_ids[fs:].tolist(),
-                          output_attentions=True)
+        out, _, _ = engine._forward(nb.slice(0, fs), nb.token_ids[fs:].tolist(),
+                                    output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
     if not out.attentions or any(a is None for a in out.attentions):

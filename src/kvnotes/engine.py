@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from kvnotes.document import Document, encode
 from kvnotes.errors import EmptyInputError, KvnotesError
@@ -111,9 +112,12 @@ class Engine:
                         (), self.adapter, self.fingerprint, origin=start)
 
     @torch.inference_mode()
-    def _run(self, nb: Notebook, ids: Sequence[int], spans: Sequence[Span] = ()
-             ) -> tuple[Notebook, torch.Tensor]:
-        """Feed ``ids`` on top of ``nb``: the longer notebook and the last token's logits."""
+    def _forward(self, nb: Notebook, ids: Sequence[int], **model_kwargs: Any
+                 ) -> tuple[Any, DynamicCache, torch.Tensor]:
+        """The one forward: ``ids`` on top of ``nb`` -> (model output, filled cache, positions).
+
+        Extra keyword arguments go to the model (e.g. ``output_attentions``).
+        """
         nb.check_same_model(self.fingerprint, what="extend a notebook with")
         positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
         self.adapter.check_positions(positions)
@@ -122,8 +126,14 @@ class Engine:
         out = self.model(
             input_ids=torch.tensor([list(ids)], device=self.device),  # [1, q]
             position_ids=self.adapter.position_ids(positions).to(self.device),
-            cache=cache, use_cache=True, **kwargs,
+            cache=cache, use_cache=True, **kwargs, **model_kwargs,
         )
+        return out, cache, positions
+
+    def _run(self, nb: Notebook, ids: Sequence[int], spans: Sequence[Span] = ()
+             ) -> tuple[Notebook, torch.Tensor]:
+        """Feed ``ids`` on top of ``nb``: the longer notebook and the last token's logits."""
+        out, cache, positions = self._forward(nb, ids)
         layers = tuple(LayerKV(layer.keys, layer.values) for layer in cache.layers)
         offset = len(nb)
         longer = Notebook(

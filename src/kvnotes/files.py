@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +96,23 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
             "Load it with the model that wrote it, or prefill again."
         )
     return header, tensors
+
+
+@contextmanager
+def staged_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary folder beside ``target`` that replaces it when the block succeeds.
+
+    Readers never see a half-written folder: on an error the temporary one is removed and
+    ``target`` is left as it was.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

@@ -11,8 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from kvnotes import files
 from kvnotes.engine import Engine
 from kvnotes.errors import UnknownModelError
 
@@ -158,19 +157,11 @@ def convert_gguf(gguf_path: Path, *, cache_name: str) -> Path:
     fresh.generation_config = quantized.generation_config
     steps.update()
     steps.set_postfix_str("saving safetensors")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{cache_name}-"))
-    try:
+    with files.staged_dir(target) as tmp:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "kvnotes-source.json").write_text(
             json.dumps({"gguf": str(gguf_path), "digest": digest}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     steps.update()
     steps.close()
     return target

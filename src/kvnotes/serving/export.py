@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from kvnotes import files
 from kvnotes.errors import UnknownModelError
 
 _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -59,9 +58,7 @@ def export_hf_dir(model: str = "smollm2-135m", out_dir: str | Path | None = None
         if info.get("digest") == digest and info.get("dtype") == dtype:
             return target
     torch_dtype = getattr(torch, dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
+    with files.staged_dir(target) as tmp:
         for w in weights:
             tensors = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous()
                        for k, v in load_file(str(w)).items()}
@@ -78,10 +75,4 @@ def export_hf_dir(model: str = "smollm2-135m", out_dir: str | Path | None = None
                 shutil.copy2(source / fname, tmp / fname)
         (tmp / "kvnotes-export.json").write_text(
             json.dumps({"source": str(source), "digest": digest, "dtype": dtype}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return target
