@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 import kvnotes
-from kvnotes.document import chat_frame
-from kvnotes.notebook import Notebook
+from kvnotes.core.document import chat_frame
+from kvnotes.core.notebook import Notebook
 
 
 def skill_text(engine: kvnotes.Engine, n_tokens: int) -> str:

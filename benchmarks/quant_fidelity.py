@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import kvnotes
-from kvnotes.metrics import compare_logits
-from kvnotes.notebook import Notebook
-from kvnotes.quant import quantize
+from kvnotes.core.metrics import compare_logits
+from kvnotes.core.notebook import Notebook
+from kvnotes.ops.quant import quantize
 
 SKILLS = {
     "refunds": ("Refund policy: a customer may return any item within 30 days of delivery for a "

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import kvnotes
-from kvnotes.models import kvnotes_home, resolve
+from kvnotes.core.models import kvnotes_home, resolve
 
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)

@@ -1,4 +1,4 @@
-"""kvnotes.agent on a tiny random model: episodes end to end, append-only notebooks, the skill
+"""kvnotes.apps.agent on a tiny random model: episodes end to end, append-only notebooks, the skill
 library, tool-call validation and errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny_engine
 from typer.testing import CliRunner
 
-from kvnotes.agent import (
+from kvnotes.apps.agent import (
     FIELDS,
     Event,
     KvnotesAgent,
@@ -27,8 +27,8 @@ from kvnotes.agent import (
     scripted_episodes,
     skill_names,
 )
-from kvnotes.agent.bench import run_bench, write_outputs
-from kvnotes.errors import KvnotesError, UnknownFieldError
+from kvnotes.apps.agent.bench import run_bench, write_outputs
+from kvnotes.core.errors import KvnotesError, UnknownFieldError
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def _prefix(a, b) -> bool:
 def test_skills_are_realistic_package_data():
     names = skill_names()
     assert {"cancellation", "baggage", "refunds", "compensation", "account_changes"} <= set(names)
-    from kvnotes.agent import skill_text
+    from kvnotes.apps.agent import skill_text
 
     assert all(len(skill_text(n).split()) >= 200 for n in names)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvnotes.demo import demo_data, run_compose_demo, write_report
+from kvnotes.apps.demo import demo_data, run_compose_demo, write_report
 
 pytestmark = pytest.mark.real
 

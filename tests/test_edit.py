@@ -7,16 +7,9 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes import Document, Field
-from kvnotes.edit import (
-    ERRATUM_TEMPLATES,
-    EditReport,
-    _runs,
-    decide,
-    erratum_text,
-    field_label,
-    parse_answer,
-)
-from kvnotes.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError
+from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError
+from kvnotes.ops.decisions import decide, parse_answer
+from kvnotes.ops.edit import ERRATUM_TEMPLATES, EditReport, _runs, erratum_text, field_label
 
 BODY = ("\nCustomer: Maria Alvarez\nItems: a desk lamp and a backpack\nTotal: $84.20\n"
         "Refunds are possible only while the order is pending; shipped or delivered orders "
@@ -204,8 +197,8 @@ def test_decide_reads_first_token_logits(engine):
 
 # ---- evaluation -------------------------------------------------------------------------------
 def test_parse_strategy_specs():
-    from kvnotes.errors import KvnotesError
-    from kvnotes.evaluate import DEFAULT_STRATEGIES, parse_strategy
+    from kvnotes.core.errors import KvnotesError
+    from kvnotes.eval.edit_suite import DEFAULT_STRATEGIES, parse_strategy
 
     assert parse_strategy("repair:kv_deviation:8") == ("repair", {"select": "kv_deviation",
                                                                   "k": 8})
@@ -224,8 +217,8 @@ def test_parse_strategy_specs():
 def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
     import json
 
-    from kvnotes.evaluate import run_suite, spread, write_outputs
-    from kvnotes.tasks import load_suite
+    from kvnotes.eval.edit_suite import run_suite, spread, write_outputs
+    from kvnotes.eval.tasks import load_suite
 
     assert [c.family for c in spread(load_suite(["refund", "lookup"]), 2)] == [
         "refund", "lookup", "refund", "lookup"]
@@ -247,8 +240,8 @@ def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
 
 
 def test_compare_strategies_rows(tiny_llama):
-    from kvnotes.edit import compare_strategies
-    from kvnotes.tasks import load_suite
+    from kvnotes.eval.edit_suite import compare_strategies
+    from kvnotes.eval.tasks import load_suite
 
     case = load_suite(["access"])[0]
     rows = compare_strategies(tiny_llama, case, ["recompute", "overwrite", "erratum"])
@@ -261,8 +254,8 @@ def test_compare_strategies_rows(tiny_llama):
 # ---- real models --------------------------------------------------------------------------------
 @pytest.mark.real
 def test_real_model_edits(real_engine):
-    from kvnotes.evaluate import case_prompt
-    from kvnotes.tasks import load_suite
+    from kvnotes.eval.edit_suite import case_prompt
+    from kvnotes.eval.tasks import load_suite
 
     case = load_suite(["membership"])[0]
     doc_, query = case_prompt(real_engine, case)

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import kvnotes
-from kvnotes.errors import PositionError, UnsupportedModelError
-from kvnotes.positions import adapter_for
-from kvnotes.positions.capabilities import capabilities, check_shift, shift_status
-from kvnotes.positions.mrope import mrope_axes, prefill_multimodal
-from kvnotes.tiny import TINY_ARCHS, ByteTokenizer, tiny_model
+from kvnotes.core.errors import PositionError, UnsupportedModelError
+from kvnotes.core.positions import adapter_for
+from kvnotes.core.positions.capabilities import capabilities, check_shift, shift_status
+from kvnotes.core.positions.mrope import mrope_axes
+from kvnotes.core.tiny import TINY_ARCHS, ByteTokenizer, tiny_model
+from kvnotes.ops.multimodal import prefill_multimodal
 
 TOL = 1e-4
 DELTA = 37
@@ -167,7 +168,7 @@ def test_alibi_shift_is_bookkeeping(tokenizer):
 
 def test_unknown_scheme_lists_the_known_ones():
     class Blank(torch.nn.Module):
-        config = kvnotes.tiny.tiny_config("llama", 64)  # config alone: no rotary, no embeddings
+        config = kvnotes.core.tiny.tiny_config("llama", 64)  # config alone: no rotary, no embeddings
 
     with pytest.raises(UnsupportedModelError, match="known schemes: .*mla.*mrope"):
         adapter_for(Blank())

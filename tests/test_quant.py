@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import kvnotes
-from kvnotes.errors import NotebookFileError, NotebookMismatchError, PositionError
-from kvnotes.quant import (
+from kvnotes.core.errors import NotebookFileError, NotebookMismatchError, PositionError
+from kvnotes.core.tiny import ByteTokenizer, tiny_model
+from kvnotes.ops.quant import (
     ROUND_TRIP_STEPS,
     SHIFT_STEPS,
     QuantizedNotebook,
@@ -17,8 +18,7 @@ from kvnotes.quant import (
     quantize,
     quantize_tensor,
 )
-from kvnotes.store import SkillLibrary
-from kvnotes.tiny import ByteTokenizer, tiny_model
+from kvnotes.ops.store import SkillLibrary
 
 TEXT = "Refund policy: refunds need a receipt and arrive within 14 days. Ask for the order id."
 EPS = 1e-6  # float slack on top of the stated bounds

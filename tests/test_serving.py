@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.serving import (
+from kvnotes.apps.serving import (
     BenchConfig,
     Client,
     PrefixCacheCounters,
@@ -28,8 +28,8 @@ from kvnotes.serving import (
     run_benchmark,
     write_outputs,
 )
-from kvnotes.serving.metrics import agreement
-from kvnotes.serving.workload import MAX_EDITS, REFUND_STATUSES, whitespace_tokens
+from kvnotes.apps.serving.metrics import agreement
+from kvnotes.apps.serving.workload import MAX_EDITS, REFUND_STATUSES, whitespace_tokens
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -346,7 +346,7 @@ def test_ctrl_c_or_sigterm_stops_the_launched_server(tmp_path, sig):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""\
         import sys, time
-        from kvnotes.serving import VLLMServer
+        from kvnotes.apps.serving import VLLMServer
         server = VLLMServer({str(tmp_path)!r}, served_name="fake-m", python=sys.executable,
                             module="_fake_vllm", env={{"PYTHONPATH": {str(TESTS)!r}}},
                             log_path={str(tmp_path / "server.log")!r}, startup_timeout=60)

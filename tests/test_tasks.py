@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from kvnotes.errors import KvnotesError
-from kvnotes.tasks import FAMILIES, EditCase, load_suite
-from kvnotes.tasks.families import EDIT_FAMILIES
+from kvnotes.core.errors import KvnotesError
+from kvnotes.eval.tasks import FAMILIES, EditCase, load_suite
+from kvnotes.eval.tasks.families import EDIT_FAMILIES
 
 
 @pytest.fixture(scope="module")

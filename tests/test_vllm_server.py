@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.serving import (
+from kvnotes.apps.serving import (
     BenchConfig,
     Client,
     ServingError,

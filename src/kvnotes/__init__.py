@@ -4,9 +4,9 @@ Keys are stored post-RoPE, as transformers caches hold them; every notebook oper
 new notebook. See the README for the tour and ``docs/`` for the guide.
 """
 
-from kvnotes.document import Document, Field
-from kvnotes.engine import Engine, Generation
-from kvnotes.errors import (
+from kvnotes.core.document import Document, Field
+from kvnotes.core.engine import Engine, Generation
+from kvnotes.core.errors import (
     EmptyInputError,
     KvnotesError,
     NotebookFileError,
@@ -16,24 +16,18 @@ from kvnotes.errors import (
     UnknownModelError,
     UnsupportedModelError,
 )
-from kvnotes.fidelity import FidelityReport, fidelity
-from kvnotes.models import load
-from kvnotes.notebook import LayerKV, Notebook, Span
-from kvnotes.store import SkillLibrary
+from kvnotes.core.models import load
+from kvnotes.core.notebook import LayerKV, Notebook, Span
+from kvnotes.eval.fidelity import FidelityReport, fidelity
+from kvnotes.ops.edit import EditReport, edit
+from kvnotes.ops.store import SkillLibrary
+from kvnotes.ops.trace import TraceResult, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Document", "Field", "Engine", "Generation", "Notebook", "Span", "LayerKV", "SkillLibrary",
-    "FidelityReport", "fidelity", "load",
+    "FidelityReport", "fidelity", "load", "edit", "EditReport", "trace", "TraceResult",
     "KvnotesError", "EmptyInputError", "NotebookFileError", "NotebookMismatchError",
     "PositionError", "UnknownFieldError", "UnknownModelError", "UnsupportedModelError",
 ]
-
-
-def __getattr__(name: str):  # later capabilities load lazily so `import kvnotes` stays light
-    if name == "trace":
-        from kvnotes.trace import trace
-
-        return trace
-    raise AttributeError(f"module 'kvnotes' has no attribute {name!r}")

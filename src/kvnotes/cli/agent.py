@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 
 def _load(model: str, threads: int | None):
@@ -41,7 +41,7 @@ def agent_bench(
     Writes agent-bench.json, report.md and latency.png into --out (after every episode, so an
     interrupted run keeps what it measured).
     """
-    from kvnotes.agent.bench import run_bench, write_outputs
+    from kvnotes.apps.agent.bench import run_bench, write_outputs
 
     try:
         engine = _load(model, threads)
@@ -89,7 +89,7 @@ def agent_interactive(
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
-    from kvnotes.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
+    from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
 
     try:
         engine = _load(model, threads)

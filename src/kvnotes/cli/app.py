@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 app = typer.Typer(
     name="kvnotes",

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 console = Console(width=150)
 
@@ -21,7 +21,7 @@ app.add_typer(models_app, name="models")
 @models_app.command("list")
 def models_list() -> None:
     """List the bundled model aliases."""
-    from kvnotes.models import BUNDLED
+    from kvnotes.core.models import BUNDLED
 
     for alias, m in BUNDLED.items():
         console.print(f"[bold]{alias}[/bold]  {m.description}")
@@ -30,7 +30,7 @@ def models_list() -> None:
 @models_app.command("prepare")
 def models_prepare(alias: list[str] = typer.Argument(None, help="aliases (default: all)")) -> None:
     """Convert bundled GGUF models to cached safetensors copies (first load does this too)."""
-    from kvnotes.models import BUNDLED, resolve
+    from kvnotes.core.models import BUNDLED, resolve
 
     try:
         for name in alias or list(BUNDLED):
@@ -47,7 +47,7 @@ def demo(
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     import kvnotes
-    from kvnotes.demo import run_compose_demo, write_report
+    from kvnotes.apps.demo import run_compose_demo, write_report
 
     try:
         with console.status(f"loading {model}"):
@@ -78,7 +78,7 @@ def demo(
 def _edit_section(engine) -> list[str]:
     """The edit part of the demo, when the edit capability is installed."""
     try:
-        from kvnotes.edit_demo import edit_section
+        from kvnotes.apps.edit_demo import edit_section
     except ImportError:
         return []
     return edit_section(engine, console)
@@ -96,7 +96,7 @@ def compose(
 ) -> None:
     """Compose one case (skills + context), answer the query, compare with full recompute."""
     import kvnotes
-    from kvnotes.document import chat_frame
+    from kvnotes.core.document import chat_frame
 
     try:
         engine = kvnotes.load(model)

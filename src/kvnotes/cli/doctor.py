@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 console = Console()
 
@@ -23,7 +23,7 @@ _STYLE = {"exact": "green", "approximate": "yellow", "unsupported": "red"}
 
 def diagnose(engine: object, *, check: bool = False) -> dict[str, object]:
     """The doctor's findings for an engine: scheme, adapter summary, operations, live check."""
-    from kvnotes.positions.capabilities import capabilities, check_shift
+    from kvnotes.core.positions.capabilities import capabilities, check_shift
 
     adapter = engine.adapter  # type: ignore[attr-defined]
     config = adapter.config
@@ -45,7 +45,7 @@ def diagnose(engine: object, *, check: bool = False) -> dict[str, object]:
 
 def _tiny_engine(arch: str) -> object:
     import kvnotes
-    from kvnotes.tiny import ByteTokenizer, tiny_model
+    from kvnotes.core.tiny import ByteTokenizer, tiny_model
 
     tokenizer = ByteTokenizer(256)
     return kvnotes.Engine.from_model(tiny_model(arch, 256), tokenizer, name=f"tiny-{arch}")

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 
 from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 console = Console(stderr=True)
 
@@ -32,7 +32,7 @@ def edit_eval(
 ) -> None:
     """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
     import kvnotes
-    from kvnotes.evaluate import (
+    from kvnotes.eval.edit_suite import (
         DEFAULT_STRATEGIES,
         ERRATUM_WORDINGS,
         run_suite,
@@ -40,7 +40,7 @@ def edit_eval(
         strategy_table,
         write_outputs,
     )
-    from kvnotes.tasks import load_suite
+    from kvnotes.eval.tasks import load_suite
 
     chosen = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else list(
         DEFAULT_STRATEGIES)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -51,7 +51,7 @@ def serve_bench(
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
 ) -> None:
     """Erratum vs in-place vs cold on a vLLM prefix cache: TTFT, hit rate, req/s, decisions."""
-    from kvnotes.serving import (
+    from kvnotes.apps.serving import (
         BenchConfig,
         Client,
         VLLMServer,

@@ -11,9 +11,9 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, fail
-from kvnotes.errors import KvnotesError
-from kvnotes.trace import TraceOptions
-from kvnotes.trace_suite import CaseTrace, FamilySummary, summarize, trace_cases
+from kvnotes.core.errors import KvnotesError
+from kvnotes.eval.trace_suite import CaseTrace, FamilySummary, summarize, trace_cases
+from kvnotes.ops.trace import TraceOptions
 
 
 @app.command("trace")
@@ -34,8 +34,8 @@ def trace_command(
     threads: int = typer.Option(0, help="torch CPU threads (0 = leave torch's default)."),
 ) -> None:
     """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
-    from kvnotes.models import load
-    from kvnotes.tasks import (
+    from kvnotes.core.models import load
+    from kvnotes.eval.tasks import (
         load_suite,
         recall,  # noqa: F401  (registers capital_recall)
     )
@@ -171,7 +171,7 @@ def _heatmap(out: Path, model: str, row: FamilySummary) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvnotes.trace import _bins
+    from kvnotes.ops.trace import _bins
 
     layers = len(row.field_by_layer)
     panels = len(grids) + bool(layers)

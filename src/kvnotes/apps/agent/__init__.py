@@ -1,0 +1,40 @@
+"""A unified edit+compose agent: precompiled skills spliced in, state changes appended as errata,
+one notebook grown append-only across turns; and the recompute agent it is measured against.
+
+Example:
+    >>> from kvnotes.apps.agent import KvnotesAgent, SkillBook, scripted_episode, run_episode
+    >>> engine = kvnotes.load("smollm2-135m")                                 # doctest: +SKIP
+    >>> episode = scripted_episode(0)
+    >>> results = run_episode(KvnotesAgent(engine, SkillBook(engine)),        # doctest: +SKIP
+    ...                       episode.state, episode.turns)
+"""
+
+from kvnotes.apps.agent.episodes import (
+    Episode,
+    Request,
+    Turn,
+    request,
+    route,
+    scripted_episode,
+    scripted_episodes,
+)
+from kvnotes.apps.agent.prompt import ChatFormat, Prompt
+from kvnotes.apps.agent.runtime import (
+    Decision,
+    KvnotesAgent,
+    RecomputeAgent,
+    TurnResult,
+    choose,
+    run_episode,
+)
+from kvnotes.apps.agent.skills import SkillBook, UnknownSkillError, skill_names, skill_text
+from kvnotes.apps.agent.state import FIELDS, Event, State
+from kvnotes.apps.agent.toolcall import TOOLS, ToolCall, parse_tool_call
+
+__all__ = [
+    "Episode", "Request", "Turn", "request", "route", "scripted_episode", "scripted_episodes",
+    "ChatFormat", "Prompt",
+    "Decision", "KvnotesAgent", "RecomputeAgent", "TurnResult", "choose", "run_episode",
+    "SkillBook", "UnknownSkillError", "skill_names", "skill_text",
+    "FIELDS", "Event", "State", "TOOLS", "ToolCall", "parse_tool_call",
+]

@@ -1,0 +1,250 @@
+"""agent-bench: the kvnotes agent against the recompute agent over scripted episodes.
+
+Per turn, both agents (and the stale-record ablation) take the same request and events,
+interleaved so that they run under the same machine load. Reported: decision identity overall
+and per turn, the flips with their cases, latency per turn and in total, the latency ratio,
+and tokens computed by each agent.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvnotes.apps.agent.episodes import Episode, scripted_episodes
+from kvnotes.apps.agent.runtime import KvnotesAgent, RecomputeAgent, TurnResult
+from kvnotes.apps.agent.skills import SkillBook
+from kvnotes.core.engine import Engine
+
+
+def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
+              turns: int = 5, tool_calls: bool = False, stale: bool = True,
+              skill_root: str | Path | None = None,
+              progress: Callable[[str], None] | None = None,
+              on_episode: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-ready result (see :func:`write_outputs`).
+
+    ``on_episode`` receives the summary of the episodes done so far after each episode (the
+    CLI writes it out, so an interrupted run still leaves its figures).
+    """
+    episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
+    book = SkillBook(engine, skill_root)
+    misses0 = book.library.misses
+    t0 = time.perf_counter()
+    book.prepare()
+    prepare_s = time.perf_counter() - t0
+    agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls),
+              "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls)}
+    if stale:
+        agents["stale"] = KvnotesAgent(engine, book, errata=False, tool_calls=False)
+    records: list[dict[str, Any]] = []
+    for i, ep in enumerate(episodes):
+        for agent in agents.values():
+            agent.start(ep.state)
+        rows: dict[str, list[TurnResult]] = {name: [] for name in agents}
+        events_so_far: list[list[str]] = []
+        for turn in ep.turns:
+            events_so_far += [[e.field, e.value] for e in turn.events]
+            for name, agent in agents.items():
+                rows[name].append(agent.turn(turn.request, turn.events))
+            records.append({
+                "episode": ep.episode_id, "turn": len(rows["kvnotes"]) - 1,
+                "kind": turn.request.kind, "request": turn.request.text,
+                "events_so_far": list(events_so_far),
+                **{name: r[-1].to_dict() for name, r in rows.items()},
+            })
+        if progress:
+            k = sum(r.latency_s for r in rows["kvnotes"])
+            c = sum(r.latency_s for r in rows["recompute"])
+            same = sum(a.decision.choice == b.decision.choice
+                       for a, b in zip(rows["kvnotes"], rows["recompute"], strict=True))
+            progress(f"[{i + 1}/{len(episodes)}] {ep.episode_id}: identical {same}/{len(ep.turns)}"
+                     f"  kvnotes {k:.2f}s  recompute {c:.2f}s  ({c / k:.1f}x)")
+        if on_episode:
+            on_episode(summarize(engine, records, book=book, prepare_s=prepare_s,
+                                 compiled=book.library.misses - misses0, tool_calls=tool_calls))
+    return summarize(engine, records, book=book, prepare_s=prepare_s,
+                     compiled=book.library.misses - misses0, tool_calls=tool_calls)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
+              prepare_s: float, compiled: int, tool_calls: bool) -> dict[str, Any]:
+    """Aggregate per-turn records into the benchmark's figures."""
+    turns = sorted({r["turn"] for r in records})
+    same = [r["kvnotes"]["choice"] == r["recompute"]["choice"] for r in records]
+    flips = [{
+        "episode": r["episode"], "turn": r["turn"], "kind": r["kind"],
+        "kvnotes": r["kvnotes"]["choice"], "recompute": r["recompute"]["choice"],
+        "kvnotes_margin": r["kvnotes"]["margin"], "recompute_margin": r["recompute"]["margin"],
+        "recompute_scores": r["recompute"]["scores"], "kvnotes_scores": r["kvnotes"]["scores"],
+        "events_so_far": r["events_so_far"],
+    } for r, s in zip(records, same, strict=True) if not s]
+    per_turn = []
+    for t in turns:
+        rs = [r for r in records if r["turn"] == t]
+        k = [r["kvnotes"]["latency_s"] for r in rs]
+        c = [r["recompute"]["latency_s"] for r in rs]
+        per_turn.append({
+            "turn": t, "n": len(rs),
+            "identity": _mean([r["kvnotes"]["choice"] == r["recompute"]["choice"] for r in rs]),
+            "kvnotes_latency_s": _mean(k), "recompute_latency_s": _mean(c),
+            "ratio": sum(c) / sum(k) if sum(k) else float("nan"),
+            "kvnotes_tokens_computed": _mean([r["kvnotes"]["tokens_computed"] for r in rs]),
+            "recompute_tokens_computed": _mean([r["recompute"]["tokens_computed"] for r in rs]),
+            **({"stale_identity": _mean([r["stale"]["choice"] == r["recompute"]["choice"]
+                                         for r in rs])} if "stale" in rs[0] else {}),
+        })
+    total_k = sum(r["kvnotes"]["latency_s"] for r in records)
+    total_c = sum(r["recompute"]["latency_s"] for r in records)
+    out: dict[str, Any] = {
+        "model": engine.name, "episodes": len({r["episode"] for r in records}),
+        "turns_per_episode": len(turns), "decisions": len(records),
+        "identity": _mean(same), "flip_count": len(flips), "flips": flips,
+        "per_turn": per_turn,
+        "latency": {"kvnotes_total_s": total_k, "recompute_total_s": total_c,
+                    "ratio": total_c / total_k if total_k else float("nan"),
+                    "kvnotes_mean_turn_s": _mean([r["kvnotes"]["latency_s"] for r in records]),
+                    "recompute_mean_turn_s": _mean([r["recompute"]["latency_s"]
+                                                    for r in records])},
+        "tokens": {
+            "kvnotes_computed": sum(r["kvnotes"]["tokens_computed"] for r in records),
+            "kvnotes_reused": sum(r["kvnotes"]["tokens_reused"] for r in records),
+            "recompute_computed": sum(r["recompute"]["tokens_computed"] for r in records),
+        },
+        "recompute_margin_median": statistics.median(r["recompute"]["margin"] for r in records),
+        "skills": {"names": book.names, "tokens": {n: len(book.token_ids(n)) for n in book.names},
+                   "compiled_now": compiled, "library_hits": book.library.hits,
+                   "prepare_s": prepare_s},
+        "tool_calls": tool_calls,
+        "records": records,
+    }
+    if records and "stale" in records[0]:
+        changed = [r for r in records if r["events_so_far"]]
+        out["stale"] = {
+            "identity": _mean([r["stale"]["choice"] == r["recompute"]["choice"] for r in records]),
+            "identity_after_state_change": _mean([r["stale"]["choice"] == r["recompute"]["choice"]
+                                                  for r in changed]),
+            "kvnotes_identity_after_state_change": _mean(
+                [r["kvnotes"]["choice"] == r["recompute"]["choice"] for r in changed]),
+            "decisions_after_state_change": len(changed),
+        }
+    if tool_calls:
+        calls = [r for r in records if r["recompute"]["tool_call"] or r["kvnotes"]["tool_call"]]
+        out["tool_call_stats"] = {
+            "turns_with_a_call": len(calls),
+            "kvnotes_valid": sum(bool(r["kvnotes"]["tool_call"] and r["kvnotes"]["tool_call"]["ok"])
+                                 for r in calls),
+            "recompute_valid": sum(bool(r["recompute"]["tool_call"]
+                                        and r["recompute"]["tool_call"]["ok"]) for r in calls),
+            "identical_raw": sum(bool(r["kvnotes"]["tool_call"] and r["recompute"]["tool_call"]
+                                      and r["kvnotes"]["tool_call"]["raw"]
+                                      == r["recompute"]["tool_call"]["raw"]) for r in calls),
+        }
+    return out
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``agent-bench.json``, ``report.md`` and ``latency.png`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "agent-bench.json", "report": out / "report.md",
+             "plot": out / "latency.png"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["report"].write_text(report_markdown(result))
+    plot_latency(result, paths["plot"])
+    return paths
+
+
+def plot_latency(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [p["turn"] + 1 for p in result["per_turn"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(turns, [p["recompute_latency_s"] for p in result["per_turn"]], "o-",
+            label="recompute agent")
+    ax.plot(turns, [p["kvnotes_latency_s"] for p in result["per_turn"]], "s-",
+            label="kvnotes agent (splice + errata)")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean latency per turn (s)")
+    ax.set_yscale("log")
+    ax.set_xticks(turns)
+    ax.set_title(f"{result['model']}: {result['episodes']} episodes, "
+                 f"ratio {result['latency']['ratio']:.1f}x")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    lat, tok = result["latency"], result["tokens"]
+    lines = [
+        f"# agent-bench: {result['model']}", "",
+        f"{result['episodes']} scripted episodes x {result['turns_per_episode']} turns = "
+        f"{result['decisions']} decisions (tool calls: {'on' if result['tool_calls'] else 'off'}).",
+        "", "## Summary", "",
+        "| figure | value |", "| --- | --- |",
+        f"| decision identity with recompute | {result['identity']:.1%} "
+        f"({result['decisions'] - result['flip_count']}/{result['decisions']}) |",
+        f"| flips | {result['flip_count']} |",
+        f"| total latency, recompute agent | {lat['recompute_total_s']:.2f} s |",
+        f"| total latency, kvnotes agent | {lat['kvnotes_total_s']:.2f} s |",
+        f"| latency ratio (recompute / kvnotes) | {lat['ratio']:.2f}x |",
+        f"| tokens computed, recompute agent | {tok['recompute_computed']} |",
+        f"| tokens computed, kvnotes agent | {tok['kvnotes_computed']} "
+        f"(reused {tok['kvnotes_reused']}) |",
+        f"| median decision margin, recompute (log-prob) | "
+        f"{result['recompute_margin_median']:.3f} |",
+        f"| skills compiled this run / library hits | {result['skills']['compiled_now']} / "
+        f"{result['skills']['library_hits']} ({result['skills']['prepare_s']:.1f} s, "
+        "not in any turn) |",
+    ]
+    if "stale" in result:
+        s = result["stale"]
+        lines += [
+            f"| identity after a state change: kvnotes (errata) | "
+            f"{s['kvnotes_identity_after_state_change']:.1%} of "
+            f"{s['decisions_after_state_change']} |",
+            f"| identity after a state change: stale record (no errata, ablation) | "
+            f"{s['identity_after_state_change']:.1%} |",
+        ]
+    if "tool_call_stats" in result:
+        t = result["tool_call_stats"]
+        lines.append(f"| tool calls: valid kvnotes / recompute / identical raw, of "
+                     f"{t['turns_with_a_call']} | {t['kvnotes_valid']} / {t['recompute_valid']}"
+                     f" / {t['identical_raw']} |")
+    lines += ["", "## Per turn", "",
+              "| turn | n | identity | recompute s | kvnotes s | ratio | recompute tokens | "
+              "kvnotes tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in result["per_turn"]:
+        lines.append(f"| {p['turn'] + 1} | {p['n']} | {p['identity']:.1%} | "
+                     f"{p['recompute_latency_s']:.3f} | {p['kvnotes_latency_s']:.3f} | "
+                     f"{p['ratio']:.1f}x | {p['recompute_tokens_computed']:.0f} | "
+                     f"{p['kvnotes_tokens_computed']:.0f} |")
+    lines += ["", "![latency per turn](latency.png)", "", "## Flips", ""]
+    if not result["flips"]:
+        lines.append("None: every decision matched the recompute agent.")
+    else:
+        lines += ["| episode | turn | request | kvnotes | recompute | recompute margin | "
+                  "state changes so far |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for f in result["flips"]:
+            events = ", ".join(f"{a}={b}" for a, b in f["events_so_far"]) or "none"
+            lines.append(f"| {f['episode']} | {f['turn'] + 1} | {f['kind']} | {f['kvnotes']} | "
+                         f"{f['recompute']} | {f['recompute_margin']:.3f} | {events} |")
+    lines += ["", "Latency: time from a request (with its pending state changes) to the decision"
+              " (and tool call when on), measured per turn with both agents interleaved. Skill "
+              "compilation happens once per model, before the episodes, and is not in any turn.",
+              ""]
+    return "\n".join(lines)

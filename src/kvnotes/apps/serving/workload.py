@@ -1,0 +1,285 @@
+"""The serve-bench workload: long sessions, streams of field edits, decision questions.
+
+A *session* holds one long context (order records and store policies) with one named field,
+the status of a target order, placed at a chosen depth. Then it receives a stream of edits to
+that field; after each edit it asks the same decision question. Each edit becomes one request
+per policy:
+
+- ``in-place``: the context re-sent with the field changed (what a user does today); the
+  prefix cache can only reuse the tokens before the field.
+- ``erratum``: the original context byte-identical, followed by one salient correction per edit
+  so far (append-only), then the question; the prefix cache can reuse the whole old prompt.
+- ``cold``: the in-place prompts with the prefix cache defeated (a unique ``cache_salt`` per
+  request): the no-cache baseline.
+
+Everything here is pure and deterministic given the seed; token counts come from a callable
+(the model's tokenizer, or the server's ``/tokenize``), so the generator needs no model.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+POLICIES: tuple[str, ...] = ("in-place", "erratum", "cold")
+
+# the statuses under which the decision policy approves a refund, and those it declines
+REFUND_STATUSES: tuple[str, ...] = ("delivered", "returned", "delivered late",
+                                    "returned unopened", "delivered to a locker")
+DECLINE_STATUSES: tuple[str, ...] = ("pending", "shipped", "cancelled", "lost", "on hold",
+                                     "in transit", "awaiting payment")
+STATUSES: tuple[str, ...] = REFUND_STATUSES + DECLINE_STATUSES
+MAX_EDITS = len(STATUSES) - 1  # every edit brings a value the session has not seen yet
+ANSWERS: tuple[str, ...] = ("yes", "no")
+
+_FIRST = ("Dana", "Luis", "Mei", "Omar", "Priya", "Tomas", "Aiko", "Ruth", "Jonas", "Fatima",
+          "Elena", "Kwame", "Ines", "Viktor", "Sara", "Noah")
+_LAST = ("Ortiz", "Chen", "Haddad", "Nowak", "Rao", "Berg", "Sato", "Mensah", "Costa", "Keller",
+         "Silva", "Dubois", "Okafor", "Larsen", "Moreau", "Kim")
+_ITEMS = ("ceramic kettle", "wool blanket", "desk lamp", "trail backpack", "espresso grinder",
+          "cast-iron pan", "bike helmet", "noise-cancelling headphones", "yoga mat",
+          "garden hose", "standing desk", "rain jacket", "board game", "water filter")
+_CITIES = ("Lisbon", "Osaka", "Nairobi", "Denver", "Krakow", "Lyon", "Austin", "Porto", "Leeds")
+_POLICIES = (
+    "Shipping policy: orders placed before 2 pm ship the same business day; heavy items ship "
+    "by freight and may take up to ten business days.",
+    "Exchange policy: an item may be exchanged once for a different size or colour within 45 "
+    "days, provided the original packaging is kept.",
+    "Price-match policy: if the same item is sold cheaper by a listed competitor within 14 "
+    "days of purchase, the difference is credited as store credit.",
+    "Warranty policy: electrical items carry a two-year warranty; claims need the order number "
+    "and a short description of the fault.",
+    "Loyalty policy: members earn one point per dollar spent; points expire after 18 months "
+    "without a purchase.",
+    "Privacy policy: customer addresses are kept only as long as needed to fulfil the order "
+    "and handle returns.",
+    "Damage policy: items that arrive damaged are replaced free of charge when reported with "
+    "photos within 7 days of arrival.",
+)
+DECISION_POLICY = (
+    "Refund policy (binding): a refund may be approved only when the order's status says it "
+    "was delivered or returned. Orders that are pending, shipped, in transit, on hold, awaiting "
+    "payment, cancelled or lost are never refunded; their requests are declined."
+)
+
+
+try:  # the wording kvnotes.ops.edit uses (and evaluates); a local copy if that module is absent
+    from kvnotes.ops.edit import DEFAULT_ERRATUM, ERRATUM_TEMPLATES
+
+    ERRATUM_TEMPLATE: str = ERRATUM_TEMPLATES[DEFAULT_ERRATUM]
+except (ImportError, KeyError):  # pragma: no cover
+    ERRATUM_TEMPLATE = "Correction: the {label} is {new}, not {old}."
+
+
+def erratum_text(field_label: str, new: str, old: str, template: str | None = None) -> str:
+    """The salient correction appended after the unchanged prompt.
+
+    ``template`` (default: kvnotes.ops.edit's default erratum wording, "Correction: the {label} is
+    {new}, not {old}.") is a format string with ``{label}``, ``{Label}``, ``{old}``, ``{new}``.
+    The text only: the serving harness appends it inside the same user message.
+    """
+    fmt = template or ERRATUM_TEMPLATE
+    return fmt.format(label=field_label, Label=field_label[:1].upper() + field_label[1:],
+                      old=old, new=new)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One edit in a session's stream: the field goes from ``old`` to ``new``."""
+
+    index: int
+    old: str
+    new: str
+
+    @property
+    def expected(self) -> str:
+        """The decision the refund policy implies for the new value."""
+        return "yes" if self.new in REFUND_STATUSES else "no"
+
+
+@dataclass(frozen=True)
+class Session:
+    """One long context with a field at a given depth, and the stream of edits it receives.
+
+    ``before`` + field value + ``after`` is the context; the field's value is the target order's
+    status. ``field_char`` is the character offset of the value inside the context.
+    """
+
+    session_id: str
+    before: str
+    after: str
+    initial: str
+    turns: tuple[Turn, ...]
+    order_id: str
+    context_tokens: int = 0  # as measured by the count function at build time
+    field_token_depth: float = 0.0  # tokens before the field / context tokens
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def field_label(self) -> str:
+        return f"status of order #{self.order_id}"
+
+    @property
+    def question(self) -> str:
+        return (f"Question: a customer asks for a refund of order #{self.order_id}. Following "
+                "the refund policy and the order's current status, should the refund be "
+                "approved? Answer with one word, yes or no.")
+
+    def context(self, value: str | None = None) -> str:
+        """The context with the field at ``value`` (the initial value when None)."""
+        return f"{self.before}{self.initial if value is None else value}{self.after}"
+
+    def warmup_prompt(self) -> str:
+        """The session's first request (initial value): what the server has seen before edits."""
+        return f"{self.context()}\n\n{self.question}"
+
+    def prompt(self, policy: str, turn: int) -> str:
+        """The user message for edit ``turn`` (0-based) under ``policy``."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+        t = self.turns[turn]
+        if policy == "erratum":
+            errata = "\n".join(erratum_text(self.field_label, u.new, u.old)
+                               for u in self.turns[:turn + 1])
+            return f"{self.context()}\n\n{errata}\n\n{self.question}"
+        return f"{self.context(t.new)}\n\n{self.question}"
+
+
+def _record(rng: random.Random, order_id: str) -> tuple[str, str]:
+    """An order record split around its status value: (text before it, text after it)."""
+    name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    qty = rng.randint(1, 4)
+    price = rng.randint(900, 25000) / 100
+    day = f"2026-{rng.randint(1, 10):02d}-{rng.randint(1, 28):02d}"
+    head = (f"Order #{order_id}: customer {name} ({rng.choice(_CITIES)}); item: "
+            f"{rng.choice(_ITEMS)} x{qty}; total: ${qty * price:.2f}; placed {day}; status: ")
+    tail = f"; payment: {rng.choice(('card', 'invoice', 'gift card', 'bank transfer'))}."
+    return head, tail
+
+
+def _filler(rng: random.Random, used: set[str]) -> str:
+    if rng.random() < 0.2:
+        return rng.choice(_POLICIES)
+    oid = _new_id(rng, used)
+    head, tail = _record(rng, oid)
+    return f"{head}{rng.choice(STATUSES)}{tail}"
+
+
+def _new_id(rng: random.Random, used: set[str]) -> str:
+    while True:
+        oid = str(rng.randint(10000, 99999))
+        if oid not in used:
+            used.add(oid)
+            return oid
+
+
+def edit_stream(rng: random.Random, initial: str, n: int) -> tuple[Turn, ...]:
+    """``n`` edits, each to a value the session has not held before (so an in-place prompt is
+    never one the server has already seen), flipping the implied decision whenever an unseen
+    value of the other kind is left (so a model that ignores the edit is visible)."""
+    if n > MAX_EDITS:
+        raise ValueError(f"at most {MAX_EDITS} edits per session (distinct values), got {n}")
+    turns, current, seen = [], initial, {initial}
+    for i in range(n):
+        want_yes = current not in REFUND_STATUSES
+        unseen = [s for s in STATUSES if s not in seen]
+        flip = [s for s in unseen if (s in REFUND_STATUSES) == want_yes]
+        new = rng.choice(flip or unseen)
+        turns.append(Turn(i, current, new))
+        seen.add(new)
+        current = new
+    return tuple(turns)
+
+
+def make_session(session_id: str, *, context_tokens: int, depth: float, edits: int,
+                 count_tokens: Callable[[str], int], seed: int = 0) -> Session:
+    """One session: at most about ``context_tokens`` tokens, the field at ``depth`` (0..1).
+
+    The context is a header naming the session (so sessions share no prefix beyond the chat
+    template), order records and policies, the binding refund policy, and the target order,
+    whose status is the field. Blocks are added until the token budget is met; the target
+    record goes where the tokens before it reach ``depth`` of the budget.
+    """
+    if context_tokens < 64:
+        raise ValueError(f"context_tokens must be at least 64, got {context_tokens}")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+    if not 1 <= edits <= MAX_EDITS:
+        raise ValueError(f"a session takes 1 to {MAX_EDITS} edits, got {edits}")
+    rng = random.Random(f"{seed}:{session_id}")
+    used: set[str] = set()
+    header = (f"Case file {session_id}. Customer-service records of an online store, followed "
+              "by its policies.\n\n")
+    order_id = _new_id(rng, used)
+    head, tail = _record(rng, order_id)
+    initial = rng.choice(sorted(STATUSES))
+    sep = "\n\n"
+    target_before = max(0, int(depth * context_tokens))
+
+    n_before = count_tokens(header)
+    head_tokens = count_tokens(head)
+    n_policy = count_tokens(DECISION_POLICY + sep)
+    before_blocks: list[str] = []
+    room = target_before - n_before - head_tokens
+    if n_policy - room <= room:
+        before_blocks.append(DECISION_POLICY)  # the binding policy first, if the depth allows
+        n_before += n_policy
+    while n_before + head_tokens < target_before:
+        block = _filler(rng, used)
+        n_block = count_tokens(block + sep)
+        gap = target_before - n_before - head_tokens
+        if n_block - gap > gap:
+            break  # adding the block would land further from the target depth
+        before_blocks.append(block)
+        n_before += n_block
+    # the binding policy goes first when the depth leaves room for it, else last
+    closing = [] if before_blocks[:1] == [DECISION_POLICY] else [DECISION_POLICY]
+    n_field = count_tokens(f"{head}{initial}{tail}{sep}")
+    n_after = sum(count_tokens(b + sep) for b in closing)
+    after_blocks: list[str] = []
+    misses = 0
+    while misses < 8:  # fill up to the budget without exceeding it
+        block = _filler(rng, used)
+        n_block = count_tokens(block + sep)
+        if n_before + n_field + n_after + n_block > context_tokens:
+            misses += 1
+            continue
+        after_blocks.append(block)
+        n_after += n_block
+    before = header + "".join(b + sep for b in before_blocks) + head
+    while True:  # block-wise counts are approximate (merges at joins): trim to the budget
+        after = tail + "".join(sep + b for b in after_blocks + closing)
+        total = count_tokens(before + initial + after)
+        if total <= context_tokens or not after_blocks:
+            break
+        after_blocks.pop()
+    depth_measured = count_tokens(before) / max(total, 1)
+    return Session(session_id=session_id, before=before, after=after, initial=initial,
+                   turns=edit_stream(rng, initial, edits), order_id=order_id,
+                   context_tokens=total, field_token_depth=depth_measured)
+
+
+def make_sessions(n: int, *, context_tokens: int, depth: float, edits: int,
+                  count_tokens: Callable[[str], int], tag: str = "run",
+                  seed: int = 0) -> list[Session]:
+    """``n`` independent sessions whose ids start with ``tag`` (one tag per benchmark run, so
+    that no run finds another run's prompts in the prefix cache)."""
+    return [make_session(f"{tag}-s{i}", context_tokens=context_tokens, depth=depth, edits=edits,
+                         count_tokens=count_tokens, seed=seed) for i in range(n)]
+
+
+def parse_decision(text: str, answers: Sequence[str] = ANSWERS) -> str | None:
+    """The first answer choice that appears in ``text`` as a word (case-insensitive)."""
+    best: tuple[int, str] | None = None
+    for answer in answers:
+        m = re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", text, flags=re.IGNORECASE)
+        if m and (best is None or m.start() < best[0]):
+            best = (m.start(), answer)
+    return best[1] if best else None
+
+
+def whitespace_tokens(text: str) -> int:
+    """A crude token count (words and punctuation) for tests and tokenizer-less use."""
+    return len(re.findall(r"\w+|[^\w\s]", text))

@@ -1,0 +1,202 @@
+"""Documents: text made of plain parts and named fields, tokenized with exact field spans.
+
+**Boundary rule.** Each part is tokenized on its own, without special tokens, and the token
+lists are joined. A field therefore owns exactly the tokens of its value, and changing a value
+changes only those tokens. The price: at a part boundary the ids may differ from tokenizing
+the joined string (BPE merges never cross a boundary). Put spaces and punctuation inside the
+parts where you want them (``"Status: "`` then ``Field("status", "pending")``); full recompute
+in kvnotes always uses the same ids, so comparisons stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
+
+if TYPE_CHECKING:  # annotations only
+    from kvnotes.core.notebook import Notebook
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """A named, editable value inside a :class:`Document`."""
+
+    name: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a field needs a name")
+
+
+Part = str | Field
+
+
+class Document:
+    """An ordered list of text parts and named :class:`Field` parts.
+
+    Example:
+        >>> doc = Document(["Order status: ", Field("status", "pending"), ".\\n"])
+        >>> doc.text
+        'Order status: pending.\\n'
+        >>> doc.with_value("status", "delivered").text
+        'Order status: delivered.\\n'
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Iterable[Part]) -> None:
+        self.parts: tuple[Part, ...] = tuple(parts)
+        names = [p.name for p in self.parts if isinstance(p, Field)]
+        if len(names) != len(set(names)):
+            raise ValueError(f"field names must be unique in a document, got {names}")
+        for p in self.parts:
+            if not isinstance(p, (str, Field)):
+                raise TypeError(f"document parts are str or Field, got {type(p).__name__}")
+
+    def __repr__(self) -> str:
+        return f"Document({list(self.parts)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Document) and self.parts == other.parts
+
+    def __hash__(self) -> int:
+        return hash(self.parts)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.value if isinstance(p, Field) else p for p in self.parts)
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return {p.name: p.value for p in self.parts if isinstance(p, Field)}
+
+    def value(self, name: str) -> str:
+        fields = self.fields
+        if name not in fields:
+            raise UnknownFieldError(
+                f"unknown field {name!r}; this document has fields: {sorted(fields)}"
+            )
+        return fields[name]
+
+    def with_value(self, name: str, value: str) -> Document:
+        """A copy with field ``name`` set to ``value`` (the error lists the known fields)."""
+        self.value(name)
+        return Document(Field(p.name, value) if isinstance(p, Field) and p.name == name else p
+                        for p in self.parts)
+
+    def tokenize(self, tokenizer: object) -> tuple[list[int], list[tuple[str, str, int, int]]]:
+        """Token ids and ``(name, kind, start, end)`` spans, per the boundary rule above."""
+        ids: list[int] = []
+        spans: list[tuple[str, str, int, int]] = []
+        text_index = 0
+        for part in self.parts:
+            text = part.value if isinstance(part, Field) else part
+            part_ids = encode(tokenizer, text) if text else []
+            if isinstance(part, Field):
+                spans.append((part.name, "field", len(ids), len(ids) + len(part_ids)))
+            elif part_ids:
+                spans.append((f"text{text_index}", "text", len(ids), len(ids) + len(part_ids)))
+                text_index += 1
+            ids.extend(part_ids)
+        if not ids:
+            raise EmptyInputError("the document has no tokens")
+        return ids, spans
+
+
+def encode(tokenizer: object, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (BOS is the engine's decision)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+
+
+def chat_turn(tokenizer: object, role: str, text: str, *, generation_prompt: bool = False) -> str:
+    """``text`` wrapped as one chat turn by the tokenizer's chat template, without any BOS.
+
+    Falls back to ``text`` unchanged for tokenizers without a chat template (base models).
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return text
+    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": role, "content": text}], tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+    rendered = _strip_added_bos(tokenizer, rendered)
+    # Some templates insert a default system turn before the first user turn; keep only ours.
+    marker = rendered.rfind(text)
+    if marker > 0 and role != "system":
+        head = rendered[:marker]
+        cut = _last_turn_start(head, role)
+        rendered = rendered[cut:]
+    return rendered
+
+
+def _last_turn_start(head: str, role: str) -> int:
+    idx = head.rfind(role)
+    if idx <= 0:
+        return 0
+    # walk back to the start of the special token that opens this turn (e.g. "<|im_start|>")
+    open_idx = head.rfind("<", 0, idx)
+    return open_idx if open_idx >= 0 else 0
+
+
+def as_parts(parts: Sequence[Part] | Document | str) -> Document:
+    if isinstance(parts, Document):
+        return parts
+    if isinstance(parts, str):
+        return Document([parts])
+    return Document(parts)
+
+
+def chat_frame(tokenizer: object) -> tuple[str, str, str]:
+    """``(head, middle, tail)``: the chat template around one system turn and one user turn.
+
+    ``head + system_text + middle + user_text + tail`` is what the template renders for a
+    system message and a user message with the assistant's turn opened. Without a chat
+    template (base models) it is a plain-text frame. BOS is left out (the engine adds it).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return "", "\n\n", "\nAnswer:"
+    s, u = "\x00SYSTEM\x00", "\x00USER\x00"
+    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        [{"role": "system", "content": s}, {"role": "user", "content": u}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    head, rest = rendered.split(s, 1)
+    middle, tail = rest.split(u, 1)
+    return _strip_added_bos(tokenizer, head), middle, tail
+
+
+def _strip_added_bos(tokenizer: object, rendered: str) -> str:
+    """Drop a leading BOS only when the tokenizer adds BOS itself (then the engine adds it).
+
+    SmolLM2's ``bos_token`` is ``<|im_start|>``, which its tokenizer never adds: there the
+    template's first token is real text and must stay.
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None or not rendered.startswith(bos):
+        return rendered
+    probe = tokenizer("a")["input_ids"]  # type: ignore[operator]
+    return rendered[len(bos):] if probe and probe[0] == bos_id else rendered
+
+
+# ---- the document a notebook remembers --------------------------------------------------------
+def document_meta(doc: Document, offset: int) -> dict[str, Any]:
+    """JSON-able record of ``doc`` prefilled with its first token at notebook index ``offset``."""
+    parts = [["field", p.name, p.value] if isinstance(p, Field) else ["text", p]
+             for p in doc.parts]
+    return {"parts": parts, "offset": int(offset)}
+
+
+def remembered_document(nb: Notebook) -> tuple[Document, int]:
+    """The document ``nb`` was prefilled from and the index of its first token."""
+    meta = nb.meta.get("document")
+    if not meta:
+        raise KvnotesError("this notebook does not remember a document, so it has no fields to "
+                           "edit; prefill a kvnotes.Document (engine.prefill(doc)) to edit fields")
+    parts = [Field(p[1], p[2]) if p[0] == "field" else p[1] for p in meta["parts"]]
+    return Document(parts), int(meta["offset"])

@@ -1,0 +1,412 @@
+"""Edit evaluation: every strategy on the task suite, measured against recompute of the new value.
+
+For each case the document is prefilled with the old value; each strategy then edits the field
+and the question is asked on top. The reference is full recompute of the edited document.
+
+Decisions without chain of thought compare the logits of the answers' first tokens at the
+decision position (the position after the question); with ``cot=True`` the model reasons
+greedily up to a budget and the answer is parsed from its text (cosine and KL are then read at
+the first generated token). A case is *sensitive* when recompute gives different decisions for
+the old and the new value; recovery rates count sensitive cases only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvnotes.core.document import Document, chat_turn
+from kvnotes.core.errors import KvnotesError
+from kvnotes.core.metrics import compare_logits
+from kvnotes.ops.decisions import decide
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
+    from kvnotes.eval.tasks import EditCase
+
+DEFAULT_STRATEGIES: tuple[str, ...] = (
+    "recompute", "prefix", "overwrite", "erratum",
+    "repair:attention:8", "repair:attention:32", "repair:attention:96",
+    "repair:kv_deviation:8", "repair:kv_deviation:32", "repair:kv_deviation:96",
+)
+ERRATUM_WORDINGS: tuple[str, ...] = ("erratum:update", "erratum:strong", "erratum:restate")
+COT_INSTRUCTION = "Think step by step, then finish with 'Final answer: <answer>'."
+
+
+def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"repair:kv_deviation:32"`` -> ``("repair", {"select": "kv_deviation", "k": 32})``;
+    ``"erratum:strong"`` -> ``("erratum", {"template": "strong"})``."""
+    from kvnotes.ops.edit import ERRATUM_TEMPLATES, SELECTORS, STRATEGIES
+
+    name, *rest = spec.split(":")
+    if name not in STRATEGIES:
+        raise KvnotesError(f"unknown strategy {spec!r}; strategies: {list(STRATEGIES)} "
+                           "(repair:<select>:<k>, erratum:<template>)")
+    if name == "repair":
+        select = rest[0] if rest else "attention"
+        if select not in SELECTORS or len(rest) > 2 or (len(rest) == 2 and not rest[1].isdigit()):
+            raise KvnotesError(f"bad repair spec {spec!r}; write "
+                               f"repair:<{'|'.join(SELECTORS)}>:<k>")
+        return name, {"select": select, "k": int(rest[1]) if len(rest) == 2 else 32}
+    if name == "erratum" and rest:
+        if rest[0] not in ERRATUM_TEMPLATES:
+            raise KvnotesError(f"unknown erratum template {rest[0]!r}; templates: "
+                               f"{sorted(ERRATUM_TEMPLATES)}")
+        return name, {"template": rest[0]}
+    if rest:
+        raise KvnotesError(f"strategy {name!r} takes no options, got {spec!r}")
+    return name, {}
+
+
+def case_prompt(engine: Engine, case: EditCase, *, cot: bool = False) -> tuple[Document, str]:
+    """The document to prefill and the query to ask for one case.
+
+    Chat models: the record is one user turn (part of the document, so edits see the same
+    frame), the question a second user turn followed by the opened assistant turn. Base models:
+    the record, then ``Question: ... Answer:``.
+    """
+    question = f"{case.question} {COT_INSTRUCTION}" if cot else case.question
+    tok = engine.tokenizer
+    if getattr(tok, "chat_template", None):
+        sentinel = "\x00RECORD\x00"
+        head, tail = chat_turn(tok, "user", sentinel).split(sentinel, 1)
+        doc = Document([head, *case.document.parts, tail])
+        return doc, chat_turn(tok, "user", question, generation_prompt=True)
+    return case.document, f"\nQuestion: {question}\n" + ("Reasoning:" if cot else "Answer:")
+
+
+def spread(cases: Sequence[EditCase], per_family: int) -> list[EditCase]:
+    """``per_family`` cases of each family, evenly spaced through it (so they cover its value
+    pairs rather than repeating the first one), taken round-robin across families (so a run
+    stopped early still covers every family)."""
+    by_family: dict[str, list[EditCase]] = {}
+    for c in cases:
+        by_family.setdefault(c.family, []).append(c)
+    picked = [[g[i * len(g) // min(per_family, len(g))] for i in range(min(per_family, len(g)))]
+              for g in by_family.values()]
+    return [g[i] for i in range(per_family) for g in picked if i < len(g)]
+
+
+def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DEFAULT_STRATEGIES,
+                  *, cot: bool = False, budget: int = 96) -> dict[str, Any]:
+    """One case: the reference decisions and one row per strategy (see module docstring)."""
+    specs = [(s, *parse_strategy(s)) for s in strategies]
+    doc, query = case_prompt(engine, case, cot=cot)
+    parse = case.parse if not cot else None
+
+    def ask(nb):  # -> Decision
+        return decide(engine, nb, query, case.answers, cot=cot, budget=budget, parse=parse)
+
+    nb_old = engine.prefill(doc)
+    d_old = ask(nb_old)
+    ref_nb, ref_report = engine.edit(nb_old, case.field, case.new_value, strategy="recompute")
+    d_new = ask(ref_nb)
+    ttft_ref = ref_report.seconds + d_new.first_seconds
+    sensitive = d_old.answer != d_new.answer
+    rows = []
+    memo: dict[Any, Any] = {}  # repair selection scores, shared by the budgets k
+    for label, name, options in specs:
+        if name == "recompute":
+            nb, report, d = ref_nb, ref_report, d_new
+        else:
+            if name == "repair":
+                options = {**options, "memo": memo}
+            nb, report = engine.edit(nb_old, case.field, case.new_value, strategy=name, **options)
+            d = ask(nb)
+        cmp = compare_logits(d_new.logits, d.logits)
+        ttft = report.seconds + d.first_seconds
+        rows.append({
+            "strategy": label, "family": case.family, "case_id": case.case_id,
+            "decision": d.answer, "identical": d.answer == d_new.answer, "sensitive": sensitive,
+            "recovered": sensitive and d.answer == d_new.answer,
+            "cosine": cmp.cosine, "kl": cmp.kl, "top1_agree": cmp.top1_agree,
+            "margin": _margin(d.answer_logits, case.answers, d_new.answer),
+            "tokens_total": report.tokens_total, "tokens_recomputed": report.tokens_recomputed,
+            "tokens_appended": report.tokens_appended, "compute_fraction": report.compute_fraction,
+            "select_tokens": report.select_tokens, "seconds": report.seconds,
+            "ttft": ttft, "ttft_ratio": ttft / ttft_ref if ttft_ref else float("nan"),
+            "text": d.text,
+        })
+    return {
+        "case_id": case.case_id, "family": case.family, "field": case.field,
+        "old_value": case.old_value, "new_value": case.new_value,
+        "decision_old": d_old.answer, "decision_new": d_new.answer,
+        "expected_old": case.expected_old, "expected_new": case.expected_new,
+        "sensitive": sensitive, "tokens": len(ref_nb),
+        "answer_logits_old": list(d_old.answer_logits),
+        "answer_logits_new": list(d_new.answer_logits),
+        "answers": list(case.answers), "text_old": d_old.text, "text_new": d_new.text,
+        "rows": rows,
+    }
+
+
+def _margin(scores: Sequence[float], answers: Sequence[str], target: str | None) -> float:
+    """Logit of recompute(new)'s answer minus the best other answer (first tokens)."""
+    if target is None or target not in answers:
+        return float("nan")
+    i = list(answers).index(target)
+    others = [s for j, s in enumerate(scores) if j != i]
+    return scores[i] - max(others) if others else float("nan")
+
+
+def run_suite(engine: Engine, cases: Iterable[EditCase],
+              strategies: Sequence[str] = DEFAULT_STRATEGIES, *, cot: bool = False,
+              budget: int = 96, progress: Callable[[int, int], None] | None = None,
+              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Evaluate every case and aggregate per strategy and per family.
+
+    ``checkpoint`` is called with the aggregate so far after every case (to write partial
+    results during long runs).
+    """
+    cases = list(cases)
+    for s in strategies:
+        parse_strategy(s)
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    for i, case in enumerate(cases):
+        results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget))
+        if progress:
+            progress(i + 1, len(cases))
+        if checkpoint and i + 1 < len(cases):
+            checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases)))
+    return _summary(engine, results, strategies, cot, budget, t0, len(cases))
+
+
+def _summary(engine: Engine, results: list[dict[str, Any]], strategies: Sequence[str],
+             cot: bool, budget: int, t0: float, planned: int) -> dict[str, Any]:
+    return {
+        "model": engine.name, "cot": cot, "budget": budget if cot else None,
+        "strategies": list(strategies), "n_cases": len(results), "n_planned": planned,
+        "n_sensitive": sum(r["sensitive"] for r in results),
+        "recompute_matches_expected": {
+            "old": sum(r["decision_old"] == r["expected_old"] for r in results),
+            "new": sum(r["decision_new"] == r["expected_new"] for r in results),
+        },
+        "seconds": time.perf_counter() - t0,
+        "per_strategy": aggregate(results, strategies),
+        "per_family": {fam: aggregate([r for r in results if r["family"] == fam], strategies)
+                       for fam in sorted({r["family"] for r in results})},
+        "cases": results,
+    }
+
+
+def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[str, Any]:
+    """Per-strategy summary over case results."""
+    out = {}
+    for s in strategies:
+        rows = [row for r in results for row in r["rows"] if row["strategy"] == s]
+        if not rows:
+            continue
+        sens = [row for row in rows if row["sensitive"]]
+        effects = [e for r in results if (e := _effect(r, s)) is not None]
+        intended = [row["decision"] == r["expected_new"] for r in results for row in r["rows"]
+                    if row["strategy"] == s and r.get("expected_new") is not None]
+        out[s] = {
+            "n": len(rows),
+            "n_field_moved": len(effects),
+            "intended_new": _mean(intended) if intended else None,
+            "effect_median": statistics.median(effects) if effects else None,
+            "identity": _mean(row["identical"] for row in rows),
+            "flips": sum(not row["identical"] for row in rows),
+            "n_sensitive": len(sens),
+            "recovery": _mean(row["identical"] for row in sens) if sens else None,
+            "cosine_mean": _mean(row["cosine"] for row in rows),
+            "cosine_median": statistics.median(row["cosine"] for row in rows),
+            "kl_mean": _mean(row["kl"] for row in rows),
+            "kl_median": statistics.median(row["kl"] for row in rows),
+            "top1_agree": _mean(row["top1_agree"] for row in rows),
+            "compute_fraction": _mean(row["compute_fraction"] for row in rows),
+            "select_fraction": _mean(row["select_tokens"] / row["tokens_total"] for row in rows),
+            "ttft_ratio_median": statistics.median(row["ttft_ratio"] for row in rows),
+        }
+    return out
+
+
+MIN_FIELD_EFFECT = 1.0  # logits: below this the field barely moves the decision (DESIGN.md)
+
+
+def _effect(case: dict[str, Any], strategy: str) -> float | None:
+    """Normalized effect of one strategy on one case, or None when the field barely moves it.
+
+    With m the first-token logit margin of recompute(new)'s answer over the best other answer:
+    (m_strategy - m_old) / (m_new - m_old); 1 = moved as far as recompute, 0 = still the old
+    value. Only cases where |m_new - m_old| >= MIN_FIELD_EFFECT count.
+    """
+    answers = case.get("answers") or _suite_answers().get(case["case_id"])
+    row = next((r for r in case["rows"] if r["strategy"] == strategy), None)
+    if not answers or row is None:
+        return None
+    m_old = _margin(case["answer_logits_old"], answers, case["decision_new"])
+    m_new = _margin(case["answer_logits_new"], answers, case["decision_new"])
+    if not abs(m_new - m_old) >= MIN_FIELD_EFFECT:
+        return None
+    return (row["margin"] - m_old) / (m_new - m_old)
+
+
+def _suite_answers() -> dict[str, list[str]]:
+    from kvnotes.eval.tasks import load_suite
+
+    return {c.case_id: list(c.answers) for c in load_suite()}
+
+
+def _mean(values: Iterable[float]) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else float("nan")
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def strategy_table(per_strategy: dict[str, Any]) -> list[str]:
+    """Markdown table rows for a per-strategy aggregate."""
+    lines = ["| strategy | identity | flips | recovery (sensitive) | logit cos (mean) "
+             "| KL (median) | top-1 | normalized effect (median, n) | intended (new) "
+             "| compute frac | selection frac | TTFT ratio (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, a in per_strategy.items():
+        rec = (f"{a['recovery']:.3f} ({a['n_sensitive']})" if a["recovery"] is not None
+               else "– (0)")
+        eff = (f"{a['effect_median']:.2f} ({a['n_field_moved']})"
+               if a.get("effect_median") is not None else "– (0)")
+        lines.append(f"| {s} | {a['identity']:.3f} | {a['flips']}/{a['n']} | {rec} | "
+                     f"{a['cosine_mean']:.4f} | {a['kl_median']:.4f} | {a['top1_agree']:.3f} | "
+                     f"{eff} | {_fmt(a.get('intended_new'))} | {a['compute_fraction']:.3f} | "
+                     f"{a['select_fraction']:.3f} | "
+                     f"{a['ttft_ratio_median']:.3f} |")
+    return lines
+
+
+def family_table(result: dict[str, Any]) -> list[str]:
+    """Markdown: recovery on sensitive cases (and sensitive count) per family and strategy."""
+    strategies = result["strategies"]
+    lines = ["| family | sensitive | " + " | ".join(strategies) + " |",
+             "|---|---|" + "---|" * len(strategies)]
+    for fam, agg in result["per_family"].items():
+        first = next(iter(agg.values()))
+        cells = []
+        for s in strategies:
+            a = agg.get(s)
+            cells.append("–" if a is None or a["recovery"] is None
+                         else f"{a['recovery']:.2f} / {a['identity']:.2f}")
+        lines.append(f"| {fam} | {first['n_sensitive']}/{first['n']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """``results.json``, ``report.md`` and ``edit.png`` in ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "report": out / "report.md", "chart": out / "edit.png"}
+    paths["json"].write_text(json.dumps(result, indent=1, default=str))
+    plot(result, paths["chart"])
+    expected = result["recompute_matches_expected"]
+    n = result["n_cases"]
+    lines = [
+        f"# Edit evaluation: {result['model']}",
+        "",
+        *([f"**Partial: {n} of {result['n_planned']} cases done.**", ""]
+          if result.get("n_planned", n) != n else []),
+        f"{n} cases, {result['n_sensitive']} sensitive (recompute decides differently for the old "
+        f"and the new value). Recompute(old) matches the task author's intended answer in "
+        f"{expected['old']}/{n} cases, recompute(new) in {expected['new']}/{n}.",
+        "",
+        ("Decisions: chain of thought, greedy up to "
+         f"{result['budget']} tokens, answer parsed from the text; cosine/KL at the first "
+         "generated token." if result["cot"] else
+         "Decisions: no chain of thought; the answer whose first token has the highest logit at "
+         "the decision position (after the question). Cosine and KL compare the full next-token "
+         "logits there with recompute of the new value."),
+        "",
+        "Identity: decision equal to recompute(new), over all cases. Recovery: the same over "
+        "sensitive cases only (count in brackets). Compute fraction: tokens computed (recomputed "
+        "+ appended) / tokens a full recompute computes. Selection fraction: token-equivalent "
+        "work to choose repair tokens (kv_deviation: an early-layer pass; attention: an "
+        "instrumented pass standing in for statistics recorded at prefill). TTFT ratio: (edit + "
+        "question forward) / (recompute + question forward), wall clock on this machine. "
+        "Normalized effect: with m the first-token logit margin of recompute(new)'s answer over "
+        "the best other answer, (m_strategy - m_old) / (m_new - m_old), median over the cases "
+        f"where the field moves m by at least {MIN_FIELD_EFFECT:g} logit (count in brackets); "
+        "1 = as far as recompute, 0 = still the old value. Intended (new): decision equal to "
+        "the answer the task author intends for the new value (the model's competence, not "
+        "fidelity to recompute).",
+        "",
+        "## Per strategy",
+        "",
+        *strategy_table(result["per_strategy"]),
+        "",
+        "## Per family (recovery on sensitive / identity on all)",
+        "",
+        *family_table(result),
+        "",
+        f"![edit strategies]({paths['chart'].name})",
+        "",
+        f"Wall time: {result['seconds']:.0f} s.",
+        "",
+    ]
+    paths["report"].write_text("\n".join(lines))
+    return paths
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Bar chart: recovery on sensitive cases and compute fraction per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = result["per_strategy"]
+    names = list(agg)
+    recovery = [agg[s]["recovery"] if agg[s]["recovery"] is not None else 0.0 for s in names]
+    identity = [agg[s]["identity"] for s in names]
+    compute = [agg[s]["compute_fraction"] for s in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.2))
+    x = range(len(names))
+    w = 0.28
+    ax.bar([i - w for i in x], recovery, w,
+           label=f"recovery (sensitive, n={result['n_sensitive']})")
+    ax.bar(list(x), identity, w, label="identity (all cases)")
+    ax.bar([i + w for i in x], compute, w, label="compute fraction")
+    ax.set_xticks(list(x), names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"edit strategies vs recompute: {result['model']}"
+                 + (" (CoT)" if result["cot"] else ""))
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rewrite_report(folder: str | Path) -> dict[str, Path]:
+    """Re-aggregate ``folder/results.json`` and write the report and chart again (after the
+    metrics or tables change, without re-running the models)."""
+    folder = Path(folder)
+    result = json.loads((folder / "results.json").read_text())
+    strategies = result["strategies"]
+    result["per_strategy"] = aggregate(result["cases"], strategies)
+    result["per_family"] = {fam: aggregate([r for r in result["cases"] if r["family"] == fam],
+                                           strategies)
+                            for fam in sorted({r["family"] for r in result["cases"]})}
+    return write_outputs(result, folder)
+
+
+def compare_strategies(engine: Engine, case: Any, strategies: Sequence[str] | None = None, *,
+                       cot: bool = False) -> list[dict[str, Any]]:
+    """Every strategy on one :class:`~kvnotes.eval.tasks.EditCase`, side by side (for the demo).
+
+    Rows: strategy, decision, identical (to recompute of the new value), logit cosine, KL,
+    tokens recomputed, compute fraction, seconds. See :mod:`kvnotes.eval.edit_suite`.
+    """
+    result = evaluate_case(engine, case, strategies or DEFAULT_STRATEGIES, cot=cot)
+    keys = ("strategy", "decision", "identical", "cosine", "kl", "tokens_recomputed",
+            "compute_fraction", "seconds")
+    return [{k: row[k] for k in keys} for row in result["rows"]]

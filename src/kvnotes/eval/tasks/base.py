@@ -1,0 +1,64 @@
+"""The edit case type and the family registry of the task suite.
+
+Each :class:`EditCase` is a realistic context (a record, a policy, a few hundred tokens) with
+one named field early on, an old and a new value, a question and the answer choices the
+decision parses to. The families live in their own modules and register in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvnotes.core.document import Document
+
+
+@dataclass(frozen=True)
+class EditCase:
+    """One field edit with a decision question.
+
+    ``document`` holds the field at its *old* value. ``question`` is appended after the
+    document (for chat models the evaluator wraps context and question in the chat template).
+    ``answers`` are the decision choices; :meth:`parse` maps model text to one of them.
+    """
+
+    family: str
+    case_id: str
+    document: Document
+    field: str
+    old_value: str
+    new_value: str
+    question: str
+    answers: tuple[str, ...]
+    expected_old: str | None = None  # the decision the task author intends for the old value
+    expected_new: str | None = None
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.document.value(self.field) != self.old_value:
+            raise ValueError(f"{self.case_id}: document holds {self.document.value(self.field)!r}"
+                             f" for {self.field!r}, not the old value {self.old_value!r}")
+
+    @property
+    def new_document(self) -> Document:
+        return self.document.with_value(self.field, self.new_value)
+
+    def parse(self, text: str) -> str | None:
+        """The first answer choice that appears in ``text`` as a word (case-insensitive)."""
+        best: tuple[int, str] | None = None
+        for answer in self.answers:
+            m = re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", text, flags=re.IGNORECASE)
+            if m and (best is None or m.start() < best[0]):
+                best = (m.start(), answer)
+        return best[1] if best else None
+
+
+# family name -> zero-argument function returning that family's cases
+FAMILIES: dict[str, object] = {}
+
+
+def register_family(name: str):
+    def wrap(fn):
+        FAMILIES[name] = fn
+        return fn
+    return wrap

@@ -1,0 +1,205 @@
+"""Notes tracing over a task suite: one :func:`kvnotes.ops.trace.trace` per case, then aggregates.
+
+**Decision position.** Each :class:`~kvnotes.eval.tasks.EditCase` becomes a document and a query
+(:func:`case_inputs`). With a chat template (SmolLM2-Instruct) the document sits inside the
+user turn, and the query is the rest of that turn (the question), the assistant prefix
+``<|im_start|>assistant\\n`` and a started reply ``Answer:``. Without it the chat model's first
+word is mostly a preamble ("The capital of ... is"), so its first-token logits say little about
+the decision (SmolLM2, capital recall: |m_new - m_old| 0.3-2.8 at the bare assistant prefix,
+5.4-5.5 after ``Answer:``). Without a chat template (Gemma 3 base) the query is
+``"\\n\\n" + question + "\\nAnswer:"``. Either way the decision position is the token after
+``Answer:``; answers are put in sentence case (``yes`` -> ``Yes``) with a leading space, and the
+metric is the logit difference of their first tokens (new answer minus old answer).
+
+**Aggregates.** Cases whose old/new values differ in token length, or whose answers share a
+first token, are skipped and counted. Cases with ``|m_new - m_old| < min_denominator`` are
+*insensitive*: their ratios are noise, so they are counted but kept out of every mean. Means
+come with percentile bootstrap confidence intervals over cases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvnotes.core.document import Document, chat_turn
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import KvnotesError
+from kvnotes.eval.tasks import EditCase
+from kvnotes.ops.trace import TraceLengthError, TraceOptions, TraceResult, _finite, trace
+
+_MARK = "\u2063KVNOTES-DOCUMENT\u2063"
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A mean over cases with its percentile bootstrap confidence interval."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    def __str__(self) -> str:
+        if self.n == 0:
+            return "n/a"
+        return f"{self.mean:.2f} [{self.lo:.2f}, {self.hi:.2f}]"
+
+
+def bootstrap_mean(values: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
+                   seed: int = 0) -> Estimate:
+    """Mean of ``values`` and a percentile bootstrap CI (NaN values are dropped)."""
+    x = np.asarray([v for v in values if v == v], dtype=float)
+    if x.size == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return Estimate(float(x.mean()), float(lo), float(hi), int(x.size))
+
+
+@dataclass(frozen=True, slots=True)
+class CaseTrace:
+    """One case of the suite: its trace, or why it was skipped."""
+
+    family: str
+    case_id: str
+    status: str  # "traced" | "skipped"
+    reason: str = ""
+    seconds: float = 0.0
+    result: TraceResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "result"}
+        d["result"] = self.result.to_dict() if self.result else None
+        return _finite(d)
+
+
+def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[str, str]]:
+    """``(document, query, (new_answer, old_answer))`` for one case (see the module docstring)."""
+    if case.expected_old is None or case.expected_new is None:
+        raise KvnotesError(f"{case.case_id}: tracing needs expected_old and expected_new answers")
+    if getattr(engine.tokenizer, "chat_template", None):
+        rendered = chat_turn(engine.tokenizer, "user", f"{_MARK}\n\n{case.question}",
+                             generation_prompt=True)
+        head, query = rendered.split(_MARK, 1)
+        query += "Answer:"
+        doc = Document([head, *case.document.parts]) if head else case.document
+    else:
+        doc, query = case.document, f"\n\n{case.question}\nAnswer:"
+    return doc, query, (_sentence(case.expected_new), _sentence(case.expected_old))
+
+
+def _sentence(answer: str) -> str:
+    return answer[:1].upper() + answer[1:]
+
+
+def trace_cases(engine: Engine, cases: Sequence[EditCase], options: TraceOptions | None = None,
+                *, progress: Callable[[CaseTrace], None] | None = None) -> list[CaseTrace]:
+    """Trace every case; unequal token lengths and indistinguishable answers are skipped."""
+    out = []
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            doc, query, answers = case_inputs(engine, case)
+            if answers[0] == answers[1]:
+                raise KvnotesError("old and new values lead to the same answer")
+            result = trace(engine, doc, field=case.field, new_value=case.new_value, query=query,
+                           answers=answers, options=options)
+            item = CaseTrace(case.family, case.case_id, "traced",
+                             seconds=time.perf_counter() - t0, result=result)
+        except TraceLengthError as err:
+            item = CaseTrace(case.family, case.case_id, "skipped", f"unequal length: {err}")
+        except KvnotesError as err:
+            item = CaseTrace(case.family, case.case_id, "skipped", str(err))
+        out.append(item)
+        if progress:
+            progress(item)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySummary:
+    """Share of the decision carried by the field KV vs the notes, over one family's cases."""
+
+    family: str
+    n_cases: int
+    n_skipped_length: int
+    n_skipped_other: int
+    n_insensitive: int  # traced, |m_new - m_old| < min_denominator: kept out of the means
+    n_sensitive: int
+    n_flips: int  # sensitive cases whose preferred answer flips between old and new runs
+    median_abs_denominator: float
+    field: Estimate  # denoising: new field KV in the old notebook
+    notes: Estimate  # denoising: new notes, old field KV
+    noising_field: Estimate  # share lost when only the field is reverted
+    noising_notes: Estimate  # share lost when only the notes are reverted
+    field_by_layer: list[float] = field(default_factory=list)  # denoising means
+    notes_by_layer: list[float] = field(default_factory=list)
+    notes_by_position: list[float] = field(default_factory=list)  # denoising, binned positions
+    grid: list[list[float]] = field(default_factory=list)  # denoising mean grid
+    noising_grid: list[list[float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _finite(asdict(self))
+
+
+def summarize(traces: Sequence[CaseTrace], *, min_denominator: float = 1.0, n_boot: int = 2000,
+              seed: int = 0, families: Sequence[str] = ()) -> list[FamilySummary]:
+    """One :class:`FamilySummary` per family (in first-seen order), then ``"all"``.
+
+    ``families`` names families to list even when none of their cases was traced.
+    """
+    families = list(dict.fromkeys([*families, *(t.family for t in traces)]))
+    rows = [_summary(f, [t for t in traces if t.family == f], min_denominator, n_boot, seed)
+            for f in families]
+    if len(families) > 1:
+        rows.append(_summary("all", list(traces), min_denominator, n_boot, seed))
+    return rows
+
+
+def _summary(family: str, traces: list[CaseTrace], min_denominator: float, n_boot: int,
+             seed: int) -> FamilySummary:
+    traced = [t.result for t in traces if t.result is not None]
+    sens = [r for r in traced if abs(r.denominator) >= min_denominator]
+    den = [r.denoising for r in sens if r.denoising is not None]
+    noi = [r.noising for r in sens if r.noising is not None]
+
+    def est(xs: list[float]) -> Estimate:
+        return bootstrap_mean(xs, n_boot=n_boot, seed=seed)
+
+    return FamilySummary(
+        family=family, n_cases=len(traces),
+        n_skipped_length=sum(t.reason.startswith("unequal length") for t in traces),
+        n_skipped_other=sum(t.status == "skipped" and not t.reason.startswith("unequal length")
+                            for t in traces),
+        n_insensitive=len(traced) - len(sens), n_sensitive=len(sens),
+        n_flips=sum(r.flips for r in sens),
+        median_abs_denominator=float(np.median([abs(r.denominator) for r in traced]))
+        if traced else float("nan"),
+        field=est([e.field for e in den]), notes=est([e.notes for e in den]),
+        noising_field=est([e.field for e in noi]), noising_notes=est([e.notes for e in noi]),
+        field_by_layer=_mean_rows([e.field_by_layer for e in den]),
+        notes_by_layer=_mean_rows([e.notes_by_layer for e in den]),
+        notes_by_position=_mean_rows([e.notes_by_position for e in den]),
+        grid=_mean_grid([e.grid for e in den]), noising_grid=_mean_grid([e.grid for e in noi]),
+    )
+
+
+def _mean_rows(rows: list[list[float]]) -> list[float]:
+    rows = [r for r in rows if r]
+    if not rows or len({len(r) for r in rows}) != 1:
+        return []
+    return [float(v) for v in np.nanmean(np.asarray(rows, dtype=float), axis=0)]
+
+
+def _mean_grid(grids: list[list[list[float]]]) -> list[list[float]]:
+    grids = [g for g in grids if g]
+    if not grids or len({np.shape(g) for g in grids}) != 1:
+        return []
+    return np.nanmean(np.asarray(grids, dtype=float), axis=0).tolist()
