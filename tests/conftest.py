@@ -1,7 +1,10 @@
 """Shared fixtures: tiny random models (fast tier) and the bundled real models (loaded once).
 
-Tiny models use the real SmolLM2 tokenizer when it is available (so text looks like text);
-real-model fixtures are session-scoped: each real model loads once per test session.
+Tiny models use the real SmolLM2 tokenizer (so text looks like text), read without the model's
+weights: from the converted folder when there is one, else from the GGUF's tokenizer metadata
+(no conversion). Real-model fixtures are session-scoped: each real model loads once per test
+session, and every test that uses one is marked ``real`` here, so ``-m "not real"`` (``make
+test-fast``) never loads or converts a real model.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import kvnotes
-from kvnotes.core.models import kvnotes_home, resolve
+from kvnotes.core.models import BUNDLED, kvnotes_home
+
+REAL_FIXTURES = {"smollm2", "gemma3", "real_engine"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
 
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -32,9 +43,14 @@ TINY_EXTRAS: dict[str, dict] = {
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The real SmolLM2 tokenizer (a byte-level BPE with no BOS added by default)."""
-    folder = resolve("smollm2-135m")
-    return AutoTokenizer.from_pretrained(folder)
+    """The real SmolLM2 tokenizer (a byte-level BPE with no BOS added by default), read
+    without the model weights."""
+    converted = kvnotes_home() / "models" / "smollm2-135m"
+    if (converted / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(converted)
+    gguf = BUNDLED["smollm2-135m"].locate_gguf()
+    # gguf_file with a tokenizer class reads only the vocabulary metadata, no tensors
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def make_tiny_model(model_type: str, tokenizer, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -1,8 +1,9 @@
 """The Engine: one model, its tokenizer and its position adapter, and the verbs over notebooks.
 
-Reads like a small inference stack: ``_run`` feeds tokens on top of a notebook and returns the
-longer notebook plus the last logits; everything else (prefill, extend, compile, compose,
-next_logits, generate) is a few lines over it.
+Reads like a small inference stack: :meth:`Engine.forward` feeds tokens on top of a notebook and
+returns the longer notebook plus the last logits (it is the only place the model is called);
+everything else (prefill, extend, compile, compose, next_logits, greedy) is a few lines over it,
+and :meth:`Engine.continue_greedy` is the one decode loop.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from kvnotes.core.cache import build_cache
 from kvnotes.core.document import Document, document_meta, encode
-from kvnotes.core.errors import EmptyInputError, KvnotesError
+from kvnotes.core.errors import EmptyInputError, KvnotesError, PositionError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import LayerKV, Notebook, Span
 from kvnotes.core.positions import adapter_for
@@ -33,6 +34,15 @@ class Generation:
     token_ids: list[int]
     notebook: Notebook
     first_logits: torch.Tensor  # FloatTensor[vocab] at the first generated position
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One forward: the longer notebook, the last fed token's logits and the raw model output."""
+
+    notebook: Notebook
+    logits: torch.Tensor  # FloatTensor[vocab] after the last fed token
+    output: Any  # the model's output (``.attentions`` when asked for)
 
 
 class Engine:
@@ -58,7 +68,7 @@ class Engine:
         # BOS rule: a notebook starts with BOS exactly when tokenizer(text) would add one.
         self.bos_id: int | None = bos if bos is not None and probe and probe[0] == bos else None
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any, *, name: str | None = None) -> Engine:
@@ -111,39 +121,123 @@ class Engine:
         return Notebook((), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
                         (), self.adapter, self.fingerprint, origin=start)
 
-    @torch.inference_mode()
-    def _forward(self, nb: Notebook, ids: Sequence[int], **model_kwargs: Any
-                 ) -> tuple[Any, DynamicCache, torch.Tensor]:
-        """The one forward: ``ids`` on top of ``nb`` -> (model output, filled cache, positions).
+    def forward(self, nb: Notebook, ids: Sequence[int] | torch.Tensor, *,
+                spans: Sequence[Span] = (), positions: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attentions: bool = False,
+                **model_kwargs: Any) -> Step:
+        """The one forward: feed ``ids`` on top of ``nb`` -> the longer notebook and the logits.
 
-        Extra keyword arguments go to the model (e.g. ``output_attentions``).
+        Args:
+            nb: the notes the new tokens attend to (never changed).
+            ids: token ids to feed; ``spans`` name ranges of them (indices relative to ``ids``).
+            positions: LongTensor[q], the bookkeeping position of each new token (default: the
+                next ``q`` positions after ``nb``).
+            position_ids: what the model's forward takes as ``position_ids`` when it is not
+                ``adapter.position_ids(positions)`` (M-RoPE's three axes per token, [3, 1, q]).
+            attentions: also return attention weights (``step.output.attentions``); runs the
+                model with eager attention for this call.
+            model_kwargs: more inputs for the model (``pixel_values``, ...).
+
+        Raises:
+            NotebookMismatchError: ``nb`` was written by another model.
+            PositionError: a position is negative, before ``nb``'s end or past the maximum.
         """
+        ids = [int(i) for i in (ids.reshape(-1).tolist() if isinstance(ids, torch.Tensor) else ids)]
+        if not ids:
+            raise EmptyInputError("forward needs at least one token")
         nb.check_same_model(self.fingerprint, what="extend a notebook with")
-        positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
+        if positions is None:
+            positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
+        positions = positions.to(torch.long).reshape(-1)
+        if positions.numel() != len(ids):
+            raise ValueError(f"{positions.numel()} positions for {len(ids)} tokens")
         self.adapter.check_positions(positions)
-        cache = nb.to_cache()
-        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self._keeps_logits else {}
-        out = self.model(
-            input_ids=torch.tensor([list(ids)], device=self.device),  # [1, q]
-            position_ids=self.adapter.position_ids(positions).to(self.device),
-            cache=cache, use_cache=True, **kwargs, **model_kwargs,
-        )
-        return out, cache, positions
-
-    def _run(self, nb: Notebook, ids: Sequence[int], spans: Sequence[Span] = ()
-             ) -> tuple[Notebook, torch.Tensor]:
-        """Feed ``ids`` on top of ``nb``: the longer notebook and the last token's logits."""
-        out, cache, positions = self._forward(nb, ids)
+        if len(nb) and int(positions.min()) < nb.next_position:
+            raise PositionError(f"new tokens at position {int(positions.min())} would sit before "
+                                f"the notebook's end ({nb.next_position}); feed them after it")
+        if position_ids is None:
+            position_ids = self.adapter.position_ids(positions)
+        else:
+            self.adapter.check_positions(position_ids.reshape(-1))
+        cache = build_cache([nb])
+        out = self._call(cache, [ids], position_ids, attentions=attentions, **model_kwargs)
         layers = tuple(LayerKV(layer.keys, layer.values) for layer in cache.layers)
         offset = len(nb)
         longer = Notebook(
             layers=layers,
-            token_ids=torch.cat([nb.token_ids, torch.tensor(list(ids), dtype=torch.long)]),
+            token_ids=torch.cat([nb.token_ids, torch.tensor(ids, dtype=torch.long)]),
             positions=torch.cat([nb.positions, positions]),
             spans=[*nb.spans, *(s.moved(offset) for s in spans)],
-            adapter=self.adapter, fingerprint=self.fingerprint, meta=nb.meta, origin=nb._origin,
+            adapter=self.adapter, fingerprint=self.fingerprint, meta=nb.meta, origin=nb.origin,
         )
-        return longer, out.logits[0, -1].float()
+        return Step(longer, out.logits[0, -1].float(), out)
+
+    def forward_batch(self, notebooks: Sequence[Notebook], ids: Sequence[int]) -> torch.Tensor:
+        """FloatTensor[b, vocab]: the logits after ``ids`` on top of each notebook, in one forward.
+
+        The notebooks must line up (same length and positions), as patching's hybrids do; each
+        row equals :meth:`forward` on that notebook up to float error.
+        """
+        if not notebooks:
+            raise EmptyInputError("forward_batch needs at least one notebook")
+        first = notebooks[0]
+        for nb in notebooks:
+            nb.check_same_model(self.fingerprint, what="extend a notebook with")
+            if len(nb) != len(first) or not torch.equal(nb.positions, first.positions):
+                raise KvnotesError("forward_batch needs notebooks of equal length and positions")
+        ids = [int(i) for i in ids]
+        positions = torch.arange(first.next_position, first.next_position + len(ids))  # [q]
+        self.adapter.check_positions(positions)
+        pos = self.adapter.position_ids(positions)  # [..., 1, q]
+        b = len(notebooks)
+        out = self._call(build_cache(notebooks), [ids] * b,
+                         pos.expand(*pos.shape[:-2], b, pos.shape[-1]))
+        return out.logits[:, -1].float()  # [b, vocab]
+
+    def layer_notes(self, nb: Notebook, ids: Sequence[int], layer: int) -> LayerKV:
+        """The notes ``ids`` write at ``layer`` when fed on top of ``nb``.
+
+        The forward stops once ``layer`` has written them, so it costs ``(layer + 1) /
+        num_layers`` of a full one. Returns the new tokens' keys and values only.
+        """
+        blocks = decoder_layers(self.model)
+        if not 0 <= layer < len(blocks):
+            raise ValueError(f"layer must be in 0..{len(blocks) - 1}, got {layer}")
+        ids = [int(i) for i in ids]
+        nb.check_same_model(self.fingerprint, what="extend a notebook with")
+        positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
+        self.adapter.check_positions(positions)
+        cache = build_cache([nb])  # filled layer by layer until the forward stops
+        handle = (blocks[layer + 1].register_forward_pre_hook(_raise_stop)
+                  if layer + 1 < len(blocks) else None)
+        try:
+            self._call(cache, [ids], self.adapter.position_ids(positions))
+        except _Stop:
+            pass
+        finally:
+            if handle is not None:
+                handle.remove()
+        hf = cache.layers[layer]
+        return LayerKV(hf.keys[..., len(nb):, :], hf.values[..., len(nb):, :])
+
+    @torch.inference_mode()
+    def _call(self, cache: Any, ids: list[list[int]], position_ids: torch.Tensor, *,
+              attentions: bool = False, **model_kwargs: Any) -> Any:
+        """The model call itself (the only one in kvnotes); checks are the callers' job."""
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.keeps_logits else {}
+        kwargs.update(model_kwargs)
+        previous = None
+        if attentions:  # attention weights exist only in the eager implementation
+            previous = self.model.config._attn_implementation
+            self.model.set_attn_implementation("eager")
+            kwargs["output_attentions"] = True
+        try:
+            return self.model(input_ids=torch.tensor(ids, device=self.device),  # [b, q]
+                              position_ids=position_ids.to(self.device),
+                              cache=cache, use_cache=True, **kwargs)
+        finally:
+            if previous is not None:
+                self.model.set_attn_implementation(previous)
 
     # ---- notebooks from text ----------------------------------------------------------------
     def prefill(self, x: TokenInput, start: int = 0, *, bos: bool | None = None,
@@ -156,7 +250,7 @@ class Engine:
         from a document remembers it (``nb.meta["document"]``) so its fields can be edited.
         """
         ids, spans = self.tokens_of(x, bos=bos, kind=kind, name=name)
-        nb = self._run(self.empty(start), ids, spans)[0]
+        nb = self.forward(self.empty(start), ids, spans=spans).notebook
         if isinstance(x, Document):
             offset = spans[0].end if spans and spans[0].name == "bos" else 0
             nb = nb.with_meta(document=document_meta(x, offset))
@@ -166,7 +260,7 @@ class Engine:
                name: str = "text") -> Notebook:
         """Prefill ``x`` on top of ``nb`` (it attends to every note before it); never adds BOS."""
         ids, spans = self.tokens_of(x, bos=False, kind=kind, name=name)
-        return self._run(nb, ids, spans)[0]
+        return self.forward(nb, ids, spans=spans).notebook
 
     def compile(self, text: str, *, name: str = "skill", anchor: str = "auto") -> Notebook:
         """Compile a skill: ``text`` prefilled alone, ready to be spliced anywhere.
@@ -186,9 +280,9 @@ class Engine:
             bos = self.bos_id if self.bos_id is not None else self.tokenizer.bos_token_id
             if bos is None:
                 raise KvnotesError("anchor='bos' needs a tokenizer with a BOS token")
-            nb = self._run(self.empty(0), [bos, *ids])[0].slice(1)
+            nb = self.forward(self.empty(0), [bos, *ids]).notebook.slice(1)
         else:
-            nb = self._run(self.empty(0), ids)[0]
+            nb = self.forward(self.empty(0), ids).notebook
         return nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
             kind="skill", name=name, anchor=anchor)
 
@@ -206,7 +300,7 @@ class Engine:
         reused = computed = 0
         for i, part in enumerate(parts):
             if not len(nb) and self.adds_bos:
-                nb = self._run(nb, [self.bos_id], [Span("bos", "text", 0, 1)])[0]  # type: ignore[list-item]
+                nb = self.forward(nb, [self.bos_id], spans=[Span("bos", "text", 0, 1)]).notebook  # type: ignore[list-item]
                 computed += 1
             if isinstance(part, Notebook):
                 part.check_same_model(self.fingerprint, what="splice a skill into")
@@ -219,7 +313,7 @@ class Engine:
                 if isinstance(part, Document):
                     spans = [s if s.kind == "field" else Span(f"part{i}.{s.name}", s.kind, s.start,
                                                              s.end) for s in spans]
-                nb = self._run(nb, ids, spans)[0]
+                nb = self.forward(nb, ids, spans=spans).notebook
                 computed += len(ids)
             else:
                 raise TypeError(f"compose parts are str, Document or Notebook, got {type(part)}")
@@ -232,14 +326,17 @@ class Engine:
         With no query, the logits after the notebook's own last token (that token is fed again
         on top of the rest, which gives exactly the prefill's logits).
         """
+        return self._feed_query(nb, query).logits
+
+    def _feed_query(self, nb: Notebook, query: TokenInput | None) -> Step:
         if query is None or (isinstance(query, str) and not query):
             if not len(nb):
                 raise EmptyInputError("an empty notebook has no next-token logits; give a query")
-            return self._run(nb.slice(0, len(nb) - 1), [int(nb.token_ids[-1])])[1]
+            last = nb.slice(0, len(nb) - 1)
+            return self.forward(last, [int(nb.token_ids[-1])])
         ids, spans = self.tokens_of(query, bos=False, kind="query", name="query")
-        return self._run(nb, ids, spans)[1]
+        return self.forward(nb, ids, spans=spans)
 
-    @torch.inference_mode()
     def greedy(self, nb: Notebook, query: TokenInput | None, max_new_tokens: int = 32,
                *, stop: Sequence[str] = ()) -> Generation:
         """Greedy decoding after ``query``: text, ids and the notebook holding everything."""
@@ -248,10 +345,16 @@ class Engine:
         if query is None or (isinstance(query, str) and not query):
             if not len(nb):
                 raise EmptyInputError("nothing to continue: the notebook and query are empty")
-            nb, logits = self._run(nb.slice(0, len(nb) - 1), [int(nb.token_ids[-1])])
-        else:
-            ids, spans = self.tokens_of(query, bos=False, kind="query", name="query")
-            nb, logits = self._run(nb, ids, spans)
+        step = self._feed_query(nb, query)
+        return self.continue_greedy(step.notebook, step.logits, max_new_tokens, stop=stop)
+
+    def continue_greedy(self, nb: Notebook, logits: torch.Tensor, max_new_tokens: int,
+                        *, stop: Sequence[str] = ()) -> Generation:
+        """The one decode loop: greedy tokens after ``nb``, whose next-token logits are ``logits``.
+
+        Stops at an end-of-sequence token (kept in ``token_ids``, left out of the text), when the
+        text so far contains one of ``stop``, or after ``max_new_tokens`` tokens.
+        """
         first_logits = logits
         out: list[int] = []
         for _ in range(max_new_tokens):
@@ -263,7 +366,8 @@ class Engine:
                 break
             if len(out) == max_new_tokens:
                 break
-            nb, logits = self._run(nb, [token])
+            step = self.forward(nb, [token])
+            nb, logits = step.notebook, step.logits
         text = self.decode([t for t in out if t not in self.eos_ids])
         return Generation(text=text, token_ids=out, notebook=nb, first_logits=first_logits)
 
@@ -295,6 +399,28 @@ def register_editor(fn: EditFn) -> EditFn:
     global _EDITOR
     _EDITOR = fn
     return fn
+
+
+class _Stop(Exception):
+    """Raised by a forward pre-hook to end a forward once the wanted layer has run."""
+
+
+def _raise_stop(*_: Any) -> None:
+    raise _Stop
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder blocks, in order."""
+    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise KvnotesError(f"cannot find the decoder layers of {type(model).__name__}; "
+                       "layer_notes needs them (use select='attention' to edit instead)")
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

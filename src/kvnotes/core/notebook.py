@@ -9,7 +9,7 @@ Layout (one sequence, batch 1):
 - ``spans``            named token ranges (text, field, skill, erratum, query)
 
 A notebook keeps every token of every layer (sliding-window layers are never windowed here);
-:meth:`Notebook.to_cache` is the one place a transformers cache is built from it. Every
+:func:`kvnotes.core.cache.build_cache` is the one place a transformers cache is built from it. Every
 operation returns a new notebook; none mutates its input.
 """
 
@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvnotes.core import files
 from kvnotes.core.errors import (
@@ -39,7 +37,7 @@ if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
 
 SPAN_KINDS = ("text", "field", "skill", "erratum", "query")
-FILE_FORMAT = "kvnotes.core.notebook"
+FILE_FORMAT = "kvnotes.notebook"
 FILE_VERSION = 1
 
 
@@ -101,7 +99,7 @@ class Notebook:
     """
 
     __slots__ = ("layers", "token_ids", "positions", "spans", "adapter", "fingerprint", "meta",
-                 "_origin")
+                 "origin")
 
     def __init__(
         self,
@@ -121,7 +119,7 @@ class Notebook:
         self.adapter = adapter
         self.fingerprint = fingerprint
         self.meta: dict[str, Any] = dict(meta or {})
-        self._origin = origin  # the first position of an empty notebook
+        self.origin = origin  # where the first token sits (the only position an empty one has)
         n = self.token_ids.numel()
         assert self.positions.numel() == n, "positions and token ids differ in length"
         assert all(len(layer) == n for layer in self.layers), "a layer's length differs from n"
@@ -134,7 +132,7 @@ class Notebook:
 
     def __repr__(self) -> str:
         spans = ", ".join(f"{s.kind}:{s.name}[{s.start}:{s.end}]" for s in self.spans)
-        first = int(self.positions[0]) if len(self) else self._origin
+        first = int(self.positions[0]) if len(self) else self.origin
         return f"Notebook(n={len(self)}, positions={first}..{self.next_position - 1}, spans=[{spans}])"
 
     @property
@@ -144,11 +142,11 @@ class Notebook:
     @property
     def next_position(self) -> int:
         """The position the next appended token takes."""
-        return int(self.positions[-1]) + 1 if len(self) else self._origin
+        return int(self.positions[-1]) + 1 if len(self) else self.origin
 
     @property
     def start_position(self) -> int:
-        return int(self.positions[0]) if len(self) else self._origin
+        return int(self.positions[0]) if len(self) else self.origin
 
     @property
     def nbytes(self) -> int:
@@ -179,9 +177,13 @@ class Notebook:
     def _with(self, **changes: Any) -> Notebook:
         args = dict(layers=self.layers, token_ids=self.token_ids, positions=self.positions,
                     spans=self.spans, adapter=self.adapter, fingerprint=self.fingerprint,
-                    meta=self.meta, origin=self._origin)
+                    meta=self.meta, origin=self.origin)
         args.update(changes)
         return Notebook(**args)
+
+    def with_layers(self, layers: Sequence[LayerKV]) -> Notebook:
+        """The same tokens, positions and spans with other KV (e.g. a patching hybrid)."""
+        return self._with(layers=tuple(layers))
 
     def with_spans(self, spans: Iterable[Span]) -> Notebook:
         return self._with(spans=tuple(spans))
@@ -212,7 +214,7 @@ class Notebook:
             LayerKV(*self.adapter.shift_layer(l, layer.keys, layer.values, delta))
             for l, layer in enumerate(self.layers)
         )
-        return self._with(layers=layers, positions=positions, origin=self._origin + delta)
+        return self._with(layers=layers, positions=positions, origin=self.origin + delta)
 
     def moved_to(self, start: int, **kw: Any) -> Notebook:
         """The same notes shifted so the first token sits at ``start``."""
@@ -250,7 +252,7 @@ class Notebook:
             token_ids=torch.cat([p.token_ids for p in parts]),
             positions=torch.cat([p.positions for p in parts]),
             spans=spans, adapter=first.adapter, fingerprint=first.fingerprint,
-            meta=meta if meta is not None else first.meta, origin=first._origin,
+            meta=meta if meta is not None else first.meta, origin=first.origin,
         )
 
     def check_same_model(self, fingerprint: ModelFingerprint, what: str = "use") -> None:
@@ -263,23 +265,6 @@ class Notebook:
                 "Prefill the notes again with this model."
             )
 
-    # ---- to and from transformers ---------------------------------------------------------
-    def to_cache(self) -> DynamicCache:
-        """A fresh transformers cache holding every token of every layer.
-
-        Every layer is a full ``DynamicLayer``: a sliding-window layer still gets all tokens and
-        the model's own sliding mask hides the ones outside its window, as at prefill.
-        """
-        cache = DynamicCache()
-        for layer in self.layers:
-            # The notebook's tensors are handed over without a copy: a DynamicLayer's update
-            # concatenates into a new tensor, so feeding more tokens never writes into them.
-            hf_layer = DynamicLayer()
-            hf_layer.lazy_initialization(layer.keys, layer.values)
-            hf_layer.keys, hf_layer.values = layer.keys, layer.values
-            cache.layers.append(hf_layer)
-        return cache
-
     # ---- files ----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the notebook as safetensors with a JSON header (written atomically)."""
@@ -290,7 +275,7 @@ class Notebook:
         return files.write(path, tensors, {
             "format": FILE_FORMAT, "version": FILE_VERSION,
             "fingerprint": self.fingerprint.to_dict(), "scheme": self.adapter.name,
-            "length": len(self), "num_layers": len(self.layers), "origin": self._origin,
+            "length": len(self), "num_layers": len(self.layers), "origin": self.origin,
             "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans], "meta": self.meta,
         })
 

@@ -52,22 +52,15 @@ def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
     t0 = time.perf_counter()
     ids = answer_token_ids(engine, answers, leading_space=not query[-1:].isspace())
     q_ids, q_spans = engine.tokens_of(query, bos=False, kind="query", name="query")
-    nb, logits = engine._run(nb, q_ids, q_spans)
+    step = engine.forward(nb, q_ids, spans=q_spans)
+    logits = step.logits
     first_seconds = time.perf_counter() - t0
     scores = tuple(float(logits[i]) for i in ids)
     if not cot:
         answer = answers[max(range(len(answers)), key=lambda j: scores[j])]
         return Decision(answer, logits, scores, "", first_seconds, first_seconds)
-    first, out = logits, []
-    for _ in range(budget):
-        token = int(logits.argmax())
-        if token in engine.eos_ids:
-            break
-        out.append(token)
-        if len(out) == budget:
-            break
-        nb, logits = engine._run(nb, [token])
-    text = engine.decode(out)
+    first = logits
+    text = engine.continue_greedy(step.notebook, logits, budget).text
     answer = (parse or (lambda t: parse_answer(t, answers)))(text)
     return Decision(answer, first, scores, text, first_seconds, time.perf_counter() - t0)
 

@@ -156,19 +156,19 @@ def _finish(engine: Engine, nb: Notebook, plan: _Plan, field: str) -> Notebook:
 
 # ---- strategies -------------------------------------------------------------------------------
 def _recompute(engine: Engine, nb: Notebook, plan: _Plan) -> tuple[Notebook, int, int]:
-    out = engine._run(engine.empty(nb.start_position), plan.new_ids)[0]
+    out = engine.forward(engine.empty(nb.start_position), plan.new_ids).notebook
     return out, len(plan.new_ids), 0
 
 
 def _prefix(engine: Engine, nb: Notebook, plan: _Plan) -> tuple[Notebook, int, int]:
     p = plan.first_change
     head = nb.slice(0, p)
-    out = engine._run(head, plan.new_ids[p:])[0] if p < len(plan.new_ids) else head
+    out = engine.forward(head, plan.new_ids[p:]).notebook if p < len(plan.new_ids) else head
     return out, len(plan.new_ids) - p, p
 
 
 def _overwrite(engine: Engine, nb: Notebook, plan: _Plan) -> tuple[Notebook, int, int]:
-    head = engine._run(nb.slice(0, plan.fs), plan.new_ids[plan.fs:plan.fe_new])[0]
+    head = engine.forward(nb.slice(0, plan.fs), plan.new_ids[plan.fs:plan.fe_new]).notebook
     tail = nb.slice(plan.fe_old)
     if len(tail):
         tail = tail.shifted(plan.delta)
@@ -216,40 +216,16 @@ def _erratum(engine: Engine, nb: Notebook, plan: _Plan, field: str, template: st
     text = erratum_text(engine, label or field_label(plan.doc, field), plan.doc.value(field),
                         plan.new_doc.value(field), template=template, chat=chat)
     ids = engine.encode(text)
-    out = engine._run(nb, ids, [Span(f"erratum:{field}", "erratum", 0, len(ids))])[0]
+    out = engine.forward(nb, ids, spans=[Span(f"erratum:{field}", "erratum", 0, len(ids))]).notebook
     return out, len(ids)
 
 
 # ---- repair: selection and selective recompute --------------------------------------------------
-class _Stop(Exception):
-    pass
-
-
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    n = model.config.num_hidden_layers
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:
-        return layers
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return module
-    raise KvnotesError(f"cannot find the decoder layers of {type(model).__name__} for "
-                       "select='kv_deviation'; use select='attention'")
-
-
 @torch.inference_mode()
 def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Tensor:
     """FloatTensor[n - fe]: attention mass each token after the field puts on the field's tokens
     at prefill (summed over field tokens, averaged over heads and layers)."""
-    model = engine.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        out, _, _ = engine._forward(nb.slice(0, fs), nb.token_ids[fs:].tolist(),
-                                    output_attentions=True)
-    finally:
-        model.set_attn_implementation(previous)
+    out = engine.forward(nb.slice(0, fs), nb.token_ids[fs:], attentions=True).output
     if not out.attentions or any(a is None for a in out.attentions):
         raise KvnotesError("this model returns no attention weights; use select='kv_deviation'")
     total = torch.zeros(len(nb) - fe)
@@ -257,10 +233,6 @@ def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Te
         rows = weights[0, :, fe - fs:, fs:fe].float()  # [heads, n - fe, field]
         total += rows.sum(-1).mean(0).cpu()
     return total / len(out.attentions)
-
-
-def _raise_stop(*_: Any) -> None:
-    raise _Stop
 
 
 def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, layer: int,
@@ -297,7 +269,7 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, laye
     out = base
     for a, b in _runs(recompute):
         left = out.slice(0, a)
-        done = engine._run(left, plan.new_ids[a:b])[0]
+        done = engine.forward(left, plan.new_ids[a:b]).notebook
         rest = out.slice(b)
         out = Notebook.concat([done, rest]) if len(rest) else done
     return out, len(recompute), n - len(recompute), select_tokens, select_seconds, unpaid
@@ -313,25 +285,13 @@ def kv_deviation_scores(engine: Engine, base: Notebook, head: Notebook, ids: Seq
     forward stops once ``layer`` has written its notes, so the pass costs ``(layer + 1) /
     num_layers`` of a recompute of those tokens.
     """
-    layers = _decoder_layers(engine.model)
-    if not 1 <= layer < len(layers):
-        raise ValueError(f"kv_deviation layer must be in 1..{len(layers) - 1} (layer 0's notes "
-                         f"depend on the token alone), got {layer}")
-    positions = torch.arange(head.next_position, head.next_position + len(ids))  # [q]
-    cache = head.to_cache()  # filled in place, layer by layer, until the forward stops
-    handle = (layers[layer + 1].register_forward_pre_hook(_raise_stop)
-              if layer + 1 < len(layers) else None)
-    try:
-        engine.model(input_ids=torch.tensor([list(ids)], device=engine.device),
-                     position_ids=engine.adapter.position_ids(positions).to(engine.device),
-                     cache=cache, use_cache=True)
-    except _Stop:
-        pass
-    finally:
-        if handle is not None:
-            handle.remove()
-    new_k = cache.layers[layer].keys[..., down:, :]  # [1, kv_heads, n - down, d]
-    new_v = cache.layers[layer].values[..., down:, :]
+    if not 1 <= layer < engine.adapter.num_layers:
+        raise ValueError(f"kv_deviation layer must be in 1..{engine.adapter.num_layers - 1} "
+                         f"(layer 0's notes depend on the token alone), got {layer}")
+    new = engine.layer_notes(head, ids, layer)  # the fed tokens' notes at `layer` only
+    skip = down - len(head)
+    new_k = new.keys[..., skip:, :]  # [1, kv_heads, n - down, d]
+    new_v = new.values[..., skip:, :]
     dk = (new_k - base.keys(layer)[..., down:, :]).float().norm(dim=-1).sum(dim=(0, 1))
     dv = (new_v - base.values(layer)[..., down:, :]).float().norm(dim=-1).sum(dim=(0, 1))
     return (dk + dv).cpu()

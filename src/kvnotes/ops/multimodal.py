@@ -12,11 +12,10 @@ import torch
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import EmptyInputError, UnsupportedModelError
-from kvnotes.core.notebook import LayerKV, Notebook, Span
+from kvnotes.core.notebook import Notebook, Span
 from kvnotes.core.positions.mrope import MropeAdapter, mrope_axes
 
 
-@torch.inference_mode()
 def prefill_multimodal(engine: Engine, input_ids: torch.Tensor | list[int], *,
                        pixel_values: torch.Tensor | None = None,
                        image_grid_thw: torch.Tensor | None = None,
@@ -44,16 +43,10 @@ def prefill_multimodal(engine: Engine, input_ids: torch.Tensor | list[int], *,
     axes = mrope_axes(engine.model, ids, image_grid_thw=image_grid_thw,
                       mm_token_type_ids=mm_token_type_ids, start=start)  # [3, n]
     positions = axes[1:].amax(dim=0)  # [n]: where the next text token goes is positions[-1] + 1
-    engine.adapter.check_positions(axes.reshape(-1))
-    cache = engine.empty(start).to_cache()
     extra = dict(model_inputs)
     if pixel_values is not None:
         extra.update(pixel_values=pixel_values.to(engine.device, engine.dtype),
                      image_grid_thw=image_grid_thw)
-    engine.model(input_ids=ids[None].to(engine.device),
-                 position_ids=axes[:, None, :].to(engine.device),  # [3, 1, n]
-                 cache=cache, use_cache=True, **extra)
-    layers = tuple(LayerKV(layer.keys, layer.values) for layer in cache.layers)
-    return Notebook(layers=layers, token_ids=ids, positions=positions,
-                    spans=[Span(name, kind, 0, ids.numel())], adapter=engine.adapter,
-                    fingerprint=engine.fingerprint, origin=start)
+    return engine.forward(engine.empty(start), ids, spans=[Span(name, kind, 0, ids.numel())],
+                          positions=positions, position_ids=axes[:, None, :],  # [3, 1, n]
+                          **extra).notebook

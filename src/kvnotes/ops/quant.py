@@ -126,7 +126,7 @@ class QuantizedNotebook:
         layers = [(quantize_tensor(layer.keys, axis), quantize_tensor(layer.values, axis))
                   for layer in nb.layers]
         return cls(layers, nb.token_ids, nb.positions, nb.spans, nb.adapter, nb.fingerprint,
-                   axis=axis, dtype=dtype, meta=nb.meta, origin=nb._origin)
+                   axis=axis, dtype=dtype, meta=nb.meta, origin=nb.origin)
 
     def dequantize(self) -> Notebook:
         """A full-precision notebook (in the dtype it was quantized from)."""

@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
@@ -200,7 +199,7 @@ def splice(base: Notebook, source: Notebook, sites: torch.Tensor) -> Notebook:
             pick = row.view(1, 1, -1, 1).to(b.keys.device)
             layers.append(LayerKV(torch.where(pick, s.keys, b.keys),
                                   torch.where(pick, s.values, b.values)))
-    return base._with(layers=tuple(layers))
+    return base.with_layers(layers)
 
 
 def patched_metric(engine: Engine, base: Notebook, source: Notebook, sites: torch.Tensor,
@@ -221,25 +220,10 @@ def patch_metrics(engine: Engine, base: Notebook, source: Notebook,
     """
     _check_aligned(base, source)
     base.check_same_model(engine.fingerprint, what="trace")
-    ids = list(query)
-    positions = torch.arange(base.next_position, base.next_position + len(ids))  # [q]
-    engine.adapter.check_positions(positions)
-    pos = engine.adapter.position_ids(positions).to(engine.device)  # [..., 1, q]
-    kwargs: dict[str, Any] = {"logits_to_keep": 1} if engine._keeps_logits else {}
     out: list[float] = []
     for i in range(0, len(site_sets), batch_size):
         hybrids = [splice(base, source, s) for s in site_sets[i:i + batch_size]]
-        b = len(hybrids)
-        cache = DynamicCache(ddp_cache_data=[
-            (torch.cat([h.layers[l].keys for h in hybrids]),  # [b, kv_heads, n, head_dim]
-             torch.cat([h.layers[l].values for h in hybrids]))
-            for l in range(len(base.layers))
-        ])
-        logits = engine.model(
-            input_ids=torch.tensor([ids] * b, device=engine.device),  # [b, q]
-            position_ids=pos.expand(*pos.shape[:-2], b, pos.shape[-1]),
-            cache=cache, use_cache=True, **kwargs,
-        ).logits[:, -1].float()  # [b, vocab]
+        logits = engine.forward_batch(hybrids, list(query))  # [b, vocab]
         out.extend(metric(row) for row in logits)
     return out
 

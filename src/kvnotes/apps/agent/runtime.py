@@ -178,8 +178,8 @@ class KvnotesAgent(_Agent):
             spans.append(Span(name, kind, len(nb) + len(ids), len(nb) + len(ids) + len(piece)))
             ids += piece
         if decide:
-            gen = self.engine.greedy(nb, ids, 1)
-            longer, logits = gen.notebook, gen.first_logits
+            step = self.engine.forward(nb, ids)
+            longer, logits = step.notebook, step.logits
         else:
             longer, logits = self.engine.extend(nb, ids), None
         return longer.with_spans([*nb.spans, *spans]), logits
@@ -283,9 +283,9 @@ class RecomputeAgent(_Agent):
             ids += self.skills.token_ids(s)
         ids += self._ids(self.prompt.record(self.state.render()))
         ids += self._history + turn_ids
-        gen = self.engine.greedy(self.engine.empty(0), ids, 1)  # one forward over everything
-        decision = choose(self.engine, gen.notebook, gen.first_logits, request.options)
-        tool, tool_tokens = self._tool_call(gen.notebook, request, decision)
+        step = self.engine.forward(self.engine.empty(0), ids)  # one forward over everything
+        decision = choose(self.engine, step.notebook, step.logits, request.options)
+        tool, tool_tokens = self._tool_call(step.notebook, request, decision)
         latency = time.perf_counter() - t0
         self._history += turn_ids + self._ids(self.prompt.answer(decision.choice))
         result = TurnResult(index, request.kind, decision, tool, latency,
