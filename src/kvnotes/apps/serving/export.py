@@ -35,7 +35,7 @@ def export_hf_dir(model: str = "smollm2-135m", out_dir: str | Path | None = None
 
     ``model`` is anything :func:`kvnotes.core.models.resolve` accepts that resolves to a local
     folder (a bundled alias, a GGUF file, an HF folder). The default target is
-    ``$KVNOTES_HOME/vllm/<name>``; an up-to-date export is reused.
+    ``$KVNOTES_HOME/vllm/<name>-<dtype>``; an up-to-date export is reused.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -50,7 +50,8 @@ def export_hf_dir(model: str = "smollm2-135m", out_dir: str | Path | None = None
     if not weights:
         raise UnknownModelError(f"{source} has no .safetensors weights to export for vLLM")
     name = model if not Path(model).exists() else Path(model).stem
-    target = Path(out_dir) if out_dir else kvnotes_home() / "vllm" / name
+    # one copy per dtype: servers of both dtypes can share a machine without re-exporting
+    target = Path(out_dir) if out_dir else kvnotes_home() / "vllm" / f"{name}-{dtype}"
     stamp = target / "kvnotes-export.json"
     digest = _source_digest(source)
     if stamp.is_file():
