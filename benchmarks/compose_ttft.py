@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 import kvnotes
-from kvnotes.core.document import chat_frame
+from kvnotes.core.chat import chat_frame
 from kvnotes.core.notebook import Notebook
 
 

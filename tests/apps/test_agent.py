@@ -28,7 +28,7 @@ from kvnotes.apps.agent import (
     skill_names,
 )
 from kvnotes.apps.agent.bench import run_bench, write_outputs
-from kvnotes.core.errors import KvnotesError, UnknownFieldError
+from kvnotes.core.errors import KvnotesError, UnknownFieldError, UnknownNameError
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_episode_end_to_end_and_append_only(engine, book):
     previous = None
     for turn in episode.turns:
         result = agent.turn(turn.request, turn.events)
-        assert result.decision.choice in turn.request.options
+        assert result.decision.answer in turn.request.options
         assert set(result.decision.scores) == set(turn.request.options)
         assert result.tokens_computed > 0 and result.notebook_len == len(agent.notebook)
         if previous is not None:
@@ -96,7 +96,7 @@ def test_episode_end_to_end_and_append_only(engine, book):
     assert agent.state == episode.state.apply(e for t in episode.turns for e in t.events)
 
     reference = run_episode(RecomputeAgent(engine, book), episode.state, episode.turns)
-    assert [r.decision.choice in t.request.options
+    assert [r.decision.answer in t.request.options
             for r, t in zip(reference, episode.turns, strict=True)] == [True] * 3
     assert all(r.tokens_reused == 0 and r.tokens_computed == r.notebook_len for r in reference)
 
@@ -176,8 +176,10 @@ def test_unknown_state_field_and_skill_are_clear_errors(engine, book):
     bad = Request("Do a thing.", ("teleportation",), ("yes", "no"))
     with pytest.raises(UnknownSkillError) as err:
         agent.turn(bad)
-    assert str(err.value) == f"unknown skill 'teleportation'; skills: {skill_names()}"
-    with pytest.raises(KvnotesError, match="unknown request kind 'fly'"):
+    assert str(err.value) == ("unknown skill 'teleportation'; valid skills: "
+                              + ", ".join(skill_names()))
+    assert isinstance(err.value, UnknownNameError) and isinstance(err.value, KeyError)
+    with pytest.raises(UnknownNameError, match="^unknown request kind 'fly'; valid request kinds: "):
         request("fly", agent.state)
     with pytest.raises(KvnotesError, match="call start"):
         KvnotesAgent(engine, book).turn(request("human", agent.state))

@@ -18,18 +18,19 @@ from kvnotes.apps.serving import (
     ServingError,
     VLLMServer,
     check_loopback_url,
-    erratum_text,
     find_vllm_python,
     make_session,
     make_sessions,
-    parse_decision,
     parse_prometheus,
     percentile,
     run_benchmark,
     write_outputs,
 )
 from kvnotes.apps.serving.metrics import agreement
-from kvnotes.apps.serving.workload import MAX_EDITS, REFUND_STATUSES, whitespace_tokens
+from kvnotes.apps.serving.workload import ANSWERS, MAX_EDITS, REFUND_STATUSES, whitespace_tokens
+from kvnotes.core.errors import UnknownNameError
+from kvnotes.ops.decisions import parse_answer
+from kvnotes.ops.edit import erratum_text
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -62,7 +63,7 @@ def test_prompts_per_policy():
         # erratum: the old context byte-identical, then one correction per edit so far
         assert erratum.startswith(ctx + "\n\n")
         assert erratum.count("Correction:") == k + 1
-        assert erratum_text(s.field_label, turn.new, turn.old) in erratum
+        assert erratum_text(s.field_label, turn.old, turn.new) in erratum
         assert erratum.endswith(s.question)
         # in-place: the same text up to the field, then the new value
         assert in_place.startswith(s.before + turn.new)
@@ -72,12 +73,14 @@ def test_prompts_per_policy():
             prev = s.prompt("erratum", k - 1)
             assert erratum.startswith(prev[: prev.index("\n\nQuestion:")])
     assert s.warmup_prompt().startswith(ctx)
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(UnknownNameError) as err:
         s.prompt("magic", 0)
+    assert str(err.value) == "unknown policy 'magic'; valid policies: in-place, erratum, cold"
+    assert isinstance(err.value, ValueError)
 
 
 def test_erratum_wording():
-    assert erratum_text("status of order #1", "delivered", "pending") == (
+    assert erratum_text("status of order #1", "pending", "delivered") == (
         "Correction: the status of order #1 is delivered, not pending.")
 
 
@@ -115,8 +118,8 @@ def test_session_bad_arguments(kw, msg):
 @pytest.mark.parametrize("text,want", [("Yes.", "yes"), (" no, because", "no"),
                                        ("Answer: YES", "yes"), ("nothing", None),
                                        ("No. Yes.", "no"), ("yesterday", None)])
-def test_parse_decision(text, want):
-    assert parse_decision(text) == want
+def test_parse_answer_reads_served_decisions(text, want):
+    assert parse_answer(text, ANSWERS) == want
 
 
 # ---------------------------------------------------------------- metrics

@@ -121,7 +121,7 @@ def test_unknown_model_alias_is_a_clear_error():
 
 
 def test_chat_frame_keeps_a_template_token_the_tokenizer_never_adds(tokenizer):
-    from kvnotes.core.document import chat_frame, chat_turn
+    from kvnotes.core.chat import chat_frame, chat_turn
 
     # SmolLM2's bos_token is <|im_start|>, which tokenizer(text) never adds: it must stay.
     head, middle, tail = chat_frame(tokenizer)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvnotes
-from kvnotes.core.document import chat_frame
+from kvnotes.core.chat import chat_frame
 
 pytestmark = pytest.mark.real
 

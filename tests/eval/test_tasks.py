@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import UnknownNameError
 from kvnotes.eval.tasks import FAMILIES, EditCase, load_suite
 from kvnotes.eval.tasks.families import EDIT_FAMILIES
+from kvnotes.ops.decisions import parse_answer
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +57,14 @@ def test_answer_first_tokens_are_distinct(suite, tokenizer):
 
 def test_parse_takes_the_first_answer_as_a_word(suite):
     case = next(c for c in suite if c.family == "access")
-    assert case.parse("Deny. I would not allow it.") == "deny"
-    assert case.parse("allowance") is None
-    assert case.parse("") is None
+    assert parse_answer("Deny. I would not allow it.", case.answers) == "deny"
+    assert parse_answer("allowance", case.answers) is None
+    assert parse_answer("", case.answers) is None
 
 
 def test_load_suite_by_family_and_unknown_family():
     assert {c.family for c in load_suite(["refund", "lookup"])} == {"refund", "lookup"}
-    with pytest.raises(KvnotesError, match="unknown task family 'nope'; families: "):
+    with pytest.raises(UnknownNameError, match="^unknown family 'nope'; valid families: "):
         load_suite(["nope"])
     assert set(FAMILIES) >= {"refund", "eligibility", "membership", "scheduling", "threshold",
                              "access", "lookup"}

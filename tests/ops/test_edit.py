@@ -7,9 +7,16 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes import Document, Field
-from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError
+from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError, UnknownNameError
 from kvnotes.ops.decisions import decide, parse_answer
-from kvnotes.ops.edit import ERRATUM_TEMPLATES, EditReport, _runs, erratum_text, field_label
+from kvnotes.ops.edit import (
+    ERRATUM_TEMPLATES,
+    EditReport,
+    _runs,
+    erratum_text,
+    erratum_turn,
+    field_label,
+)
 
 BODY = ("\nCustomer: Maria Alvarez\nItems: a desk lamp and a backpack\nTotal: $84.20\n"
         "Refunds are possible only while the order is pending; shipped or delivered orders "
@@ -111,15 +118,19 @@ def test_erratum_keeps_the_old_notebook_as_exact_prefix(engine):
 
 
 def test_erratum_templates_and_chat_turns(engine):
-    text = erratum_text(engine, "order status", "pending", "delivered", template="update")
+    text = erratum_turn(engine, "order status", "pending", "delivered", template="update")
     assert "changed from pending to delivered" in text
     assert text.startswith("<|im_start|>user")  # the SmolLM2 tokenizer has a chat template
-    plain = erratum_text(engine, "order status", "pending", "delivered", chat=False)
+    plain = erratum_turn(engine, "order status", "pending", "delivered", chat=False)
     assert plain == "\n\nCorrection: the order status is delivered, not pending.\n"
-    custom = erratum_text(engine, "x", "a", "b", template="Now {label}={new}", chat=False)
-    assert custom.strip() == "Now x=b"
-    with pytest.raises(ValueError, match="neither one of"):
-        erratum_text(engine, "x", "a", "b", template="nope")
+    assert erratum_text("order status", "pending", "delivered") == plain.strip()
+    custom = erratum_text("x", "a", "b", template="Now {label}={new}")
+    assert custom == "Now x=b"
+    with pytest.raises(UnknownNameError) as err:
+        erratum_text("x", "a", "b", template="nope")
+    assert str(err.value) == ("unknown erratum template 'nope'; valid erratum templates: "
+                              "correction, update, strong, restate (or a format string with {new})")
+    assert err.value.valid == tuple(ERRATUM_TEMPLATES) and isinstance(err.value, ValueError)
     assert set(ERRATUM_TEMPLATES) >= {"correction", "update", "strong", "restate"}
     assert field_label(doc(), "status") == "order status"
 
@@ -168,9 +179,12 @@ def test_clear_errors(engine, tokenizer):
     other = make_tiny_engine("qwen2", tokenizer)
     with pytest.raises(NotebookMismatchError, match="cannot edit a notebook with a different"):
         other.edit(nb, "status", "delivered", strategy="recompute")
-    with pytest.raises(ValueError, match="unknown edit strategy 'magic'; choose one of"):
+    with pytest.raises(UnknownNameError) as err:
         engine.edit(nb, "status", "delivered", strategy="magic")
-    with pytest.raises(ValueError, match="unknown select 'random'"):
+    assert str(err.value) == ("unknown strategy 'magic'; valid strategies: recompute, prefix, "
+                              "overwrite, erratum, repair")
+    with pytest.raises(UnknownNameError, match=r"^unknown selector 'random'; valid selectors: "
+                                               r"attention, kv_deviation$"):
         engine.edit(nb, "status", "delivered", strategy="repair", select="random")
     with pytest.raises(Exception, match="does not remember a document"):
         engine.edit(engine.prefill("Order status: pending"), "status", "x")
@@ -189,15 +203,16 @@ def test_report_and_helpers():
 def test_decide_reads_first_token_logits(engine):
     nb = engine.prefill(doc())
     d = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"))
-    assert d.answer in ("yes", "no") and len(d.answer_logits) == 2
-    assert d.answer == ("yes", "no")[int(d.answer_logits[1] > d.answer_logits[0])]
+    assert d.answer in ("yes", "no") and set(d.scores) == {"yes", "no"}
+    assert d.answer == max(d.scores, key=d.scores.__getitem__)
+    assert d.margin == pytest.approx(abs(d.scores["yes"] - d.scores["no"]))
     c = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"), cot=True, budget=4)
     torch.testing.assert_close(c.logits, d.logits)
 
 
 # ---- evaluation -------------------------------------------------------------------------------
 def test_parse_strategy_specs():
-    from kvnotes.core.errors import KvnotesError
+    from kvnotes.core.errors import InvalidArgumentError, KvnotesError
     from kvnotes.eval.edit_suite import DEFAULT_STRATEGIES, parse_strategy
 
     assert parse_strategy("repair:kv_deviation:8") == ("repair", {"select": "kv_deviation",
@@ -206,11 +221,17 @@ def test_parse_strategy_specs():
     assert parse_strategy("prefix") == ("prefix", {})
     for spec in DEFAULT_STRATEGIES:
         parse_strategy(spec)
-    with pytest.raises(KvnotesError, match="unknown strategy 'magic'"):
+    with pytest.raises(UnknownNameError, match=r"^unknown strategy 'magic'; valid strategies: "
+                                               r"recompute, prefix, overwrite, erratum, repair "
+                                               r"\(with options: "):
         parse_strategy("magic")
-    with pytest.raises(KvnotesError, match="bad repair spec"):
+    with pytest.raises(UnknownNameError, match="unknown selector 'random'; valid selectors"):
         parse_strategy("repair:random:3")
-    with pytest.raises(KvnotesError, match="unknown erratum template 'loud'"):
+    with pytest.raises(InvalidArgumentError, match=r"bad repair spec 'repair:attention:x'; "
+                                                   r"write repair:<attention\|kv_deviation>:<k>"):
+        parse_strategy("repair:attention:x")
+    with pytest.raises(KvnotesError, match="unknown erratum template 'loud'; valid erratum "
+                                           "templates: correction, restate, strong, update"):
         parse_strategy("erratum:loud")
 
 
@@ -236,7 +257,15 @@ def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
     assert data["n_cases"] == 2 and len(data["cases"][0]["rows"]) == len(strategies)
     report = paths["report"].read_text()
     assert "| prefix |" in report and "sensitive" in report
-    assert paths["chart"].stat().st_size > 1000
+    assert paths["plot"].stat().st_size > 1000
+    # typed results round-trip through results.json, and the report is rebuilt from it
+    from kvnotes.eval.edit_suite import CaseResult, rewrite_report
+
+    case = CaseResult.from_dict(data["cases"][0])
+    assert case.to_dict() == data["cases"][0]
+    assert case.row("prefix").strategy == "prefix" and len(case.rows) == len(strategies)
+    paths["report"].unlink()
+    assert rewrite_report(tmp_path)["report"].read_text() == report
 
 
 def test_compare_strategies_rows(tiny_llama):
@@ -245,10 +274,9 @@ def test_compare_strategies_rows(tiny_llama):
 
     case = load_suite(["access"])[0]
     rows = compare_strategies(tiny_llama, case, ["recompute", "overwrite", "erratum"])
-    assert [r["strategy"] for r in rows] == ["recompute", "overwrite", "erratum"]
-    assert rows[0]["identical"] and rows[0]["cosine"] == pytest.approx(1.0)
-    assert set(rows[0]) == {"strategy", "decision", "identical", "cosine", "kl",
-                            "tokens_recomputed", "compute_fraction", "seconds"}
+    assert [r.strategy for r in rows] == ["recompute", "overwrite", "erratum"]
+    assert rows[0].identical and rows[0].cosine == pytest.approx(1.0)
+    assert rows[1].to_dict()["strategy"] == "overwrite" and rows[1].case_id == case.case_id
 
 
 # ---- real models --------------------------------------------------------------------------------

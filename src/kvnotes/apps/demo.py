@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvnotes.core.document import chat_frame
+from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
 from kvnotes.core.notebook import Notebook
 from kvnotes.eval.fidelity import FidelityReport, fidelity
+from kvnotes.eval.reports import write_bundle
 
 HEADER = "system header"
 SYSTEM_INTRO = ("You are a customer support agent for Northwind Outfitters. Follow the documents "
@@ -126,9 +128,14 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
 
 def write_report(result: dict[str, Any], out: Path, extra_sections: list[str] = ()) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    plot(result, out / "compose.png")
+    """``results.json``, ``report.md`` and ``compose.png`` in ``out``; returns the report's path."""
+    report = report_markdown(result, extra_sections)
+    return write_bundle(out, result, report=report, json_name="results.json",
+                        plot_name="compose.png", plot=lambda path: plot(result, path))["report"]
+
+
+def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) -> str:
+    """The demo's markdown report (``extra_sections``: more markdown lines at the end)."""
     skills = "\n".join(f"- `{n}`: {s['tokens']} tokens, compiled once in {s['compile_s']*1e3:.0f} ms"
                        f" (anchor: {s['anchor']})" for n, s in result["skills"].items())
     body = [
@@ -153,6 +160,4 @@ def write_report(result: dict[str, Any], out: Path, extra_sections: list[str] = 
         *[f"- **{r['case']}**: {r['composed_text'].strip()!r}" for r in result["cases"]],
         *extra_sections,
     ]
-    path = out / "report.md"
-    path.write_text("\n".join(body) + "\n")
-    return path
+    return "\n".join(body) + "\n"

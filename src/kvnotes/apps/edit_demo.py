@@ -29,9 +29,9 @@ def edit_section(engine: Engine, console: Any = None, case_id: str = "refund-000
     ]
     for r in rows:
         lines.append(
-            f"| {r['strategy']} | {r['decision']} | {'yes' if r['identical'] else 'NO'}"
-            f" | {_num(r['cosine'], 4)} | {_num(r['kl'], 4)} | {r['tokens_recomputed']}"
-            f" | {_num(r['compute_fraction'], 3)} | {_num(r['seconds'], 2)} |")
+            f"| {r.strategy} | {r.decision} | {'yes' if r.identical else 'NO'}"
+            f" | {_num(r.cosine, 4)} | {_num(r.kl, 4)} | {r.tokens_recomputed}"
+            f" | {_num(r.compute_fraction, 3)} | {_num(r.seconds, 2)} |")
     if console is not None:
         from rich.table import Table
 
@@ -40,9 +40,9 @@ def edit_section(engine: Engine, console: Any = None, case_id: str = "refund-000
                     "recomputed", "compute frac", "seconds"):
             table.add_column(col)
         for r in rows:
-            table.add_row(r["strategy"], str(r["decision"]), "yes" if r["identical"] else "NO",
-                          _num(r["cosine"], 4), _num(r["kl"], 4), str(r["tokens_recomputed"]),
-                          _num(r["compute_fraction"], 3), _num(r["seconds"], 2))
+            table.add_row(r.strategy, str(r.decision), "yes" if r.identical else "NO",
+                          _num(r.cosine, 4), _num(r.kl, 4), str(r.tokens_recomputed),
+                          _num(r.compute_fraction, 3), _num(r.seconds, 2))
         console.print(table)
     return lines
 

@@ -136,7 +136,7 @@ def agent_interactive(
                 pending = []
                 d = result.decision
                 scores = ", ".join(f"{k} {v:.2f}" for k, v in d.scores.items())
-                typer.echo(f"decision: {d.choice}   [{request.kind}; log-probs {scores}]")
+                typer.echo(f"decision: {d.answer}   [{request.kind}; log-probs {scores}]")
                 if result.tool_call is not None:
                     tc = result.tool_call
                     typer.echo(f"tool call: {tc.tool} {tc.args}" if tc.ok

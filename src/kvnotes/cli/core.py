@@ -96,7 +96,7 @@ def compose(
 ) -> None:
     """Compose one case (skills + context), answer the query, compare with full recompute."""
     import kvnotes
-    from kvnotes.core.document import chat_frame
+    from kvnotes.core.chat import chat_frame
 
     try:
         engine = kvnotes.load(model)

@@ -69,4 +69,4 @@ def edit_eval(
         return
     typer.echo("\n".join(strategy_table(result["per_strategy"])))
     typer.echo(f"{result['n_cases']} cases, {result['n_sensitive']} sensitive; "
-               f"wrote {paths['report']}, {paths['json']}, {paths['chart']}")
+               f"wrote {paths['report']}, {paths['json']}, {paths['plot']}")

@@ -112,76 +112,12 @@ def encode(tokenizer: object, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
 
 
-def chat_turn(tokenizer: object, role: str, text: str, *, generation_prompt: bool = False) -> str:
-    """``text`` wrapped as one chat turn by the tokenizer's chat template, without any BOS.
-
-    Falls back to ``text`` unchanged for tokenizers without a chat template (base models).
-    """
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return text
-    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-        [{"role": role, "content": text}], tokenize=False,
-        add_generation_prompt=generation_prompt,
-    )
-    rendered = _strip_added_bos(tokenizer, rendered)
-    # Some templates insert a default system turn before the first user turn; keep only ours.
-    marker = rendered.rfind(text)
-    if marker > 0 and role != "system":
-        head = rendered[:marker]
-        cut = _last_turn_start(head, role)
-        rendered = rendered[cut:]
-    return rendered
-
-
-def _last_turn_start(head: str, role: str) -> int:
-    idx = head.rfind(role)
-    if idx <= 0:
-        return 0
-    # walk back to the start of the special token that opens this turn (e.g. "<|im_start|>")
-    open_idx = head.rfind("<", 0, idx)
-    return open_idx if open_idx >= 0 else 0
-
-
 def as_parts(parts: Sequence[Part] | Document | str) -> Document:
     if isinstance(parts, Document):
         return parts
     if isinstance(parts, str):
         return Document([parts])
     return Document(parts)
-
-
-def chat_frame(tokenizer: object) -> tuple[str, str, str]:
-    """``(head, middle, tail)``: the chat template around one system turn and one user turn.
-
-    ``head + system_text + middle + user_text + tail`` is what the template renders for a
-    system message and a user message with the assistant's turn opened. Without a chat
-    template (base models) it is a plain-text frame. BOS is left out (the engine adds it).
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return "", "\n\n", "\nAnswer:"
-    s, u = "\x00SYSTEM\x00", "\x00USER\x00"
-    rendered: str = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-        [{"role": "system", "content": s}, {"role": "user", "content": u}],
-        tokenize=False, add_generation_prompt=True,
-    )
-    head, rest = rendered.split(s, 1)
-    middle, tail = rest.split(u, 1)
-    return _strip_added_bos(tokenizer, head), middle, tail
-
-
-def _strip_added_bos(tokenizer: object, rendered: str) -> str:
-    """Drop a leading BOS only when the tokenizer adds BOS itself (then the engine adds it).
-
-    SmolLM2's ``bos_token`` is ``<|im_start|>``, which its tokenizer never adds: there the
-    template's first token is real text and must stay.
-    """
-    bos = getattr(tokenizer, "bos_token", None)
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if not bos or bos_id is None or not rendered.startswith(bos):
-        return rendered
-    probe = tokenizer("a")["input_ids"]  # type: ignore[operator]
-    return rendered[len(bos):] if probe and probe[0] == bos_id else rendered
 
 
 # ---- the document a notebook remembers --------------------------------------------------------

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kvnotes.core.errors import UnknownNameError
+
 TINY_SIZES: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=4096)
@@ -70,7 +72,7 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     if arch not in TINY_ARCHS:
-        raise ValueError(f"no tiny recipe for {arch!r}; known: {', '.join(sorted(TINY_ARCHS))}")
+        raise UnknownNameError("arch", arch, sorted(TINY_ARCHS), "no tiny recipe for it")
     kwargs = {**TINY_SIZES, "vocab_size": vocab_size, **TINY_ARCHS[arch], **overrides}
     if arch in _MULTIMODAL:
         text = {k: v for k, v in kwargs.items() if k != "vision_config"}

@@ -16,17 +16,21 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.core.document import Document, chat_turn
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.chat import chat_turn, has_template, turn_frame
+from kvnotes.core.document import Document
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.metrics import compare_logits
-from kvnotes.ops.decisions import decide
+from kvnotes.eval.reports import write_bundle
+from kvnotes.ops.decisions import Decision, decide
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
-    from kvnotes.eval.tasks import EditCase
+    from kvnotes.core.notebook import Notebook
+    from kvnotes.eval.tasks.base import EditCase
 
 DEFAULT_STRATEGIES: tuple[str, ...] = (
     "recompute", "prefix", "overwrite", "erratum",
@@ -34,6 +38,7 @@ DEFAULT_STRATEGIES: tuple[str, ...] = (
     "repair:kv_deviation:8", "repair:kv_deviation:32", "repair:kv_deviation:96",
 )
 ERRATUM_WORDINGS: tuple[str, ...] = ("erratum:update", "erratum:strong", "erratum:restate")
+CHART = "edit.png"
 COT_INSTRUCTION = "Think step by step, then finish with 'Final answer: <answer>'."
 
 
@@ -44,21 +49,22 @@ def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
 
     name, *rest = spec.split(":")
     if name not in STRATEGIES:
-        raise KvnotesError(f"unknown strategy {spec!r}; strategies: {list(STRATEGIES)} "
-                           "(repair:<select>:<k>, erratum:<template>)")
+        raise UnknownNameError("strategy", spec, STRATEGIES,
+                               "with options: repair:<select>:<k>, erratum:<template>")
     if name == "repair":
         select = rest[0] if rest else "attention"
-        if select not in SELECTORS or len(rest) > 2 or (len(rest) == 2 and not rest[1].isdigit()):
-            raise KvnotesError(f"bad repair spec {spec!r}; write "
-                               f"repair:<{'|'.join(SELECTORS)}>:<k>")
+        if select not in SELECTORS:
+            raise UnknownNameError("selector", select, SELECTORS, f"in {spec!r}")
+        if len(rest) > 2 or (len(rest) == 2 and not rest[1].isdigit()):
+            raise InvalidArgumentError(f"bad repair spec {spec!r}; write "
+                                    f"repair:<{'|'.join(SELECTORS)}>:<k>")
         return name, {"select": select, "k": int(rest[1]) if len(rest) == 2 else 32}
     if name == "erratum" and rest:
         if rest[0] not in ERRATUM_TEMPLATES:
-            raise KvnotesError(f"unknown erratum template {rest[0]!r}; templates: "
-                               f"{sorted(ERRATUM_TEMPLATES)}")
+            raise UnknownNameError("erratum template", rest[0], sorted(ERRATUM_TEMPLATES))
         return name, {"template": rest[0]}
     if rest:
-        raise KvnotesError(f"strategy {name!r} takes no options, got {spec!r}")
+        raise InvalidArgumentError(f"strategy {name!r} takes no options, got {spec!r}")
     return name, {}
 
 
@@ -71,9 +77,8 @@ def case_prompt(engine: Engine, case: EditCase, *, cot: bool = False) -> tuple[D
     """
     question = f"{case.question} {COT_INSTRUCTION}" if cot else case.question
     tok = engine.tokenizer
-    if getattr(tok, "chat_template", None):
-        sentinel = "\x00RECORD\x00"
-        head, tail = chat_turn(tok, "user", sentinel).split(sentinel, 1)
+    if has_template(tok):
+        head, tail = turn_frame(tok, "user")
         doc = Document([head, *case.document.parts, tail])
         return doc, chat_turn(tok, "user", question, generation_prompt=True)
     return case.document, f"\nQuestion: {question}\n" + ("Reasoning:" if cot else "Answer:")
@@ -91,15 +96,87 @@ def spread(cases: Sequence[EditCase], per_family: int) -> list[EditCase]:
     return [g[i] for i in range(per_family) for g in picked if i < len(g)]
 
 
+@dataclass(frozen=True, slots=True)
+class StrategyRow:
+    """One strategy on one case, measured against recompute of the new value."""
+
+    strategy: str  # the spec, e.g. "repair:attention:32"
+    family: str
+    case_id: str
+    decision: str | None
+    identical: bool  # same decision as recompute(new)
+    sensitive: bool  # recompute decides differently for the old and the new value
+    recovered: bool  # sensitive and identical
+    cosine: float
+    kl: float
+    top1_agree: bool
+    margin: float  # first-token logit of recompute(new)'s answer minus the best other answer
+    tokens_total: int
+    tokens_recomputed: int
+    tokens_appended: int
+    compute_fraction: float
+    select_tokens: float
+    seconds: float
+    ttft: float
+    ttft_ratio: float  # (edit + question) / (recompute + question), wall clock
+    text: str  # the CoT text ("" without CoT)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """One case: the reference decisions for the old and new value and one row per strategy."""
+
+    case_id: str
+    family: str
+    field: str
+    old_value: str
+    new_value: str
+    decision_old: str | None
+    decision_new: str | None
+    expected_old: str | None
+    expected_new: str | None
+    sensitive: bool
+    tokens: int
+    answer_logits_old: tuple[float, ...]  # first-token logit per answer, recompute(old)
+    answer_logits_new: tuple[float, ...]
+    answers: tuple[str, ...]
+    text_old: str
+    text_new: str
+    rows: tuple[StrategyRow, ...]
+
+    def row(self, strategy: str) -> StrategyRow | None:
+        return next((r for r in self.rows if r.strategy == strategy), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(answer_logits_old=list(self.answer_logits_old),
+                 answer_logits_new=list(self.answer_logits_new), answers=list(self.answers),
+                 rows=[r.to_dict() for r in self.rows])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CaseResult:
+        """Read back :meth:`to_dict` (a ``results.json`` case; older files may lack answers)."""
+        names = {f.name for f in fields(StrategyRow)}
+        rows = tuple(StrategyRow(**{k: v for k, v in r.items() if k in names}) for r in d["rows"])
+        answers = d.get("answers") or _suite_answers().get(d["case_id"], [])
+        return cls(**{**{f.name: d.get(f.name) for f in fields(cls)},
+                      "answer_logits_old": tuple(d["answer_logits_old"]),
+                      "answer_logits_new": tuple(d["answer_logits_new"]),
+                      "answers": tuple(answers), "rows": rows})
+
+
 def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DEFAULT_STRATEGIES,
-                  *, cot: bool = False, budget: int = 96) -> dict[str, Any]:
+                  *, cot: bool = False, budget: int = 96) -> CaseResult:
     """One case: the reference decisions and one row per strategy (see module docstring)."""
     specs = [(s, *parse_strategy(s)) for s in strategies]
     doc, query = case_prompt(engine, case, cot=cot)
-    parse = case.parse if not cot else None
 
-    def ask(nb):  # -> Decision
-        return decide(engine, nb, query, case.answers, cot=cot, budget=budget, parse=parse)
+    def ask(nb: Notebook) -> Decision:
+        return decide(engine, nb, query, case.answers, cot=cot, budget=budget)
 
     nb_old = engine.prefill(doc)
     d_old = ask(nb_old)
@@ -119,29 +196,27 @@ def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DE
             d = ask(nb)
         cmp = compare_logits(d_new.logits, d.logits)
         ttft = report.seconds + d.first_seconds
-        rows.append({
-            "strategy": label, "family": case.family, "case_id": case.case_id,
-            "decision": d.answer, "identical": d.answer == d_new.answer, "sensitive": sensitive,
-            "recovered": sensitive and d.answer == d_new.answer,
-            "cosine": cmp.cosine, "kl": cmp.kl, "top1_agree": cmp.top1_agree,
-            "margin": _margin(d.answer_logits, case.answers, d_new.answer),
-            "tokens_total": report.tokens_total, "tokens_recomputed": report.tokens_recomputed,
-            "tokens_appended": report.tokens_appended, "compute_fraction": report.compute_fraction,
-            "select_tokens": report.select_tokens, "seconds": report.seconds,
-            "ttft": ttft, "ttft_ratio": ttft / ttft_ref if ttft_ref else float("nan"),
-            "text": d.text,
-        })
-    return {
-        "case_id": case.case_id, "family": case.family, "field": case.field,
-        "old_value": case.old_value, "new_value": case.new_value,
-        "decision_old": d_old.answer, "decision_new": d_new.answer,
-        "expected_old": case.expected_old, "expected_new": case.expected_new,
-        "sensitive": sensitive, "tokens": len(ref_nb),
-        "answer_logits_old": list(d_old.answer_logits),
-        "answer_logits_new": list(d_new.answer_logits),
-        "answers": list(case.answers), "text_old": d_old.text, "text_new": d_new.text,
-        "rows": rows,
-    }
+        rows.append(StrategyRow(
+            strategy=label, family=case.family, case_id=case.case_id, decision=d.answer,
+            identical=d.answer == d_new.answer, sensitive=sensitive,
+            recovered=sensitive and d.answer == d_new.answer,
+            cosine=cmp.cosine, kl=cmp.kl, top1_agree=cmp.top1_agree,
+            margin=_margin(list(d.scores.values()), case.answers, d_new.answer),
+            tokens_total=report.tokens_total, tokens_recomputed=report.tokens_recomputed,
+            tokens_appended=report.tokens_appended, compute_fraction=report.compute_fraction,
+            select_tokens=report.select_tokens, seconds=report.seconds,
+            ttft=ttft, ttft_ratio=ttft / ttft_ref if ttft_ref else float("nan"), text=d.text,
+        ))
+    return CaseResult(
+        case_id=case.case_id, family=case.family, field=case.field,
+        old_value=case.old_value, new_value=case.new_value,
+        decision_old=d_old.answer, decision_new=d_new.answer,
+        expected_old=case.expected_old, expected_new=case.expected_new,
+        sensitive=sensitive, tokens=len(ref_nb),
+        answer_logits_old=tuple(d_old.scores.values()),
+        answer_logits_new=tuple(d_new.scores.values()),
+        answers=tuple(case.answers), text_old=d_old.text, text_new=d_new.text, rows=tuple(rows),
+    )
 
 
 def _margin(scores: Sequence[float], answers: Sequence[str], target: str | None) -> float:
@@ -166,7 +241,7 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
     for s in strategies:
         parse_strategy(s)
     t0 = time.perf_counter()
-    results: list[dict[str, Any]] = []
+    results: list[CaseResult] = []
     for i, case in enumerate(cases):
         results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget))
         if progress:
@@ -176,52 +251,60 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
     return _summary(engine, results, strategies, cot, budget, t0, len(cases))
 
 
-def _summary(engine: Engine, results: list[dict[str, Any]], strategies: Sequence[str],
+def _summary(engine: Engine, results: list[CaseResult], strategies: Sequence[str],
              cot: bool, budget: int, t0: float, planned: int) -> dict[str, Any]:
+    """The JSON-ready result: settings, aggregates and every case (as dicts)."""
     return {
         "model": engine.name, "cot": cot, "budget": budget if cot else None,
         "strategies": list(strategies), "n_cases": len(results), "n_planned": planned,
-        "n_sensitive": sum(r["sensitive"] for r in results),
+        "n_sensitive": sum(r.sensitive for r in results),
         "recompute_matches_expected": {
-            "old": sum(r["decision_old"] == r["expected_old"] for r in results),
-            "new": sum(r["decision_new"] == r["expected_new"] for r in results),
+            "old": sum(r.decision_old == r.expected_old for r in results),
+            "new": sum(r.decision_new == r.expected_new for r in results),
         },
         "seconds": time.perf_counter() - t0,
-        "per_strategy": aggregate(results, strategies),
-        "per_family": {fam: aggregate([r for r in results if r["family"] == fam], strategies)
-                       for fam in sorted({r["family"] for r in results})},
-        "cases": results,
+        **aggregates(results, strategies),
+        "cases": [r.to_dict() for r in results],
     }
 
 
-def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> dict[str, Any]:
+def aggregates(results: Sequence[CaseResult], strategies: Sequence[str]) -> dict[str, Any]:
+    """``per_strategy`` over all cases and ``per_family``: the same within each family."""
+    return {
+        "per_strategy": aggregate(results, strategies),
+        "per_family": {fam: aggregate([r for r in results if r.family == fam], strategies)
+                       for fam in sorted({r.family for r in results})},
+    }
+
+
+def aggregate(results: Sequence[CaseResult], strategies: Sequence[str]) -> dict[str, Any]:
     """Per-strategy summary over case results."""
     out = {}
     for s in strategies:
-        rows = [row for r in results for row in r["rows"] if row["strategy"] == s]
+        rows = [row for r in results for row in r.rows if row.strategy == s]
         if not rows:
             continue
-        sens = [row for row in rows if row["sensitive"]]
+        sens = [row for row in rows if row.sensitive]
         effects = [e for r in results if (e := _effect(r, s)) is not None]
-        intended = [row["decision"] == r["expected_new"] for r in results for row in r["rows"]
-                    if row["strategy"] == s and r.get("expected_new") is not None]
+        intended = [row.decision == r.expected_new for r in results for row in r.rows
+                    if row.strategy == s and r.expected_new is not None]
         out[s] = {
             "n": len(rows),
             "n_field_moved": len(effects),
             "intended_new": _mean(intended) if intended else None,
             "effect_median": statistics.median(effects) if effects else None,
-            "identity": _mean(row["identical"] for row in rows),
-            "flips": sum(not row["identical"] for row in rows),
+            "identity": _mean(row.identical for row in rows),
+            "flips": sum(not row.identical for row in rows),
             "n_sensitive": len(sens),
-            "recovery": _mean(row["identical"] for row in sens) if sens else None,
-            "cosine_mean": _mean(row["cosine"] for row in rows),
-            "cosine_median": statistics.median(row["cosine"] for row in rows),
-            "kl_mean": _mean(row["kl"] for row in rows),
-            "kl_median": statistics.median(row["kl"] for row in rows),
-            "top1_agree": _mean(row["top1_agree"] for row in rows),
-            "compute_fraction": _mean(row["compute_fraction"] for row in rows),
-            "select_fraction": _mean(row["select_tokens"] / row["tokens_total"] for row in rows),
-            "ttft_ratio_median": statistics.median(row["ttft_ratio"] for row in rows),
+            "recovery": _mean(row.identical for row in sens) if sens else None,
+            "cosine_mean": _mean(row.cosine for row in rows),
+            "cosine_median": statistics.median(row.cosine for row in rows),
+            "kl_mean": _mean(row.kl for row in rows),
+            "kl_median": statistics.median(row.kl for row in rows),
+            "top1_agree": _mean(row.top1_agree for row in rows),
+            "compute_fraction": _mean(row.compute_fraction for row in rows),
+            "select_fraction": _mean(row.select_tokens / row.tokens_total for row in rows),
+            "ttft_ratio_median": statistics.median(row.ttft_ratio for row in rows),
         }
     return out
 
@@ -229,22 +312,21 @@ def aggregate(results: Sequence[dict[str, Any]], strategies: Sequence[str]) -> d
 MIN_FIELD_EFFECT = 1.0  # logits: below this the field barely moves the decision (DESIGN.md)
 
 
-def _effect(case: dict[str, Any], strategy: str) -> float | None:
+def _effect(case: CaseResult, strategy: str) -> float | None:
     """Normalized effect of one strategy on one case, or None when the field barely moves it.
 
     With m the first-token logit margin of recompute(new)'s answer over the best other answer:
     (m_strategy - m_old) / (m_new - m_old); 1 = moved as far as recompute, 0 = still the old
     value. Only cases where |m_new - m_old| >= MIN_FIELD_EFFECT count.
     """
-    answers = case.get("answers") or _suite_answers().get(case["case_id"])
-    row = next((r for r in case["rows"] if r["strategy"] == strategy), None)
-    if not answers or row is None:
+    row = case.row(strategy)
+    if not case.answers or row is None:
         return None
-    m_old = _margin(case["answer_logits_old"], answers, case["decision_new"])
-    m_new = _margin(case["answer_logits_new"], answers, case["decision_new"])
+    m_old = _margin(case.answer_logits_old, case.answers, case.decision_new)
+    m_new = _margin(case.answer_logits_new, case.answers, case.decision_new)
     if not abs(m_new - m_old) >= MIN_FIELD_EFFECT:
         return None
-    return (row["margin"] - m_old) / (m_new - m_old)
+    return (row.margin - m_old) / (m_new - m_old)
 
 
 def _suite_answers() -> dict[str, list[str]]:
@@ -303,12 +385,13 @@ def family_table(result: dict[str, Any]) -> list[str]:
 
 
 def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
-    """``results.json``, ``report.md`` and ``edit.png`` in ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "report": out / "report.md", "chart": out / "edit.png"}
-    paths["json"].write_text(json.dumps(result, indent=1, default=str))
-    plot(result, paths["chart"])
+    """``results.json``, ``report.md`` and ``edit.png`` in ``out`` (keys json, report, plot)."""
+    return write_bundle(out, result, report=report_markdown(result), json_name="results.json",
+                        plot_name=CHART, plot=lambda path: plot(result, path))
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    """The markdown report of a :func:`run_suite` result."""
     expected = result["recompute_matches_expected"]
     n = result["n_cases"]
     lines = [
@@ -348,13 +431,12 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "",
         *family_table(result),
         "",
-        f"![edit strategies]({paths['chart'].name})",
+        f"![edit strategies]({CHART})",
         "",
         f"Wall time: {result['seconds']:.0f} s.",
         "",
     ]
-    paths["report"].write_text("\n".join(lines))
-    return paths
+    return "\n".join(lines)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -391,22 +473,13 @@ def rewrite_report(folder: str | Path) -> dict[str, Path]:
     metrics or tables change, without re-running the models)."""
     folder = Path(folder)
     result = json.loads((folder / "results.json").read_text())
-    strategies = result["strategies"]
-    result["per_strategy"] = aggregate(result["cases"], strategies)
-    result["per_family"] = {fam: aggregate([r for r in result["cases"] if r["family"] == fam],
-                                           strategies)
-                            for fam in sorted({r["family"] for r in result["cases"]})}
+    cases = [CaseResult.from_dict(c) for c in result["cases"]]
+    result.update(aggregates(cases, result["strategies"]))
     return write_outputs(result, folder)
 
 
-def compare_strategies(engine: Engine, case: Any, strategies: Sequence[str] | None = None, *,
-                       cot: bool = False) -> list[dict[str, Any]]:
-    """Every strategy on one :class:`~kvnotes.eval.tasks.EditCase`, side by side (for the demo).
-
-    Rows: strategy, decision, identical (to recompute of the new value), logit cosine, KL,
-    tokens recomputed, compute fraction, seconds. See :mod:`kvnotes.eval.edit_suite`.
-    """
-    result = evaluate_case(engine, case, strategies or DEFAULT_STRATEGIES, cot=cot)
-    keys = ("strategy", "decision", "identical", "cosine", "kl", "tokens_recomputed",
-            "compute_fraction", "seconds")
-    return [{k: row[k] for k in keys} for row in result["rows"]]
+def compare_strategies(engine: Engine, case: EditCase, strategies: Sequence[str] | None = None,
+                       *, cot: bool = False) -> tuple[StrategyRow, ...]:
+    """Every strategy on one :class:`~kvnotes.eval.tasks.EditCase`, side by side (for the demo):
+    one :class:`StrategyRow` per strategy, compared with recompute of the new value."""
+    return evaluate_case(engine, case, strategies or DEFAULT_STRATEGIES, cot=cot).rows

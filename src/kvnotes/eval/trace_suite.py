@@ -26,11 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.core.document import Document, chat_turn
+from kvnotes.core.chat import chat_turn, has_template
+from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.eval.tasks import EditCase
-from kvnotes.ops.trace import TraceLengthError, TraceOptions, TraceResult, _finite, trace
+from kvnotes.ops.trace import TraceOptions, TraceResult, _finite, trace
 
 _MARK = "\u2063KVNOTES-DOCUMENT\u2063"
 
@@ -84,7 +85,7 @@ def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[st
     """``(document, query, (new_answer, old_answer))`` for one case (see the module docstring)."""
     if case.expected_old is None or case.expected_new is None:
         raise KvnotesError(f"{case.case_id}: tracing needs expected_old and expected_new answers")
-    if getattr(engine.tokenizer, "chat_template", None):
+    if has_template(engine.tokenizer):
         rendered = chat_turn(engine.tokenizer, "user", f"{_MARK}\n\n{case.question}",
                              generation_prompt=True)
         head, query = rendered.split(_MARK, 1)

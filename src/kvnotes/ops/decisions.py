@@ -14,28 +14,71 @@ from dataclasses import dataclass
 import torch
 
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError
 from kvnotes.core.notebook import Notebook
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The decision read at the decision position (and, with CoT, the reasoning text)."""
+    """A decision read at the decision position: the answer, every choice's score, the margin.
+
+    ``scores`` maps each answer choice to its score: :func:`decide` uses the logit of the
+    choice's first token, the agent's constrained choice its log-probability. ``margin`` is the
+    best score minus the runner-up's. With CoT, ``answer`` is parsed from ``text`` and may
+    differ from the best-scoring choice (or be None when the text names none).
+    """
 
     answer: str | None
-    logits: torch.Tensor  # FloatTensor[vocab] at the decision position (first generated token)
-    answer_logits: tuple[float, ...]  # first-token logit of each answer choice
+    scores: dict[str, float]
+    margin: float
+    logits: torch.Tensor | None = None  # FloatTensor[vocab] at the decision position
     text: str = ""
     first_seconds: float = 0.0  # feeding the query: time to the first token's logits
     seconds: float = 0.0  # everything, reasoning included
 
 
-def answer_token_ids(engine: Engine, answers: Sequence[str], *, leading_space: bool) -> list[int]:
-    """The first token of each answer as it would follow the query; they must differ."""
-    firsts = [engine.encode((" " if leading_space else "") + a)[0] for a in answers]
+def margin_of(scores: Sequence[float]) -> float:
+    """Best score minus the runner-up's (nan for fewer than two scores)."""
+    top = sorted(scores, reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("nan")
+
+
+# ---- the first token(s) of an answer --------------------------------------------------------------
+def leading_space(after: str) -> bool:
+    """The space rule: an answer written after ``after`` starts with one space, unless ``after``
+    is empty or ends in whitespace (a chat template's assistant prefix ends in a newline;
+    ``"Answer:"`` does not)."""
+    return bool(after) and not after[-1].isspace()
+
+
+def answer_ids(engine: Engine, answer: str, *, after: str) -> list[int]:
+    """Token ids of ``answer`` as the model would write it right after the text ``after``.
+
+    The answer's own leading whitespace is replaced by the :func:`leading_space` rule, so
+    ``"yes"`` and ``" yes"`` give the same ids. Raises :class:`EmptyAnswerError` for an answer
+    with no tokens.
+    """
+    text = answer.lstrip()
+    ids = engine.encode((" " if leading_space(after) else "") + text) if text else []
+    if not ids:
+        raise EmptyAnswerError(f"answer {answer!r} has no tokens; decisions read an answer's "
+                               "first token, so give non-empty answer choices")
+    return ids
+
+
+def first_token_ids(engine: Engine, answers: Sequence[str | int], *, after: str) -> list[int]:
+    """The first token of each answer after ``after`` (ints are taken as token ids already).
+
+    Raises :class:`AnswerTokenError` when two answers share a first token: a decision without
+    CoT compares first-token logits and could not tell them apart.
+    """
+    firsts = [a if isinstance(a, int) else answer_ids(engine, a, after=after)[0] for a in answers]
     if len(set(firsts)) != len(firsts):
-        raise KvnotesError(f"answers {list(answers)} share a first token; decisions without CoT "
-                           "compare first-token logits, so choose answers that start differently")
+        shared = next(f for f in firsts if firsts.count(f) > 1)
+        raise AnswerTokenError(
+            f"answers {list(answers)} share their first token {engine.decode([shared])!r}; "
+            "decisions without CoT compare first-token logits, so choose answers that start "
+            "differently")
     return firsts
 
 
@@ -46,27 +89,36 @@ def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
     """The model's decision after ``query`` on top of ``nb``.
 
     Without CoT: the answer whose first token has the highest logit at the decision position
-    (a leading space is assumed when the query does not end in whitespace). With CoT: greedy
+    (first tokens by :func:`first_token_ids`, after the query). With CoT: greedy
     decoding up to ``budget`` tokens, then ``parse(text)`` (default :func:`parse_answer`).
     """
     t0 = time.perf_counter()
-    ids = answer_token_ids(engine, answers, leading_space=not query[-1:].isspace())
+    ids = first_token_ids(engine, answers, after=query)
     q_ids, q_spans = engine.tokens_of(query, bos=False, kind="query", name="query")
     step = engine.forward(nb, q_ids, spans=q_spans)
     logits = step.logits
     first_seconds = time.perf_counter() - t0
-    scores = tuple(float(logits[i]) for i in ids)
+    scores = {a: float(logits[i]) for a, i in zip(answers, ids, strict=True)}
+    margin = margin_of(list(scores.values()))
     if not cot:
-        answer = answers[max(range(len(answers)), key=lambda j: scores[j])]
-        return Decision(answer, logits, scores, "", first_seconds, first_seconds)
+        answer = max(answers, key=lambda a: scores[a])
+        return Decision(answer, scores, margin, logits, "", first_seconds, first_seconds)
     first = logits
     text = engine.continue_greedy(step.notebook, logits, budget).text
     answer = (parse or (lambda t: parse_answer(t, answers)))(text)
-    return Decision(answer, first, scores, text, first_seconds, time.perf_counter() - t0)
+    return Decision(answer, scores, margin, first, text, first_seconds,
+                    time.perf_counter() - t0)
 
 
 def parse_answer(text: str, answers: Sequence[str]) -> str | None:
-    """The first answer named after the last "answer:" in ``text`` (else anywhere in it)."""
+    """The answer choice a model's text names: the first one (as a whole word, any case) after
+    the last "answer:" / "answer is" in ``text``, else the first one anywhere in it; None when
+    it names none. The one parser for CoT decisions, task cases and served responses.
+
+    Example:
+        >>> parse_answer("Yes at first, but the final answer: no.", ("yes", "no"))
+        'no'
+    """
     marks = list(re.finditer(r"answer\s*(?:is)?\s*[:\-]?", text, flags=re.IGNORECASE))
     tail = text[marks[-1].end():] if marks else text
     for segment in (tail, text):

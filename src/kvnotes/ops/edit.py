@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from kvnotes.core.document import Document, Field, chat_turn, document_meta, remembered_document
+from kvnotes.core.chat import chat_turn, has_template
+from kvnotes.core.document import Document, Field, document_meta, remembered_document
 from kvnotes.core.engine import Engine, register_editor
-from kvnotes.core.errors import EmptyInputError, KvnotesError
+from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
 
 STRATEGIES = ("recompute", "prefix", "overwrite", "erratum", "repair")
@@ -179,19 +180,30 @@ def _overwrite(engine: Engine, nb: Notebook, plan: _Plan) -> tuple[Notebook, int
     return out, plan.fe_new - plan.fs, reused
 
 
-def erratum_text(engine: Engine, label: str, old: str, new: str, *,
+def erratum_text(label: str, old: str, new: str, *, template: str = DEFAULT_ERRATUM) -> str:
+    """The wording of a correction: ``template`` names one of :data:`ERRATUM_TEMPLATES` or is a
+    format string with ``{new}`` (and optionally ``{label}``, ``{Label}``, ``{old}``).
+
+    Example:
+        >>> erratum_text("order status", "pending", "delivered")
+        'Correction: the order status is delivered, not pending.'
+    """
+    fmt = ERRATUM_TEMPLATES.get(template, template)
+    if "{new}" not in fmt:
+        raise UnknownNameError("erratum template", template, ERRATUM_TEMPLATES,
+                               "or a format string with {new}")
+    return fmt.format(label=label, Label=label[:1].upper() + label[1:], old=old, new=new)
+
+
+def erratum_turn(engine: Engine, label: str, old: str, new: str, *,
                  template: str = DEFAULT_ERRATUM, chat: bool | None = None) -> str:
-    """The correction appended by ``erratum``: a template name or a format string.
+    """:func:`erratum_text` as the ``erratum`` strategy appends it to a notebook.
 
     Chat models (``chat=None`` and a tokenizer with a chat template) get it as a new user turn;
     base models get it as a paragraph of its own.
     """
-    fmt = ERRATUM_TEMPLATES.get(template, template)
-    if "{new}" not in fmt:
-        raise ValueError(f"erratum template {template!r} is neither one of "
-                         f"{sorted(ERRATUM_TEMPLATES)} nor a format string with {{new}}")
-    text = fmt.format(label=label, Label=label[:1].upper() + label[1:], old=old, new=new)
-    use_chat = bool(getattr(engine.tokenizer, "chat_template", None)) if chat is None else chat
+    text = erratum_text(label, old, new, template=template)
+    use_chat = has_template(engine.tokenizer) if chat is None else chat
     return chat_turn(engine.tokenizer, "user", text) if use_chat else f"\n\n{text}\n"
 
 
@@ -213,7 +225,7 @@ def field_label(doc: Document, field: str) -> str:
 
 def _erratum(engine: Engine, nb: Notebook, plan: _Plan, field: str, template: str,
              chat: bool | None, label: str | None) -> tuple[Notebook, int]:
-    text = erratum_text(engine, label or field_label(plan.doc, field), plan.doc.value(field),
+    text = erratum_turn(engine, label or field_label(plan.doc, field), plan.doc.value(field),
                         plan.new_doc.value(field), template=template, chat=chat)
     ids = engine.encode(text)
     out = engine.forward(nb, ids, spans=[Span(f"erratum:{field}", "erratum", 0, len(ids))]).notebook
@@ -238,7 +250,7 @@ def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Te
 def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, layer: int,
             memo: dict[Any, Any] | None) -> tuple[Notebook, int, int, float, float, float]:
     if select not in SELECTORS:
-        raise ValueError(f"unknown select {select!r}; choose one of {list(SELECTORS)}")
+        raise UnknownNameError("selector", select, SELECTORS)
     if k < 0:
         raise ValueError(f"repair budget k must be >= 0, got {k}")
     base, _, _ = _overwrite(engine, nb, plan)
@@ -341,7 +353,7 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         >>> new, report = engine.edit(nb, "status", "done", strategy="prefix")  # doctest: +SKIP
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown edit strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+        raise UnknownNameError("strategy", strategy, STRATEGIES)
     t0 = time.perf_counter()
     plan = _plan(engine, nb, field, new_value)
     old_value = plan.doc.value(field)

@@ -43,16 +43,13 @@ import torch
 
 from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.core.metrics import normalized_effect
 from kvnotes.core.notebook import LayerKV, Notebook
+from kvnotes.ops.decisions import first_token_ids
 
 DIRECTIONS = ("denoising", "noising")
 Metric = Callable[[torch.Tensor], float]
-
-
-class TraceLengthError(KvnotesError, ValueError):
-    """Old and new field values that tokenize to different lengths (patching needs them equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +276,8 @@ def trace(engine: Engine, doc: Document, *, field: str, new_value: str,
 
     Raises:
         TraceLengthError: the old and new values tokenize to different lengths.
-        KvnotesError: an empty query, or answers sharing their first token.
+        EmptyAnswerError, AnswerTokenError: an empty answer, or answers sharing their first
+            token (:mod:`kvnotes.core.errors`); KvnotesError: an empty query.
 
     Example:
         >>> doc = kvnotes.Document(["Status: ", kvnotes.Field("status", "pending"), ".\\n"])  # doctest: +SKIP
@@ -381,31 +379,13 @@ def query_tokens(engine: Engine, query: str | Sequence[int]) -> list[int]:
 
 def answer_token_ids(engine: Engine, query: str | Sequence[int],
                      answers: tuple[str | int, str | int]) -> tuple[int, int]:
-    """The first token of each answer as the model would write it right after ``query``.
-
-    Text answers get a leading space unless the query text ends in whitespace (a chat
-    template's assistant prefix ends in a newline; ``"Answer:"`` does not). Ints are taken as
-    token ids.
-    """
+    """The first token of ``(new_answer, old_answer)`` right after ``query``, by
+    :func:`kvnotes.ops.decisions.first_token_ids` (its space rule; ints are token ids)."""
     if len(answers) != 2:
         raise KvnotesError(f"answers must be (new_answer, old_answer), got {answers!r}")
-    text = query if isinstance(query, str) else engine.decode(query)
-    space = "" if not text or text[-1].isspace() else " "
-    ids = []
-    for a in answers:
-        if isinstance(a, int):
-            ids.append(a)
-            continue
-        toks = engine.encode(space + a.lstrip() if space else a)
-        if not toks:
-            raise KvnotesError(f"answer {a!r} has no tokens")
-        ids.append(toks[0])
-    if ids[0] == ids[1]:
-        raise KvnotesError(
-            f"answers {answers!r} share their first token {engine.decode([ids[0]])!r}; the "
-            "metric compares first tokens, so pick answers that differ in their first token"
-        )
-    return ids[0], ids[1]
+    after = query if isinstance(query, str) else engine.decode(query)
+    new, old = first_token_ids(engine, answers, after=after)
+    return new, old
 
 
 def _finite(x: Any) -> Any:

@@ -18,7 +18,7 @@ from kvnotes.apps.agent.episodes import (
     scripted_episode,
     scripted_episodes,
 )
-from kvnotes.apps.agent.prompt import ChatFormat, Prompt
+from kvnotes.apps.agent.prompt import Prompt
 from kvnotes.apps.agent.runtime import (
     Decision,
     KvnotesAgent,
@@ -27,9 +27,11 @@ from kvnotes.apps.agent.runtime import (
     choose,
     run_episode,
 )
-from kvnotes.apps.agent.skills import SkillBook, UnknownSkillError, skill_names, skill_text
+from kvnotes.apps.agent.skills import SkillBook, skill_names, skill_text
 from kvnotes.apps.agent.state import FIELDS, Event, State
 from kvnotes.apps.agent.toolcall import TOOLS, ToolCall, parse_tool_call
+from kvnotes.core.chat import ChatFormat
+from kvnotes.core.errors import UnknownSkillError
 
 __all__ = [
     "Episode", "Request", "Turn", "request", "route", "scripted_episode", "scripted_episodes",

@@ -8,7 +8,6 @@ and tokens computed by each agent.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +18,7 @@ from kvnotes.apps.agent.episodes import Episode, scripted_episodes
 from kvnotes.apps.agent.runtime import KvnotesAgent, RecomputeAgent, TurnResult
 from kvnotes.apps.agent.skills import SkillBook
 from kvnotes.core.engine import Engine
+from kvnotes.eval.reports import write_bundle
 
 
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
@@ -60,7 +60,7 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
         if progress:
             k = sum(r.latency_s for r in rows["kvnotes"])
             c = sum(r.latency_s for r in rows["recompute"])
-            same = sum(a.decision.choice == b.decision.choice
+            same = sum(a.decision.answer == b.decision.answer
                        for a, b in zip(rows["kvnotes"], rows["recompute"], strict=True))
             progress(f"[{i + 1}/{len(episodes)}] {ep.episode_id}: identical {same}/{len(ep.turns)}"
                      f"  kvnotes {k:.2f}s  recompute {c:.2f}s  ({c / k:.1f}x)")
@@ -153,14 +153,9 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write ``agent-bench.json``, ``report.md`` and ``latency.png`` into ``out_dir``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "agent-bench.json", "report": out / "report.md",
-             "plot": out / "latency.png"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["report"].write_text(report_markdown(result))
-    plot_latency(result, paths["plot"])
-    return paths
+    return write_bundle(out_dir, result, report=report_markdown(result),
+                        json_name="agent-bench.json", plot_name="latency.png",
+                        plot=lambda path: plot_latency(result, path))
 
 
 def plot_latency(result: dict[str, Any], path: Path) -> None:

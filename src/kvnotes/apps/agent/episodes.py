@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 from kvnotes.apps.agent.state import Event, State
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError, UnknownNameError
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ NEXT_STATUS = {"scheduled": "delayed by 6 hours", "delayed by 6 hours": "cancell
 def request(kind: str, state: State, rng: random.Random | None = None) -> Request:
     """The request of ``kind`` filled in for ``state``; unknown kinds list the valid ones."""
     if kind not in REQUESTS:
-        raise KvnotesError(f"unknown request kind {kind!r}; kinds: {sorted(REQUESTS)}")
+        raise UnknownNameError("request kind", kind, sorted(REQUESTS))
     template, skills, options, tool, acts = REQUESTS[kind]
     rng = rng or random.Random(0)
     user = state["customer_name"].split()[0].lower()

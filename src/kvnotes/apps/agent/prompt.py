@@ -6,62 +6,20 @@ Both agents lay out the same pieces in the same order, each piece tokenized on i
           [system(correction)]* [system(more policy, new skills)]  user(request 1)  ...
 
 The kvnotes agent keeps the record of turn 0 and appends a correction per state change (worded
-by :func:`kvnotes.ops.edit.erratum_text`, a user turn for chat models); the recompute agent writes
+by :func:`kvnotes.ops.edit.erratum_turn`, a user turn for chat models); the recompute agent writes
 the current record in place and has no corrections.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from kvnotes.apps.agent.episodes import Request
+from kvnotes.core.chat import ChatFormat
 
 HEADER = ("You are the customer service agent of Skyline Airways. Follow the policies below "
           "exactly; they are the only rules you may apply. The customer record is the source of "
           "truth for every fact about the customer.\n\n")
 MORE_POLICY = "Additional policy for the next request:\n\n"
 DECISION = "Decision:"
-
-_SENTINEL = "\u2063KVNOTES\u2063"
-
-
-@dataclass(frozen=True, slots=True)
-class ChatFormat:
-    """Opening and closing text of a system, user and assistant turn."""
-
-    system: tuple[str, str]
-    user: tuple[str, str]
-    assistant: tuple[str, str]
-
-    @classmethod
-    def plain(cls) -> ChatFormat:
-        return cls(("", "\n"), ("Customer: ", "\n"), ("Agent: ", "\n\n"))
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> ChatFormat:
-        """The tokenizer's chat template, read turn by turn; plain text when it has none."""
-        if not getattr(tokenizer, "chat_template", None):
-            return cls.plain()
-        try:
-            return cls(*(_turn(tokenizer, role) for role in ("system", "user", "assistant")))
-        except Exception:  # templates that refuse a role: fall back to plain text
-            return cls.plain()
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False)
-
-
-def _turn(tokenizer: Any, role: str) -> tuple[str, str]:
-    """(open, close) of one ``role`` turn after a first system turn: the difference of renders."""
-    first = [{"role": "system", "content": "Z"}]
-    before = _render(tokenizer, first)
-    after = _render(tokenizer, [*first, {"role": role, "content": _SENTINEL}])
-    if not after.startswith(before) or after.count(_SENTINEL) != 1:
-        raise ValueError("chat template is not concatenative")
-    open_, close = after[len(before):].split(_SENTINEL)
-    return open_, close
 
 
 class Prompt:

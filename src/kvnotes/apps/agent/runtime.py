@@ -17,25 +17,18 @@ from typing import Any
 import torch
 
 from kvnotes.apps.agent.episodes import Request
-from kvnotes.apps.agent.prompt import ChatFormat, Prompt
+from kvnotes.apps.agent.prompt import DECISION, Prompt
 from kvnotes.apps.agent.skills import SkillBook
 from kvnotes.apps.agent.state import Event, State, label
 from kvnotes.apps.agent.toolcall import TOOL_CALL_PREFIX, ToolCall, parse_tool_call
+from kvnotes.core.chat import ChatFormat
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError
 from kvnotes.core.notebook import Notebook, Span
-from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_text
+from kvnotes.ops.decisions import Decision, answer_ids
+from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_turn
 
 TOOL_CALL_OPEN = '{"tool": "'
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The chosen option, every option's log-probability, and the margin to the runner-up."""
-
-    choice: str
-    scores: dict[str, float]
-    margin: float  # log-prob gap between the best and the second-best option
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +46,7 @@ class TurnResult:
     events: tuple[Event, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"turn": self.turn, "kind": self.kind, "choice": self.decision.choice,
+        return {"turn": self.turn, "kind": self.kind, "choice": self.decision.answer,
                 "scores": self.decision.scores, "margin": self.decision.margin,
                 "tool_call": self.tool_call.to_dict() if self.tool_call else None,
                 "latency_s": self.latency_s, "tokens_computed": self.tokens_computed,
@@ -68,7 +61,7 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
     differ are scored by that token alone (no extra forward); otherwise every option is scored
     by the sum of its tokens' log-probabilities.
     """
-    ids = [engine.encode(f" {o}") for o in options]
+    ids = [answer_ids(engine, o, after=DECISION) for o in options]
     logp = torch.log_softmax(logits.double(), dim=-1)
     firsts = [i[0] for i in ids]
     if len(set(firsts)) == len(firsts):
@@ -120,9 +113,9 @@ class _Agent:
 
     def _tool_call(self, nb: Notebook, request: Request, decision: Decision
                    ) -> tuple[ToolCall | None, int]:
-        if not (self.tool_calls and request.tool and decision.choice in request.acts):
+        if not (self.tool_calls and request.tool and decision.answer in request.acts):
             return None, 0
-        gen = self.engine.greedy(nb, f" {decision.choice}" + TOOL_CALL_PREFIX, self.max_tool_tokens,
+        gen = self.engine.greedy(nb, f" {decision.answer}" + TOOL_CALL_PREFIX, self.max_tool_tokens,
                                  stop=("}}", "\n"))
         raw = TOOL_CALL_OPEN + gen.text
         return parse_tool_call(raw, expected=request.tool), len(gen.notebook) - len(nb) + 1
@@ -147,7 +140,7 @@ class KvnotesAgent(_Agent):
     Example:
         >>> agent = KvnotesAgent(engine, SkillBook(engine))          # doctest: +SKIP
         >>> agent.start(episode.state)                                # doctest: +SKIP
-        >>> agent.turn(episode.turns[0].request).decision.choice      # doctest: +SKIP
+        >>> agent.turn(episode.turns[0].request).decision.answer      # doctest: +SKIP
         'travel credit'
     """
 
@@ -215,7 +208,7 @@ class KvnotesAgent(_Agent):
                 old = self.state[e.field]
                 self.state = self.state.apply([e])
                 if self.errata and old != e.value:
-                    text = erratum_text(self.engine, label(e.field).lower(), old, e.value,
+                    text = erratum_turn(self.engine, label(e.field).lower(), old, e.value,
                                         template=self.erratum_template)
                     pieces.append((text, "erratum", f"t{index}.erratum.{e.field}"))
             new = [s for s in dict.fromkeys(request.skills) if s not in self._loaded]
@@ -235,7 +228,7 @@ class KvnotesAgent(_Agent):
         tool, tool_tokens = self._tool_call(nb, request, decision)
         latency = time.perf_counter() - t0
         self.notebook = nb
-        self._pending = self.prompt.answer(decision.choice)
+        self._pending = self.prompt.answer(decision.answer)
         computed = len(nb) - before - spliced
         result = TurnResult(index, request.kind, decision, tool, latency, computed + tool_tokens,
                             before + spliced, len(nb), tuple(events))
@@ -287,7 +280,7 @@ class RecomputeAgent(_Agent):
         decision = choose(self.engine, step.notebook, step.logits, request.options)
         tool, tool_tokens = self._tool_call(step.notebook, request, decision)
         latency = time.perf_counter() - t0
-        self._history += turn_ids + self._ids(self.prompt.answer(decision.choice))
+        self._history += turn_ids + self._ids(self.prompt.answer(decision.answer))
         result = TurnResult(index, request.kind, decision, tool, latency,
                             len(ids) + tool_tokens, 0, len(ids), tuple(events))
         self.turns.append(result)

@@ -8,17 +8,10 @@ from importlib import resources
 from pathlib import Path
 
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import UnknownSkillError
 from kvnotes.core.models import kvnotes_home
 from kvnotes.core.notebook import Notebook
 from kvnotes.ops.store import SkillLibrary
-
-
-class UnknownSkillError(KvnotesError, KeyError):
-    """A skill name that the skill library does not have."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def skill_names() -> list[str]:
@@ -31,7 +24,7 @@ def skill_text(name: str) -> str:
     """A skill document as it is compiled: the file's text ending in one blank line."""
     names = skill_names()
     if name not in names:
-        raise UnknownSkillError(f"unknown skill {name!r}; skills: {names}")
+        raise UnknownSkillError(name, names)
     text = (resources.files("kvnotes.apps.agent") / "skills" / f"{name}.txt").read_text("utf-8")
     return text.rstrip() + "\n\n"
 
@@ -62,7 +55,7 @@ class SkillBook:
 
     def check(self, name: str) -> None:
         if name not in self.names:
-            raise UnknownSkillError(f"unknown skill {name!r}; skills: {self.names}")
+            raise UnknownSkillError(name, self.names)
 
     def text(self, name: str) -> str:
         self.check(name)

@@ -11,7 +11,6 @@ one policy.
 
 from __future__ import annotations
 
-import json
 import queue
 import secrets
 import threading
@@ -21,9 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.serving.client import Client, ServingError, StreamResult
+from kvnotes.apps.serving.client import Client, StreamResult
 from kvnotes.apps.serving.metrics import PrefixCacheCounters, agreement, percentile
-from kvnotes.apps.serving.workload import POLICIES, Session, make_sessions, parse_decision
+from kvnotes.apps.serving.workload import ANSWERS, POLICIES, Session, make_sessions
+from kvnotes.core.errors import ServingError, UnknownNameError
+from kvnotes.eval.reports import write_bundle
+from kvnotes.ops.decisions import parse_answer
 
 
 @dataclass
@@ -45,7 +47,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
-            raise ValueError(f"unknown policy {bad[0]!r}; policies: {', '.join(POLICIES)}")
+            raise UnknownNameError("policy", bad[0], POLICIES)
         if not self.context_tokens or min(self.context_tokens) < 64:
             raise ValueError("context lengths must be at least 64 tokens")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -195,7 +197,7 @@ def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, confi
                     rec = RequestRecord(**base, ok=r.ok, ttft_s=r.ttft_s, total_s=r.total_s,
                                         prompt_tokens=r.prompt_tokens,
                                         cached_tokens=r.cached_tokens, text=r.text,
-                                        decision=parse_decision(r.text) if r.ok else None,
+                                        decision=parse_answer(r.text, ANSWERS) if r.ok else None,
                                         error=r.error)
                 with lock:
                     records.append(rec)
@@ -374,12 +376,12 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
     """``result.json``, ``report.md`` and ``ttft_cdf.png`` in ``out``; returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "result.json", "report": out / "report.md",
-             "plot": out / "ttft_cdf.png"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str))
-    plot_ttft_cdf(result, paths["plot"])
+    return write_bundle(out, result, report=report_markdown(result), json_name="result.json",
+                        plot_name="ttft_cdf.png", plot=lambda path: plot_ttft_cdf(result, path))
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    """The markdown report of a serve-bench result."""
     cfg, server = result["config"], result["server"]
     failed = sum(s["failed"] for s in result["summaries"])
     skipped = sum(s["skipped"] for s in result["summaries"])
@@ -402,8 +404,7 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
         "not measured). Agreement: decisions equal to in-place's for the same session and edit; "
         "acc: the decision the refund policy implies for the new value.",
         "", markdown_table(result), "", "![TTFT CDF](ttft_cdf.png)", ""]
-    paths["report"].write_text("\n".join(text))
-    return paths
+    return "\n".join(text)
 
 
 def plot_ttft_cdf(result: dict[str, Any], path: str | Path) -> None:

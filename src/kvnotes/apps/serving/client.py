@@ -15,12 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvnotes.core.errors import KvnotesError
-
-
-class ServingError(KvnotesError, RuntimeError):
-    """A server that cannot be reached, fails to start, or does not serve the model."""
-
+from kvnotes.core.errors import ServingError
 
 LOOPBACK_NAMES = ("localhost",)
 

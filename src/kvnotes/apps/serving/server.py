@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from kvnotes.apps.serving.client import Client, ServingError
+from kvnotes.apps.serving.client import Client
+from kvnotes.core.errors import ServingError
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[4]

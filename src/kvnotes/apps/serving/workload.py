@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.ops.edit import erratum_text
 
 POLICIES: tuple[str, ...] = ("in-place", "erratum", "cold")
 
@@ -63,26 +66,6 @@ DECISION_POLICY = (
     "was delivered or returned. Orders that are pending, shipped, in transit, on hold, awaiting "
     "payment, cancelled or lost are never refunded; their requests are declined."
 )
-
-
-try:  # the wording kvnotes.ops.edit uses (and evaluates); a local copy if that module is absent
-    from kvnotes.ops.edit import DEFAULT_ERRATUM, ERRATUM_TEMPLATES
-
-    ERRATUM_TEMPLATE: str = ERRATUM_TEMPLATES[DEFAULT_ERRATUM]
-except (ImportError, KeyError):  # pragma: no cover
-    ERRATUM_TEMPLATE = "Correction: the {label} is {new}, not {old}."
-
-
-def erratum_text(field_label: str, new: str, old: str, template: str | None = None) -> str:
-    """The salient correction appended after the unchanged prompt.
-
-    ``template`` (default: kvnotes.ops.edit's default erratum wording, "Correction: the {label} is
-    {new}, not {old}.") is a format string with ``{label}``, ``{Label}``, ``{old}``, ``{new}``.
-    The text only: the serving harness appends it inside the same user message.
-    """
-    fmt = template or ERRATUM_TEMPLATE
-    return fmt.format(label=field_label, Label=field_label[:1].upper() + field_label[1:],
-                      old=old, new=new)
 
 
 @dataclass(frozen=True)
@@ -138,10 +121,11 @@ class Session:
     def prompt(self, policy: str, turn: int) -> str:
         """The user message for edit ``turn`` (0-based) under ``policy``."""
         if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+            raise UnknownNameError("policy", policy, POLICIES)
         t = self.turns[turn]
         if policy == "erratum":
-            errata = "\n".join(erratum_text(self.field_label, u.new, u.old)
+            # the text only: the serving harness appends it inside the same user message
+            errata = "\n".join(erratum_text(self.field_label, u.old, u.new)
                                for u in self.turns[:turn + 1])
             return f"{self.context()}\n\n{errata}\n\n{self.question}"
         return f"{self.context(t.new)}\n\n{self.question}"
@@ -180,7 +164,7 @@ def edit_stream(rng: random.Random, initial: str, n: int) -> tuple[Turn, ...]:
     never one the server has already seen), flipping the implied decision whenever an unseen
     value of the other kind is left (so a model that ignores the edit is visible)."""
     if n > MAX_EDITS:
-        raise ValueError(f"at most {MAX_EDITS} edits per session (distinct values), got {n}")
+        raise InvalidArgumentError(f"at most {MAX_EDITS} edits per session (distinct values), got {n}")
     turns, current, seen = [], initial, {initial}
     for i in range(n):
         want_yes = current not in REFUND_STATUSES
@@ -203,11 +187,11 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
     record goes where the tokens before it reach ``depth`` of the budget.
     """
     if context_tokens < 64:
-        raise ValueError(f"context_tokens must be at least 64, got {context_tokens}")
+        raise InvalidArgumentError(f"context_tokens must be at least 64, got {context_tokens}")
     if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must lie in [0, 1], got {depth}")
+        raise InvalidArgumentError(f"depth must lie in [0, 1], got {depth}")
     if not 1 <= edits <= MAX_EDITS:
-        raise ValueError(f"a session takes 1 to {MAX_EDITS} edits, got {edits}")
+        raise InvalidArgumentError(f"a session takes 1 to {MAX_EDITS} edits, got {edits}")
     rng = random.Random(f"{seed}:{session_id}")
     used: set[str] = set()
     header = (f"Case file {session_id}. Customer-service records of an online store, followed "
@@ -268,16 +252,6 @@ def make_sessions(n: int, *, context_tokens: int, depth: float, edits: int,
     that no run finds another run's prompts in the prefix cache)."""
     return [make_session(f"{tag}-s{i}", context_tokens=context_tokens, depth=depth, edits=edits,
                          count_tokens=count_tokens, seed=seed) for i in range(n)]
-
-
-def parse_decision(text: str, answers: Sequence[str] = ANSWERS) -> str | None:
-    """The first answer choice that appears in ``text`` as a word (case-insensitive)."""
-    best: tuple[int, str] | None = None
-    for answer in answers:
-        m = re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", text, flags=re.IGNORECASE)
-        if m and (best is None or m.start() < best[0]):
-            best = (m.start(), answer)
-    return best[1] if best else None
 
 
 def whitespace_tokens(text: str) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import UnknownNameError
 from kvnotes.eval.tasks import families as _families  # noqa: F401  (registers the edit families)
 from kvnotes.eval.tasks import recall as _recall  # noqa: F401  (registers capital_recall)
 from kvnotes.eval.tasks.base import FAMILIES, EditCase, register_family
@@ -21,5 +21,5 @@ def load_suite(families: Iterable[str] | None = None) -> list[EditCase]:
     names = list(FAMILIES) if families is None else list(families)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
-        raise KvnotesError(f"unknown task family {unknown[0]!r}; families: {sorted(FAMILIES)}")
+        raise UnknownNameError("family", unknown[0], sorted(FAMILIES))
     return [case for n in names for case in FAMILIES[n]()]  # type: ignore[operator]

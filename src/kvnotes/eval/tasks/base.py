@@ -7,10 +7,10 @@ decision parses to. The families live in their own modules and register in :data
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from kvnotes.core.document import Document
+from kvnotes.core.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class EditCase:
 
     ``document`` holds the field at its *old* value. ``question`` is appended after the
     document (for chat models the evaluator wraps context and question in the chat template).
-    ``answers`` are the decision choices; :meth:`parse` maps model text to one of them.
+    ``answers`` are the decision choices; :func:`kvnotes.ops.decisions.parse_answer` maps model
+    text to one of them.
     """
 
     family: str
@@ -36,21 +37,12 @@ class EditCase:
 
     def __post_init__(self) -> None:
         if self.document.value(self.field) != self.old_value:
-            raise ValueError(f"{self.case_id}: document holds {self.document.value(self.field)!r}"
+            raise InvalidArgumentError(f"{self.case_id}: document holds {self.document.value(self.field)!r}"
                              f" for {self.field!r}, not the old value {self.old_value!r}")
 
     @property
     def new_document(self) -> Document:
         return self.document.with_value(self.field, self.new_value)
-
-    def parse(self, text: str) -> str | None:
-        """The first answer choice that appears in ``text`` as a word (case-insensitive)."""
-        best: tuple[int, str] | None = None
-        for answer in self.answers:
-            m = re.search(rf"(?<![\w]){re.escape(answer)}(?![\w])", text, flags=re.IGNORECASE)
-            if m and (best is None or m.start() < best[0]):
-                best = (m.start(), answer)
-        return best[1] if best else None
 
 
 # family name -> zero-argument function returning that family's cases

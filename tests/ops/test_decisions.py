@@ -1,0 +1,61 @@
+"""The first token(s) of an answer, the space rule, the decision type and the one answer parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError, KvnotesError
+from kvnotes.ops.decisions import (
+    Decision,
+    answer_ids,
+    first_token_ids,
+    leading_space,
+    margin_of,
+    parse_answer,
+)
+
+
+def test_space_rule():
+    assert leading_space("Answer:") and leading_space("Decision:")
+    assert not leading_space("<|im_start|>assistant\n") and not leading_space("")
+
+
+def test_answer_ids_follow_the_space_rule(tiny_llama):
+    enc = tiny_llama.encode
+    assert answer_ids(tiny_llama, "yes", after="Answer:") == enc(" yes")
+    assert answer_ids(tiny_llama, " yes", after="Answer:") == enc(" yes")  # own space dropped
+    assert answer_ids(tiny_llama, "yes", after="assistant\n") == enc("yes")
+    assert first_token_ids(tiny_llama, ["yes", 7], after="Answer:") == [enc(" yes")[0], 7]
+
+
+def test_empty_and_indistinguishable_answers_are_clear_errors(tiny_llama):
+    with pytest.raises(EmptyAnswerError, match=r"^answer ' ' has no tokens; decisions read an "
+                                               r"answer's first token"):
+        answer_ids(tiny_llama, " ", after="Answer:")
+    with pytest.raises(AnswerTokenError, match=r"^answers \['yes', 'yes sir'\] share their first "
+                                               r"token ' yes'; .*start differently$"):
+        first_token_ids(tiny_llama, ["yes", "yes sir"], after="Answer:")
+    assert issubclass(EmptyAnswerError, KvnotesError) and issubclass(AnswerTokenError, ValueError)
+
+
+def test_trace_uses_the_same_answer_tokens(tiny_llama):
+    from kvnotes.ops.trace import answer_token_ids
+
+    ids = answer_token_ids(tiny_llama, "Refund? Answer:", ("yes", "no"))
+    assert list(ids) == first_token_ids(tiny_llama, ["yes", "no"], after="Answer:")
+    with pytest.raises(EmptyAnswerError):  # was an IndexError in one of the old copies
+        answer_token_ids(tiny_llama, "Refund? Answer:", ("yes", ""))
+
+
+def test_decision_and_margin():
+    d = Decision("yes", {"yes": 2.0, "no": 0.5}, margin_of([2.0, 0.5]))
+    assert d.margin == 1.5 and d.logits is None and d.text == ""
+    assert margin_of([1.0]) != margin_of([1.0])  # nan: no runner-up
+
+
+@pytest.mark.parametrize("text,want", [
+    ("Both yes and no matter. Final answer: no.", "no"), ("Yes, it can.", "yes"),
+    ("Answer: YES", "yes"), ("No. Yes.", "no"), ("yesterday", None), ("", None),
+])
+def test_parse_answer(text, want):
+    assert parse_answer(text, ("yes", "no")) == want
