@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError, KvnotesError
 from kvnotes.ops.decisions import (
     Decision,
     answer_ids,
+    decide,
     first_token_ids,
     leading_space,
     margin_of,
@@ -45,6 +47,17 @@ def test_trace_uses_the_same_answer_tokens(tiny_llama):
     assert list(ids) == first_token_ids(tiny_llama, ["yes", "no"], after="Answer:")
     with pytest.raises(EmptyAnswerError):  # was an IndexError in one of the old copies
         answer_token_ids(tiny_llama, "Refund? Answer:", ("yes", ""))
+
+
+def test_decide_reads_first_token_logits(tiny_llama):
+    engine = tiny_llama
+    nb = engine.prefill("ORDER #4411\nOrder status: pending\nRefunds only while pending.")
+    d = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"))
+    assert d.answer in ("yes", "no") and set(d.scores) == {"yes", "no"}
+    assert d.answer == max(d.scores, key=d.scores.__getitem__)
+    assert d.margin == pytest.approx(abs(d.scores["yes"] - d.scores["no"]))
+    c = decide(engine, nb, "\nRefund? Answer:", ("yes", "no"), cot=True, budget=4)
+    torch.testing.assert_close(c.logits, d.logits)
 
 
 def test_decision_and_margin():
