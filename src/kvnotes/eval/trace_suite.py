@@ -26,14 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.core.chat import chat_turn, has_template
+from kvnotes.core.chat import has_template, turn_frame
 from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.eval.tasks import EditCase
 from kvnotes.ops.trace import TraceOptions, TraceResult, _finite, trace
-
-_MARK = "\u2063KVNOTES-DOCUMENT\u2063"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +84,8 @@ def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[st
     if case.expected_old is None or case.expected_new is None:
         raise KvnotesError(f"{case.case_id}: tracing needs expected_old and expected_new answers")
     if has_template(engine.tokenizer):
-        rendered = chat_turn(engine.tokenizer, "user", f"{_MARK}\n\n{case.question}",
-                             generation_prompt=True)
-        head, query = rendered.split(_MARK, 1)
-        query += "Answer:"
+        head, close = turn_frame(engine.tokenizer, "user", generation_prompt=True)
+        query = f"\n\n{case.question}{close}Answer:"
         doc = Document([head, *case.document.parts]) if head else case.document
     else:
         doc, query = case.document, f"\n\n{case.question}\nAnswer:"
