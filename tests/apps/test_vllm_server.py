@@ -1,56 +1,32 @@
-"""serve-bench against a real vLLM server that kvnotes starts itself (CPU build, .venv-vllm).
-
-CI builds the vLLM environment (`make test` depends on `make vllm`); elsewhere the test skips
-only when that environment is absent. Startup takes about 2-3 minutes on 2 CPU cores.
-"""
+"""kvnotes on a real vLLM server (CPU build, .venv-vllm): the erratum keeps the prefix cache
+aligned, and composition splices skills inside the server (one shared server, see conftest)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import math
 
 import pytest
 
-from kvnotes.apps.serving import (
-    BenchConfig,
-    Client,
-    ServingError,
-    VLLMServer,
-    export_hf_dir,
-    find_vllm_python,
-    run_benchmark,
-)
+from kvnotes.apps.agent.prompt import HEADER
+from kvnotes.apps.agent.skills import skill_text
+from kvnotes.apps.serving import BenchConfig, Client, run_benchmark
+from kvnotes.apps.serving.compose_client import ComposeClient, cold_salt
 
 pytestmark = pytest.mark.vllm
 
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    try:
-        return find_vllm_python()
-    except ServingError as err:
-        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
+USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and want to cancel. "
+        "What do I get back?\nAgent:")
 
 
-def test_erratum_keeps_vllm_prefix_cache_aligned(vllm_python, tmp_path):
-    folder = export_hf_dir("smollm2-135m")
-    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-    server = VLLMServer(folder, served_name="smollm2-135m", python=vllm_python,
-                        log_path=tmp_path / "server.log", max_model_len=4096, kv_cache_gib=1,
-                        startup_timeout=900)
+def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
+    server, _ = serving
     # vLLM's CPU backend caches in blocks of 128 tokens: the partly filled last block and the
     # appended errata + question stay uncached, so the context must be long enough (3000)
     # for the erratum's hit rate to clear 0.9 with a margin
     config = BenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
                          request_timeout_s=300, time_budget_s=900)
-    with server:
-        assert server.startup_s is not None  # the server came up and serves the model
-        pids = server.alive_pids()
-        assert server.pid in pids
-        result = run_benchmark(Client(server.url), config, log=print)
-    # the server process (and those it started) is gone
-    assert server.proc is not None and server.proc.poll() is not None
-    assert server.alive_pids() == [], f"left running: {server.alive_pids()} of {pids}"
+    result = run_benchmark(Client(server.url), config, log=print)
     rows = {s["policy"]: s for s in result["summaries"]}
     for s in rows.values():  # every request succeeded
         assert s["failed"] == 0 and s["skipped"] == 0 and s["ok"] == s["requests"] == 4, s
@@ -59,3 +35,70 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(vllm_python, tmp_path):
     assert in_place["hit_rate"] < erratum["hit_rate"]
     assert erratum["ttft_p90_s"] < in_place["ttft_p90_s"], (erratum, in_place)
     assert erratum["agreement_n"] == 4
+
+
+@pytest.fixture(scope="module")
+def client(serving, smollm2):
+    server, _ = serving
+    return ComposeClient(server.url, server.served_name, smollm2.tokenizer)
+
+
+@pytest.mark.parametrize("order", [("refunds", "baggage"), ("baggage", "refunds")])
+def test_spliced_output_equals_engine_compose(serving, client, smollm2, order):
+    _, skills = serving
+    texts = [skill_text(name) for name in order]
+    for name, text in zip(order, texts, strict=True):
+        skills.add(text, name=name)
+    parts = [HEADER, *texts, USER]
+    got = client.complete(parts, max_tokens=16, logprobs=1)
+    assert got.ok, got.error
+    n_known = sum(len(smollm2.encode(t)) for t in (HEADER, *texts))
+    assert got.cached_tokens == n_known  # header + both skills spliced, the user text computed
+    nb = smollm2.compose([smollm2.compile(t, anchor="none") for t in (HEADER, *texts)] + [USER])
+    want = smollm2.greedy(nb, None, 16)
+    assert got.text == want.text
+    first = want.first_logits.log_softmax(-1)
+    top = int(first.argmax())
+    assert smollm2.decode([top]) == got.tokens[0]
+    assert math.isclose(got.top_logprobs[0][got.tokens[0]], float(first[top]), abs_tol=0.02)
+
+
+def test_exact_requests_never_see_spliced_kv(serving, client):
+    _, skills = serving
+    texts = [skill_text("insurance"), skill_text("membership")]
+    for text, name in zip(texts, ("insurance", "membership"), strict=True):
+        skills.add(text, name=name)
+    parts = [HEADER, *texts, USER]
+    spliced = client.complete(parts, max_tokens=8, logprobs=5)  # first: these tokens are new
+    exact = client.complete(parts, max_tokens=8, logprobs=5, splice=False)
+    cold = client.complete(parts, max_tokens=8, logprobs=5, salt=cold_salt())  # from scratch
+    assert spliced.ok and exact.ok and cold.ok
+    assert spliced.cached_tokens > 700 and exact.cached_tokens == 0  # nothing exact was cached
+    assert exact.text == cold.text and exact.tokens == cold.tokens
+    tok = cold.tokens[0]
+    gap_exact = abs(exact.top_logprobs[0][tok] - cold.top_logprobs[0][tok])
+    gap_spliced = abs(spliced.top_logprobs[0].get(tok, -99.0) - cold.top_logprobs[0][tok])
+    assert gap_exact < 1e-3 < gap_spliced  # the exact answer is the computed one, not the splice
+
+
+def test_unknown_lead_or_skill_after_text_is_computed(serving, client, smollm2):
+    _, skills = serving
+    text = skill_text("escalation")
+    skills.add(text, name="escalation")
+    after_text = client.complete(["Some text nothing has cached. ", text, USER], max_tokens=1)
+    assert after_text.ok and after_text.cached_tokens == 0  # a hole cannot be expressed
+    unknown = client.complete(["A prompt of unregistered text only." + USER], max_tokens=1)
+    assert unknown.ok and unknown.cached_tokens == 0
+
+
+def test_skill_registered_while_running_is_used(serving, client, smollm2):
+    _, skills = serving
+    text = ("LOST ITEMS POLICY: items left on board are kept for 30 days at the arrival airport. "
+            "Customers file a lost-item report online; agents never promise that an item will "
+            "be found, and valuables are released only against photo identification.")
+    skills.add(text, name="lost-items")  # the server has been running since the session began
+    import time
+
+    time.sleep(1.0)  # the connector rescans its folder at most every 0.25 s
+    got = client.complete([HEADER, text, USER], max_tokens=1)
+    assert got.ok and got.cached_tokens == len(smollm2.encode(HEADER)) + len(smollm2.encode(text))

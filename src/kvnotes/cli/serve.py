@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli.app import app, emit_json, fail
-from kvnotes.core.errors import KvnotesError
+from kvnotes.cli.app import app, emit_json, fail, folder_option
+from kvnotes.core.errors import KvnotesError, ServingError, UnknownNameError
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -35,8 +35,10 @@ def serve_bench(
     sessions: int = typer.Option(4, "--sessions", help="Sessions per run (at least one per "
                                  "concurrent stream)"),
     edits: int = typer.Option(4, "--edits", help="Field edits per session"),
-    concurrency: str = typer.Option("1,4,16", "--concurrency", help="Concurrency levels"),
-    policies: str = typer.Option("in-place,erratum,cold", "--policies"),
+    concurrency: str = typer.Option(None, "--concurrency", help="Concurrency levels (default "
+                                    "1,4,16 for erratum, 1,4 for skills)"),
+    policies: str = typer.Option(None, "--policies", help="default: in-place,erratum,cold "
+                                 "(erratum) or cold,prefix,compose (skills)"),
     max_tokens: int = typer.Option(8, "--max-tokens", help="Tokens generated per answer"),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop sending requests after "
                                       "this many seconds (the rest are reported as skipped)"),
@@ -49,8 +51,30 @@ def serve_bench(
     max_model_len: int = typer.Option(None, "--max-model-len", help="--launch: default fits "
                                       "the longest context"),
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
+    workload: str = typer.Option("erratum", "--workload", help="erratum: field edits on long "
+                                 "contexts; skills: composed skills (cold / prefix / compose)"),
+    k: int = typer.Option(4, "--k", help="skills: skills per request"),
+    requests: int = typer.Option(16, "--requests", help="skills: requests per row"),
+    fidelity_samples: int = typer.Option(20, "--fidelity-samples", help="skills: compose "
+                                         "requests checked against the exact prompt"),
+    skills_dir: Path = typer.Option(None, "--skills", help="skills: the server's skill folder "
+                                    "(with --url: the one given to `kvnotes serve`)"),
+    dtype: str = typer.Option("auto", "--dtype", help="skills --launch: server dtype"),
+    block_size: int = typer.Option(None, "--block-size", help="skills --launch: KV block size"),
 ) -> None:
-    """Erratum vs in-place vs cold on a vLLM prefix cache: TTFT, hit rate, req/s, decisions."""
+    """Erratum vs in-place vs cold (--workload erratum) or composed skills vs prefix caching vs
+    cold (--workload skills) on a real vLLM server: TTFT, hit rate, fidelity."""
+    if workload == "skills":
+        return _skills_bench(url=url, launch=launch, model=model, k=k, requests=requests,
+                             concurrency=concurrency or "1,4", policies=policies,
+                             fidelity_samples=fidelity_samples, skills_dir=skills_dir,
+                             dtype=dtype, block_size=block_size, out=out, as_json=as_json,
+                             vllm_python=vllm_python, kv_cache_gib=kv_cache_gib,
+                             startup_timeout=startup_timeout,
+                             request_timeout=request_timeout)
+    if workload != "erratum":
+        raise UnknownNameError("workload", workload, ("erratum", "skills"))
+    concurrency = concurrency or "1,4,16"
     from kvnotes.apps.serving import (
         BenchConfig,
         Client,
@@ -70,7 +94,8 @@ def serve_bench(
                              context_tokens=contexts, field_depth=field_depth,
                              sessions=sessions, edits=edits,
                              concurrency=_ints(concurrency, "--concurrency"),
-                             policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+                             policies=tuple(p.strip() for p in (policies or "in-place,erratum,cold"
+                                                                 ).split(",") if p.strip()),
                              max_tokens=max_tokens, request_timeout_s=request_timeout,
                              time_budget_s=time_budget)
     except ValueError as err:
@@ -118,3 +143,170 @@ def _max_pos(folder: Path) -> int:
 
     cfg = json.loads((folder / "config.json").read_text())
     return int(cfg.get("max_position_embeddings") or 1 << 30)
+
+
+# ---- composition inside vLLM ---------------------------------------------------------------------
+def _skill_files(paths: list[Path] | None) -> list[tuple[str, str]]:
+    from kvnotes.cli.app import read_text_file
+
+    return [(p.stem, read_text_file(p, "--skill")) for p in (paths or [])]
+
+
+@app.command("serve")
+def serve(
+    model: str = typer.Option("smollm2-135m", "--model", help="Model alias, .gguf file or HF folder"),
+    skills: Path = typer.Option(..., "--skills", help="Skill-library folder (created if missing); "
+                                "skills registered there are spliced, also while the server runs"),
+    skill: list[Path] = typer.Option(None, "--skill", help="Text file to register as a skill at "
+                                     "start (repeatable; its name is the file's stem)"),
+    port: int = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: a free one)"),
+    dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
+                              "CPU has native bf16, else float32), float32 or bfloat16"),
+    block_size: int = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
+                                   "multiple of 32; default 128)"),
+    max_model_len: int = typer.Option(4096, "--max-model-len"),
+    kv_cache_gib: float = typer.Option(2.0, "--kv-cache-gib", help="CPU KV cache size"),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the vLLM environment "
+                                    "(default .venv-vllm/bin/python)"),
+    log: Path = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
+    startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
+) -> None:
+    """Run vLLM (prefix caching on) with kvnotes' connector: registered skills found at the start
+    of a request salted `kvnotes-splice` are spliced instead of prefilled. Stops on Ctrl-C."""
+    import kvnotes
+    from kvnotes.apps.serving.compose_client import SPLICE_SALT
+    from kvnotes.apps.serving.launch import compose_server
+
+    texts = _skill_files(skill)
+    folder_option(skills, "--skills")
+    engine = kvnotes.load(model)
+    server, lib = compose_server(engine, model, skills, dtype=dtype, block_size=block_size,
+                                 max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                                 port=port, python=vllm_python, log_path=log,
+                                 startup_timeout=startup_timeout)
+    for name, text in texts:
+        info = lib.add(text, name=name)
+        typer.echo(f"skill {name}: {len(info)} tokens", err=True)
+    typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
+               err=True)
+    with server:
+        typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); send "
+                   f"prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; Ctrl-C stops",
+                   err=True)
+        typer.echo(server.url)
+        try:
+            while server.proc is not None and server.proc.poll() is None:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            typer.echo("stopping the server", err=True)
+            return
+    raise ServingError(f"the vLLM server exited with code {server.proc.returncode if server.proc else '?'}"
+                       f"; log: {server.log_path}\n{server.log_tail(20)}")
+
+
+skills_app = typer.Typer(help="Skills a `kvnotes serve` server splices.", no_args_is_help=True)
+app.add_typer(skills_app, name="skills")
+
+
+@skills_app.command("add")
+def skills_add(
+    files: list[Path] = typer.Argument(..., help="Text files, one skill each (name: file stem)"),
+    model: str = typer.Option("smollm2-135m", "--model"),
+    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
+) -> None:
+    """Compile skills with kvnotes and publish them (a running server picks them up)."""
+    import kvnotes
+    from kvnotes.apps.serving.skills import ServingSkills
+
+    texts = _skill_files(files)
+    folder_option(skills, "--skills")
+    lib = ServingSkills(skills, kvnotes.load(model))
+    for name, text in texts:
+        info = lib.add(text, name=name)
+        typer.echo(f"{name}\t{len(info)} tokens\t{info.key}")
+
+
+@skills_app.command("list")
+def skills_list(
+    model: str = typer.Option("smollm2-135m", "--model"),
+    skills: Path = typer.Option(..., "--skills"),
+) -> None:
+    """The skills a server for this model would splice."""
+    import kvnotes
+    from kvnotes.apps.serving.skills import ServingSkills
+
+    for info in ServingSkills(skills, kvnotes.load(model)).entries():
+        typer.echo(f"{info.name}\t{len(info)} tokens\tposition {info.origin}\t{info.key}")
+
+
+def _skills_bench(*, url: str | None, launch: bool, model: str, k: int, requests: int,
+                  concurrency: str, policies: str | None, fidelity_samples: int,
+                  skills_dir: Path | None, dtype: str, block_size: int | None, out: Path,
+                  as_json: bool, vllm_python: str | None, kv_cache_gib: float,
+                  startup_timeout: float, request_timeout: float) -> None:
+    import kvnotes
+    from kvnotes.apps.serving.compose_bench import (
+        SKILL_POLICIES,
+        SkillsBenchConfig,
+        markdown,
+        run_skills_benchmark,
+        skill_texts,
+        write_outputs,
+    )
+    from kvnotes.apps.serving.compose_client import ComposeClient
+    from kvnotes.apps.serving.launch import compose_server, cpu_dtype
+    from kvnotes.apps.serving.skills import ServingSkills
+
+    if bool(url) == bool(launch):
+        raise typer.BadParameter("pass exactly one of --url URL or --launch")
+    if url and skills_dir is None:
+        raise typer.BadParameter("--workload skills --url needs --skills DIR: the folder the "
+                                 "server was started with (the benchmark registers its skills)")
+    out = folder_option(out, "--out")
+    config = SkillsBenchConfig(
+        model=model, k=k, requests=requests, concurrency=_ints(concurrency, "--concurrency"),
+        policies=tuple(p.strip() for p in (policies or ",".join(SKILL_POLICIES)).split(",")
+                       if p.strip()), fidelity_samples=fidelity_samples)
+    engine = kvnotes.load(model)
+
+    def log(line: str) -> None:
+        typer.echo(line, err=True)
+
+    def register(skills: ServingSkills) -> None:
+        from kvnotes.apps.agent.prompt import HEADER
+
+        for name, text in [("header", HEADER), *skill_texts().items()]:
+            info = skills.add(text, name=name)
+            log(f"skill {name}: {len(info)} tokens")
+
+    server_info: dict[str, object] = {}
+    if url:
+        register(ServingSkills(skills_dir, engine))
+        time.sleep(1.0)  # the connector rescans its folder at most every 0.25 s
+        client = ComposeClient(url, model, engine.tokenizer, timeout=request_timeout)
+        result = run_skills_benchmark(client, config, log=log)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        lib_dir = skills_dir or out / "skills"
+        served = cpu_dtype() if dtype == "auto" else dtype
+        server, skills = compose_server(engine, model, lib_dir, dtype=served,
+                                        block_size=block_size, kv_cache_gib=kv_cache_gib,
+                                        python=vllm_python, log_path=out / "server.log",
+                                        startup_timeout=startup_timeout)
+        register(skills)
+        log(f"starting vLLM ({served}) with the kvnotes connector; log: {out / 'server.log'}")
+        with server:
+            log(f"server up at {server.url} after {server.startup_s:.0f} s")
+            client = ComposeClient(server.url, server.served_name, engine.tokenizer,
+                                   timeout=request_timeout)
+            result = run_skills_benchmark(client, config, log=log)
+        server_info = {"dtype": served, "block_size": block_size or 128,
+                       "startup_s": server.startup_s, "command": server.cmd,
+                       "stopped": not server.alive_pids()}
+    result["server"] = server_info
+    paths = write_outputs(result, out)
+    if as_json:
+        emit_json({k_: v for k_, v in result.items() if k_ != "requests"})
+    else:
+        typer.echo(markdown(result))
+        typer.echo(f"wrote {paths['json']}, {paths['report']}, {paths['plot']}")
