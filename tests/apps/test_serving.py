@@ -336,7 +336,8 @@ def test_cli_rejects_url_and_launch_together():
     res = CliRunner().invoke(app, ["serve-bench", "--url", f"http://127.0.0.1:{_closed_port()}",
                                    "--context-tokens", "100", "--sessions", "1", "--edits", "1",
                                    "--concurrency", "1"])
-    assert res.exit_code == 2 and "cannot reach the server" in res.output
+    # a server that cannot be reached is a runtime failure (exit 1), not a usage error (2)
+    assert res.exit_code == 1 and "cannot reach the server" in res.output
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])

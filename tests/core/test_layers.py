@@ -21,6 +21,7 @@ CORE_RANKS = {
     "kvnotes.core.errors": 0,
     "kvnotes.core.positions": 1,
     "kvnotes.core.fingerprint": 1,
+    "kvnotes.core.validate": 1,
     "kvnotes.core.metrics": 1,
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.cli.app import app, emit_json, fail, folder_option
 from kvnotes.core.errors import KvnotesError
 
 
@@ -44,6 +44,7 @@ def agent_bench(
     from kvnotes.apps.agent.bench import run_bench, write_outputs
 
     try:
+        folder_option(out, "--out")
         engine = _load(model, threads)
         result = run_bench(
             engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.cli.app import app, emit_json, fail, folder_option, read_text_file
 from kvnotes.core.errors import KvnotesError
 
 console = Console(width=150)
@@ -50,6 +50,7 @@ def demo(
     from kvnotes.apps.demo import run_compose_demo, write_report
 
     try:
+        folder_option(out, "--out")
         with console.status(f"loading {model}"):
             engine = kvnotes.load(model)
         console.print(f"[bold]{engine}[/bold]  position scheme: {engine.adapter.describe()}")
@@ -100,12 +101,12 @@ def compose(
 
     try:
         engine = kvnotes.load(model)
-        lib = kvnotes.SkillLibrary(library, engine) if library else None
+        lib = kvnotes.SkillLibrary(folder_option(library, "--library"), engine) if library else None
         compiled = []
         for f in skill:
             if not f.is_file():
                 raise KvnotesError(f"no skill file at {f}")
-            text = f.read_text()
+            text = read_text_file(f, "--skill")
             compiled.append(lib.get(text, name=f.stem) if lib is not None
                             else engine.compile(text, name=f.stem))
         head, middle, tail = chat_frame(engine.tokenizer)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvnotes.core import validate
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
 
 if TYPE_CHECKING:  # annotations only
@@ -49,7 +50,7 @@ class Document:
     __slots__ = ("parts",)
 
     def __init__(self, parts: Iterable[Part]) -> None:
-        self.parts: tuple[Part, ...] = tuple(parts)
+        self.parts: tuple[Part, ...] = validate.document_parts(parts, Field)
         names = [p.name for p in self.parts if isinstance(p, Field)]
         if len(names) != len(set(names)):
             raise ValueError(f"field names must be unique in a document, got {names}")

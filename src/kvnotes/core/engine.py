@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvnotes.core import validate
 from kvnotes.core.cache import build_cache
 from kvnotes.core.document import Document, document_meta, encode
 from kvnotes.core.errors import EmptyInputError, KvnotesError, PositionError
@@ -249,6 +250,7 @@ class Engine:
         :class:`PositionError` for positions past the model's maximum. A notebook prefilled
         from a document remembers it (``nb.meta["document"]``) so its fields can be edited.
         """
+        validate.prefill_args(self, x, start, bos, name)
         ids, spans = self.tokens_of(x, bos=bos, kind=kind, name=name)
         nb = self.forward(self.empty(start), ids, spans=spans).notebook
         if isinstance(x, Document):
@@ -259,6 +261,7 @@ class Engine:
     def extend(self, nb: Notebook, x: TokenInput, *, kind: str = "text",
                name: str = "text") -> Notebook:
         """Prefill ``x`` on top of ``nb`` (it attends to every note before it); never adds BOS."""
+        validate.extend_args(self, nb, x)
         ids, spans = self.tokens_of(x, bos=False, kind=kind, name=name)
         return self.forward(nb, ids, spans=spans).notebook
 
@@ -271,6 +274,7 @@ class Engine:
         positions 1..L and sees the same sink a BOS-led context gives it. ``"auto"`` picks
         ``"bos"`` when the tokenizer adds BOS by default, else ``"none"``.
         """
+        validate.compile_args(text, name)
         if anchor not in ("auto", "bos", "none"):
             raise ValueError(f"anchor must be 'auto', 'bos' or 'none', got {anchor!r}")
         if anchor == "auto":
@@ -294,6 +298,7 @@ class Engine:
         tokenizer adds BOS, the notebook starts with one. ``nb.meta["compose"]`` counts the
         tokens reused and computed.
         """
+        validate.compose_args(self, parts, start)
         if not parts:
             raise EmptyInputError("compose needs at least one part")
         nb = self.empty(start)
@@ -326,6 +331,7 @@ class Engine:
         With no query, the logits after the notebook's own last token (that token is fed again
         on top of the rest, which gives exactly the prefill's logits).
         """
+        validate.query_args(self, nb, query)
         return self._feed_query(nb, query).logits
 
     def _feed_query(self, nb: Notebook, query: TokenInput | None) -> Step:
@@ -340,6 +346,7 @@ class Engine:
     def greedy(self, nb: Notebook, query: TokenInput | None, max_new_tokens: int = 32,
                *, stop: Sequence[str] = ()) -> Generation:
         """Greedy decoding after ``query``: text, ids and the notebook holding everything."""
+        validate.greedy_args(self, nb, query, max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if query is None or (isinstance(query, str) and not query):

@@ -40,6 +40,18 @@ class ModelFingerprint:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> ModelFingerprint:
+        """The fingerprint a header recorded; ``ValueError`` naming the field for a malformed one
+        (headers come from files, so nothing is trusted)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a fingerprint is a JSON object, got {type(data).__name__}")
+        names = [f for f in cls.__dataclass_fields__]
+        if sorted(data) != sorted(names):
+            raise ValueError(f"fingerprint fields {sorted(data)} are not {sorted(names)}")
+        for name in names:
+            value, want = data[name], int if name == "num_layers" else str
+            if type(value) is not want or (want is int and value < 0):  # type: ignore[operator]
+                kind = "an int >= 0" if want is int else "a string"
+                raise ValueError(f"fingerprint field {name} must be {kind}, got {value!r}")
         return cls(**data)  # type: ignore[arg-type]
 
     def differences(self, other: ModelFingerprint) -> list[str]:

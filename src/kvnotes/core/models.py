@@ -11,21 +11,24 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.core import files
+from kvnotes.core import files, validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import UnknownModelError
 
 
 def kvnotes_home() -> Path:
     """Where kvnotes keeps converted models and caches (``$KVNOTES_HOME``, else ~/.cache/kvnotes)."""
-    return Path(os.environ.get("KVNOTES_HOME", Path.home() / ".cache" / "kvnotes"))
+    # An empty $KVNOTES_HOME would mean the current folder: treat it as unset.
+    return Path(os.environ.get("KVNOTES_HOME") or Path.home() / ".cache" / "kvnotes")
 
 
 def _smollm2_gguf() -> Path:
@@ -76,15 +79,21 @@ def load(name_or_path: str, *, dtype: torch.dtype | str = torch.float32,
          device: str | torch.device = "cpu") -> Engine:
     """An :class:`Engine` for a bundled alias, a local HF folder, a ``.gguf`` file or a hub id.
 
+    ``dtype`` and ``device`` are checked before anything is converted or loaded.
+
     Example:
         >>> engine = kvnotes.load("smollm2-135m")   # doctest: +SKIP
     """
+    dtype, device = validate.model_dtype(dtype), validate.model_device(device)
     folder = resolve(name_or_path)
     return load_folder(folder, dtype=dtype, device=device, name=name_or_path)
 
 
 def resolve(name_or_path: str) -> Path | str:
     """A local HF folder for ``name_or_path`` (converting a GGUF once), or the hub id itself."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    validate.text(name_or_path, "model")
     if not name_or_path or not name_or_path.strip():
         raise UnknownModelError("empty model name; try one of: " + ", ".join(BUNDLED))
     if name_or_path in BUNDLED:
@@ -94,7 +103,7 @@ def resolve(name_or_path: str) -> Path | str:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise UnknownModelError(f"no GGUF file at {path}")
-        return convert_gguf(path, cache_name=path.stem)
+        return convert_gguf(path, cache_name=gguf_cache_name(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UnknownModelError(f"{path} is a folder but has no config.json (not an HF model)")
@@ -112,7 +121,7 @@ def load_folder(folder: Path | str, *, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu", name: str | None = None) -> Engine:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = validate.model_dtype(dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -125,20 +134,60 @@ def load_folder(folder: Path | str, *, dtype: torch.dtype | str = torch.float32,
 
 
 def _file_digest(path: Path) -> str:
+    """Freshness stamp of a converted copy: the source's path, size and mtime."""
     st = path.stat()
     return hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
 
 
-def convert_gguf(gguf_path: Path, *, cache_name: str) -> Path:
-    """Dequantize a GGUF file once into a safetensors HF folder under ``kvnotes_home()``."""
-    target = kvnotes_home() / "models" / cache_name
-    stamp = target / "kvnotes-source.json"
-    digest = _file_digest(gguf_path)
-    if stamp.is_file() and json.loads(stamp.read_text()).get("digest") == digest:
-        return target
+_CONTENT_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def content_hash(path: Path) -> str:
+    """SHA-256 (first 16 hex digits) of a file's bytes, memoized per process by path, size, mtime."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CONTENT_HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _CONTENT_HASHES[key] = h.hexdigest()[:16]
+    return _CONTENT_HASHES[key]
+
+
+def gguf_cache_name(path: Path) -> str:
+    """The cache folder name of a GGUF file: a readable slug of its name plus a content hash.
+
+    The file name never reaches the file system as a path: ``..gguf`` or ``...gguf`` give
+    ``model-<hash>``, and two files with one name but different bytes never share a folder.
+    """
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem).strip("-")[:48] or "model"
+    return f"{slug}-{content_hash(path)}"
+
+
+def _check_gguf(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        raise UnknownModelError(f"cannot read the model file {path}: {err.strerror}") from err
+    if magic != b"GGUF":
+        raise UnknownModelError(f"{path} is not a GGUF file (it does not start with the GGUF "
+                                "magic bytes); give a .gguf model file, an HF folder or an alias")
+
+
+def _stamp_digest(stamp: Path) -> str | None:
+    try:
+        data = json.loads(stamp.read_text())
+    except (OSError, ValueError):  # missing or damaged: convert again
+        return None
+    return data.get("digest") if isinstance(data, dict) else None
+
+
+def _dequantize(gguf_path: Path, steps: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a GGUF file, ready for ``save_pretrained`` (the slow step)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=4, desc=f"converting {gguf_path.name} (first load only)", unit="step")
     folder, name = str(gguf_path.parent), gguf_path.name
     steps.set_postfix_str("tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -156,6 +205,32 @@ def convert_gguf(gguf_path: Path, *, cache_name: str) -> Path:
     fresh.load_state_dict(quantized.state_dict(), strict=False)
     fresh.generation_config = quantized.generation_config
     steps.update()
+    return fresh, tokenizer
+
+
+def convert_gguf(gguf_path: Path, *, cache_name: str) -> Path:
+    """Dequantize a GGUF file once into a safetensors HF folder under ``kvnotes_home()``.
+
+    The folder is written beside its final place and swapped in atomically
+    (:func:`kvnotes.core.files.staged_dir`): a conversion killed mid-way leaves the previous
+    copy (or none) and no partial folder.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cache_name) or ".." in cache_name:
+        raise UnknownModelError(f"unsafe model cache name {cache_name!r}: use letters, digits, "
+                                "'-', '_' and '.' (see gguf_cache_name)")
+    _check_gguf(gguf_path)
+    target = kvnotes_home() / "models" / cache_name
+    stamp = target / "kvnotes-source.json"
+    digest = _file_digest(gguf_path)
+    if _stamp_digest(stamp) == digest:
+        return target
+    steps = tqdm(total=4, desc=f"converting {gguf_path.name} (first load only)", unit="step")
+    try:
+        fresh, tokenizer = _dequantize(gguf_path, steps)
+    except (ValueError, KeyError, OSError) as err:  # transformers' errors for a bad GGUF
+        steps.close()
+        raise UnknownModelError(f"cannot convert {gguf_path}: {err}; is it a GGUF of an "
+                                "architecture transformers supports?") from err
     steps.set_postfix_str("saving safetensors")
     with files.staged_dir(target) as tmp:
         fresh.save_pretrained(tmp)

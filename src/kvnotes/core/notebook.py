@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvnotes.core import files
+from kvnotes.core import files, validate
 from kvnotes.core.errors import (
     EmptyInputError,
     NotebookMismatchError,
@@ -197,6 +197,7 @@ class Notebook:
         Exact up to float error where the adapter says ``exact_shift``; refused with a
         :class:`PositionError` where it is only approximate unless ``allow_approximate``.
         """
+        validate.shift(delta)
         delta = int(delta)
         if delta == 0:
             return self

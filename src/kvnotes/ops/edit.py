@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvnotes.core import validate
 from kvnotes.core.chat import chat_turn, has_template
 from kvnotes.core.document import Document, Field, document_meta, remembered_document
 from kvnotes.core.engine import Engine, register_editor
@@ -192,6 +193,7 @@ def erratum_text(label: str, old: str, new: str, *, template: str = DEFAULT_ERRA
     if "{new}" not in fmt:
         raise UnknownNameError("erratum template", template, ERRATUM_TEMPLATES,
                                "or a format string with {new}")
+    validate.erratum_template(fmt)
     return fmt.format(label=label, Label=label[:1].upper() + label[1:], old=old, new=new)
 
 
@@ -352,6 +354,7 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         >>> nb = engine.prefill(doc)                                      # doctest: +SKIP
         >>> new, report = engine.edit(nb, "status", "done", strategy="prefix")  # doctest: +SKIP
     """
+    validate.edit_args(engine, nb, field, new_value, k=k, layer=layer)
     if strategy not in STRATEGIES:
         raise UnknownNameError("strategy", strategy, STRATEGIES)
     t0 = time.perf_counter()

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvnotes.core import files
+from kvnotes.core.errors import NotebookFileError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import LayerKV, Notebook, Span
 from kvnotes.core.positions import PositionAdapter
@@ -49,6 +50,10 @@ ROUND_TRIP_STEPS = 0.5  # round trip error bound, in quantization steps (scales)
 SHIFT_STEPS = (math.sqrt(2) + 1) / 2  # bound after one shift, in steps of the larger scale
 FILE_FORMAT = "kvnotes.qnotebook"
 FILE_VERSION = 1
+# what a file may say it was quantized from (the header names it; nothing else is accepted)
+_DTYPES = {str(d).removeprefix("torch."): d for d in files.FLOAT_DTYPES}
+_LAYER_TENSORS = {"keys.q": (torch.int8,), "keys.scale": (torch.float32,),
+                  "values.q": (torch.int8,), "values.scale": (torch.float32,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +175,14 @@ class QuantizedNotebook:
         """
         header, tensors = files.read(
             path, engine.fingerprint, file_format=FILE_FORMAT, version=FILE_VERSION,
-            what="quantized notebook", wrong_format_hint="; use Notebook.load for full-precision files")
+            what="quantized notebook", wrong_format_hint="; use Notebook.load for full-precision files",
+            layer_tensors=_LAYER_TENSORS)
+        if header.get("axis") not in AXES:
+            raise NotebookFileError(f"{path}: malformed header: axis must be one of {AXES}, got "
+                                    f"{header.get('axis')!r}")
+        if header.get("dtype") not in _DTYPES:
+            raise NotebookFileError(f"{path}: malformed header: dtype must be one of "
+                                    f"{sorted(_DTYPES)}, got {header.get('dtype')!r}")
         layers = [
             (QuantizedTensor(tensors[f"layers.{i}.keys.q"], tensors[f"layers.{i}.keys.scale"]),
              QuantizedTensor(tensors[f"layers.{i}.values.q"], tensors[f"layers.{i}.values.scale"]))
@@ -178,7 +190,7 @@ class QuantizedNotebook:
         ]
         return cls(layers, tensors["token_ids"], tensors["positions"],
                    [Span(*s) for s in header["spans"]], engine.adapter, engine.fingerprint,
-                   axis=header["axis"], dtype=getattr(torch, header["dtype"]),
+                   axis=header["axis"], dtype=_DTYPES[header["dtype"]],
                    meta=header.get("meta"), origin=header["origin"])
 
 

@@ -2,6 +2,11 @@
 
 The content address is a pure function of (model fingerprint, position scheme, anchor, token
 ids); the fingerprint id is also the folder, a namespace no other model can hit.
+
+Safe under concurrent processes (kvnotes and the vLLM connector share a library): an entry is
+published atomically (written to a temporary, flushed, renamed into place), so a reader sees a
+whole entry or none; a damaged, tampered or foreign entry is a cache miss, never an exception,
+and is removed only if it is still the file that failed (a peer may have republished it).
 """
 
 from __future__ import annotations
@@ -9,10 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
+from kvnotes.core import validate
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import NotebookFileError
+from kvnotes.core.errors import (
+    InvalidArgumentError,
+    NotebookFileError,
+    NotebookMismatchError,
+    UnsafePathError,
+)
 from kvnotes.core.notebook import Notebook, Span
 
 
@@ -37,7 +49,14 @@ class SkillLibrary:
         """``quantize="token"`` or ``"channel"`` stores skills as int8 (see :mod:`kvnotes.ops.quant`):
         about a quarter of the disk, and ``get`` always returns the dequantized skill."""
         if quantize not in (None, "token", "channel"):
-            raise ValueError(f"quantize must be None, 'token' or 'channel', got {quantize!r}")
+            raise InvalidArgumentError(
+                f"quantize must be None, 'token' or 'channel', got {quantize!r}")
+        validate.choice(anchor, "anchor", ("auto", "bos", "none"))
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise InvalidArgumentError(f"root must be a folder path, got {root!r}")
+        if Path(root).exists() and not Path(root).is_dir():
+            raise UnsafePathError(f"skill library {root} is a file, not a folder; give a folder "
+                                  "path (it is created when missing)")
         self.quantize = quantize
         self.engine = engine
         self.anchor = ("bos" if engine.adds_bos else "none") if anchor == "auto" else anchor
@@ -46,6 +65,7 @@ class SkillLibrary:
         self.misses = 0
 
     def path_for(self, text: str) -> Path:
+        validate.text(text, "text", allow_empty=False)
         ids = self.engine.encode(text)
         key = skill_key(self.engine.fingerprint.id, self.engine.adapter.name, self.anchor, ids,
                         self.quantize)
@@ -56,25 +76,43 @@ class SkillLibrary:
 
     def get(self, text: str, *, name: str = "skill") -> Notebook:
         """The compiled skill for ``text``: loaded when stored, else compiled and stored."""
+        validate.text(name, "name", allow_empty=False)
         path = self.path_for(text)
-        if path.is_file():
-            try:
-                skill = (self._load_int8(path) if self.quantize
-                         else Notebook.load(path, self.engine))
-                self.hits += 1
-                return skill.with_spans([Span(name, "skill", 0, len(skill))]).with_meta(name=name)
-            except NotebookFileError:
-                path.unlink()  # a damaged entry is a cache miss, never a wrong answer
+        skill = self._lookup(path)
+        if skill is not None:
+            self.hits += 1
+            return skill.with_spans([Span(name, "skill", 0, len(skill))]).with_meta(name=name)
         self.misses += 1
         skill = self.engine.compile(text, name=name, anchor=self.anchor)
         if self.quantize:
             from kvnotes.ops.quant import quantize
 
             stored = quantize(skill, self.quantize)
-            stored.save(path)
+            self._publish(stored, path)
             return stored.dequantize()  # a hit and a miss give the same notes
-        skill.save(path)
+        self._publish(skill, path)
         return skill
+
+    def _lookup(self, path: Path) -> Notebook | None:
+        """The stored skill at ``path``, or None: missing, damaged, tampered and foreign entries
+        are all misses (a peer process may delete or replace the file at any moment)."""
+        try:
+            before = path.stat()
+        except OSError:
+            return None
+        try:
+            return self._load_int8(path) if self.quantize else Notebook.load(path, self.engine)
+        except (NotebookFileError, NotebookMismatchError):
+            _discard(path, before)
+            return None
+
+    def _publish(self, stored: object, path: Path) -> None:
+        """Store an entry atomically; a library that cannot be written costs reuse, not the call."""
+        try:
+            stored.save(path)  # type: ignore[attr-defined]  # files.write: temp, fsync, rename
+        except OSError as err:
+            warnings.warn(f"skill library {self.root} is not writable ({err.strerror or err}); "
+                          "the skill was compiled but not stored", RuntimeWarning, stacklevel=3)
 
     def _load_int8(self, path: Path) -> Notebook:
         from kvnotes.ops.quant import QuantizedNotebook
@@ -83,3 +121,14 @@ class SkillLibrary:
 
     def __len__(self) -> int:
         return len(list(self.root.glob("*.safetensors"))) if self.root.is_dir() else 0
+
+
+def _discard(path: Path, seen: os.stat_result) -> None:
+    """Delete a bad entry, unless a peer has meanwhile replaced it (or deleted it already)."""
+    try:
+        now = path.stat()
+        if (now.st_ino, now.st_mtime_ns, now.st_size) == (seen.st_ino, seen.st_mtime_ns,
+                                                          seen.st_size):
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvnotes.core import validate
 from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
@@ -285,6 +286,7 @@ def trace(engine: Engine, doc: Document, *, field: str, new_value: str,
         ...                   query="Refundable? Answer:", answers=("no", "yes"))
         >>> r.field_effect, r.notes_effect, r.denominator                    # doctest: +SKIP
     """
+    validate.trace_args(engine, doc, field, new_value, query, answers, (options or TraceOptions()).batch_size)
     opts = options or TraceOptions()
     old_value = doc.value(field)
     new_doc = doc.with_value(field, new_value)
