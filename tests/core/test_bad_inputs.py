@@ -31,6 +31,7 @@ from kvnotes.cli.app import exit_code
 from kvnotes.core import files, validate
 from kvnotes.core.errors import (
     ArgumentTypeError,
+    EmptyAnswerError,
     EmptyInputError,
     InvalidArgumentError,
     KvnotesError,
@@ -41,6 +42,7 @@ from kvnotes.core.errors import (
     UnknownModelError,
     UnsafePathError,
 )
+from kvnotes.ops.decisions import first_token_ids
 from kvnotes.ops.quant import QuantizedNotebook, quantize
 from kvnotes.ops.trace import TraceOptions
 
@@ -63,7 +65,7 @@ def ctx(tiny_llama, tmp_path_factory) -> Ctx:
 
 
 def _trace(c: Ctx, **kw: Any) -> Any:
-    args = dict(field="status", new_value="shipped", query=" Answer:", answers=("yes", "no"))
+    args = dict(field="status", new_value="paid", query=" Answer:", answers=("yes", "no"))
     args.update(kw)
     return kvnotes.trace(c.engine, c.doc, **args)
 
@@ -131,7 +133,10 @@ API_CASES: list[tuple[str, Callable[[Ctx], Any], type[Exception], str]] = [
     ("trace-answer-none", lambda c: _trace(c, answers=("yes", None)), ArgumentTypeError, "answers[1]"),
     ("trace-answer-negative-id", lambda c: _trace(c, answers=("yes", -1)), InvalidArgumentError, "answers[1]"),
     ("trace-answer-huge-id", lambda c: _trace(c, answers=(VOCAB_HUGE, "no")), InvalidArgumentError, "answers[0]"),
-    ("trace-answer-empty", lambda c: _trace(c, answers=("", "no")), EmptyInputError, "answers[0]"),
+    ("trace-answer-empty", lambda c: _trace(c, answers=("", "no")), EmptyAnswerError, "has no tokens"),
+    ("decide-negative-answer-id", lambda c: first_token_ids(c.engine, ["yes", -1], after="Q:"), InvalidArgumentError, "answers[1]=-1"),
+    ("decide-answers-bare-string", lambda c: first_token_ids(c.engine, "yes", after="Q:"), ArgumentTypeError, "bare string"),
+    ("decide-answer-float", lambda c: first_token_ids(c.engine, ["yes", 2.0], after="Q:"), ArgumentTypeError, "answers[1]"),
     ("trace-answers-bare-string", lambda c: _trace(c, answers="yes"), ArgumentTypeError, "answers"),
     ("trace-new-value-int", lambda c: _trace(c, new_value=7), ArgumentTypeError, "new_value"),
     ("trace-query-none", lambda c: _trace(c, query=None), ArgumentTypeError, "query is None"),

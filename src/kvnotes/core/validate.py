@@ -258,13 +258,26 @@ def batch_size(value: object, name: str = "batch_size") -> int:
 
 
 def answer(engine: Any, value: object, name: str) -> None:
-    """An answer: text with at least one character, or a token id of the model."""
+    """An answer: text, or a token id of the model (text without tokens is the decision
+    code's own EmptyAnswerError)."""
     if isinstance(value, str):
-        text(value, name, allow_empty=False)
+        text(value, name)
     elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        token_ids([value], name, vocab_size(engine))
+        vocab = vocab_size(engine)
+        if not 0 <= value < vocab:  # a negative id would silently read logits[-1]
+            raise InvalidArgumentError(f"{name}={value} is not a token id of this model (valid: "
+                                       f"0 to {vocab - 1})")
     else:
         raise ArgumentTypeError(f"{name} must be text or a token id, got {value!r}")
+
+
+def answers(engine: Any, values: object, name: str = "answers") -> None:
+    """A list of answers (not a bare string), each non-empty text or an in-vocabulary id."""
+    not_bare_string(values, name, f"{name}=[first, second]")
+    if not isinstance(values, Sequence):
+        raise ArgumentTypeError(f"{name} must be a list of answers, got {type(values).__name__}")
+    for i, a in enumerate(values):
+        answer(engine, a, f"{name}[{i}]")
 
 
 # ---- models -------------------------------------------------------------------------------

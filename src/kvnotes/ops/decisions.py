@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvnotes.core import validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError
 from kvnotes.core.notebook import Notebook
@@ -72,6 +73,7 @@ def first_token_ids(engine: Engine, answers: Sequence[str | int], *, after: str)
     Raises :class:`AnswerTokenError` when two answers share a first token: a decision without
     CoT compares first-token logits and could not tell them apart.
     """
+    validate.answers(engine, answers)
     firsts = [a if isinstance(a, int) else answer_ids(engine, a, after=after)[0] for a in answers]
     if len(set(firsts)) != len(firsts):
         shared = next(f for f in firsts if firsts.count(f) > 1)
