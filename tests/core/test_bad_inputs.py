@@ -265,6 +265,19 @@ def test_unsafe_folder_targets(tmp_path, case):
     assert set(before) <= set(after)  # nothing deleted
 
 
+@pytest.mark.parametrize("bad", [None, "", 3, "nb\x00.safetensors"])
+def test_save_and_load_need_a_file_path(ctx, bad):
+    with pytest.raises(UnsafePathError, match="must be a non-empty file path"):
+        ctx.nb.save(bad)
+    with pytest.raises(UnsafePathError, match="must be a non-empty file path"):
+        kvnotes.Notebook.load(bad, ctx.engine)
+
+
+def test_model_name_with_nul_is_refused():
+    with pytest.raises(UnknownModelError, match="NUL character"):
+        kvnotes.load("smollm2\x00-135m")
+
+
 def test_save_to_a_folder_or_under_a_file(ctx, tmp_path):
     with pytest.raises(UnsafePathError, match="it is a folder"):
         ctx.nb.save(tmp_path)

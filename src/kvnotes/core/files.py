@@ -151,6 +151,14 @@ def sweep(folder: str | os.PathLike[str]) -> list[Path]:
     return swept
 
 
+def as_path(path: object, what: str = "path") -> Path:
+    """``path`` as a Path; anything but a non-empty str or os.PathLike is an UnsafePathError."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path) or "\x00" in os.fspath(path):
+        raise UnsafePathError(f"{what} must be a non-empty file path (str or pathlib.Path) "
+                              f"without NUL characters, got {path!r}")
+    return Path(path)
+
+
 def _check_target_file(path: Path) -> None:
     if path.is_dir():
         raise UnsafePathError(f"cannot write a file at {path}: it is a folder; give a file path "
@@ -166,7 +174,7 @@ def write(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
     The target is either the old file or the complete new one, whatever happens: the data is
     written to a temporary beside it, flushed, and renamed over it.
     """
-    path = Path(path)
+    path = as_path(path)
     _check_target_file(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     header = {**header, "container": CONTAINER}
@@ -204,7 +212,7 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
         NotebookFileError: missing, truncated, tampered with, another format, or malformed.
         NotebookMismatchError: written by a model other than ``fingerprint``'s.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.is_file():
         raise NotebookFileError(f"no {what} file at {path}" + (" (it is a folder)"
                                                                if path.is_dir() else ""))

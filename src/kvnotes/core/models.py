@@ -94,6 +94,8 @@ def resolve(name_or_path: str) -> Path | str:
     if isinstance(name_or_path, os.PathLike):
         name_or_path = os.fspath(name_or_path)
     validate.text(name_or_path, "model")
+    if "\x00" in name_or_path:
+        raise UnknownModelError(f"model name {name_or_path!r} contains a NUL character")
     if not name_or_path or not name_or_path.strip():
         raise UnknownModelError("empty model name; try one of: " + ", ".join(BUNDLED))
     if name_or_path in BUNDLED:
