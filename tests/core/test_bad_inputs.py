@@ -118,6 +118,10 @@ API_CASES: list[tuple[str, Callable[[Ctx], Any], type[Exception], str]] = [
     ("document-int-part", lambda c: Document(["a", 3]), ArgumentTypeError, "Document part 1"),
     ("document-field-int", lambda c: Document([Field("s", 5)]), ArgumentTypeError, "field 's' value"),
     ("document-field-none", lambda c: Document([Field("s", None)]), ArgumentTypeError, "field 's' value"),
+    ("document-duplicate-field", lambda c: Document([Field("a", "x"), Field("a", "y")]), InvalidArgumentError, "unique"),
+    ("greedy-stop-bare-string", lambda c: c.engine.greedy(c.nb, "q", 3, stop="END"), ArgumentTypeError, "stop"),
+    ("greedy-stop-int", lambda c: c.engine.greedy(c.nb, "q", 3, stop=5), ArgumentTypeError, "stop must be a list"),
+    ("edit-chat-str", lambda c: c.engine.edit(c.nb, "status", "done", chat="no"), ArgumentTypeError, "chat must be True or False"),
     ("document-surrogate", lambda c: Document(["\ud800"]), InvalidArgumentError, "unpaired surrogate"),
     ("with-value-int", lambda c: c.doc.with_value("status", 3), ArgumentTypeError, "field 'status' value"),
     ("edit-new-value-int", lambda c: c.engine.edit(c.nb, "status", 3), ArgumentTypeError, "new_value"),
@@ -451,6 +455,7 @@ def test_the_header_checksum_catches_what_the_tensor_checksum_missed(ctx):
 # ---- the skill library --------------------------------------------------------------------
 LIB_CASES: list[tuple[str, Callable[[Ctx], Any], type[Exception], str]] = [
     ("root-is-file", lambda c: (c.tmp / "libfile").write_text("x") and kvnotes.SkillLibrary(c.tmp / "libfile", c.engine), UnsafePathError, "is a file"),
+    ("engine-none", lambda c: kvnotes.SkillLibrary(c.tmp / "l", None), ArgumentTypeError, "engine must be a kvnotes.Engine"),
     ("root-none", lambda c: kvnotes.SkillLibrary(None, c.engine), InvalidArgumentError, "root must be a folder path"),
     ("quantize-int4", lambda c: kvnotes.SkillLibrary(c.tmp / "l", c.engine, quantize="int4"), InvalidArgumentError, "quantize must be"),
     ("anchor-left", lambda c: kvnotes.SkillLibrary(c.tmp / "l", c.engine, anchor="left"), InvalidArgumentError, "anchor must be one of"),

@@ -346,7 +346,7 @@ class Engine:
     def greedy(self, nb: Notebook, query: TokenInput | None, max_new_tokens: int = 32,
                *, stop: Sequence[str] = ()) -> Generation:
         """Greedy decoding after ``query``: text, ids and the notebook holding everything."""
-        validate.greedy_args(self, nb, query, max_new_tokens)
+        validate.greedy_args(self, nb, query, max_new_tokens, stop)
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         if query is None or (isinstance(query, str) and not query):

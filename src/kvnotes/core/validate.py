@@ -178,6 +178,10 @@ def document_parts(parts: object, field_type: type) -> tuple[Any, ...]:
         raise ArgumentTypeError(f"Document parts must be a list of str and Field, got "
                                 f"{type(parts).__name__}")
     out = tuple(parts)
+    names = [p.name for p in out if isinstance(p, field_type)]
+    if len(names) != len(set(names)):
+        raise InvalidArgumentError(f"field names must be unique in a document, got {names}; "
+                                   "rename the repeated field")
     for i, p in enumerate(out):
         if isinstance(p, field_type):
             text(p.name, f"Document part {i} field name", allow_empty=False)
@@ -243,9 +247,14 @@ def query_args(engine: Any, nb: object, query: object) -> None:
     token_input(engine, query, "query", allow_none=True)
 
 
-def greedy_args(engine: Any, nb: object, query: object, max_new_tokens: object) -> None:
+def greedy_args(engine: Any, nb: object, query: object, max_new_tokens: object,
+                stop: object = ()) -> None:
     query_args(engine, nb, query)
     integer(max_new_tokens, "max_new_tokens", minimum=1)
+    # a bare string would stop at any of its characters
+    not_bare_string(stop, "stop", 'stop=["\\n"]')
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+        raise ArgumentTypeError(f"stop must be a list of non-empty strings, got {stop!r}")
 
 
 def layer_index(value: object, num_layers: int, name: str = "layer") -> int:
@@ -315,8 +324,9 @@ def model_device(device: object) -> torch.device:
 
 # ---- ops verbs ----------------------------------------------------------------------------
 def edit_args(engine: Any, nb: object, field: object, new_value: object, *, k: object,
-              layer: object) -> None:
+              layer: object, chat: object = None) -> None:
     """``kvnotes.edit``: a notebook, a field name, a text value, an int budget, a layer index."""
+    flag(chat, "chat", allow_none=True)
     notebook(nb)
     text(field, "field", allow_empty=False)
     text(new_value, "new_value")

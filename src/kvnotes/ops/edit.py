@@ -354,7 +354,7 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         >>> nb = engine.prefill(doc)                                      # doctest: +SKIP
         >>> new, report = engine.edit(nb, "status", "done", strategy="prefix")  # doctest: +SKIP
     """
-    validate.edit_args(engine, nb, field, new_value, k=k, layer=layer)
+    validate.edit_args(engine, nb, field, new_value, k=k, layer=layer, chat=chat)
     if strategy not in STRATEGIES:
         raise UnknownNameError("strategy", strategy, STRATEGIES)
     t0 = time.perf_counter()

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvnotes.core import validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import (
+    ArgumentTypeError,
     InvalidArgumentError,
     NotebookFileError,
     NotebookMismatchError,
@@ -52,6 +53,8 @@ class SkillLibrary:
             raise InvalidArgumentError(
                 f"quantize must be None, 'token' or 'channel', got {quantize!r}")
         validate.choice(anchor, "anchor", ("auto", "bos", "none"))
+        if not isinstance(engine, Engine):
+            raise ArgumentTypeError(f"engine must be a kvnotes.Engine, got {type(engine).__name__}")
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise InvalidArgumentError(f"root must be a folder path, got {root!r}")
         if Path(root).exists() and not Path(root).is_dir():
