@@ -10,6 +10,7 @@ test-fast``) never loads or converts a real model.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,16 @@ import kvnotes
 from kvnotes.core.models import BUNDLED, kvnotes_home
 
 REAL_FIXTURES = {"smollm2", "gemma3", "real_engine"}
+_THIS = sys.modules[__name__]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    # Test modules import the factories below with `from conftest import ...`. pytest imports
+    # every conftest.py under the module name "conftest", so a folder's own conftest (e.g.
+    # tests/apps/) would shadow this one for the test modules collected after it.
+    if isinstance(collector, pytest.Module):
+        sys.modules["conftest"] = _THIS
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

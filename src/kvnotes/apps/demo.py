@@ -4,8 +4,9 @@ what composition saves and how closely it matches full recompute."""
 from __future__ import annotations
 
 import json
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
+from kvnotes.core.machine import load_note, machine_info
 from kvnotes.core.notebook import Notebook
 from kvnotes.eval.fidelity import FidelityReport, fidelity
 from kvnotes.eval.reports import write_bundle
@@ -50,9 +52,26 @@ def case_parts(engine: Engine, case: DemoCase, compiled: dict[str, Notebook]) ->
     return parts, middle + case.context + "\n\n" + case.question + tail
 
 
-def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24,
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` (the caller warms up first)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int = 3,
                      progress: Any = None) -> dict[str, Any]:
-    """Compile every skill once, then compose each case and compare with full recompute."""
+    """Compile every skill once, then compose each case and compare with full recompute.
+
+    Timings are medians of ``repeats`` runs after one warm-up run (a single cold run on a busy
+    machine can be off by an order of magnitude); the result records the machine's load.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    before = machine_info()
     skills, cases = demo_data()
     compiled: dict[str, Notebook] = {}
     compile_s: dict[str, float] = {}
@@ -60,23 +79,35 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24,
     # Each policy file ends with a newline; one more leaves a blank line between spliced skills.
     texts = {HEADER: head + SYSTEM_INTRO, **{n: t + "\n" for n, t in skills.items()}}
     for name, text in texts.items():
-        t0 = time.perf_counter()
-        compiled[name] = engine.compile(text, name=name)
-        compile_s[name] = time.perf_counter() - t0
+        compiled[name] = engine.compile(text, name=name)  # also the warm-up
+        compile_s[name] = median_seconds(lambda t=text, n=name: engine.compile(t, name=n), repeats)
     rows: list[dict[str, Any]] = []
     for case in cases:
         parts, query = case_parts(engine, case, compiled)
-        engine.compose(parts)  # warm-up: first-call allocations should not count as TTFT
         report: FidelityReport = fidelity(engine, parts, query, max_new_tokens=max_new_tokens)
-        rows.append({"case": case.name, "skills": case.skills, **report.to_dict()})
+        # TTFT as medians of warm runs: recompute = one forward over every token id; compose =
+        # splice the skills, then one forward over the request
+        query_ids = engine.tokens_of(query, bos=False)[0]
+        all_ids = engine.compose(parts).token_ids.tolist() + query_ids
+        recompute = median_seconds(lambda i=all_ids: engine.next_logits(engine.empty(0), i),
+                                   repeats)
+        compose = median_seconds(
+            lambda p=parts, q=query_ids: engine.next_logits(engine.compose(p), q), repeats)
+        row = {"case": case.name, "skills": case.skills, **report.to_dict()}
+        row.update(ttft_recompute_s=recompute, ttft_compose_s=compose, speedup=recompute / compose)
+        rows.append(row)
         if progress is not None:
             progress(case.name)
+    after = machine_info()
     return {
         "model": engine.name,
         "skills": {n: {"tokens": len(nb), "compile_s": compile_s[n],
                        "anchor": nb.meta.get("anchor")} for n, nb in compiled.items()},
         "cases": rows,
         "max_new_tokens": max_new_tokens,
+        "timing": {"repeats": repeats, "warmup": 1, "statistic": "median",
+                   "machine_before": before, "machine_after": after,
+                   "busy": before["busy"] or after["busy"]},
     }
 
 
@@ -136,6 +167,7 @@ def write_report(result: dict[str, Any], out: Path, extra_sections: list[str] = 
 
 def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) -> str:
     """The demo's markdown report (``extra_sections``: more markdown lines at the end)."""
+    timing = result.get("timing")
     skills = "\n".join(f"- `{n}`: {s['tokens']} tokens, compiled once in {s['compile_s']*1e3:.0f} ms"
                        f" (anchor: {s['anchor']})" for n, s in result["skills"].items())
     body = [
@@ -147,6 +179,9 @@ def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) 
         "very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
         "at the first answer token; 'continuation' compares "
         f"{result['max_new_tokens']} greedy tokens.",
+        "",
+        f"Times are medians of {timing.get('repeats', 1)} runs after a warm-up; "
+        f"{load_note(timing['machine_after'])}." if timing else "",
         "",
         "## Skills",
         skills,

@@ -13,12 +13,10 @@ from kvnotes.core.errors import KvnotesError
 
 
 def _load(model: str, threads: int | None):
-    import torch
-
     import kvnotes
+    from kvnotes.core.machine import set_threads
 
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)  # None: physical cores
     return kvnotes.load(model)
 
 

@@ -44,11 +44,15 @@ def demo(
     model: str = typer.Option("smollm2-135m", help="model alias, HF folder or .gguf file"),
     out: Path = typer.Option(Path("out/demo"), help="folder for report.md, results.json, PNGs"),
     max_new_tokens: int = typer.Option(24, help="greedy tokens compared per case"),
+    threads: int | None = typer.Option(None, "--threads",
+                                       help="torch CPU threads (default: physical cores)"),
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     import kvnotes
     from kvnotes.apps.demo import run_compose_demo, write_report
+    from kvnotes.core.machine import set_threads
 
+    set_threads(threads)
     try:
         folder_option(out, "--out")
         with console.status(f"loading {model}"):
@@ -94,10 +98,15 @@ def compose(
     max_new_tokens: int = typer.Option(24),
     library: Path = typer.Option(None, help="skill library folder (compile once, reuse)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    threads: int | None = typer.Option(None, "--threads",
+                                       help="torch CPU threads (default: physical cores)"),
 ) -> None:
     """Compose one case (skills + context), answer the query, compare with full recompute."""
     import kvnotes
     from kvnotes.core.chat import chat_frame
+    from kvnotes.core.machine import set_threads
+
+    set_threads(threads)
 
     try:
         engine = kvnotes.load(model)

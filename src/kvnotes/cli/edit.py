@@ -29,9 +29,14 @@ def edit_eval(
     out: Path = typer.Option(None, help="folder for results.json, report.md, edit.png "
                                         "(default: out/edit-eval-<model>[-cot])"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    threads: int | None = typer.Option(None, "--threads",
+                                       help="torch CPU threads (default: physical cores)"),
 ) -> None:
     """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
     import kvnotes
+    from kvnotes.core.machine import set_threads
+
+    set_threads(threads)
     from kvnotes.eval.edit_suite import (
         DEFAULT_STRATEGIES,
         ERRATUM_WORDINGS,

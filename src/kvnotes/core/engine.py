@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvnotes.core import validate
-from kvnotes.core.cache import build_cache
+from kvnotes.core.cache import KVStore, NotebookCache, build_cache
 from kvnotes.core.document import Document, document_meta, encode
 from kvnotes.core.errors import EmptyInputError, KvnotesError, PositionError
 from kvnotes.core.fingerprint import ModelFingerprint
@@ -116,11 +116,14 @@ class Engine:
         return ids, spans
 
     # ---- the one forward ------------------------------------------------------------------
-    def empty(self, start: int = 0) -> Notebook:
-        """A notebook with no tokens whose first token will sit at ``start``."""
+    def empty(self, start: int = 0, *, capacity: int = 0) -> Notebook:
+        """A notebook with no tokens whose first token will sit at ``start``.
+
+        ``capacity``: room for that many tokens before its storage has to grow.
+        """
         self.adapter.check_positions(torch.tensor([start]))
-        return Notebook((), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                        (), self.adapter, self.fingerprint, origin=start)
+        return Notebook.from_storage(KVStore(self.adapter.num_layers, capacity), 0, 0, (),
+                                     self.adapter, self.fingerprint, origin=start)
 
     def forward(self, nb: Notebook, ids: Sequence[int] | torch.Tensor, *,
                 spans: Sequence[Span] = (), positions: torch.Tensor | None = None,
@@ -160,18 +163,46 @@ class Engine:
             position_ids = self.adapter.position_ids(positions)
         else:
             self.adapter.check_positions(position_ids.reshape(-1))
-        cache = build_cache([nb])
-        out = self._call(cache, [ids], position_ids, attentions=attentions, **model_kwargs)
-        layers = tuple(LayerKV(layer.keys, layer.values) for layer in cache.layers)
-        offset = len(nb)
-        longer = Notebook(
-            layers=layers,
-            token_ids=torch.cat([nb.token_ids, torch.tensor(ids, dtype=torch.long)]),
-            positions=torch.cat([nb.positions, positions]),
-            spans=[*nb.spans, *(s.moved(offset) for s in spans)],
-            adapter=self.adapter, fingerprint=self.fingerprint, meta=nb.meta, origin=nb.origin,
-        )
-        return Step(longer, out.logits[0, -1].float(), out)
+        q = len(ids)
+        store, start, end = nb.claim(q)  # in place when nb ends at its storage's fill point
+        try:
+            with torch.inference_mode():
+                store.token_ids[end:end + q] = torch.tensor(ids, dtype=torch.long)
+                store.positions[end:end + q] = positions
+            out = self._call(NotebookCache(store, start, end), [ids], position_ids,
+                             attentions=attentions, **model_kwargs)
+        except BaseException:
+            store.release(end, end + q)
+            raise
+        assert all(k is not None for k in store.keys), "a layer wrote no keys in this forward"
+        logits = out.logits[0, -1].float()
+        longer = Notebook.from_storage(
+            store, start, end + q, [*nb.spans, *(s.moved(len(nb)) for s in spans)],
+            self.adapter, self.fingerprint, nb.meta, nb.origin, last_logits=logits)
+        return Step(longer, logits, out)
+
+    def probe(self, nb: Notebook, ids: Sequence[int], *, every_position: bool = True
+              ) -> torch.Tensor:
+        """FloatTensor[q, vocab]: the logits after each of ``ids`` fed on top of ``nb``
+        (``every_position=False``: after the last one only, FloatTensor[1, vocab]).
+
+        Nothing is kept: the storage the forward wrote is given back, so ``nb`` can still be
+        extended in place (a query read, an option scored).
+        """
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise EmptyInputError("probe needs at least one token")
+        nb.check_same_model(self.fingerprint, what="extend a notebook with")
+        positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
+        self.adapter.check_positions(positions)
+        q = len(ids)
+        store, start, end = nb.claim(q)
+        try:
+            out = self._call(NotebookCache(store, start, end), [ids],
+                             self.adapter.position_ids(positions), all_logits=every_position)
+        finally:
+            store.release(end, end + q)
+        return out.logits[0].float()
 
     def forward_batch(self, notebooks: Sequence[Notebook], ids: Sequence[int]) -> torch.Tensor:
         """FloatTensor[b, vocab]: the logits after ``ids`` on top of each notebook, in one forward.
@@ -219,13 +250,14 @@ class Engine:
             if handle is not None:
                 handle.remove()
         hf = cache.layers[layer]
-        return LayerKV(hf.keys[..., len(nb):, :], hf.values[..., len(nb):, :])
+        return LayerKV(hf.keys[..., len(nb):, :], hf.values[..., len(nb):, :])  # a fresh batch copy
 
     @torch.inference_mode()
     def _call(self, cache: Any, ids: list[list[int]], position_ids: torch.Tensor, *,
-              attentions: bool = False, **model_kwargs: Any) -> Any:
+              attentions: bool = False, all_logits: bool = False, **model_kwargs: Any) -> Any:
         """The model call itself (the only one in kvnotes); checks are the callers' job."""
-        kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.keeps_logits else {}
+        keep_one = self.keeps_logits and not all_logits
+        kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_one else {}
         kwargs.update(model_kwargs)
         previous = None
         if attentions:  # attention weights exist only in the eager implementation
@@ -301,43 +333,60 @@ class Engine:
         validate.compose_args(self, parts, start)
         if not parts:
             raise EmptyInputError("compose needs at least one part")
-        nb = self.empty(start)
-        reused = computed = 0
+        pieces: list[Notebook | tuple[list[int], list[Span]]] = []
         for i, part in enumerate(parts):
-            if not len(nb) and self.adds_bos:
-                nb = self.forward(nb, [self.bos_id], spans=[Span("bos", "text", 0, 1)]).notebook  # type: ignore[list-item]
-                computed += 1
             if isinstance(part, Notebook):
                 part.check_same_model(self.fingerprint, what="splice a skill into")
                 if not len(part):
                     raise EmptyInputError(f"part {i} is an empty notebook")
-                nb = Notebook.concat([nb, part.moved_to(nb.next_position)], meta=nb.meta)
-                reused += len(part)
+                pieces.append(part)
             elif isinstance(part, (str, Document)):
                 ids, spans = self.tokens_of(part, bos=False, name=f"part{i}")
                 if isinstance(part, Document):
                     spans = [s if s.kind == "field" else Span(f"part{i}.{s.name}", s.kind, s.start,
                                                              s.end) for s in spans]
-                nb = self.forward(nb, ids, spans=spans).notebook
-                computed += len(ids)
+                pieces.append((ids, spans))
             else:
                 raise TypeError(f"compose parts are str, Document or Notebook, got {type(part)}")
+        total = sum(len(p) if isinstance(p, Notebook) else len(p[0]) for p in pieces)
+        # one allocation of the final size: no buffer grows (and copies) while composing
+        nb = self.empty(start, capacity=total + int(self.adds_bos))
+        reused = computed = 0
+        if self.adds_bos:
+            nb = self.forward(nb, [self.bos_id], spans=[Span("bos", "text", 0, 1)]).notebook  # type: ignore[list-item]
+            computed += 1
+        for piece in pieces:
+            if isinstance(piece, Notebook):
+                nb = nb.splice(piece)  # re-rotated straight into nb's storage
+                reused += len(piece)
+            else:
+                nb = self.forward(nb, piece[0], spans=piece[1]).notebook
+                computed += len(piece[0])
         return nb.with_meta(compose={"reused": reused, "computed": computed})
 
     # ---- reading the model's next move ------------------------------------------------------
     def next_logits(self, nb: Notebook, query: TokenInput | None = None) -> torch.Tensor:
         """FloatTensor[vocab]: the next-token logits after feeding ``query`` on top of ``nb``.
 
-        With no query, the logits after the notebook's own last token (that token is fed again
-        on top of the rest, which gives exactly the prefill's logits).
+        With no query, the logits after the notebook's own last token: kept with the notebook
+        by the forward that wrote it, else that token is fed again on top of the rest (exactly
+        the prefill's logits). Nothing is appended to ``nb``'s storage either way.
         """
         validate.query_args(self, nb, query)
-        return self._feed_query(nb, query).logits
-
-    def _feed_query(self, nb: Notebook, query: TokenInput | None) -> Step:
         if query is None or (isinstance(query, str) and not query):
             if not len(nb):
                 raise EmptyInputError("an empty notebook has no next-token logits; give a query")
+            if nb.last_logits is not None:
+                return nb.last_logits
+            last = nb.slice(0, len(nb) - 1)
+            return self.probe(last, [int(nb.token_ids[-1])], every_position=False)[-1]
+        ids, _ = self.tokens_of(query, bos=False, kind="query", name="query")
+        return self.probe(nb, ids, every_position=False)[-1]
+
+    def _feed_query(self, nb: Notebook, query: TokenInput | None) -> Step:
+        if query is None or (isinstance(query, str) and not query):
+            if nb.last_logits is not None:  # kept by the forward that wrote the last token
+                return Step(nb, nb.last_logits, None)
             last = nb.slice(0, len(nb) - 1)
             return self.forward(last, [int(nb.token_ids[-1])])
         ids, spans = self.tokens_of(query, bos=False, kind="query", name="query")

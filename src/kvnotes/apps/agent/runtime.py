@@ -58,8 +58,10 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
     """Constrained choice: the option with the highest log-probability after ``nb``.
 
     ``logits`` are the next-token logits at the decision position. Options whose first tokens
-    differ are scored by that token alone (no extra forward); otherwise every option is scored
-    by the sum of its tokens' log-probabilities.
+    differ are scored by that token alone, so the choice costs no forward beyond the one that
+    produced ``logits``; otherwise every option is scored by the sum of its tokens'
+    log-probabilities, one forward per option (:meth:`Engine.probe`, which keeps nothing, so
+    ``nb`` is still extended in place afterwards).
     """
     ids = [answer_ids(engine, o, after=DECISION) for o in options]
     logp = torch.log_softmax(logits.double(), dim=-1)
@@ -70,9 +72,9 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
         scores = []
         for option_ids in ids:
             total = float(logp[option_ids[0]])
-            for k in range(1, len(option_ids)):
-                step = torch.log_softmax(engine.next_logits(nb, option_ids[:k]).double(), dim=-1)
-                total += float(step[option_ids[k]])
+            if len(option_ids) > 1:  # row k-1: the log-probs after option_ids[:k]
+                rows = torch.log_softmax(engine.probe(nb, option_ids[:-1]).double(), dim=-1)
+                total += sum(float(rows[k - 1, option_ids[k]]) for k in range(1, len(option_ids)))
             scores.append(total)
     order = sorted(range(len(options)), key=lambda i: -scores[i])
     margin = scores[order[0]] - scores[order[1]]

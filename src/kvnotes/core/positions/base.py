@@ -61,6 +61,19 @@ class PositionAdapter:
             f"position scheme {self.name!r} cannot move cached tokens to other positions"
         )
 
+    def shift_layer_into(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, delta: int,
+        out_keys: torch.Tensor, out_values: torch.Tensor,
+    ) -> None:
+        """:meth:`shift_layer`, written into ``out_keys``/``out_values`` (a notebook's storage).
+
+        Schemes that can rotate straight into the destination override this to skip the
+        intermediate tensors.
+        """
+        keys, values = self.shift_layer(layer, keys, values, delta)
+        out_keys.copy_(keys)
+        out_values.copy_(values)
+
     def describe(self) -> dict[str, object]:
         """Machine-readable summary for ``kvnotes doctor`` and reports."""
         return {

@@ -41,24 +41,46 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
+def rotate_keys(keys: torch.Tensor, inv_freq: torch.Tensor, delta: int | torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate post-RoPE keys ``[b, h, n, d]`` by ``delta`` positions (int or LongTensor[n]).
 
     Only the first ``2 * len(inv_freq)`` dims of each head turn (partial rotary leaves the
     rest as is). Angles, cos and sin are computed in float64 and rounded once; the rotation
     itself runs in float32 (or the keys' dtype when wider), so a shift adds about one float32
     rounding per element. A scalar ``delta`` turns every token alike: one cos/sin vector.
+
+    ``out`` (same shape and dtype as ``keys``, not overlapping it) receives the result; for
+    float32/float64 keys and a scalar ``delta`` it is written directly, with no intermediate
+    tensor the size of the keys (a splice at memory speed).
     """
     rot_dim = 2 * inv_freq.numel()
     d = torch.as_tensor(delta, dtype=torch.float64, device=keys.device)
     freqs = inv_freq.to(device=keys.device, dtype=torch.float64)
     angles = d * freqs if d.dim() == 0 else d[:, None] * freqs[None, :]  # [rot/2] or [n, rot/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [rot] or [n, rot]
     work = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    if out is not None and d.dim() == 0 and keys.dtype == work:
+        half = rot_dim // 2
+        cos, sin = angles.cos().to(work), angles.sin().to(work)  # [rot/2] each
+        x1, x2 = keys[..., :half], keys[..., half:rot_dim]
+        o1, o2 = out[..., :half], out[..., half:rot_dim]
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as rot * cos + rotate_half(rot) * sin
+        torch.mul(x1, cos, out=o1)
+        o1.addcmul_(x2, sin, value=-1)
+        torch.mul(x2, cos, out=o2)
+        o2.addcmul_(x1, sin)
+        if rot_dim < keys.shape[-1]:
+            out[..., rot_dim:].copy_(keys[..., rot_dim:])
+        return out
+    angles = torch.cat((angles, angles), dim=-1)  # [rot] or [n, rot]
     cos, sin = angles.cos().to(work), angles.sin().to(work)
     rot, rest = keys[..., :rot_dim].to(work), keys[..., rot_dim:]
     turned = (rot * cos + rotate_half(rot) * sin).to(keys.dtype)
-    return torch.cat((turned, rest), dim=-1) if rest.numel() else turned
+    result = torch.cat((turned, rest), dim=-1) if rest.numel() else turned
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
 
 
 def _has_standard_rotary(model: torch.nn.Module) -> bool:
@@ -104,6 +126,16 @@ class RopeAdapter(PositionAdapter):
         self, layer: int, keys: torch.Tensor, values: torch.Tensor, delta: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotate_keys(keys, self.inv_freqs[layer], delta), values
+
+    def shift_layer_into(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, delta: int,
+        out_keys: torch.Tensor, out_values: torch.Tensor,
+    ) -> None:
+        if type(self).shift_layer is not RopeAdapter.shift_layer:  # a subclass turns other dims
+            super().shift_layer_into(layer, keys, values, delta, out_keys, out_values)
+            return
+        rotate_keys(keys, self.inv_freqs[layer], delta, out=out_keys)
+        out_values.copy_(values)
 
     def describe(self) -> dict[str, object]:
         info = super().describe()
