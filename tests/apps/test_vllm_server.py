@@ -1,5 +1,13 @@
 """kvnotes on a real vLLM server (CPU build, .venv-vllm): the erratum keeps the prefix cache
-aligned, and composition splices skills inside the server (one shared server, see conftest)."""
+aligned, and composition splices skills inside the server.
+
+One server serves every test here (startup costs minutes; this module holds all vLLM tests): it
+runs SmolLM2 in float32 (kvnotes' own numerics, so spliced output can be compared token for
+token with ``engine.compose``) with prefix caching on and kvnotes' connector loaded; requests
+without the splice salt are served exactly as without kvnotes, so the erratum benchmark shares
+it. CI builds the vLLM environment (`make test` depends on `make vllm`); elsewhere these tests
+skip only when that environment is absent.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +19,35 @@ from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
 from kvnotes.apps.serving import BenchConfig, Client, run_benchmark
 from kvnotes.apps.serving.compose_client import ComposeClient, cold_salt
+from kvnotes.apps.serving.launch import compose_server
+from kvnotes.apps.serving.server import find_vllm_python
+from kvnotes.core.errors import ServingError
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    try:
+        return find_vllm_python()
+    except ServingError as err:
+        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
+
+
+@pytest.fixture(scope="module")
+def serving(vllm_python, smollm2, tmp_path_factory):
+    """``(server, skills)``: a started server with the connector and its skill folder, the
+    system header already registered."""
+    root = tmp_path_factory.mktemp("vllm")
+    server, skills = compose_server(smollm2, "smollm2-135m", root / "skills", dtype="float32",
+                                    kv_cache_gib=1, python=str(vllm_python),
+                                    log_path=root / "server.log", max_model_len=4096)
+    skills.add(HEADER, name="header")
+    with server:
+        yield server, skills
+    # the server process (and every process it started) is gone
+    assert server.proc is not None and server.proc.poll() is not None
+    assert server.alive_pids() == [], f"left running: {server.alive_pids()}"
 
 USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and want to cancel. "
         "What do I get back?\nAgent:")
