@@ -50,8 +50,10 @@ test-fast: $(TOKENIZER_STAMP)
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# Timing benchmarks: run them on a quiet machine (each JSON records the load average).
 bench: models
 	$(PY) benchmarks/compose_ttft.py --out $(OUT)/bench
+	$(PY) benchmarks/splice_bandwidth.py --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT)
