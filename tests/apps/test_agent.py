@@ -27,7 +27,7 @@ from kvnotes.apps.agent import (
     scripted_episodes,
     skill_names,
 )
-from kvnotes.apps.agent.bench import run_bench, write_outputs
+from kvnotes.apps.agent.bench import report_markdown, run_bench, write_outputs
 from kvnotes.core.errors import KvnotesError, UnknownFieldError, UnknownNameError
 
 
@@ -45,6 +45,7 @@ def skill_root(tmp_path_factory):
 def book(engine, skill_root):
     b = SkillBook(engine, skill_root)
     b.prepare()
+    b.prepare(after=KvnotesAgent(engine, b).after)  # what the (anchored) agent splices
     return b
 
 
@@ -213,3 +214,39 @@ def test_interactive_agent_handles_requests_state_changes_and_eof(engine, skill_
     assert "Travel insurance: purchased" in result.output
     assert "unknown state field 'seat'" in result.output
     assert "reused" in result.output and "computed" in result.output
+
+
+def test_agent_skills_are_compiled_behind_its_header(engine, book):
+    agent = KvnotesAgent(engine, book)
+    head = engine.encode(agent.after)
+    skill = book.notes("refunds", after=agent.after)
+    assert int(skill.positions[0]) == len(head)  # true positions behind the header
+    plain = KvnotesAgent(engine, book, anchored=False)
+    assert plain.after is None and int(book.notes("refunds").positions[0]) == 0
+
+
+def test_guarded_agent_redecides_near_ties_on_exact_notes(engine, book):
+    episode = scripted_episodes(1, 2)[0]
+    agent = KvnotesAgent(engine, book, guard=1e9)  # every margin is below: always fires
+    results = run_episode(agent, episode.state, episode.turns)
+    for r in results:
+        g = r.decision.guard
+        assert g is not None and g.fired and g.tokens == r.notebook_len
+        assert r.to_dict()["guard"]["fired"] is True
+    # the decision was read from the exact recompute of the agent's own tokens
+    nb = agent.notebook
+    exact = engine.prefill(nb.token_ids)
+    for l in range(nb.num_layers):
+        assert torch.allclose(nb.keys(l), exact.keys(l), atol=1e-4)
+    quiet = KvnotesAgent(engine, book, guard=0.0)  # no margin is below 0: never fires
+    first = run_episode(quiet, episode.state, episode.turns[:1])[0]
+    assert not first.decision.guard.fired and first.decision.guard.tokens == 0
+
+
+def test_bench_reports_the_guard(engine, skill_root):
+    result = run_bench(engine, scripted_episodes(1, 2), skill_root=skill_root, guard=1e9,
+                       stale=False)
+    g = result["guard"]
+    assert g["fired"] == g["decisions"] == 2 and g["tokens"] > 0
+    assert result["identity"] == 1.0  # every decision re-taken on exact notes
+    assert "decision guard (tau = 1000000000.0) fired | 2 of 2" in report_markdown(result)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import make_tiny_engine
 
 import kvnotes
 from kvnotes import Document, Field
+from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
 
 POLICY = "Refunds are issued within five days. Final-sale items cannot be returned."
 
@@ -35,7 +38,9 @@ def test_compose_with_skill_matches_recompute_on_tiny_model(tiny_llama):
     skill = tiny_llama.compile(POLICY, name="refunds")
     assert skill.positions[0] == 0 and skill.meta["anchor"] == "none"
     nb = tiny_llama.compose(["Customer asks about a refund. ", skill, " Answer:"])
-    assert nb.meta["compose"] == {"reused": len(skill), "computed": len(nb) - len(skill)}
+    stats = nb.meta["compose"]
+    assert (stats["reused"], stats["computed"], stats["repaired"]) == (
+        len(skill), len(nb) - len(skill), 0)
     assert nb.positions.tolist() == list(range(len(nb)))
     assert nb.span("refunds").end - nb.span("refunds").start == len(skill)
     report = kvnotes.fidelity(tiny_llama, ["Customer asks about a refund. ", skill, " Answer:"],
@@ -128,3 +133,112 @@ def test_chat_frame_keeps_a_template_token_the_tokenizer_never_adds(tokenizer):
     assert head.startswith("<|im_start|>system\n")
     assert middle.endswith("<|im_start|>user\n") and tail.endswith("<|im_start|>assistant\n")
     assert chat_turn(tokenizer, "system", "hi").startswith("<|im_start|>system\n")
+
+
+# ---- anchored compilation, boundary repair (issue 14) ------------------------------------------
+HEADER = "System: you are the support agent of a small shop.\n\n"
+SECOND = "Shipping takes three days. Express shipping costs extra."
+
+
+def _close(a, b, atol=1e-5):
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.positions, b.positions)
+    for l in range(a.num_layers):
+        assert torch.allclose(a.keys(l), b.keys(l), atol=atol)
+        assert torch.allclose(a.values(l), b.values(l), atol=atol)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+def tiny(request, tokenizer):
+    return make_tiny_engine(request.param, tokenizer)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_compile_after_keeps_true_positions_and_equals_prefill_with_prefix_dropped(tiny, as_ids):
+    prefix = tiny.anchor_ids(HEADER)
+    skill = tiny.compile(POLICY, after=prefix if as_ids else HEADER)
+    assert skill.positions.tolist() == list(range(len(prefix), len(prefix) + len(skill)))
+    assert skill.meta["after_tokens"] == len(prefix)
+    full = tiny.prefill([*prefix, *tiny.encode(POLICY)])
+    _close(skill, full.slice(len(prefix)), atol=1e-6)
+
+
+def test_anchored_skill_right_after_its_header_composes_exactly(tiny):
+    parts = [tiny.compile(HEADER), tiny.compile(POLICY, after=HEADER), " Answer:"]
+    composed = tiny.compose(parts)
+    _close(composed, tiny.prefill(composed.token_ids))
+
+
+def test_anchor_ids_with_token_ids_refuse_an_anchor(tiny):
+    with pytest.raises(kvnotes.KvnotesError, match="token ids in after= are taken as given"):
+        tiny.anchor_ids([1, 2], anchor="none")
+
+
+@pytest.mark.parametrize("select", ["first", "kv_deviation"])
+def test_compose_repair_all_equals_full_prefill(tiny, select):
+    parts = ["Customer asks. ", tiny.compile(POLICY), " Then: ", tiny.compile(SECOND), " Answer:"]
+    nb = tiny.compose(parts, repair=1.0, select=select)
+    _close(nb, tiny.prefill(nb.token_ids))
+    stats = nb.meta["compose"]
+    assert stats["reused"] == 0 and stats["repaired"] == len(parts[1]) + len(parts[3])
+    assert stats["compute_fraction"] >= 1.0
+    ref = tiny.next_logits(tiny.prefill(nb.token_ids), " yes")
+    assert torch.allclose(tiny.next_logits(nb, " yes"), ref, atol=1e-4)
+
+
+def test_compose_repair_zero_is_plain_compose(tiny):
+    parts = ["Customer asks. ", tiny.compile(POLICY), " Answer:"]
+    plain, zero = tiny.compose(parts), tiny.compose(parts, repair=0)
+    _close(plain, zero, atol=0)
+    assert zero.meta["compose"]["repaired"] == 0
+    assert zero.meta["compose"]["reused"] == len(parts[1])
+
+
+def test_compose_repair_budgets_int_and_float(tiny):
+    a, b = tiny.compile(POLICY), tiny.compile(SECOND)
+    spliced = len(a) + len(b)
+    by_count = tiny.compose(["Q. ", a, b], repair=3).meta["compose"]
+    assert by_count["repaired"] == 3 and by_count["reused"] == spliced - 3
+    by_fraction = tiny.compose(["Q. ", a, b], repair=0.25).meta["compose"]
+    assert by_fraction["repaired"] == math.ceil(0.25 * spliced)
+    assert tiny.compose(["Q. ", a], repair=10_000).meta["compose"]["repaired"] == len(a)
+    computed = by_fraction["computed"]
+    assert by_fraction["compute_fraction"] == pytest.approx(
+        (computed + by_fraction["repaired"]) / (computed + spliced))
+
+
+def test_split_budget_is_proportional_and_capped():
+    from kvnotes.core.engine import split_budget
+
+    assert split_budget(10, [10, 40]) == [2, 8]
+    assert split_budget(5, [10, 20]) == [2, 3]  # 1.67 / 3.33: the larger remainder first
+    assert split_budget(3, [1, 1, 100]) == [0, 0, 3]
+    assert split_budget(5, [2, 2]) == [2, 2]
+    assert split_budget(0, [4]) == [0]
+
+
+@pytest.mark.parametrize("bad,error,message", [
+    (-1, InvalidArgumentError, r"repair=-1 is a negative token count"),
+    (1.5, InvalidArgumentError, r"repair=1\.5 is not a fraction in \(0, 1\]"),
+    (float("nan"), InvalidArgumentError, r"repair=nan is not a fraction"),
+    ("0.1", ArgumentTypeError, r"repair must be a fraction .* got '0.1' \(str\)"),
+    (True, ArgumentTypeError, r"repair must be a fraction .* got True \(bool\)"),
+])
+def test_compose_bad_repair_budgets_raise(tiny_llama, bad, error, message):
+    skill = tiny_llama.compile(POLICY)
+    with pytest.raises(error, match=message):
+        tiny_llama.compose(["Q. ", skill], repair=bad)
+
+
+def test_compose_unknown_selector_lists_the_valid_ones(tiny_llama):
+    with pytest.raises(UnknownNameError, match="first, kv_deviation"):
+        tiny_llama.compose(["Q. "], repair=0.5, select="random")
+
+
+def test_recompute_every_index_equals_prefill_and_leaves_input(tiny):
+    composed = tiny.compose(["Q. ", tiny.compile(POLICY)])
+    before = composed.keys(0).clone()
+    again = tiny.recompute(composed, range(len(composed)))
+    _close(again, tiny.prefill(composed.token_ids))
+    assert torch.equal(composed.keys(0), before)  # the input notebook is untouched
+    with pytest.raises(IndexError, match="recompute indices must be in"):
+        tiny.recompute(composed, [len(composed)])

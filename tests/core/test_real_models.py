@@ -63,3 +63,18 @@ def test_real_notebook_round_trip_and_foreign_model_error(smollm2, gemma3, tmp_p
     assert torch.equal(back.keys(3), nb.keys(3))
     with pytest.raises(kvnotes.NotebookMismatchError, match="LlamaForCausalLM.*Gemma3ForCausalLM"):
         kvnotes.Notebook.load(path, gemma3)
+
+
+def test_anchored_skill_and_full_repair_match_recompute(real_engine):
+    """compile(after=header) right after that header is exact; repair=1.0 over a skill that
+    follows other text equals a full prefill (short texts: one check per model)."""
+    head, middle, tail = chat_frame(real_engine.tokenizer)
+    header = head + "You are a support agent. Policy:\n"
+    skill = real_engine.compile(SKILL, name="returns", after=header)
+    query = middle + CONTEXTS[0][0] + "\n" + CONTEXTS[0][1] + tail
+    exact = kvnotes.fidelity(real_engine, [real_engine.compile(header), skill], query,
+                             max_new_tokens=1)
+    assert exact.kl < 1e-4 and exact.top1_agree, exact
+    repaired = kvnotes.fidelity(real_engine, [header, "Read carefully.\n", skill], query,
+                                max_new_tokens=1, repair=1.0)
+    assert repaired.tokens_repaired == len(skill) and repaired.kl < 1e-4, repaired

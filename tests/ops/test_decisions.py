@@ -72,3 +72,38 @@ def test_decision_and_margin():
 ])
 def test_parse_answer(text, want):
     assert parse_answer(text, ("yes", "no")) == want
+
+
+# ---- guarded decisions (issue 14) ---------------------------------------------------------------
+POLICY = "Refunds are issued within five days. Final-sale items cannot be returned."
+
+
+def _composed(engine):
+    return engine.compose(["Customer asks for a refund. ", engine.compile(POLICY), " Policy ends."])
+
+
+def test_guard_fires_below_tau_and_redecides_on_exact_notes(tiny_llama):
+    nb = _composed(tiny_llama)
+    query, answers = " Refund? Answer:", ("yes", "no")
+    fast = decide(tiny_llama, nb, query, answers)
+    d = decide(tiny_llama, nb, query, answers, guard=fast.margin + 1.0)
+    assert d.guard is not None and d.guard.fired
+    assert d.guard.fast_answer == fast.answer and d.guard.fast_margin == pytest.approx(fast.margin)
+    assert d.guard.tokens == len(nb) + len(tiny_llama.encode(query))
+    exact = decide(tiny_llama, tiny_llama.prefill(nb.token_ids), query, answers)
+    assert d.answer == exact.answer == d.guard.exact_answer
+    assert d.margin == pytest.approx(exact.margin, abs=1e-4)  # the result is the exact one
+    assert d.guard.to_dict()["changed"] == (fast.answer != exact.answer)
+
+
+def test_guard_stays_quiet_above_tau(tiny_llama):
+    nb = _composed(tiny_llama)
+    fast = decide(tiny_llama, nb, " Refund? Answer:", ("yes", "no"))
+    d = decide(tiny_llama, nb, " Refund? Answer:", ("yes", "no"), guard=fast.margin / 2)
+    assert d.guard is not None and not d.guard.fired and d.guard.tokens == 0
+    assert d.answer == fast.answer and d.margin == fast.margin
+
+
+def test_guard_needs_a_margin_at_least_zero(tiny_llama):
+    with pytest.raises(KvnotesError, match=r"guard tau must be a margin >= 0, got -1"):
+        decide(tiny_llama, _composed(tiny_llama), " Answer:", ("yes", "no"), guard=-1)

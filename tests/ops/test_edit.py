@@ -7,11 +7,11 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes import Document, Field
+from kvnotes.core.engine import _runs
 from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError, UnknownNameError
 from kvnotes.ops.edit import (
     ERRATUM_TEMPLATES,
     EditReport,
-    _runs,
     erratum_text,
     erratum_turn,
     field_label,

@@ -63,8 +63,12 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int = 3,
-                     progress: Any = None) -> dict[str, Any]:
+                     repair: float | int = 0, progress: Any = None) -> dict[str, Any]:
     """Compile every skill once, then compose each case and compare with full recompute.
+
+    Policies are compiled behind the system header (``after=``), the text that precedes them
+    in every case; ``repair`` recomputes that share of the spliced tokens in context
+    (:meth:`Engine.compose`).
 
     Timings are medians of ``repeats`` runs after one warm-up run (a single cold run on a busy
     machine can be off by an order of magnitude); the result records the machine's load.
@@ -79,12 +83,15 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
     # Each policy file ends with a newline; one more leaves a blank line between spliced skills.
     texts = {HEADER: head + SYSTEM_INTRO, **{n: t + "\n" for n, t in skills.items()}}
     for name, text in texts.items():
-        compiled[name] = engine.compile(text, name=name)  # also the warm-up
-        compile_s[name] = median_seconds(lambda t=text, n=name: engine.compile(t, name=n), repeats)
+        after = None if name == HEADER else texts[HEADER]  # policies: behind the real header
+        compiled[name] = engine.compile(text, name=name, after=after)  # also the warm-up
+        compile_s[name] = median_seconds(
+            lambda t=text, n=name, a=after: engine.compile(t, name=n, after=a), repeats)
     rows: list[dict[str, Any]] = []
     for case in cases:
         parts, query = case_parts(engine, case, compiled)
-        report: FidelityReport = fidelity(engine, parts, query, max_new_tokens=max_new_tokens)
+        report: FidelityReport = fidelity(engine, parts, query, max_new_tokens=max_new_tokens,
+                                          repair=repair)
         # TTFT as medians of warm runs: recompute = one forward over every token id; compose =
         # splice the skills, then one forward over the request
         query_ids = engine.tokens_of(query, bos=False)[0]
@@ -92,7 +99,8 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         recompute = median_seconds(lambda i=all_ids: engine.next_logits(engine.empty(0), i),
                                    repeats)
         compose = median_seconds(
-            lambda p=parts, q=query_ids: engine.next_logits(engine.compose(p), q), repeats)
+            lambda p=parts, q=query_ids: engine.next_logits(engine.compose(p, repair=repair), q),
+            repeats)
         row = {"case": case.name, "skills": case.skills, **report.to_dict()}
         row.update(ttft_recompute_s=recompute, ttft_compose_s=compose, speedup=recompute / compose)
         rows.append(row)
@@ -102,7 +110,10 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
     return {
         "model": engine.name,
         "skills": {n: {"tokens": len(nb), "compile_s": compile_s[n],
-                       "anchor": nb.meta.get("anchor")} for n, nb in compiled.items()},
+                       "anchor": nb.meta.get("anchor"),
+                       "after_tokens": nb.meta.get("after_tokens", 0)}
+                   for n, nb in compiled.items()},
+        "repair": repair,
         "cases": rows,
         "max_new_tokens": max_new_tokens,
         "timing": {"repeats": repeats, "warmup": 1, "statistic": "median",
@@ -115,8 +126,8 @@ def render_table(result: dict[str, Any]) -> str:
     """Markdown table of the compose results."""
     lines = [
         "| case | tokens | reused | computed | TTFT recompute (ms) | TTFT compose (ms) | speedup"
-        " | logit cosine | KL | top-1 | continuation |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|:---:|",
+        " | logit cosine | KL | top-1 | top-2 margin recompute / compose | continuation |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|",
     ]
     for r in result["cases"]:
         lines.append(
@@ -124,6 +135,7 @@ def render_table(result: dict[str, Any]) -> str:
             f" | {r['ttft_recompute_s'] * 1e3:.0f} | {r['ttft_compose_s'] * 1e3:.0f}"
             f" | {r['speedup']:.1f}x | {r['logit_cosine']:.4f} | {r['kl']:.4f}"
             f" | {'same' if r['top1_agree'] else 'DIFF'}"
+            f" | {r['top2_margin']:.2f} / {r.get('composed_margin', float('nan')):.2f}"
             f" | {'identical' if r['continuation_identical'] else 'differs'} |")
     return "\n".join(lines)
 
@@ -169,12 +181,17 @@ def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) 
     """The demo's markdown report (``extra_sections``: more markdown lines at the end)."""
     timing = result.get("timing")
     skills = "\n".join(f"- `{n}`: {s['tokens']} tokens, compiled once in {s['compile_s']*1e3:.0f} ms"
-                       f" (anchor: {s['anchor']})" for n, s in result["skills"].items())
+                       f" (anchor: {s['anchor']}"
+                       + (f" + the {s['after_tokens']}-token system header)"
+                          if s.get("after_tokens") else ")")
+                       for n, s in result["skills"].items())
     body = [
         f"# kvnotes demo — {result['model']}",
         "",
-        "The system header and the policies are skills, prefilled once, alone, then re-rotated "
-        "to their place in each prompt and spliced in; only the request (the customer's context "
+        "The system header and the policies are skills, prefilled once (each policy behind the "
+        "system header it follows in every prompt, whose notes are then dropped), then "
+        "re-rotated to their place in each prompt and spliced in; only the request (the "
+        "customer's context "
         "and the question) is computed, in one forward. The reference is a full prefill of the "
         "very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
         "at the first answer token; 'continuation' compares "

@@ -33,6 +33,12 @@ def agent_bench(
                                            help="skill library folder (default: kvnotes home)"),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    guard: float | None = typer.Option(
+        None, "--guard", min=0.0,
+        help="re-decide on exactly recomputed notes when the top-two margin (log-prob) is "
+             "below this"),
+    anchored: bool = typer.Option(True, "--anchor/--no-anchor",
+                                  help="compile skills behind the agent's system header"),
 ) -> None:
     """Decision identity and latency: the kvnotes agent against the recompute agent.
 
@@ -46,7 +52,7 @@ def agent_bench(
         engine = _load(model, threads)
         result = run_bench(
             engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
-            skill_root=skills_dir,
+            skill_root=skills_dir, guard=guard, anchored=anchored,
             progress=lambda line: typer.echo(line, err=True),
             on_episode=lambda partial: write_outputs(partial, out),
         )
@@ -65,6 +71,10 @@ def agent_bench(
         typer.echo(f"  flip {f['episode']} turn {f['turn'] + 1} {f['kind']}: kvnotes "
                    f"{f['kvnotes']!r} vs recompute {f['recompute']!r} "
                    f"(recompute margin {f['recompute_margin']:.3f})")
+    if result.get("guard"):
+        g = result["guard"]
+        typer.echo(f"guard (tau {g['tau']}): fired {g['fired']}/{g['decisions']}, changed "
+                   f"{g['changed']}, cost {g['tokens']} tokens / {g['seconds']:.2f}s")
     typer.echo(f"total latency: recompute {lat['recompute_total_s']:.2f}s, kvnotes "
                f"{lat['kvnotes_total_s']:.2f}s, ratio {lat['ratio']:.2f}x")
     tok = result["tokens"]

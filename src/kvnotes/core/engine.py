@@ -9,6 +9,8 @@ and :meth:`Engine.continue_greedy` is the one decode loop.
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,13 +20,75 @@ import torch
 from kvnotes.core import validate
 from kvnotes.core.cache import KVStore, NotebookCache, build_cache
 from kvnotes.core.document import Document, document_meta, encode
-from kvnotes.core.errors import EmptyInputError, KvnotesError, PositionError
+from kvnotes.core.errors import (
+    ArgumentTypeError,
+    EmptyInputError,
+    InvalidArgumentError,
+    KvnotesError,
+    PositionError,
+    UnknownNameError,
+)
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import LayerKV, Notebook, Span
 from kvnotes.core.positions import adapter_for
 
 TokenInput = str | Sequence[int] | torch.Tensor | Document
 Part = str | Document | Notebook
+
+
+ANCHORS = ("auto", "bos", "none")
+COMPOSE_SELECTORS = ("first", "kv_deviation")
+
+
+def repair_budget(repair: object, spliced: int) -> int:
+    """How many of ``spliced`` tokens a ``repair=`` budget recomputes.
+
+    A float in [0, 1] is a fraction of them, rounded up (any positive fraction repairs at least
+    one); an int >= 0 is a token count, capped at ``spliced``. ``1.0`` is all, ``1`` is one.
+    """
+    if isinstance(repair, bool) or not isinstance(repair, numbers.Real):
+        raise ArgumentTypeError(
+            f"repair must be a fraction of the spliced tokens (a float in (0, 1]) or a token "
+            f"count (an int), got {repair!r} ({type(repair).__name__})")
+    if isinstance(repair, numbers.Integral):
+        if repair < 0:
+            raise InvalidArgumentError(f"repair={repair} is a negative token count; give a count "
+                                       ">= 0 (0 splices only) or a fraction in (0, 1]")
+        return min(int(repair), spliced)
+    fraction = float(repair)
+    if not 0.0 <= fraction <= 1.0:  # nan fails too
+        raise InvalidArgumentError(
+            f"repair={repair!r} is not a fraction in (0, 1]; give e.g. repair=0.05 to recompute "
+            "5% of the spliced tokens, or an int token count such as repair=16")
+    return min(spliced, math.ceil(fraction * spliced - 1e-9))
+
+
+def split_budget(k: int, sizes: Sequence[int]) -> list[int]:
+    """``k`` tokens shared among parts of ``sizes`` in proportion to their size (largest
+    remainders get the rest), never more than a part has."""
+    total = sum(sizes)
+    if not total or not k:
+        return [0] * len(sizes)
+    exact = [k * s / total for s in sizes]
+    out = [min(s, int(e)) for s, e in zip(sizes, exact, strict=True)]
+    order = sorted(range(len(sizes)), key=lambda i: out[i] - exact[i])
+    for i in order:
+        if sum(out) >= k:
+            break
+        if out[i] < sizes[i]:
+            out[i] += 1
+    return out
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices as maximal contiguous ``[start, end)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,42 +361,146 @@ class Engine:
         ids, spans = self.tokens_of(x, bos=False, kind=kind, name=name)
         return self.forward(nb, ids, spans=spans).notebook
 
-    def compile(self, text: str, *, name: str = "skill", anchor: str = "auto") -> Notebook:
-        """Compile a skill: ``text`` prefilled alone, ready to be spliced anywhere.
+    def anchor_ids(self, after: str | Sequence[int] | torch.Tensor | None = None, *,
+                   anchor: str = "auto") -> list[int]:
+        """The token ids a skill is compiled behind (their notes are then dropped).
 
-        ``anchor`` decides what the skill's first token sees. ``"none"``: truly alone at
-        position 0, so its first token becomes an attention sink the real context never has.
-        ``"bos"``: prefilled behind a BOS whose notes are then dropped, so the skill keeps
-        positions 1..L and sees the same sink a BOS-led context gives it. ``"auto"`` picks
-        ``"bos"`` when the tokenizer adds BOS by default, else ``"none"``.
+        ``anchor`` decides the BOS: ``"bos"`` puts one first, ``"none"`` does not, ``"auto"``
+        does when the tokenizer adds BOS by default (as every context then starts with one).
+        ``after`` is what follows it in the contexts the skill is meant for: text (encoded on
+        its own, as compose encodes each part) or token ids, which are taken as given, BOS
+        included (``anchor`` must then stay ``"auto"``).
         """
-        validate.compile_args(text, name)
-        if anchor not in ("auto", "bos", "none"):
-            raise ValueError(f"anchor must be 'auto', 'bos' or 'none', got {anchor!r}")
+        if anchor not in ANCHORS:
+            raise UnknownNameError("anchor", anchor, ANCHORS)
+        if after is not None and not isinstance(after, str):
+            if anchor != "auto":
+                raise InvalidArgumentError(
+                    "anchor applies to text; token ids in after= are taken as given, so put "
+                    "the BOS id first yourself or pass the prefix as text")
+            ids = [int(i) for i in (after.reshape(-1).tolist() if isinstance(after, torch.Tensor)
+                                    else after)]
+            validate.token_ids(ids, "after", validate.vocab_size(self))
+            return ids
+        if after is not None:
+            validate.text(after, "after")
         if anchor == "auto":
             anchor = "bos" if self.adds_bos else "none"
-        ids, _ = self.tokens_of(text, bos=False)
+        prefix: list[int] = []
         if anchor == "bos":
             bos = self.bos_id if self.bos_id is not None else self.tokenizer.bos_token_id
             if bos is None:
-                raise KvnotesError("anchor='bos' needs a tokenizer with a BOS token")
-            nb = self.forward(self.empty(0), [bos, *ids]).notebook.slice(1)
-        else:
-            nb = self.forward(self.empty(0), ids).notebook
-        return nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
-            kind="skill", name=name, anchor=anchor)
+                raise KvnotesError("anchor='bos' needs a tokenizer with a BOS token; use "
+                                   "anchor='none'")
+            prefix.append(int(bos))
+        return prefix + (self.encode(after) if after else [])
 
-    def compose(self, parts: Sequence[Part], *, start: int = 0) -> Notebook:
+    def compile(self, text: str, *, name: str = "skill",
+                after: str | Sequence[int] | torch.Tensor | None = None,
+                anchor: str = "auto") -> Notebook:
+        """Compile a skill: ``text`` prefilled once, ready to be spliced anywhere.
+
+        The skill is prefilled behind :meth:`anchor_ids` ``(after, anchor=anchor)``, whose
+        notes are then dropped: the skill keeps its true positions (``len(prefix)`` on) and its
+        notes were written attending to that prefix, as they will be in a context that starts
+        with it. With no prefix at all it sits alone at position 0 and its first token becomes
+        an attention sink the real context never has. The default is the context's own start
+        (a BOS when the tokenizer adds one); ``after=header`` anchors it behind the system
+        header it will follow, which shrinks the splice error for the skill right after it
+        (and, less, for later ones).
+
+        Example:
+            >>> skill = engine.compile(policy, after=system_header)    # doctest: +SKIP
+            >>> nb = engine.compose([engine.compile(system_header), skill, request])  # doctest: +SKIP
+        """
+        validate.compile_args(text, name)
+        prefix = self.anchor_ids(after, anchor=anchor)
+        ids, _ = self.tokens_of(text, bos=False)
+        nb = self.forward(self.empty(0), [*prefix, *ids]).notebook.slice(len(prefix))
+        bos = "bos" if prefix[:1] == [self.bos_id] and self.bos_id is not None else "none"
+        return nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
+            kind="skill", name=name, anchor=bos, after_tokens=len(prefix) - (bos == "bos"))
+
+    def recompute(self, nb: Notebook, indices: Sequence[int] | torch.Tensor) -> Notebook:
+        """``nb`` with the notes of the tokens at ``indices`` recomputed in context.
+
+        Indices are taken in order, as maximal runs of consecutive ones; each run is fed (one
+        forward) on top of every note before it, recomputed or kept, at its own positions, and
+        its notes replace the old ones. Notes not chosen are kept as they are, so recomputing
+        every index equals a prefill of ``nb``'s tokens (up to float error). This is the one
+        selective-recompute step: compose's boundary repair and the ``repair`` edit strategy
+        both use it. ``nb`` is never changed.
+        """
+        idx = sorted({int(i) for i in (indices.reshape(-1).tolist()
+                                       if isinstance(indices, torch.Tensor) else indices)})
+        if idx and not (0 <= idx[0] and idx[-1] < len(nb)):
+            raise IndexError(f"recompute indices must be in [0, {len(nb)}), got {idx[0]}.."
+                             f"{idx[-1]}")
+        if not idx:
+            return nb
+        nb.check_same_model(self.fingerprint, what="recompute notes of")
+        work = Notebook.concat([self.empty(nb.start_position, capacity=len(nb)), nb],
+                               meta=nb.meta)  # a private copy the runs write into
+        return self._recompute_runs(work, idx)
+
+    def _recompute_runs(self, work: Notebook, idx: list[int]) -> Notebook:
+        """:meth:`recompute` on a notebook whose storage nobody else views (written in place)."""
+        store, s0, end = work.storage, *work.storage_range
+        logits = None
+        for a, b in _runs(idx):
+            ids = work.token_ids[a:b].tolist()
+            positions = work.positions[a:b].clone()
+            # the forward writes rows [a, b) over the old notes: NotebookCache appends after a
+            out = self._call(NotebookCache(store, s0, s0 + a), [ids],
+                             self.adapter.position_ids(positions))
+            logits = out.logits[0, -1].float() if b == len(work) else None
+        return Notebook.from_storage(store, s0, end, work.spans, self.adapter, self.fingerprint,
+                                     work.meta, work.origin, last_logits=logits)
+
+    def note_deviation(self, nb: Notebook, start: int, layer: int = 1) -> torch.Tensor:
+        """FloatTensor[len(nb) - start]: how far each note of ``nb`` from ``start`` on is, at
+        ``layer``, from the note a recompute of those tokens on top of ``nb[:start]`` writes
+        (summed norms of the key and value differences), as CacheBlend selects tokens.
+
+        The forward stops once ``layer`` has written its notes, so it costs ``(layer + 1) /
+        num_layers`` of a recompute of ``len(nb) - start`` tokens.
+        """
+        if not 1 <= layer < self.adapter.num_layers:
+            raise InvalidArgumentError(
+                f"deviation layer must be in 1..{self.adapter.num_layers - 1} (layer 0's notes "
+                f"depend on the token alone), got {layer}")
+        new = self.layer_notes(nb.slice(0, start), nb.token_ids[start:].tolist(), layer)
+        dk = (new.keys - nb.keys(layer)[..., start:, :]).float().norm(dim=-1).sum(dim=(0, 1))
+        dv = (new.values - nb.values(layer)[..., start:, :]).float().norm(dim=-1).sum(dim=(0, 1))
+        return (dk + dv).cpu()
+
+    def compose(self, parts: Sequence[Part], *, start: int = 0, repair: float | int = 0,
+                select: str = "first", layer: int = 1) -> Notebook:
         """One contiguous notebook from text, documents and compiled skills, in order.
 
         Text and documents are prefilled in place (attending to everything before them);
         skills are re-rotated to their new positions and spliced, not recomputed. When the
-        tokenizer adds BOS, the notebook starts with one. ``nb.meta["compose"]`` counts the
-        tokens reused and computed.
+        tokenizer adds BOS, the notebook starts with one.
+
+        ``repair`` recomputes a budget of the spliced tokens in context, right after each
+        splice (so later parts attend to repaired notes): a float in (0, 1] is a fraction of
+        all spliced tokens (rounded up), an int a token count (capped at all of them); 0
+        splices only. The budget is shared among the skills in proportion to their lengths;
+        ``select="first"`` repairs each skill's first tokens (where a skill compiled elsewhere
+        differs most), ``"kv_deviation"`` the tokens whose notes at ``layer`` deviate most from
+        a recompute (CacheBlend's choice; the selection pass costs ``(layer + 1) / num_layers``
+        of recomputing the skill). ``repair=1.0`` equals a full prefill up to float error.
+
+        ``nb.meta["compose"]`` counts tokens ``reused`` (spliced and kept), ``computed``
+        (text prefilled), ``repaired`` (spliced, then recomputed) and ``select_tokens`` (the
+        selection pass in token-equivalents), and gives ``compute_fraction``: what was run
+        through the model as a fraction of a full prefill.
         """
         validate.compose_args(self, parts, start)
         if not parts:
             raise EmptyInputError("compose needs at least one part")
+        if select not in COMPOSE_SELECTORS:
+            raise UnknownNameError("repair selector", select, COMPOSE_SELECTORS)
         pieces: list[Notebook | tuple[list[int], list[Span]]] = []
         for i, part in enumerate(parts):
             if isinstance(part, Notebook):
@@ -348,21 +516,39 @@ class Engine:
                 pieces.append((ids, spans))
             else:
                 raise TypeError(f"compose parts are str, Document or Notebook, got {type(part)}")
+        sizes = [len(p) for p in pieces if isinstance(p, Notebook)]
+        budgets = iter(split_budget(repair_budget(repair, sum(sizes)), sizes))
         total = sum(len(p) if isinstance(p, Notebook) else len(p[0]) for p in pieces)
         # one allocation of the final size: no buffer grows (and copies) while composing
         nb = self.empty(start, capacity=total + int(self.adds_bos))
-        reused = computed = 0
+        reused = computed = repaired = 0
+        select_tokens = 0.0
         if self.adds_bos:
             nb = self.forward(nb, [self.bos_id], spans=[Span("bos", "text", 0, 1)]).notebook  # type: ignore[list-item]
             computed += 1
         for piece in pieces:
             if isinstance(piece, Notebook):
+                at = len(nb)
                 nb = nb.splice(piece)  # re-rotated straight into nb's storage
-                reused += len(piece)
+                k = next(budgets)
+                if k and select == "kv_deviation":
+                    scores = self.note_deviation(nb, at, layer)  # [len(piece)]
+                    chosen = (torch.topk(scores, k).indices + at).tolist()
+                    select_tokens += len(piece) * (layer + 1) / self.adapter.num_layers
+                else:
+                    chosen = list(range(at, at + k))
+                if chosen:  # nb's storage is compose's own: repaired in place
+                    nb = self._recompute_runs(nb, sorted(chosen))
+                reused += len(piece) - k
+                repaired += k
             else:
                 nb = self.forward(nb, piece[0], spans=piece[1]).notebook
                 computed += len(piece[0])
-        return nb.with_meta(compose={"reused": reused, "computed": computed})
+        fraction = (computed + repaired + select_tokens) / max(1, len(nb))
+        return nb.with_meta(compose={"reused": reused, "computed": computed,
+                                     "repaired": repaired, "select": select,
+                                     "select_tokens": select_tokens,
+                                     "compute_fraction": fraction})
 
     # ---- reading the model's next move ------------------------------------------------------
     def next_logits(self, nb: Notebook, query: TokenInput | None = None) -> torch.Tensor:

@@ -20,6 +20,8 @@ class LogitComparison:
     top1_reference: int
     top1_method: int
     top2_margin_reference: float  # logit gap between the reference's top two tokens
+    # the method's own gap, known without any recompute (what a decision guard can look at)
+    top2_margin_method: float = float("nan")
 
     @property
     def top1_agree(self) -> bool:
@@ -43,12 +45,14 @@ def kl_divergence(reference: torch.Tensor, method: torch.Tensor) -> float:
 
 def compare_logits(reference: torch.Tensor, method: torch.Tensor) -> LogitComparison:
     top2 = reference.double().topk(2).values
+    top2_method = method.double().topk(2).values
     return LogitComparison(
         cosine=logit_cosine(reference, method),
         kl=kl_divergence(reference, method),
         top1_reference=int(reference.argmax()),
         top1_method=int(method.argmax()),
         top2_margin_reference=float(top2[0] - top2[1]),
+        top2_margin_method=float(top2_method[0] - top2_method[1]),
     )
 
 

@@ -18,12 +18,15 @@ class FidelityReport:
     kl: float  # KL(recompute || composed)
     top1_agree: bool
     top2_margin: float  # recompute's gap between its top two logits (small = near-tie)
+    composed_margin: float  # the composed side's own gap (known without recompute)
     continuation_identical: bool
     recompute_text: str
     composed_text: str
     tokens_total: int  # every token up to the decision: composed parts + query
     tokens_reused: int  # spliced from compiled skills
-    tokens_computed: int  # prefilled at request time: text parts + query
+    tokens_computed: int  # prefilled at request time: text parts + repaired tokens + query
+    tokens_repaired: int  # spliced, then recomputed in context (``repair=``)
+    compute_fraction: float  # tokens_computed (+ repair selection) / tokens_total
     ttft_recompute_s: float  # full prefill of context + query
     ttft_compose_s: float  # compose (splice + prefill of the rest) + query
 
@@ -36,14 +39,17 @@ class FidelityReport:
 
 
 def fidelity(engine: Engine, parts: Sequence[Part], query: TokenInput, *,
-             max_new_tokens: int = 16) -> FidelityReport:
+             max_new_tokens: int = 16, repair: float | int = 0,
+             select: str = "first") -> FidelityReport:
     """Compose ``parts``, recompute the same token ids from scratch, compare at ``query``.
 
     Skills among ``parts`` must already be compiled (compile time is not part of TTFT: a skill
-    is compiled once and reused). Both sides then decode ``max_new_tokens`` greedily.
+    is compiled once and reused). ``repair``/``select`` go to :meth:`Engine.compose`. Both
+    sides then decode ``max_new_tokens`` greedily. Both sides' top-2 margins are reported, so
+    a top-1 flip on a near-tie shows as one.
     """
     t0 = time.perf_counter()
-    composed = engine.compose(parts, start=0)
+    composed = engine.compose(parts, start=0, repair=repair, select=select)
     composed_logits = engine.next_logits(composed, query)
     ttft_compose = time.perf_counter() - t0
 
@@ -57,12 +63,17 @@ def fidelity(engine: Engine, parts: Sequence[Part], query: TokenInput, *,
     composed_text = engine.generate(composed, query, max_new_tokens)
     stats = composed.meta.get("compose", {})
     query_tokens = len(engine.tokens_of(query, bos=False)[0])
+    computed = (int(stats.get("computed", len(composed))) + int(stats.get("repaired", 0))
+                + query_tokens)
     return FidelityReport(
         logit_cosine=cmp.cosine, kl=cmp.kl, top1_agree=cmp.top1_agree,
-        top2_margin=cmp.top2_margin_reference,
+        top2_margin=cmp.top2_margin_reference, composed_margin=cmp.top2_margin_method,
         continuation_identical=recompute_text == composed_text,
         recompute_text=recompute_text, composed_text=composed_text,
         tokens_total=len(composed) + query_tokens, tokens_reused=int(stats.get("reused", 0)),
-        tokens_computed=int(stats.get("computed", len(composed))) + query_tokens,
+        tokens_computed=computed,
+        tokens_repaired=int(stats.get("repaired", 0)),
+        compute_fraction=(computed + float(stats.get("select_tokens", 0.0)))
+        / (len(composed) + query_tokens),
         ttft_recompute_s=ttft_recompute, ttft_compose_s=ttft_compose,
     )

@@ -9,14 +9,42 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvnotes.core import validate
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError
+from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError, InvalidArgumentError
 from kvnotes.core.notebook import Notebook
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What a decision guard did (see :func:`guarded`).
+
+    The decision read from reused notes (a composed or edited notebook) has margin
+    ``fast_margin``; below ``tau`` the guard ``fired`` and the decision was taken again on notes
+    recomputed exactly from the same tokens, at the cost of ``tokens`` tokens and ``seconds``.
+    """
+
+    tau: float
+    fired: bool
+    fast_answer: str | None
+    fast_margin: float
+    exact_answer: str | None = None  # the re-decision's answer when the guard fired
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        """The exact re-decision differs from the fast one (what the guard caught)."""
+        return self.fired and self.fast_answer != self.exact_answer
+
+    def to_dict(self) -> dict[str, object]:
+        return {"tau": self.tau, "fired": self.fired, "fast_answer": self.fast_answer,
+                "fast_margin": self.fast_margin, "exact_answer": self.exact_answer,
+                "changed": self.changed, "tokens": self.tokens, "seconds": self.seconds}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +64,43 @@ class Decision:
     text: str = ""
     first_seconds: float = 0.0  # feeding the query: time to the first token's logits
     seconds: float = 0.0  # everything, reasoning included
+    guard: Guard | None = None  # set when the decision was guarded (``guard=``)
 
 
 def margin_of(scores: Sequence[float]) -> float:
     """Best score minus the runner-up's (nan for fewer than two scores)."""
     top = sorted(scores, reverse=True)
     return top[0] - top[1] if len(top) > 1 else float("nan")
+
+
+def guarded(engine: Engine, nb: Notebook, decide_on: Callable[[Notebook], Decision], *,
+            tau: float | None, extra_tokens: int = 0) -> tuple[Decision, Notebook]:
+    """A decision that knows when it is not sure: ``decide_on(nb)``, and when its margin is
+    below ``tau``, ``decide_on`` again on ``nb``'s notes recomputed exactly from its tokens.
+
+    ``nb`` holds reused notes (spliced skills, errata, kept turns) whose decision is close to
+    but not always that of a recompute; a margin under ``tau`` marks the near-ties where a
+    small splice error can flip the choice, and those (only those) pay for a recompute
+    (:meth:`Engine.recompute` of every token: exact up to float error). ``extra_tokens``: what
+    ``decide_on`` feeds on top of ``nb`` (a query), counted in the guard's cost when it fires.
+    ``tau=None`` decides once, unguarded. A decision with no runner-up (margin nan) is never
+    re-decided. Returns the decision (with :class:`Guard` in ``decision.guard``) and the
+    notebook it was read from (the recomputed one when the guard fired).
+    """
+    fast = decide_on(nb)
+    if tau is None:
+        return fast, nb
+    if not tau >= 0:
+        raise InvalidArgumentError(f"guard tau must be a margin >= 0, got {tau!r}; "
+                                   "give e.g. guard=0.5 (or None for no guard)")
+    if not fast.margin < tau:  # a clear decision, or nothing to compare (nan)
+        return replace(fast, guard=Guard(tau, False, fast.answer, fast.margin)), nb
+    t0 = time.perf_counter()
+    exact_nb = engine.recompute(nb, range(len(nb)))
+    exact = decide_on(exact_nb)
+    guard = Guard(tau, True, fast.answer, fast.margin, exact.answer, len(nb) + extra_tokens,
+                  time.perf_counter() - t0)
+    return replace(exact, guard=guard), exact_nb
 
 
 # ---- the first token(s) of an answer --------------------------------------------------------------
@@ -87,13 +146,21 @@ def first_token_ids(engine: Engine, answers: Sequence[str | int], *, after: str)
 @torch.inference_mode()
 def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
            cot: bool = False, budget: int = 96,
-           parse: Callable[[str], str | None] | None = None) -> Decision:
+           parse: Callable[[str], str | None] | None = None,
+           guard: float | None = None) -> Decision:
     """The model's decision after ``query`` on top of ``nb``.
 
     Without CoT: the answer whose first token has the highest logit at the decision position
     (first tokens by :func:`first_token_ids`, after the query). With CoT: greedy
     decoding up to ``budget`` tokens, then ``parse(text)`` (default :func:`parse_answer`).
+    ``guard=tau``: when the margin between the two best answers is below ``tau``, decide again
+    on ``nb`` recomputed exactly (:func:`guarded`); ``decision.guard`` says whether it fired.
     """
+    if guard is not None:
+        n_query = len(engine.tokens_of(query, bos=False)[0])
+        return guarded(engine, nb, lambda n: decide(engine, n, query, answers, cot=cot,
+                                                    budget=budget, parse=parse),
+                       tau=guard, extra_tokens=n_query)[0]
     t0 = time.perf_counter()
     ids = first_token_ids(engine, answers, after=query)
     q_ids, q_spans = engine.tokens_of(query, bos=False, kind="query", name="query")

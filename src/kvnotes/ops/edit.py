@@ -268,8 +268,8 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, laye
         scores = attention_scores(engine, nb, plan.fs, plan.fe_old)
         select_tokens = float(len(nb) - plan.fs)
     else:
-        scores = kv_deviation_scores(engine, base, nb.slice(0, plan.fs),
-                                     plan.new_ids[plan.fs:], down, layer)
+        # the edited tokens on top of the unchanged head, compared at `layer` from the field on
+        scores = engine.note_deviation(base, plan.fs, layer)[down - plan.fs:]
         select_tokens = (n - plan.fs) * (layer + 1) / engine.adapter.num_layers
     paid = time.perf_counter() - t0
     select_seconds = paid
@@ -280,46 +280,8 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, laye
     k = min(k, n - down)
     chosen = (torch.topk(scores, k).indices + down).tolist() if k else []
     recompute = sorted({*range(plan.fs, plan.fe_new), *chosen})
-    out = base
-    for a, b in _runs(recompute):
-        left = out.slice(0, a)
-        done = engine.forward(left, plan.new_ids[a:b]).notebook
-        rest = out.slice(b)
-        out = Notebook.concat([done, rest]) if len(rest) else done
+    out = engine.recompute(base, recompute)  # the one selective-recompute step (compose's too)
     return out, len(recompute), n - len(recompute), select_tokens, select_seconds, unpaid
-
-
-@torch.inference_mode()
-def kv_deviation_scores(engine: Engine, base: Notebook, head: Notebook, ids: Sequence[int],
-                        down: int, layer: int) -> torch.Tensor:
-    """FloatTensor[len(base) - down]: how far each kept note of ``base`` is, at ``layer``, from
-    the note a recompute writes (summed norms of key and value differences), CacheBlend-style.
-
-    ``ids`` (the edited field and everything after it) are fed on top of ``head`` and the
-    forward stops once ``layer`` has written its notes, so the pass costs ``(layer + 1) /
-    num_layers`` of a recompute of those tokens.
-    """
-    if not 1 <= layer < engine.adapter.num_layers:
-        raise ValueError(f"kv_deviation layer must be in 1..{engine.adapter.num_layers - 1} "
-                         f"(layer 0's notes depend on the token alone), got {layer}")
-    new = engine.layer_notes(head, ids, layer)  # the fed tokens' notes at `layer` only
-    skip = down - len(head)
-    new_k = new.keys[..., skip:, :]  # [1, kv_heads, n - down, d]
-    new_v = new.values[..., skip:, :]
-    dk = (new_k - base.keys(layer)[..., down:, :]).float().norm(dim=-1).sum(dim=(0, 1))
-    dv = (new_v - base.values(layer)[..., down:, :]).float().norm(dim=-1).sum(dim=(0, 1))
-    return (dk + dv).cpu()
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """Sorted indices as maximal contiguous ``[start, end)`` runs."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 # ---- the entry point ---------------------------------------------------------------------------

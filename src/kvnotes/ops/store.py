@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvnotes.core import validate
@@ -30,9 +31,12 @@ from kvnotes.core.notebook import Notebook, Span
 
 
 def skill_key(fingerprint_id: str, scheme: str, anchor: str, token_ids: list[int],
-              quantize: str | None = None) -> str:
-    """Content address of a compiled skill (int8 entries get their own addresses)."""
+              quantize: str | None = None, after: Sequence[int] = ()) -> str:
+    """Content address of a compiled skill (int8 entries get their own addresses; a skill
+    compiled ``after=`` a prefix is addressed by the prefix's token ids too)."""
     parts: list[object] = [fingerprint_id, scheme, anchor, token_ids]
+    if after:
+        parts.append({"after": [int(i) for i in after]})
     payload = json.dumps(parts + [f"int8-{quantize}"] if quantize else parts).encode()
     return hashlib.sha256(payload).hexdigest()[:32]
 
@@ -67,26 +71,39 @@ class SkillLibrary:
         self.hits = 0
         self.misses = 0
 
-    def path_for(self, text: str) -> Path:
+    def _after_ids(self, after: str | Sequence[int] | None) -> list[int]:
+        """The prefix a skill is compiled behind, as token ids (BOS included per the anchor)."""
+        if after is None:
+            return []
+        return self.engine.anchor_ids(after, anchor=self.anchor if isinstance(after, str)
+                                      else "auto")
+
+    def path_for(self, text: str, *, after: str | Sequence[int] | None = None) -> Path:
         validate.text(text, "text", allow_empty=False)
         ids = self.engine.encode(text)
         key = skill_key(self.engine.fingerprint.id, self.engine.adapter.name, self.anchor, ids,
-                        self.quantize)
+                        self.quantize, after=self._after_ids(after))
         return self.root / f"{key}.safetensors"
 
     def __contains__(self, text: str) -> bool:
         return self.path_for(text).is_file()
 
-    def get(self, text: str, *, name: str = "skill") -> Notebook:
-        """The compiled skill for ``text``: loaded when stored, else compiled and stored."""
+    def get(self, text: str, *, name: str = "skill",
+            after: str | Sequence[int] | None = None) -> Notebook:
+        """The compiled skill for ``text``: loaded when stored, else compiled and stored.
+
+        ``after``: compile it behind this prefix (see :meth:`Engine.compile`); the prefix is
+        part of the entry's address, so each anchoring has its own entry.
+        """
         validate.text(name, "name", allow_empty=False)
-        path = self.path_for(text)
+        path = self.path_for(text, after=after)
         skill = self._lookup(path)
         if skill is not None:
             self.hits += 1
             return skill.with_spans([Span(name, "skill", 0, len(skill))]).with_meta(name=name)
         self.misses += 1
-        skill = self.engine.compile(text, name=name, anchor=self.anchor)
+        skill = (self.engine.compile(text, name=name, anchor=self.anchor) if after is None else
+                 self.engine.compile(text, name=name, after=self._after_ids(after)))
         if self.quantize:
             from kvnotes.ops.quant import quantize
 

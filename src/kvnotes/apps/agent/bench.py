@@ -23,24 +23,28 @@ from kvnotes.eval.reports import write_bundle
 
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
               turns: int = 5, tool_calls: bool = False, stale: bool = True,
-              skill_root: str | Path | None = None,
+              skill_root: str | Path | None = None, guard: float | None = None,
+              anchored: bool = True,
               progress: Callable[[str], None] | None = None,
               on_episode: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready result (see :func:`write_outputs`).
 
     ``on_episode`` receives the summary of the episodes done so far after each episode (the
-    CLI writes it out, so an interrupted run still leaves its figures).
+    CLI writes it out, so an interrupted run still leaves its figures). ``guard`` and
+    ``anchored`` configure the kvnotes agent (see :class:`KvnotesAgent`).
     """
     episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
     book = SkillBook(engine, skill_root)
     misses0 = book.library.misses
-    t0 = time.perf_counter()
-    book.prepare()
-    prepare_s = time.perf_counter() - t0
-    agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls),
+    agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard,
+                                      anchored=anchored),
               "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls)}
     if stale:
-        agents["stale"] = KvnotesAgent(engine, book, errata=False, tool_calls=False)
+        agents["stale"] = KvnotesAgent(engine, book, errata=False, tool_calls=False,
+                                       anchored=anchored)
+    t0 = time.perf_counter()
+    book.prepare(after=agents["kvnotes"].after)  # type: ignore[attr-defined]
+    prepare_s = time.perf_counter() - t0
     records: list[dict[str, Any]] = []
     for i, ep in enumerate(episodes):
         for agent in agents.values():
@@ -120,6 +124,7 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
             "recompute_computed": sum(r["recompute"]["tokens_computed"] for r in records),
         },
         "recompute_margin_median": statistics.median(r["recompute"]["margin"] for r in records),
+        "guard": guard_stats(records),
         "skills": {"names": book.names, "tokens": {n: len(book.token_ids(n)) for n in book.names},
                    "compiled_now": compiled, "library_hits": book.library.hits,
                    "prepare_s": prepare_s},
@@ -149,6 +154,24 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
                                       == r["recompute"]["tool_call"]["raw"]) for r in calls),
         }
     return out
+
+
+def guard_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How often the kvnotes agent's decision guard fired, what it caught and what it cost."""
+    guards = [r["kvnotes"].get("guard") for r in records]
+    if not any(guards):
+        return None
+    fired = [g for g in guards if g and g["fired"]]
+    return {
+        "tau": next(g["tau"] for g in guards if g), "decisions": len(guards),
+        "fired": len(fired), "fired_rate": len(fired) / len(guards),
+        "changed": sum(g["changed"] for g in fired),  # re-decisions that differ from the fast one
+        "tokens": sum(g["tokens"] for g in fired),
+        "seconds": sum(g["seconds"] for g in fired),  # included in the kvnotes latency
+        "would_flip_without": sum(
+            g["fast_answer"] != r["recompute"]["choice"] for g, r in zip(guards, records,
+                                                                         strict=True) if g),
+    }
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -206,6 +229,16 @@ def report_markdown(result: dict[str, Any]) -> str:
         f"{result['skills']['library_hits']} ({result['skills']['prepare_s']:.1f} s, "
         "not in any turn) |",
     ]
+    if result.get("guard"):
+        g = result["guard"]
+        lines += [
+            f"| decision guard (tau = {g['tau']}) fired | {g['fired']} of {g['decisions']} "
+            f"({g['fired_rate']:.1%}); changed the decision {g['changed']} times |",
+            f"| guard cost (in the kvnotes latency) | {g['tokens']} tokens recomputed, "
+            f"{g['seconds']:.2f} s |",
+            f"| decisions the fast (unguarded) choice would have flipped | "
+            f"{g['would_flip_without']} |",
+        ]
     if "stale" in result:
         s = result["stale"]
         lines += [

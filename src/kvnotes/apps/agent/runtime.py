@@ -25,7 +25,7 @@ from kvnotes.core.chat import ChatFormat
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError
 from kvnotes.core.notebook import Notebook, Span
-from kvnotes.ops.decisions import Decision, answer_ids
+from kvnotes.ops.decisions import Decision, answer_ids, guarded
 from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_turn
 
 TOOL_CALL_OPEN = '{"tool": "'
@@ -48,6 +48,7 @@ class TurnResult:
     def to_dict(self) -> dict[str, Any]:
         return {"turn": self.turn, "kind": self.kind, "choice": self.decision.answer,
                 "scores": self.decision.scores, "margin": self.decision.margin,
+                "guard": self.decision.guard.to_dict() if self.decision.guard else None,
                 "tool_call": self.tool_call.to_dict() if self.tool_call else None,
                 "latency_s": self.latency_s, "tokens_computed": self.tokens_computed,
                 "tokens_reused": self.tokens_reused, "notebook_len": self.notebook_len,
@@ -139,6 +140,14 @@ class KvnotesAgent(_Agent):
     ``erratum_template`` names a wording of :data:`kvnotes.ops.edit.ERRATUM_TEMPLATES` (or is a
     format string). ``errata=False`` is an ablation: the agent ignores state changes (a stale record).
 
+    ``anchored`` compiles every skill behind the agent's real header (``after=`` the system
+    header every notebook opens with), so a spliced skill's notes were written attending to
+    the text that really precedes it. ``guard=tau`` makes each decision know when it is not
+    sure: when the margin between the two best options is below ``tau``, the notebook is
+    recomputed exactly from its tokens, the decision is taken again on it, and the agent goes
+    on with the exact notes (``decision.guard`` says whether it fired; the recompute is in the
+    turn's latency and tokens).
+
     Example:
         >>> agent = KvnotesAgent(engine, SkillBook(engine))          # doctest: +SKIP
         >>> agent.start(episode.state)                                # doctest: +SKIP
@@ -149,10 +158,13 @@ class KvnotesAgent(_Agent):
     name = "kvnotes"
 
     def __init__(self, engine: Engine, skills: SkillBook, *, errata: bool = True,
-                 erratum_template: str = DEFAULT_ERRATUM, **options: Any) -> None:
+                 erratum_template: str = DEFAULT_ERRATUM, anchored: bool = True,
+                 guard: float | None = None, **options: Any) -> None:
         super().__init__(engine, skills, **options)
         self.errata = errata
         self.erratum_template = erratum_template
+        self.after = self.prompt.head() if anchored else None  # what skills are compiled behind
+        self.guard = guard
         self.notebook: Notebook | None = None
         self._loaded: list[str] = []
         self._pending: str | None = None  # the previous answer, written at the next turn
@@ -183,7 +195,8 @@ class KvnotesAgent(_Agent):
         """Compiled skills re-rotated to follow ``nb`` and spliced on, in one concatenation."""
         parts = [nb]
         for name in names:
-            parts.append(self.skills.notes(name).moved_to(parts[-1].next_position))
+            parts.append(self.skills.notes(name, after=self.after)
+                         .moved_to(parts[-1].next_position))
             self._loaded.append(name)
         return Notebook.concat(parts, meta=nb.meta)
 
@@ -196,7 +209,7 @@ class KvnotesAgent(_Agent):
         if self.notebook is None:  # first turn: header and skills spliced, then the record
             first = [s for s in dict.fromkeys(["tools", *request.skills]) if s in self.skills.names]
             nb = self.engine.compose([self.skills.header(self.prompt.head()),
-                                      *(self.skills.notes(s) for s in first)])
+                                      *(self.skills.notes(s, after=self.after) for s in first)])
             self._loaded = list(first)
             before, spliced = 0, int(nb.meta["compose"]["reused"])
             pieces.append((self.prompt.record(self.state.render()), "text", "record"))
@@ -226,14 +239,20 @@ class KvnotesAgent(_Agent):
                        f"t{index}.request"))
         nb, logits = self._feed(nb, pieces, decide=True)
         assert logits is not None
-        decision = choose(self.engine, nb, logits, request.options)
+        fed = nb
+        decision, nb = guarded(  # decide_on(fed) reuses the logits the feed already has
+            self.engine, nb, lambda n: choose(self.engine, n, logits if n is fed else
+                                              self.engine.next_logits(n), request.options),
+            tau=self.guard)
         tool, tool_tokens = self._tool_call(nb, request, decision)
         latency = time.perf_counter() - t0
         self.notebook = nb
         self._pending = self.prompt.answer(decision.answer)
         computed = len(nb) - before - spliced
-        result = TurnResult(index, request.kind, decision, tool, latency, computed + tool_tokens,
-                            before + spliced, len(nb), tuple(events))
+        redone = decision.guard.tokens if decision.guard else 0
+        result = TurnResult(index, request.kind, decision, tool, latency,
+                            computed + tool_tokens + redone, before + spliced, len(nb),
+                            tuple(events))
         self.turns.append(result)
         return result
 

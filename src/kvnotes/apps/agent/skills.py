@@ -67,22 +67,25 @@ class SkillBook:
             self._ids[name] = self.engine.encode(self.text(name))
         return self._ids[name]
 
-    def notes(self, name: str) -> Notebook:
-        """The compiled skill (a library hit when compiled before for this model)."""
-        return self._compiled(name, self.text(name))
+    def notes(self, name: str, *, after: str | None = None) -> Notebook:
+        """The compiled skill (a library hit when compiled before for this model); ``after``:
+        compiled behind that prefix (the agent's header), its own library entry."""
+        key = name if after is None else f"{name}|after:{after}"
+        return self._compiled(key, self.text(name), name=name, after=after)
 
     def header(self, text: str) -> Notebook:
         """The agent's fixed header, compiled like a skill (it opens every notebook)."""
         return self._compiled(f"header:{text}", text, name="header")
 
-    def _compiled(self, key: str, text: str, name: str | None = None) -> Notebook:
+    def _compiled(self, key: str, text: str, name: str | None = None,
+                  after: str | None = None) -> Notebook:
         if key not in self._notes:
             t0 = time.perf_counter()
-            self._notes[key] = self.library.get(text, name=name or key)
+            self._notes[key] = self.library.get(text, name=name or key, after=after)
             self.compile_s += time.perf_counter() - t0
         return self._notes[key]
 
-    def prepare(self, names: list[str] | None = None) -> None:
+    def prepare(self, names: list[str] | None = None, *, after: str | None = None) -> None:
         """Compile or load every skill up front (so no turn pays for it)."""
         for name in names if names is not None else self.names:
-            self.notes(name)
+            self.notes(name, after=after)
