@@ -230,3 +230,35 @@ def test_unservable_scheme_is_refused():
     eng = kvnotes.Engine.from_model(tiny_model("bloom", 300), ByteTokenizer(300))
     with pytest.raises(UnsupportedModelError, match="half-split RoPE"):
         check_servable(eng)
+
+
+def test_same_tokens_prefer_the_piece_prefilled_at_that_position():
+    idx = PieceIndex()
+    alone = PieceInfo("alone", "s", tuple(range(100, 120)), 0)
+    behind_header = PieceInfo("anchored", "s", tuple(range(100, 120)), 5)
+    idx.add(alone)
+    idx.add(behind_header)
+    header = PieceInfo("h", "h", (1, 2, 3, 4, 5), 0)
+    idx.add(header)
+    run = leading_run([1, 2, 3, 4, 5, *range(100, 120), *range(100, 120), 9], idx)
+    assert [(p.piece.key, p.start, p.delta) for p in run] == [
+        ("h", 0, 0), ("anchored", 5, 0), ("anchored", 25, 20)]
+
+
+def test_skill_compiled_after_the_header(engine, tmp_path):
+    skills = ServingSkills(tmp_path, engine)
+    header, text = "System: you are a support agent.\n", "Policy: refunds within 30 days."
+    h = skills.add(header, name="header")
+    plain = skills.add(text, name="policy")
+    anchored = skills.add(text, name="policy", after=header)
+    assert anchored.key != plain.key and anchored.origin == len(h) and plain.origin == 0
+    store = PieceStore(skills.folder)
+    ids = [*h.token_ids, *anchored.token_ids, 7]
+    run = leading_run(ids, store.index)
+    assert [p.piece.key for p in run] == [h.key, anchored.key] and run[1].delta == 0
+    # placed right after its header, the anchored skill is exactly the prefill of header+skill
+    full = engine.prefill(ids[:-1], bos=False)
+    for layer in range(full.num_layers):
+        k, _ = assemble_layer(run, 0, run[-1].end, layer, store.manifest.inv_freq(layer),
+                              store.load, torch.float32)
+        torch.testing.assert_close(k, full.keys(layer)[0].transpose(0, 1), atol=1e-5, rtol=0)

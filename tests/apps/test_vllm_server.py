@@ -98,6 +98,23 @@ def test_spliced_output_equals_engine_compose(serving, client, smollm2, order):
     assert math.isclose(got.top_logprobs[0][got.tokens[0]], float(first[top]), abs_tol=0.02)
 
 
+def test_anchored_skills_spliced_equal_engine_compose(serving, client, smollm2):
+    """Skills compiled behind the header (``after=HEADER``): the server places each at its
+    position in the prompt; the result equals kvnotes' own composition of the same skills."""
+    _, skills = serving
+    names = ("cancellation", "compensation")
+    texts = [skill_text(n) for n in names]
+    for name, text in zip(names, texts, strict=True):
+        skills.add(text, name=name, after=HEADER)
+    parts = [HEADER, *texts[::-1], USER]
+    got = client.complete(parts, max_tokens=16)
+    assert got.ok, got.error
+    assert got.cached_tokens == sum(len(smollm2.encode(t)) for t in (HEADER, *texts))
+    nb = smollm2.compose([smollm2.compile(HEADER), *(smollm2.compile(t, after=HEADER)
+                                                     for t in texts[::-1]), USER])
+    assert got.text == smollm2.greedy(nb, None, 16).text
+
+
 def test_exact_requests_never_see_spliced_kv(serving, client):
     _, skills = serving
     texts = [skill_text("insurance"), skill_text("membership")]

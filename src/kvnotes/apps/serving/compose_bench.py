@@ -261,7 +261,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"{len(skill_names())} skills (random subset, random order) + ~100 tokens of user "
              f"text; TTFT from the client (streaming, first token). Server: "
              f"{result.get('server', {}).get('dtype', '?')}, block size "
-             f"{result.get('server', {}).get('block_size', '?')}. Load average before/after: "
+             f"{result.get('server', {}).get('block_size', '?')}; skills compiled "
+             f"{'behind the system header' if result.get('skills_anchor') == 'header' else 'alone'}"
+             f". Load average before/after: "
              f"{_load(result['machine']['before'])} / {_load(result['machine']['after'])}.", "",
              "| policy | concurrency | ok | p50 TTFT | p90 TTFT | p99 TTFT | hit rate | prompt tokens |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]

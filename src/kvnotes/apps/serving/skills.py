@@ -141,12 +141,19 @@ class ServingSkills:
         if engine.bos_id is not None:
             self._add_bos(engine.bos_id)
 
-    def add(self, text: str, *, name: str = "skill") -> PieceInfo:
-        """Compile ``text`` (once: the library keeps it) and publish it to running servers."""
+    def add(self, text: str, *, name: str = "skill", after: str | None = None) -> PieceInfo:
+        """Compile ``text`` (once: the library keeps it) and publish it to running servers.
+
+        ``after``: compile it behind this prefix, typically the system header the requests
+        start with (``engine.compile(text, after=...)``): its notes then saw the header, as they
+        will in the prompt, and a skill placed right after the header is moved by 0 positions.
+        Each anchoring is its own entry; the server prefers, among pieces with the same tokens,
+        the one prefilled at the very position it is placed at.
+        """
         if not isinstance(text, str) or not text:
             raise TypeError("a serving skill is a non-empty string")
-        skill = self.library.get(text, name=name)
-        return PieceInfo(self.library.path_for(text).stem, name,
+        skill = self.library.get(text, name=name, after=after)
+        return PieceInfo(self.library.path_for(text, after=after).stem, name,
                          tuple(int(t) for t in skill.token_ids.tolist()),
                          int(skill.positions[0]))
 

@@ -110,17 +110,29 @@ class PieceIndex:
         self._short_lengths = {len(h) for h in self._by_head if len(h) < KEY_TOKENS}
 
     def match_at(self, tokens: Sequence[int], pos: int) -> PieceInfo | None:
-        """The longest piece whose tokens are exactly ``tokens[pos:pos + len]``, if any."""
+        """The longest piece whose tokens are exactly ``tokens[pos:pos + len]``, if any.
+
+        Among pieces with the same tokens (one skill compiled behind different prefixes), the
+        one prefilled at ``pos`` itself wins (it moves by 0 and its notes saw a context of that
+        length, e.g. the header it was compiled behind), then the one prefilled latest.
+        """
         best: PieceInfo | None = None
         heads = [tuple(tokens[pos:pos + KEY_TOKENS])]
         heads += [tuple(tokens[pos:pos + n]) for n in sorted(self._short_lengths, reverse=True)]
         for head in heads:
             for piece in self._by_head.get(head, ()):
                 n = len(piece)
-                if (best is None or n > len(best)) and tuple(tokens[pos:pos + n]) == piece.token_ids:
-                    best = piece
+                if best is not None and n < len(best):
                     break  # the bucket is sorted longest first
+                if tuple(tokens[pos:pos + n]) != piece.token_ids:
+                    continue
+                if best is None or n > len(best) or _rank(piece, pos) > _rank(best, pos):
+                    best = piece
         return best
+
+
+def _rank(piece: PieceInfo, pos: int) -> tuple[bool, int]:
+    return piece.origin == pos, piece.origin
 
 
 def leading_run(tokens: Sequence[int], index: PieceIndex, *, max_pieces: int = 1024
