@@ -1,10 +1,15 @@
 """A stand-in for a vLLM OpenAI-compatible server, for the serving unit tests.
 
-It serves /health, /v1/models, /version, /tokenize (one token per word or punctuation mark),
-/metrics (the two prefix-cache counters) and streamed /v1/chat/completions. Its "prefix cache"
-counts, per request, the longest prefix (in tokens) shared with an earlier prompt of the same
-cache salt; prefill time is proportional to the uncached tokens. Run as a module
-(``python -m _fake_vllm --port P --served-model-name M``) it behaves like a launched server.
+It serves what the ``openai`` client and serve-bench send: /health, /v1/models, /version,
+/tokenize (one token per word or punctuation mark), /metrics (prefix-cache counters, vLLM's
+per-request histograms, ``vllm:cache_config_info`` with the block size) and streamed
+/v1/chat/completions and /v1/completions (``stream_options.include_usage``, ``cache_salt``).
+Its "prefix cache" counts, per request, the longest prefix (in tokens) shared with an earlier
+prompt of the same cache salt; one "engine" computes one request at a time, for a time
+proportional to the uncached tokens (the wait for it is the queue time). ``FakeState.fail``
+makes coming requests fail on demand (HTTP 500/400, dropped connection, cut stream, hang, error
+event). Run as a module (``python -m _fake_vllm --port P --served-model-name M``) it behaves
+like a launched server.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -24,15 +30,52 @@ def tokens(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+FAULTS = ("http_500", "http_400", "drop", "cut", "hang", "stream_error")
+HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+              "vllm:request_prefill_time_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:request_prefill_kv_computed_tokens", "vllm:request_prompt_tokens")
+
+
 class FakeState:
     def __init__(self, model: str, seconds_per_token: float = 2e-5) -> None:
         self.model = model
         self.spt = seconds_per_token
+        self.min_delay = 0.0  # seconds every request computes at least
+        self.step_s = 0.001  # one decode step
         self.lock = threading.Lock()
+        self.engine = threading.Lock()  # one request computed at a time
         self.prompts: dict[str | None, list[list[str]]] = {}
         self.queries = 0
         self.hits = 0
         self.max_model_len: int | None = None
+        self.block_size = 128
+        self.inflight = 0
+        self.max_inflight = 0
+        self.requests = 0
+        self.hist = {name: [0.0, 0] for name in HISTOGRAMS}  # name -> [sum, count]
+        self.faults: list[tuple[str, object]] = []  # (kind, predicate on the prompt text)
+        self.hang_s = 5.0
+
+    def fail(self, kind: str, n: int = 1, when: object = None) -> None:
+        """The next ``n`` generation requests (whose prompt text satisfies ``when``, if given)
+        fail with ``kind``: http_500, http_400, drop (connection closed, no answer), cut (the
+        stream stops before the answer), hang (no answer for ``hang_s``), stream_error."""
+        assert kind in FAULTS, kind
+        with self.lock:
+            self.faults += [(kind, when)] * n
+
+    def take_fault(self, prompt: str) -> str | None:
+        with self.lock:
+            for i, (kind, when) in enumerate(self.faults):
+                if when is None or when(prompt):  # type: ignore[operator]
+                    del self.faults[i]
+                    return kind
+        return None
+
+    def observe(self, name: str, value: float) -> None:
+        with self.lock:
+            self.hist[name][0] += value
+            self.hist[name][1] += 1
 
     def prefill(self, prompt: str, salt: str | None) -> tuple[int, int]:
         toks = tokens(prompt)
@@ -67,6 +110,7 @@ def _status(prompt: str) -> str:
 def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body go out in two writes (keep-alive)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -87,13 +131,7 @@ def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/version":
                 self._send(200, b'{"version": "fake"}')
             elif self.path == "/metrics":
-                text = ("# HELP vllm:prefix_cache_queries_total q\n"
-                        "# TYPE vllm:prefix_cache_queries_total counter\n"
-                        f'vllm:prefix_cache_queries_total{{engine="0",model_name="{state.model}"}}'
-                        f" {float(state.queries)}\n"
-                        f'vllm:prefix_cache_hits_total{{engine="0",model_name="{state.model}"}}'
-                        f" {float(state.hits)}\n")
-                self._send(200, text.encode(), "text/plain")
+                self._send(200, metrics_text(state).encode(), "text/plain; version=0.0.4")
             else:
                 self._send(404, b'{"error": "not found"}')
 
@@ -102,38 +140,125 @@ def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             if self.path == "/tokenize":
                 self._send(200, json.dumps({"count": len(tokens(body["prompt"])) or 0}).encode())
                 return
-            if self.path != "/v1/chat/completions":
+            chat = self.path == "/v1/chat/completions"
+            if not chat and self.path != "/v1/completions":
                 self._send(404, b'{"error": "not found"}')
                 return
             if body.get("model") != state.model:
-                self._send(404, json.dumps({"error": f"model {body.get('model')} not found"})
-                           .encode())
+                self._error(404, f"The model `{body.get('model')}` does not exist.")
                 return
-            prompt = body["messages"][-1]["content"]
-            n, hit = state.prefill(prompt, body.get("cache_salt"))
-            time.sleep(state.spt * (n - hit))
+            with state.lock:
+                state.inflight += 1
+                state.requests += 1
+                state.max_inflight = max(state.max_inflight, state.inflight)
+            try:
+                self._generate(body, chat)
+            finally:
+                with state.lock:
+                    state.inflight -= 1
+
+        def _error(self, code: int, message: str) -> None:
+            self._send(code, json.dumps({"object": "error", "message": message,
+                                         "type": "BadRequestError" if code < 500 else
+                                         "InternalServerError", "code": code}).encode())
+
+        def _generate(self, body: dict, chat: bool) -> None:
+            if chat:
+                prompt = body["messages"][-1]["content"]
+            else:
+                p = body["prompt"]
+                prompt = " ".join(map(str, p)) if isinstance(p, list) else p
+            fault = state.take_fault(prompt)
+            if fault == "http_500":
+                self._error(500, "fake engine failure")
+                return
+            if fault == "http_400":
+                self._error(400, "fake bad request")
+                return
+            if fault == "drop":
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if fault == "hang":
+                time.sleep(state.hang_s)
+            t_arrival = time.perf_counter()
+            with state.engine:
+                t_sched = time.perf_counter()
+                n, hit = state.prefill(prompt, body.get("cache_salt"))
+                time.sleep(max(state.min_delay, state.spt * (n - hit)) + state.step_s)
+            t_first = time.perf_counter()
+            state.observe("vllm:request_queue_time_seconds", t_sched - t_arrival)
+            state.observe("vllm:request_prefill_time_seconds", t_first - t_sched)
+            state.observe("vllm:time_to_first_token_seconds", t_first - t_arrival)
+            state.observe("vllm:inter_token_latency_seconds", state.step_s)
+            state.observe("vllm:request_prefill_kv_computed_tokens", n - hit)
+            state.observe("vllm:request_prompt_tokens", n)
             answer = "Yes." if _status(prompt).startswith(("delivered", "returned")) else "No."
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-                      {"choices": [{"delta": {"content": answer}}]},
-                      {"choices": [{"delta": {}, "finish_reason": "stop"}]},
-                      {"choices": [], "usage": {"prompt_tokens": n, "completion_tokens": 1,
-                                                "prompt_tokens_details": {"cached_tokens": hit}}}]
-            for c in chunks:
-                self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            head = {"id": "cmpl-fake", "object": obj, "created": 0, "model": state.model}
+
+            def choice(text: str | None, finish: str | None = None) -> dict:
+                if chat:
+                    delta = {} if text is None else {"content": text}
+                    return {"index": 0, "delta": delta, "finish_reason": finish}
+                return {"index": 0, "text": text or "", "finish_reason": finish}
+
+            chunks = [{**head, "choices": [choice("")]}]
+            if chat:
+                chunks[0]["choices"][0]["delta"]["role"] = "assistant"
+            if fault == "stream_error":
+                chunks.append({"error": {"message": "fake error inside the stream",
+                                         "type": "InternalServerError", "code": 500}})
+            chunks.append({**head, "choices": [choice(answer)]})
+            if fault != "cut":
+                chunks += [{**head, "choices": [choice(None, "stop")]},
+                           {**head, "choices": [], "usage": {
+                               "prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
+                               "prompt_tokens_details": {"cached_tokens": hit}}}]
             self.close_connection = True
+            try:
+                for c in chunks:
+                    self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+                if fault != "cut":
+                    self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (its timeout): nothing left to send
 
     return Handler
 
 
-def serve(port: int, model: str) -> tuple[ThreadingHTTPServer, FakeState]:
+def metrics_text(state: FakeState) -> str:
+    """/metrics as vLLM writes it: counters, histograms (sum, count, +Inf bucket), cache info."""
+    labels = f'engine="0",model_name="{state.model}"'
+    lines = ["# HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens.",
+             "# TYPE vllm:prefix_cache_queries_total counter",
+             f"vllm:prefix_cache_queries_total{{{labels}}} {float(state.queries)}",
+             "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in tokens.",
+             "# TYPE vllm:prefix_cache_hits_total counter",
+             f"vllm:prefix_cache_hits_total{{{labels}}} {float(state.hits)}",
+             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+             "# TYPE vllm:cache_config_info gauge",
+             f'vllm:cache_config_info{{block_size="{state.block_size}",cache_dtype="auto",'
+             'enable_prefix_caching="True",engine="0"} 1.0']
+    with state.lock:
+        for name, (total, count) in state.hist.items():
+            lines += [f"# HELP {name} fake", f"# TYPE {name} histogram",
+                      f'{name}_bucket{{{labels},le="+Inf"}} {float(count)}',
+                      f"{name}_count{{{labels}}} {float(count)}",
+                      f"{name}_sum{{{labels}}} {float(total)}"]
+    return "\n".join(lines) + "\n"
+
+
+def serve(port: int, model: str, *, block_size: int = 128) -> tuple[ThreadingHTTPServer,
+                                                                       FakeState]:
     """Start the fake server on 127.0.0.1:``port`` in a daemon thread (port 0: any free)."""
     state = FakeState(model)
+    state.block_size = block_size
     httpd = ThreadingHTTPServer(("127.0.0.1", port), make_handler(state))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, state
@@ -144,10 +269,11 @@ if __name__ == "__main__":
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--served-model-name", default="fake")
     p.add_argument("--startup-delay", type=float, default=0.5)
+    p.add_argument("--block-size", type=int, default=128)
     args, _ = p.parse_known_args()
-    print("fake vLLM starting", flush=True)
+    print(f"fake vLLM starting: {' '.join(sys.argv[1:])}", flush=True)
     time.sleep(args.startup_delay)
-    httpd, _ = serve(args.port, args.served_model_name)
+    httpd, _ = serve(args.port, args.served_model_name, block_size=args.block_size)
     print(f"fake vLLM listening on {args.port}", flush=True)
     try:
         while True:

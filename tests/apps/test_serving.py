@@ -4,6 +4,7 @@ lifecycle and the whole benchmark against a small fake OpenAI-compatible server.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import sys
 import textwrap
@@ -26,9 +27,10 @@ from kvnotes.apps.serving import (
     run_benchmark,
     write_outputs,
 )
-from kvnotes.apps.serving.metrics import agreement
+from kvnotes.apps.serving.bench import matrix_config, validate_block_size
+from kvnotes.apps.serving.metrics import HISTOGRAMS, agreement, info_labels, ttft_breakdown
 from kvnotes.apps.serving.workload import ANSWERS, MAX_EDITS, REFUND_STATUSES, whitespace_tokens
-from kvnotes.core.errors import UnknownNameError
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
 
@@ -133,9 +135,16 @@ vllm:prefix_cache_queries_total{engine="1",model_name="m"} 800.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 900.0
 vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7959896329540029e+09
 vllm:num_requests_running{engine="0",model_name="m"} 0.0
+# HELP http_requests_total with a brace and a quote inside a label value
+http_requests_total{handler="/v1/{x}",note="say \\"hi\\""} 7.0
 process_open_fds 31.0
-broken line without value
 vllm:gpu_cache_usage_perc NaN
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.5",model_name="m"} 3.0
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:cache_config_info{block_size="64",cache_dtype="auto",engine="0"} 1.0
 """
 
 
@@ -144,8 +153,32 @@ def test_parse_prometheus_sums_label_sets():
     assert m["vllm:prefix_cache_queries_total"] == 2000.0
     assert m["vllm:prefix_cache_hits_total"] == 900.0
     assert m["process_open_fds"] == 31.0
+    assert m["http_requests_total"] == 7.0  # a hand-written regex stops at the brace
     assert m["vllm:prefix_cache_queries_created"] == pytest.approx(1.7959896e9)
-    assert "broken" not in m
+    assert m["vllm:request_queue_time_seconds_sum"] == 1.5
+    assert m["vllm:request_queue_time_seconds_count"] == 4.0
+    assert not any(k.endswith("_bucket") for k in m)  # buckets are per `le`: never summed
+    assert math.isnan(m["vllm:gpu_cache_usage_perc"])
+    assert info_labels(METRICS)["block_size"] == "64"
+    assert info_labels("not metrics at all") == {}
+
+
+def test_metrics_parsed_by_prometheus_client(monkeypatch):
+    import kvnotes.apps.serving.metrics as metrics_mod
+
+    assert not hasattr(metrics_mod, "_SAMPLE")  # the hand-written parser is gone
+    calls = []
+    real = metrics_mod.text_string_to_metric_families
+
+    def spy(text):
+        calls.append(text)
+        return real(text)
+
+    monkeypatch.setattr(metrics_mod, "text_string_to_metric_families", spy)
+    parse_prometheus(METRICS)
+    assert calls == [METRICS]
+    with pytest.raises(ServingError, match="not Prometheus text"):
+        parse_prometheus("broken line without value\n")
 
 
 def test_prefix_cache_counters_delta():
@@ -158,6 +191,34 @@ def test_prefix_cache_counters_delta():
     assert PrefixCacheCounters(0, 0).hit_rate is None
     with pytest.raises(KeyError, match="prefix_cache_hits_total"):
         PrefixCacheCounters.from_metrics("vllm:prefix_cache_queries_total 1\n")
+
+
+def _hist(**means):
+    """A parsed snapshot: every histogram of HISTOGRAMS observed 4 times with these means."""
+    out = {}
+    for key, name in HISTOGRAMS.items():
+        out[f"{name}_sum"], out[f"{name}_count"] = 4 * means.get(key, 0.0), 4.0
+    return out
+
+
+def test_ttft_breakdown_from_histogram_deltas():
+    before = _hist(queue_s=9.0)  # earlier phases: only the delta counts
+    after = {k: before[k] + v for k, v in _hist(
+        server_ttft_s=0.30, queue_s=0.05, prefill_s=0.22, decode_step_s=0.04,
+        computed_tokens=150, prompt_tokens=8100).items()}
+    b = ttft_breakdown(before, after, client_ttft_mean_s=0.35)
+    assert b["n"] == 4
+    assert b["queue_s"] == pytest.approx(0.05)
+    assert b["prefill_s"] == pytest.approx(0.22)
+    assert b["first_step_s"] == pytest.approx(0.04)
+    assert b["compute_s"] == pytest.approx(0.18)
+    assert b["frontend_s"] == pytest.approx(0.05)
+    assert b["computed_tokens"] == pytest.approx(150) and b["prompt_tokens"] == 8100
+    # a server without these histograms: every figure None, nothing raised
+    empty = ttft_breakdown({}, {}, client_ttft_mean_s=0.3)
+    assert empty["queue_s"] is None and empty["compute_s"] is None and empty["n"] is None
+    # nothing observed in between: no mean
+    assert ttft_breakdown(before, before, client_ttft_mean_s=None)["prefill_s"] is None
 
 
 def test_percentile_and_agreement():
@@ -219,6 +280,30 @@ def test_context_longer_than_the_server_allows(fake_server):
     state.max_model_len = 1024
     with pytest.raises(ServingError, match="max model length is 1024"):
         run_benchmark(Client(url), BenchConfig(context_tokens=(1000,)), log=lambda s: None)
+    assert state.requests == 0  # refused before any request was sent
+
+
+def test_context_limit_checked_on_the_measured_prompts(fake_server, monkeypatch):
+    import kvnotes.apps.serving.bench as bench
+
+    url, state = fake_server
+    monkeypatch.setattr(bench.secrets, "token_hex", lambda n: "abcdef")  # same sessions
+    config = _small(edits=4)
+    longest = max(len(_fake_vllm.tokens(p)) for p in _all_prompts(url, config))
+    state.max_model_len = longest + bench.TEMPLATE_MARGIN + config.max_tokens  # just fits
+    result = run_benchmark(Client(url), config, log=lambda s: None)
+    assert result["summaries"][0]["ok"] == 4
+    state.max_model_len -= 1
+    with pytest.raises(ServingError, match=r"the longest prompt needs about"):
+        run_benchmark(Client(url), config, log=lambda s: None)
+
+
+def _all_prompts(url, config):
+    """The longest prompts a run of ``config`` with run id "abcdef" sends."""
+    count = Client(url).count_tokens
+    sessions = make_sessions(1, context_tokens=200, depth=config.field_depth, edits=config.edits,
+                             count_tokens=lambda t: count("smollm2-135m", t), tag="abcdef-c200-k1")
+    return [s.prompt(p, config.edits - 1) for s in sessions for p in ("erratum", "in-place")]
 
 
 def test_missing_vllm_environment_says_make_vllm(tmp_path):
@@ -288,6 +373,7 @@ def test_launched_server_with_wrong_model_name(tmp_path):
 
 def test_benchmark_on_fake_server(fake_server, tmp_path):
     url, state = fake_server
+    state.spt = 1e-4  # computing tokens costs clearly more than the client's own overhead
     config = BenchConfig(context_tokens=(300, 600), sessions=2, edits=3, concurrency=(1, 2),
                          field_depth=0.1)
     result = run_benchmark(Client(url), config, log=lambda s: None)
@@ -310,12 +396,244 @@ def test_benchmark_on_fake_server(fake_server, tmp_path):
     # every measured request went through; warm-ups too (2 cache-using policies x sessions)
     expected_requests = sum(2 * 3 * 3 + 2 * 2 for _ in range(4))
     assert state.queries > 0 and len(sum(state.prompts.values(), [])) == expected_requests
+    for s in rows.values():  # where the time went, from the fake's per-request histograms
+        b = s["breakdown"]
+        assert b["n"] == 6 and b["queue_s"] >= 0 and b["compute_s"] > 0
+        assert b["first_step_s"] == pytest.approx(state.step_s)
+        assert b["client_ttft_s"] == pytest.approx(s["ttft_mean_s"])
+        assert b["server_ttft_s"] <= b["client_ttft_s"]
+        assert len(s["load_before"]) == len(s["load_after"]) == 3
+        assert s["errors"] == {} and s["warmup_errors"] == {} and s["metrics_error"] is None
+    # the erratum computes only its appended tail; in-place everything after the field
+    for ctx in (300, 600):
+        e, i = rows[(ctx, 1, "erratum")]["breakdown"], rows[(ctx, 1, "in-place")]["breakdown"]
+        assert e["computed_tokens"] < i["computed_tokens"]
+    assert result["server"]["block_size"] == 128  # from vllm:cache_config_info
+    assert result["machine"]["cpus"] >= 1 and "cpu_flags" in result["machine"]
+    assert result["errors"] == {} and result["contexts"] == [300, 600]
     paths = write_outputs(result, tmp_path / "out")
     data = json.loads(paths["json"].read_text())
-    assert data["summaries"] and data["ratios"][0]["in-place_over_erratum_p90"] > 1
+    ratio = {(r["context_tokens"], r["concurrency"]): r for r in data["ratios"]}
+    assert data["summaries"] and ratio[(600, 1)]["in-place_over_erratum_p90"] > 1.5
     report = paths["report"].read_text()
     assert "| 600 | 2 | erratum |" in report and "ttft_cdf.png" in report
+    assert "KV block size 128 tokens" in report and "## Where the time to first token goes" in report
     assert paths["plot"].stat().st_size > 1000
+
+
+def _small(**kw):
+    args = dict(context_tokens=(200,), sessions=1, edits=2, concurrency=(1,),
+                policies=("erratum",))
+    return BenchConfig(**{**args, **kw})
+
+
+@pytest.mark.parametrize("conc", [1, 4])
+def test_async_concurrency_is_honoured(fake_server, conc):
+    url, state = fake_server
+    state.min_delay = 0.05  # long enough for the streams to overlap
+    result = run_benchmark(Client(url), _small(sessions=4, concurrency=(conc,)),
+                           log=lambda s: None)
+    (row,) = result["summaries"]
+    assert row["ok"] == row["requests"] == 8
+    assert state.max_inflight == conc  # never more in flight than asked, and exactly that many
+    if conc > 1:  # the fake computes one request at a time: the others queue
+        assert row["breakdown"]["queue_s"] > 0.01
+    for s in result["sessions"]:  # each session's edits went in order (errata append-only)
+        turns = [r["turn"] for r in result["requests"] if r["session"] == s["session"]]
+        assert turns == [0, 1]
+
+
+def test_bench_uses_async_openai_not_threads():
+    import inspect
+
+    import kvnotes.apps.serving.bench as bench
+    import kvnotes.apps.serving.client as client
+
+    src = inspect.getsource(bench) + inspect.getsource(client)
+    for gone in ("threading", "http.client", "queue.Queue"):
+        assert gone not in src
+    assert "AsyncOpenAI" in src and "asyncio" in src
+
+
+def test_server_errors_counted_per_phase(fake_server, tmp_path):
+    url, state = fake_server
+    erratum = lambda p: "Correction:" in p  # noqa: E731
+    state.fail("http_500", 1, when=lambda p: "Correction:" not in p)  # the first warm-up
+    for kind in ("http_500", "http_500", "http_400", "drop", "cut", "stream_error", "hang"):
+        state.fail(kind, 1, when=erratum)
+    state.hang_s = 4.0
+    config = _small(sessions=3, edits=3, policies=("in-place", "erratum", "cold"),
+                    request_timeout_s=2.0)
+    result = run_benchmark(Client(url), config, log=lambda s: None)  # nothing raised
+    rows = {s["policy"]: s for s in result["summaries"]}
+    assert rows["erratum"]["errors"] == {"connection": 2, "http_4xx": 1, "http_5xx": 2,
+                                         "stream": 1, "timeout": 1}
+    assert rows["erratum"]["failed"] == 7 and rows["erratum"]["ok"] == 2
+    assert rows["in-place"]["warmup_errors"] == {"http_5xx": 1}
+    assert rows["in-place"]["errors"] == {} and rows["in-place"]["ok"] == 9
+    assert rows["cold"]["errors"] == {} and rows["cold"]["ok"] == 9
+    assert result["errors"] == {"connection": 2, "http_4xx": 1, "http_5xx": 3, "stream": 1,
+                                "timeout": 1}
+    failed = [r for r in result["requests"] if not r["ok"]]
+    assert {r["error_kind"] for r in failed} == {"connection", "http_4xx", "http_5xx", "stream",
+                                                 "timeout"}
+    assert all(r["error"] for r in failed)
+    assert rows["erratum"]["breakdown"]["n"] < 9  # only requests that reached the engine
+    report = write_outputs(result, tmp_path)["report"].read_text()
+    assert "connection 2, http_4xx 1, http_5xx 2, stream 1, timeout 1" in report
+    assert "warm-ups failed 1" in report
+
+
+def test_server_gone_mid_run_is_counted_not_raised(fake_server):
+    url, state = fake_server
+    client = Client(url)
+    models = client.models()
+
+    class Vanishing(Client):
+        """The server answers the set-up calls, then is gone for the requests."""
+
+        def models(self):
+            return models
+
+        def async_openai(self, *, timeout=None):
+            return Client(f"http://127.0.0.1:{_closed_port()}").async_openai(timeout=timeout)
+
+    result = run_benchmark(Vanishing(url), _small(), log=lambda s: None)
+    (row,) = result["summaries"]
+    assert row["ok"] == 0 and row["errors"] == {"connection": 2}
+    assert row["warmup_errors"] == {"connection": 1}
+
+
+@pytest.mark.parametrize("bad", [0, -32, 48, 100, True, 64.0])
+def test_block_size_validated(bad):
+    msg = (f"--block-size must be a positive multiple of 32 (vLLM's CPU backend), got {bad!r}: "
+           "try 32, 64 or 128")
+    with pytest.raises(InvalidArgumentError) as err:
+        BenchConfig(block_size=bad)
+    assert str(err.value) == msg
+    assert validate_block_size(64) == 64 and validate_block_size(None) is None
+
+
+def test_block_size_recorded_from_server_metrics(tmp_path):
+    httpd, _ = _fake_vllm.serve(0, "smollm2-135m", block_size=64)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        result = run_benchmark(Client(url), _small(edits=1), log=lambda s: None)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert result["server"]["block_size"] == 64
+    assert result["server"]["cache_config"]["block_size"] == "64"
+    assert "KV block size 64 tokens" in write_outputs(result, tmp_path)["report"].read_text()
+
+
+def test_launch_passes_and_records_block_size(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import kvnotes.apps.serving as serving
+    from kvnotes.cli import app
+
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
+    seen = {}
+
+    def fake_server(folder, *, served_name, extra_args=(), **kw):
+        seen.update(extra_args=list(extra_args), dtype=kw["dtype"])
+        return VLLMServer(folder, served_name=served_name, python=sys.executable,
+                          module="_fake_vllm", env={"PYTHONPATH": str(TESTS)},
+                          log_path=kw["log_path"], startup_timeout=60, extra_args=extra_args)
+
+    monkeypatch.setattr(serving, "VLLMServer", fake_server)
+    monkeypatch.setattr(serving, "export_hf_dir", lambda model, dtype: tmp_path)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["serve-bench", "--launch", "--block-size", "64",
+                                   "--dtype", "float32", "--context-tokens", "200", "--sessions",
+                                   "1", "--edits", "1", "--concurrency", "1", "--policies",
+                                   "erratum", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert seen == {"extra_args": ["--block-size", "64"], "dtype": "float32"}
+    data = json.loads((out / "result.json").read_text())
+    assert data["server"]["block_size"] == 64 and data["launch"]["block_size"] == 64
+    assert data["config"]["block_size"] == 64 and data["launch"]["stopped"]
+    assert "KV block size 64 tokens" in (out / "report.md").read_text()
+
+
+def test_cli_block_size_errors():
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app
+
+    res = CliRunner().invoke(app, ["serve-bench", "--launch", "--block-size", "48"])
+    assert res.exit_code == 2 and "multiple of 32" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:1",
+                                   "--block-size", "64"])
+    assert res.exit_code == 2 and "read from its /metrics" in res.output
+
+
+def test_loopback_guard_before_any_client(monkeypatch):
+    import httpx2
+    import openai
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app
+
+    made = []
+
+    def record(name):
+        def init(self, *a, **kw):
+            made.append(name)
+            raise AssertionError(f"{name} made for a non-loopback server")
+        return init
+
+    monkeypatch.setattr(openai.AsyncOpenAI, "__init__", record("AsyncOpenAI"))
+    monkeypatch.setattr(openai.OpenAI, "__init__", record("OpenAI"))
+    monkeypatch.setattr(httpx2.Client, "__init__", record("httpx2.Client"))
+    monkeypatch.setattr(httpx2.AsyncClient, "__init__", record("httpx2.AsyncClient"))
+    with pytest.raises(ServingError, match="only loopback servers"):
+        Client("http://10.1.2.3:8000")
+    res = CliRunner().invoke(app, ["serve-bench", "--url", "http://10.1.2.3:8000",
+                                   "--context-tokens", "100", "--concurrency", "1"])
+    assert res.exit_code == 1 and "only loopback servers are allowed" in res.output
+    assert made == []
+
+
+def test_matrix_preset():
+    m = matrix_config()
+    assert m.context_tokens == (1000, 4000, 8000) and m.optional_contexts == (16000,)
+    assert m.concurrency == (1, 4, 16) and m.policies == ("in-place", "erratum", "cold")
+    assert m.requests_per_row == 16
+    assert [m.sessions_for(c) * m.edits for c in (1, 4, 16)] == [16, 16, 64]
+    assert matrix_config(edits=1).sessions_for(1) == 16
+    with pytest.raises(InvalidArgumentError, match="requests-per-row"):
+        BenchConfig(requests_per_row=-1)
+
+
+def test_optional_context_runs_only_when_the_model_allows(fake_server):
+    url, state = fake_server
+    state.max_model_len = 700
+    config = _small(edits=1, optional_contexts=(400, 5000), requests_per_row=3)
+    result = run_benchmark(Client(url), config, log=lambda s: None)
+    assert result["contexts"] == [200, 400]
+    assert result["contexts_skipped"] == [{"context_tokens": 5000,
+                                           "reason": "the server's max model length is 700 "
+                                                     "tokens"}]
+    assert [s["requests"] for s in result["summaries"]] == [3, 3]  # requests per row honoured
+
+
+def test_cli_matrix_on_fake_server(fake_server, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app
+
+    url, state = fake_server
+    state.spt = 0.0
+    out = tmp_path / "m"
+    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--matrix", "--context-tokens",
+                                   "150", "--concurrency", "4", "--policies", "erratum",
+                                   "--edits", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "result.json").read_text())
+    assert data["config"]["requests_per_row"] == 16 and data["config"]["optional_contexts"] == []
+    assert data["summaries"][0]["requests"] == 16 and data["summaries"][0]["ok"] == 16
 
 
 def test_time_budget_skips_requests(fake_server):

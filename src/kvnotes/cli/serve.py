@@ -29,8 +29,9 @@ def serve_bench(
                                 ".venv-vllm) on 127.0.0.1, run, and stop it"),
     model: str = typer.Option("smollm2-135m", "--model", help="Model alias/folder (--launch) "
                               "or the served model name (--url)"),
-    context_tokens: str = typer.Option("1000,4000,8000", "--context-tokens",
-                                       help="Context lengths in tokens, comma-separated"),
+    context_tokens: str = typer.Option(None, "--context-tokens",
+                                       help="Context lengths in tokens, comma-separated "
+                                       "(default 1000,4000,8000)"),
     field_depth: float = typer.Option(0.1, "--field-depth", help="Where the field sits (0..1)"),
     sessions: int = typer.Option(4, "--sessions", help="Sessions per run (at least one per "
                                  "concurrent stream)"),
@@ -59,8 +60,16 @@ def serve_bench(
                                          "requests checked against the exact prompt"),
     skills_dir: Path = typer.Option(None, "--skills", help="skills: the server's skill folder "
                                     "(with --url: the one given to `kvnotes serve`)"),
-    dtype: str = typer.Option("auto", "--dtype", help="skills --launch: server dtype"),
-    block_size: int = typer.Option(None, "--block-size", help="skills --launch: KV block size"),
+    dtype: str = typer.Option("auto", "--dtype", help="--launch: server dtype (auto: bfloat16 "
+                              "where the CPU has native bf16, else float32)"),
+    block_size: int = typer.Option(None, "--block-size", help="--launch: KV block size in "
+                                   "tokens (CPU: a multiple of 32; vLLM's default 128)"),
+    requests_per_row: int = typer.Option(None, "--requests-per-row", help="erratum: at least "
+                                         "this many measured requests per (context, "
+                                         "concurrency, policy) row (--matrix: 16)"),
+    matrix: bool = typer.Option(False, "--matrix", help="erratum: the full matrix (contexts "
+                                "1k/4k/8k and 16k where the model allows, concurrency 1/4/16, "
+                                "all policies, 16 requests per row); explicit options override"),
 ) -> None:
     """Erratum vs in-place vs cold (--workload erratum) or composed skills vs prefix caching vs
     cold (--workload skills) on a real vLLM server: TTFT, hit rate, fidelity."""
@@ -74,7 +83,6 @@ def serve_bench(
                              request_timeout=request_timeout)
     if workload != "erratum":
         raise UnknownNameError("workload", workload, ("erratum", "skills"))
-    concurrency = concurrency or "1,4,16"
     from kvnotes.apps.serving import (
         BenchConfig,
         Client,
@@ -84,10 +92,24 @@ def serve_bench(
         run_benchmark,
         write_outputs,
     )
+    from kvnotes.apps.serving.bench import (
+        MATRIX_CONCURRENCY,
+        MATRIX_CONTEXTS,
+        MATRIX_OPTIONAL_CONTEXTS,
+        MATRIX_REQUESTS_PER_ROW,
+    )
 
     if bool(url) == bool(launch):
         raise typer.BadParameter("pass exactly one of --url URL or --launch")
-    contexts = _ints(context_tokens, "--context-tokens")
+    if url and block_size is not None:
+        raise typer.BadParameter("--block-size applies to a server kvnotes launches (--launch); "
+                                 "a running server's block size is read from its /metrics")
+    contexts = (_ints(context_tokens, "--context-tokens") if context_tokens
+                else MATRIX_CONTEXTS)
+    concurrency = concurrency or ",".join(map(str, MATRIX_CONCURRENCY))
+    optional = MATRIX_OPTIONAL_CONTEXTS if matrix and not context_tokens else ()
+    per_row = requests_per_row if requests_per_row is not None else (
+        MATRIX_REQUESTS_PER_ROW if matrix else 0)
     try:
         config = BenchConfig(model=model if url else Path(model).name if Path(model).exists()
                              else model,
@@ -97,7 +119,8 @@ def serve_bench(
                              policies=tuple(p.strip() for p in (policies or "in-place,erratum,cold"
                                                                  ).split(",") if p.strip()),
                              max_tokens=max_tokens, request_timeout_s=request_timeout,
-                             time_budget_s=time_budget)
+                             time_budget_s=time_budget, requests_per_row=per_row,
+                             optional_contexts=optional, block_size=block_size)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 
@@ -108,16 +131,23 @@ def serve_bench(
         if url:
             result = run_benchmark(Client(url, timeout=request_timeout), config, log=log)
         else:
-            folder = export_hf_dir(model)
+            from kvnotes.apps.serving.launch import cpu_dtype
+
+            served_dtype = cpu_dtype() if dtype == "auto" else dtype
+            folder = export_hf_dir(model, dtype=served_dtype)
             # room for the longest prompt: context + errata + question + answer
-            needed = max(contexts) + 120 + 30 * edits + max_tokens
+            needed = max(contexts + optional) + 120 + 30 * edits + max_tokens
             mml = max_model_len or min(max(4096, -(-needed // 1024) * 1024), _max_pos(folder))
             out.mkdir(parents=True, exist_ok=True)
-            log(f"starting vLLM on {folder} (max-model-len {mml}); log: {out / 'server.log'}")
+            log(f"starting vLLM on {folder} ({served_dtype}, max-model-len {mml}, block size "
+                f"{block_size or 'default'}); log: {out / 'server.log'}")
             t0 = time.monotonic()
             server = VLLMServer(folder, served_name=config.model, python=vllm_python,
                                 log_path=out / "server.log", max_model_len=mml,
-                                kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout)
+                                dtype=served_dtype, kv_cache_gib=kv_cache_gib,
+                                startup_timeout=startup_timeout,
+                                extra_args=["--block-size", str(block_size)] if block_size
+                                else ())
             with server:
                 log(f"server up at {server.url} (pid {server.pid}) after "
                     f"{time.monotonic() - t0:.0f} s")
@@ -125,6 +155,7 @@ def serve_bench(
                                        log=log)
             result["launch"] = {"startup_s": server.startup_s, "pid": server.pid,
                                 "max_model_len": mml, "model_dir": str(folder),
+                                "dtype": served_dtype, "block_size": block_size,
                                 "stopped": not server.alive_pids(), "command": server.cmd}
             log(f"server stopped (pid {server.pid})")
     except KvnotesError as err:

@@ -1,15 +1,19 @@
-"""A small OpenAI-compatible HTTP client (standard library only) for loopback vLLM servers.
+"""Talking to a loopback vLLM server: the ``openai`` client for requests, ``httpx2`` for the rest.
 
-Time to first token is measured on the client: the request is sent with ``stream: true`` and
-TTFT is the time from sending it to the first streamed chunk that carries generated text (or
-finishes the choice).
+Requests go through ``openai.AsyncOpenAI`` (streaming chat completions, ``stream_options`` for
+the usage chunk, ``extra_body`` for vLLM's ``cache_salt``; no retries, so every failure is
+seen). Time to first token is measured on the client: from sending the request to the first
+streamed chunk that carries generated text (or finishes the choice). vLLM's own endpoints that
+are not part of the OpenAI API (``/health``, ``/metrics``, ``/tokenize``, ``/version``, the
+``max_model_len`` of ``/v1/models``) are read with the ``httpx2`` client that ``openai`` brings.
+
+Only servers on this machine are reached: every constructor checks the URL first.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import ipaddress
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +22,9 @@ from urllib.parse import urlsplit
 from kvnotes.core.errors import ServingError
 
 LOOPBACK_NAMES = ("localhost",)
+# http_4xx/5xx: the server refused; timeout: no answer in time; connection: refused, dropped or
+# cut short; stream: an error event or an unreadable chunk inside the stream
+ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connection", "stream")
 
 
 def check_loopback_url(url: str) -> tuple[str, int, str]:
@@ -44,7 +51,7 @@ def check_loopback_url(url: str) -> tuple[str, int, str]:
 
 @dataclass
 class StreamResult:
-    """The outcome of one streamed chat request."""
+    """The outcome of one streamed chat request; ``error_kind`` is one of :data:`ERROR_KINDS`."""
 
     ok: bool
     ttft_s: float | None = None
@@ -54,43 +61,54 @@ class StreamResult:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    error_kind: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Client:
-    """Blocking client for one OpenAI-compatible server (one connection per request: thread-safe).
-    """
+    """Blocking client for a loopback server's non-OpenAI endpoints (thread-safe)."""
 
     def __init__(self, url: str, *, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
-        self.host, self.port, self.base = check_loopback_url(self.url)
+        self.host, self.port, self.base = check_loopback_url(self.url)  # before any client
         self.timeout = timeout
+        self._http: Any = None  # one httpx2.Client, made on first use (it is thread-safe)
 
-    def _conn(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port,
-                                          timeout=self.timeout if timeout is None else timeout)
+    def _session(self) -> Any:
+        if self._http is None:
+            import httpx2
+
+            self._http = httpx2.Client(trust_env=False, timeout=self.timeout)
+        return self._http
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     def request(self, method: str, path: str, body: Any = None, *,
                 timeout: float | None = None) -> tuple[int, bytes]:
         """``(status, body bytes)``; connection problems raise :class:`ServingError`."""
-        conn = self._conn(timeout)
+        import httpx2
+
         try:
-            data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, self.base + path, body=data, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        except (OSError, http.client.HTTPException) as err:
+            resp = self._session().request(method, self.url + path, json=body,
+                                           timeout=timeout or self.timeout)
+            return resp.status_code, resp.content
+        except httpx2.HTTPError as err:
             raise ServingError(f"cannot reach the server at {self.url} ({method} {path}): "
                                f"{err!r}") from err
-        finally:
-            conn.close()
 
     def get_json(self, path: str, *, timeout: float | None = None) -> Any:
+        import json
+
         status, data = self.request("GET", path, timeout=timeout)
         if status != 200:
             raise ServingError(f"GET {self.url}{path} returned HTTP {status}: {data[:300]!r}")
-        return json.loads(data)
+        try:
+            return json.loads(data)
+        except ValueError as err:
+            raise ServingError(f"GET {self.url}{path} did not return JSON: {data[:300]!r}") from err
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """True when ``GET /health`` answers 200."""
@@ -103,7 +121,7 @@ class Client:
         status, data = self.request("GET", "/metrics", timeout=30)
         if status != 200:
             raise ServingError(f"GET {self.url}/metrics returned HTTP {status}")
-        return data.decode()
+        return data.decode(errors="replace")
 
     def models(self) -> list[str]:
         """The model names the server serves (``/v1/models``)."""
@@ -119,76 +137,105 @@ class Client:
     def version(self) -> str | None:
         try:
             return self.get_json("/version", timeout=10).get("version")
-        except (ServingError, ValueError):
+        except ServingError:
             return None
 
     def count_tokens(self, model: str, text: str) -> int:
         """Tokens of ``text`` by the server's tokenizer (vLLM's ``POST /tokenize``)."""
-        status, data = self.request("POST", "/tokenize",
-                                    {"model": model, "prompt": text, "add_special_tokens": False},
-                                    timeout=60)
-        if status != 200:
-            raise ServingError(f"POST /tokenize returned HTTP {status}: {data[:300]!r}")
-        return int(json.loads(data)["count"])
+        data = self.request("POST", "/tokenize",
+                            {"model": model, "prompt": text, "add_special_tokens": False},
+                            timeout=60)
+        if data[0] != 200:
+            raise ServingError(f"POST /tokenize returned HTTP {data[0]}: {data[1][:300]!r}")
+        import json
 
-    def stream_chat(self, model: str, prompt: str, *, max_tokens: int = 8,
-                    cache_salt: str | None = None, timeout: float | None = None) -> StreamResult:
-        """Send one user message with greedy decoding and stream the answer, timing it."""
-        body: dict[str, Any] = {
-            "model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        conn = self._conn(timeout)
-        t0 = time.perf_counter()
-        res = StreamResult(ok=False)
+        return int(json.loads(data[1])["count"])
+
+    def async_openai(self, *, timeout: float | None = None) -> Any:
+        """An ``openai.AsyncOpenAI`` for this server (no retries, no proxies from the
+        environment); create it inside the event loop that uses it."""
+        import openai
+
+        t = timeout or self.timeout
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="kvnotes", timeout=t,
+                                  max_retries=0,
+                                  http_client=openai.DefaultAsyncHttpxClient(trust_env=False,
+                                                                              timeout=t))
+
+
+def _classify(err: BaseException) -> tuple[str, str]:
+    """``(kind, message)`` of a failed request (kinds: :data:`ERROR_KINDS`)."""
+    import httpx2
+    import openai
+
+    if isinstance(err, (openai.APITimeoutError, TimeoutError, httpx2.TimeoutException)):
+        return "timeout", f"timed out ({type(err).__name__})"
+    if isinstance(err, openai.APIStatusError):
+        code = err.status_code
+        kind = "http_5xx" if code >= 500 else "http_4xx"
+        return kind, f"HTTP {code}: {str(err.message)[:300]}"
+    if isinstance(err, openai.APIConnectionError):
+        cause = err.__cause__ or err
+        return "connection", f"connection failed: {type(cause).__name__}: {cause}"[:400]
+    if isinstance(err, httpx2.TransportError):  # dropped while streaming
+        return "connection", f"connection dropped: {type(err).__name__}: {err}"[:400]
+    if isinstance(err, openai.APIError):  # an error event inside the stream
+        return "stream", f"server error in stream: {str(err.message)[:300]}"
+    return "stream", f"{type(err).__name__}: {err}"[:400]
+
+
+async def stream_chat(client: Any, model: str, prompt: str, *, max_tokens: int = 8,
+                      cache_salt: str | None = None, timeout: float | None = None
+                      ) -> StreamResult:
+    """Send one user message with greedy decoding through ``client`` (an ``AsyncOpenAI``) and
+    stream the answer, timing it. Never raises for a server's failure: HTTP errors, refused or
+    dropped connections, timeouts (``timeout`` bounds the whole request) and truncated streams
+    come back as ``ok=False`` with ``error_kind`` and ``error``."""
+    res = StreamResult(ok=False)
+    pieces: list[str] = []
+    finished = False
+    t0 = time.perf_counter()
+
+    async def consume() -> None:
+        nonlocal finished
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0.0, stream=True, stream_options={"include_usage": True},
+            extra_body={"cache_salt": cache_salt} if cache_salt is not None else None)
         try:
-            conn.request("POST", self.base + "/v1/chat/completions", body=json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json",
-                                  "Accept": "text/event-stream"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {resp.read()[:500].decode(errors='replace')}"
-                return res
-            pieces: list[str] = []
-            done = False
-            for raw in resp:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    res.error = f"server error in stream: {chunk['error']}"
-                    return res
-                for choice in chunk.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if res.ttft_s is None and (content or choice.get("finish_reason")):
+            async for chunk in stream:
+                for choice in chunk.choices or []:
+                    content = choice.delta.content if choice.delta is not None else None
+                    if res.ttft_s is None and (content or choice.finish_reason):
                         res.ttft_s = time.perf_counter() - t0
                     if content:
                         pieces.append(content)
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = usage.get("prompt_tokens")
-                    res.completion_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = details.get("cached_tokens")
-            res.total_s = time.perf_counter() - t0
-            res.text = "".join(pieces)
-            if not done:
-                res.error = "stream ended without [DONE]"
-            elif res.ttft_s is None:
-                res.error = "stream carried no generated chunk"
-            else:
-                res.ok = True
-            return res
-        except (OSError, http.client.HTTPException, ValueError) as err:  # incl. timeouts
-            res.error = f"{type(err).__name__}: {err}"
-            return res
+                    if choice.finish_reason:
+                        finished = True
+                usage = chunk.usage
+                if usage is not None:
+                    res.prompt_tokens = usage.prompt_tokens
+                    res.completion_tokens = usage.completion_tokens
+                    details = getattr(usage, "prompt_tokens_details", None)
+                    res.cached_tokens = getattr(details, "cached_tokens", None)
         finally:
-            conn.close()
+            await stream.close()
+
+    try:
+        async with asyncio.timeout(timeout):
+            await consume()
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- every server failure is reported, not raised
+        res.error_kind, res.error = _classify(err)
+        res.total_s = time.perf_counter() - t0
+        res.text = "".join(pieces)
+        return res
+    res.total_s = time.perf_counter() - t0
+    res.text = "".join(pieces)
+    if not finished:
+        res.error_kind, res.error = ("connection", "the server closed the stream before the "
+                                     "answer finished")
+    else:
+        res.ok = True
+    return res

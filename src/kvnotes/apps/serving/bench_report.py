@@ -1,0 +1,183 @@
+"""serve-bench's report: the Markdown tables, the TTFT CDF, and the bundle on disk."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvnotes.eval.reports import write_bundle
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f} ms"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _kinds(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+
+
+def _load(x: list[float] | None) -> str:
+    return "-" if not x else f"{x[0]:.1f}"
+
+
+def ratios(summaries: Sequence[Any]) -> list[dict[str, Any]]:
+    """p90 TTFT of in-place and cold over erratum, per (context, concurrency)."""
+    table: dict[tuple[int, int], dict[str, Any]] = {}
+    for s in summaries:
+        table.setdefault((s.context_tokens, s.concurrency), {})[s.policy] = s
+    out = []
+    for (ctx, conc), row in sorted(table.items()):
+        e = row.get("erratum")
+        entry: dict[str, Any] = {"context_tokens": ctx, "concurrency": conc}
+        for other in ("in-place", "cold"):
+            o = row.get(other)
+            ok = e and o and e.ttft_p90_s and o.ttft_p90_s
+            entry[f"{other}_over_erratum_p90"] = o.ttft_p90_s / e.ttft_p90_s if ok else None
+        out.append(entry)
+    return out
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The per policy and concurrency tables of a result, as Markdown."""
+    lines = ["| context | conc | policy | ok/n | TTFT p50 | p90 | p99 | hit rate (metrics) | "
+             "hit rate (usage) | req/s | errors | warm-up errors | load 1m before/after | "
+             "agree w/ in-place | decisions | acc |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---:|"]
+    for s in result["summaries"]:
+        agree = ("-" if s["agreement_with_in_place"] is None
+                 else f"{s['agreement_with_in_place']:.2f} (n={s['agreement_n']})")
+        dec = ", ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items()))
+        rps = "-" if s["requests_per_s"] is None else f"{s['requests_per_s']:.2f}"
+        lines.append(
+            f"| {s['context_tokens']} | {s['concurrency']} | {s['policy']} | "
+            f"{s['ok']}/{s['requests']} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p90_s'])} | "
+            f"{_fmt(s['ttft_p99_s'])} | {_pct(s['hit_rate'])} | {_pct(s['hit_rate_usage'])} | "
+            f"{rps} | {_kinds(s.get('errors') or {})} | {_kinds(s.get('warmup_errors') or {})} "
+            f"| {_load(s.get('load_before'))} / {_load(s.get('load_after'))} | {agree} | {dec} | "
+            f"{'-' if s['accuracy'] is None else format(s['accuracy'], '.2f')} |")
+    lines += ["", "| context | conc | in-place / erratum p90 | cold / erratum p90 |",
+              "|---:|---:|---:|---:|"]
+    for r in result["ratios"]:
+        a, b = r["in-place_over_erratum_p90"], r["cold_over_erratum_p90"]
+        lines.append(f"| {r['context_tokens']} | {r['concurrency']} | "
+                     f"{'-' if a is None else f'{a:.1f}x'} | {'-' if b is None else f'{b:.1f}x'} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(result: dict[str, Any]) -> str:
+    """Where the mean TTFT of each phase went, from vLLM's per-request histograms."""
+    lines = ["| context | conc | policy | client TTFT | server TTFT | queue | compute | "
+             "first step | frontend | computed tokens | prompt tokens | n |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result["summaries"]:
+        b = s.get("breakdown")
+        if not b:
+            continue
+        tok = "-" if b["computed_tokens"] is None else f"{b['computed_tokens']:.0f}"
+        prompt = "-" if b["prompt_tokens"] is None else f"{b['prompt_tokens']:.0f}"
+        n = "-" if b["n"] is None else f"{b['n']:.0f}"
+        lines.append(f"| {s['context_tokens']} | {s['concurrency']} | {s['policy']} | "
+                     f"{_ms(b['client_ttft_s'])} | {_ms(b['server_ttft_s'])} | "
+                     f"{_ms(b['queue_s'])} | {_ms(b['compute_s'])} | {_ms(b['first_step_s'])} "
+                     f"| {_ms(b['frontend_s'])} | {tok} | {prompt} | {n} |")
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """``result.json``, ``report.md`` and ``ttft_cdf.png`` in ``out``; returns their paths."""
+    return write_bundle(out, result, report=report_markdown(result), json_name="result.json",
+                        plot_name="ttft_cdf.png", plot=lambda path: plot_ttft_cdf(result, path))
+
+
+def report_markdown(result: dict[str, Any]) -> str:
+    """The markdown report of a serve-bench result."""
+    cfg, server = result["config"], result["server"]
+    failed = sum(s["failed"] for s in result["summaries"])
+    warm_failed = sum(s.get("warmup_failed", 0) for s in result["summaries"])
+    skipped = sum(s["skipped"] for s in result["summaries"])
+    launch = result.get("launch") or {}
+    machine = result.get("machine") or {}
+    contexts = result.get("contexts") or list(cfg["context_tokens"])
+    block = server.get("block_size")
+    text = [
+        "# serve-bench: erratum vs in-place vs cold on a vLLM prefix cache", "",
+        f"- server: {server['url']} (vLLM {server.get('version') or '?'}), model "
+        f"`{cfg['model']}`, KV block size {block or '? (not reported)'} tokens"
+        + (f", launched by kvnotes (startup {launch['startup_s']:.0f} s)"
+           if launch.get("startup_s") else ""),
+        f"- machine: {machine.get('cpus', '?')} CPUs, {machine.get('cpu_model') or '?'}, flags "
+        f"{', '.join(machine.get('cpu_flags') or []) or '-'}; load average at start "
+        f"{machine.get('load_average')}, at end {machine.get('load_average_end')}",
+        f"- contexts {contexts} tokens"
+        + "".join(f" ({s['context_tokens']} skipped: {s['reason']})"
+                  for s in result.get("contexts_skipped") or [])
+        + f", field at depth {cfg['field_depth']}, at least {cfg['sessions']} sessions (one per "
+        f"concurrent stream, {cfg.get('requests_per_row') or 0} measured requests per row at "
+        f"least) x {cfg['edits']} edits, concurrency {list(cfg['concurrency'])}, greedy, max "
+        f"{cfg['max_tokens']} tokens",
+        f"- requests measured: {sum(s['requests'] for s in result['summaries'])} "
+        f"(failed {failed}, skipped by the time budget {skipped}; warm-ups failed "
+        f"{warm_failed}; errors by kind: {_kinds(result.get('errors') or {})}); wall "
+        f"{result['wall_s']:.0f} s",
+        "- TTFT: client-side (openai AsyncOpenAI, streaming), time to the first chunk carrying "
+        "generated text. Hit rate: delta of vllm:prefix_cache_hits_total over delta of "
+        "vllm:prefix_cache_queries_total (tokens) around each measured phase; the usage column "
+        "is the same from each response's cached_tokens.",
+        "- Each cache-using policy first sends every session's original prompt once (warm-up, "
+        "not measured). Agreement: decisions equal to in-place's for the same session and edit; "
+        "acc: the decision the refund policy implies for the new value. Errors: http_4xx/5xx, "
+        "timeout, connection (refused, dropped, cut short), stream (error inside the stream).",
+        "", markdown_table(result), "", "![TTFT CDF](ttft_cdf.png)", "",
+        "## Where the time to first token goes", "",
+        "Means per request over each measured phase, from deltas of vLLM's histograms: queue "
+        "(vllm:request_queue_time_seconds), compute = prefill time "
+        "(vllm:request_prefill_time_seconds, scheduled to first token) less one engine step, "
+        "first step = the mean decode step (vllm:inter_token_latency_seconds), frontend = "
+        "client TTFT less the server's (vllm:time_to_first_token_seconds): HTTP, chat template, "
+        "tokenization, streaming. Computed tokens: vllm:request_prefill_kv_computed_tokens "
+        "(for the erratum: the partly filled last block + errata + question).", "",
+        breakdown_table(result), ""]
+    return "\n".join(text)
+
+
+def plot_ttft_cdf(result: dict[str, Any], path: str | Path) -> None:
+    """One panel per context length; one TTFT CDF per policy and concurrency (log time axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = list(result.get("contexts") or result["config"]["context_tokens"])
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    colors = {"in-place": "tab:red", "erratum": "tab:green", "cold": "tab:gray"}
+    styles = ["-", "--", ":", "-."]
+    concs = list(result["config"]["concurrency"])
+    for ax, ctx in zip(axes[0], contexts, strict=True):
+        for policy in result["config"]["policies"]:
+            for k, conc in enumerate(concs):
+                xs = sorted(r["ttft_s"] for r in result["requests"]
+                            if r["ok"] and r["ttft_s"] is not None and r["policy"] == policy
+                            and r["context_tokens"] == ctx and r["concurrency"] == conc)
+                if not xs:
+                    continue
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", color=colors.get(policy),
+                        linestyle=styles[k % len(styles)], label=f"{policy}, conc {conc}")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (s)")
+        ax.set_title(f"context {ctx} tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of requests")
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
