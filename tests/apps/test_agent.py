@@ -201,10 +201,10 @@ def test_bench_writes_json_report_and_plot(engine, skill_root, tmp_path):
 
 def test_interactive_agent_handles_requests_state_changes_and_eof(engine, skill_root,
                                                                   monkeypatch):
-    import kvnotes
     from kvnotes.cli import app
+    from kvnotes.core import models
 
-    monkeypatch.setattr(kvnotes, "load", lambda model: engine)
+    monkeypatch.setattr(models, "load", lambda model, **device_dtype: engine)
     lines = "I need to cancel my trip\n/set insurance purchased\n/set seat 12A\n/state\n" \
             "Can I add a bag?\n"
     result = CliRunner().invoke(app, ["agent", "--model", "tiny", "--skills-dir",

@@ -9,15 +9,15 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, emit_json, fail, folder_option
+from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 
 
-def _load(model: str, threads: int | None):
-    import kvnotes
+def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "float32"):
     from kvnotes.core.machine import set_threads
 
     set_threads(threads)  # None: physical cores
-    return kvnotes.load(model)
+    return load_engine(model, device, dtype)
 
 
 @app.command("agent-bench")
@@ -32,6 +32,8 @@ def agent_bench(
     skills_dir: Path | None = typer.Option(None, "--skills-dir",
                                            help="skill library folder (default: kvnotes home)"),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     guard: float | None = typer.Option(
         None, "--guard", min=0.0,
@@ -49,7 +51,7 @@ def agent_bench(
 
     try:
         folder_option(out, "--out")
-        engine = _load(model, threads)
+        engine = _load(model, threads, device, dtype)
         result = run_bench(
             engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
             skill_root=skills_dir, guard=guard, anchored=anchored,
@@ -96,12 +98,14 @@ def agent_interactive(
     tool_calls: bool = typer.Option(False, "--tool-calls", help="also write a tool call"),
     skills_dir: Path | None = typer.Option(None, "--skills-dir", help="skill library folder"),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
     from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
 
     try:
-        engine = _load(model, threads)
+        engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
         book.prepare()
         agent = KvnotesAgent(engine, book, tool_calls=tool_calls)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvnotes.cli.app import app, emit_json, fail, folder_option, read_text_file
+from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 
 console = Console(width=150)
@@ -44,11 +45,12 @@ def demo(
     model: str = typer.Option("smollm2-135m", help="model alias, HF folder or .gguf file"),
     out: Path = typer.Option(Path("out/demo"), help="folder for report.md, results.json, PNGs"),
     max_new_tokens: int = typer.Option(24, help="greedy tokens compared per case"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     threads: int | None = typer.Option(None, "--threads",
                                        help="torch CPU threads (default: physical cores)"),
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
-    import kvnotes
     from kvnotes.apps.demo import run_compose_demo, write_report
     from kvnotes.core.machine import set_threads
 
@@ -56,7 +58,7 @@ def demo(
     try:
         folder_option(out, "--out")
         with console.status(f"loading {model}"):
-            engine = kvnotes.load(model)
+            engine = load_engine(model, device, dtype)
         console.print(f"[bold]{engine}[/bold]  position scheme: {engine.adapter.describe()}")
         with console.status("compiling skills and composing contexts") as status:
             result = run_compose_demo(engine, max_new_tokens=max_new_tokens,
@@ -96,6 +98,8 @@ def compose(
     context: str = typer.Option(..., help="context text, prefilled after the skills"),
     query: str = typer.Option(..., help="question fed on top of the composed notes"),
     max_new_tokens: int = typer.Option(24),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     library: Path = typer.Option(None, help="skill library folder (compile once, reuse)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     threads: int | None = typer.Option(None, "--threads",
@@ -109,7 +113,7 @@ def compose(
     set_threads(threads)
 
     try:
-        engine = kvnotes.load(model)
+        engine = load_engine(model, device, dtype)
         lib = kvnotes.SkillLibrary(folder_option(library, "--library"), engine) if library else None
         compiled = []
         for f in skill:

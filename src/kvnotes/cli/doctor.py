@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 
 console = Console()
@@ -43,12 +44,16 @@ def diagnose(engine: object, *, check: bool = False) -> dict[str, object]:
     return report
 
 
-def _tiny_engine(arch: str) -> object:
+def _tiny_engine(arch: str, device: str = "cpu", dtype: str = "float32") -> object:
+    import torch
+
     import kvnotes
+    from kvnotes.cli.options import checked
     from kvnotes.core.tiny import ByteTokenizer, tiny_model
 
-    tokenizer = ByteTokenizer(256)
-    return kvnotes.Engine.from_model(tiny_model(arch, 256), tokenizer, name=f"tiny-{arch}")
+    device, dtype = checked(device, dtype)
+    model = tiny_model(arch, 256).to(device=device, dtype=getattr(torch, dtype))
+    return kvnotes.Engine.from_model(model, ByteTokenizer(256), name=f"tiny-{arch}")
 
 
 @app.command()
@@ -58,21 +63,22 @@ def doctor(
                                         "(model_type, e.g. llama, deepseek_v2, qwen2_vl, gpt2)"),
     check: bool = typer.Option(False, help="also prefill, shift by 37 and measure the error"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ) -> None:
     """Print a model's position scheme and which operations are exact, approximate, unsupported."""
-    import kvnotes
 
     if (model is None) == (tiny is None):
         raise typer.BadParameter("give exactly one of --model or --tiny")
     try:
         if tiny is not None:
             try:
-                engine = _tiny_engine(tiny)
+                engine = _tiny_engine(tiny, device, dtype)
             except ValueError as err:  # no tiny recipe for that name: the message lists them
                 raise typer.BadParameter(str(err)) from err
         else:
             with console.status(f"loading {model}"):
-                engine = kvnotes.load(model)
+                engine = load_engine(model, device, dtype)
         report = diagnose(engine, check=check)
     except KvnotesError as err:
         fail(err)

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 
 console = Console(stderr=True)
@@ -21,6 +22,8 @@ def edit_eval(
                    "repair:<attention|kv_deviation>:<k> (default: all, k in 8/32/96)"),
     cot: bool = typer.Option(False, "--cot", help="decide by greedy chain of thought"),
     budget: int = typer.Option(96, help="CoT token budget"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     families: str = typer.Option(None, help="comma-separated task families (default: all)"),
     per_family: int = typer.Option(0, help="use N cases of each family, spread over its value "
                                            "pairs (0: all)"),
@@ -33,7 +36,6 @@ def edit_eval(
                                        help="torch CPU threads (default: physical cores)"),
 ) -> None:
     """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
-    import kvnotes
     from kvnotes.core.machine import set_threads
 
     set_threads(threads)
@@ -57,7 +59,7 @@ def edit_eval(
         if per_family:
             cases = spread(cases, per_family)
         with console.status(f"loading {model}"):
-            engine = kvnotes.load(model)
+            engine = load_engine(model, device, dtype)
         with console.status("evaluating") as status:
             def progress(i: int, n: int) -> None:
                 status.update(f"case {i}/{n}")

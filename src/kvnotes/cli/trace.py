@@ -11,6 +11,7 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, fail
+from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 from kvnotes.eval.trace_suite import CaseTrace, FamilySummary, summarize, trace_cases
 from kvnotes.ops.trace import TraceOptions
@@ -32,9 +33,10 @@ def trace_command(
     boot: int = typer.Option(2000, help="Bootstrap resamples for the confidence intervals."),
     batch_size: int = typer.Option(16, help="Hybrid notebooks per forward."),
     threads: int = typer.Option(0, help="torch CPU threads (0 = leave torch's default)."),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ) -> None:
     """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
-    from kvnotes.core.models import load
     from kvnotes.eval.tasks import (
         load_suite,
         recall,  # noqa: F401  (registers capital_recall)
@@ -46,7 +48,7 @@ def trace_command(
         torch.set_num_threads(threads)
     try:
         suite = load_suite(task or None)
-        engine = load(model)
+        engine = load_engine(model, device, dtype)
     except KvnotesError as err:
         fail(err)
         return

@@ -24,8 +24,11 @@ def rotary_layout(rotary: torch.nn.Module) -> str | None:
     layout, and a complex tensor (``freqs_cis``) rotates interleaved pairs as complex numbers.
     ``None`` when the module cannot be asked that way.
     """
-    probe = torch.zeros(1, 1, 1)
-    position_ids = torch.ones(1, 1, dtype=torch.long)
+    # on the module's own device: a CUDA rotary module given CPU positions would raise, and the
+    # layout would silently read as unknown
+    device = next((b.device for b in rotary.buffers()), torch.device("cpu"))
+    probe = torch.zeros(1, 1, 1, device=device)
+    position_ids = torch.ones(1, 1, dtype=torch.long, device=device)
     try:
         with torch.no_grad():
             out = rotary(probe, position_ids)

@@ -59,7 +59,7 @@ def mrope_axes(model: torch.nn.Module, input_ids: torch.Tensor, *,
         raise UnsupportedModelError(f"{type(model).__name__} has no multimodal rope index")
     ids = input_ids.reshape(1, -1)
     if image_grid_thw is None:
-        return torch.arange(start, start + ids.shape[1]).expand(3, -1).clone()
+        return torch.arange(start, start + ids.shape[1], device=ids.device).expand(3, -1).clone()
     if mm_token_type_ids is None:
         mm_token_type_ids = (ids == model.config.image_token_id).int()
     axes, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_token_type_ids.reshape(1, -1),

@@ -1,0 +1,45 @@
+"""Options every model-loading command shares: ``--device`` and ``--dtype``, and the one loader.
+
+Examples::
+
+    kvnotes demo --device cuda --dtype bfloat16
+    kvnotes trace -m smollm2-135m --device cpu --dtype float32
+
+Both are checked before any weights are read (:func:`kvnotes.core.validate.model_device` and
+``model_dtype``): ``--device cuda`` on a machine without CUDA fails in one line, at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+DEVICE_HELP = "torch device for the model: cpu, cuda, cuda:1, mps (checked before loading)"
+DTYPE_HELP = "model dtype: float32, bfloat16, float16 or float64"
+
+
+def device_option(default: str = "cpu") -> Any:
+    """The ``--device`` option (a fresh typer option per command)."""
+    return typer.Option(default, "--device", help=DEVICE_HELP)
+
+
+def dtype_option(default: str = "float32") -> Any:
+    """The ``--dtype`` option (a fresh typer option per command)."""
+    return typer.Option(default, "--dtype", help=DTYPE_HELP)
+
+
+def checked(device: str, dtype: str) -> tuple[str, str]:
+    """``(device, dtype)`` validated (a clear ``InvalidArgumentError`` otherwise), as names."""
+    from kvnotes.core import validate
+
+    dev = validate.model_device(device)
+    dt = validate.model_dtype(dtype)
+    return str(dev), str(dt).removeprefix("torch.")
+
+
+def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Any:
+    """``kvnotes.load(model, device=..., dtype=...)``: every command loads through here."""
+    from kvnotes.core.models import load
+
+    return load(model, device=device, dtype=dtype)
