@@ -101,9 +101,9 @@ def run_model(name: str, progress: bool = True, fresh: int = len(FRESH)) -> dict
                         "select": select if budget else "none", "budget": budget,
                         "repaired": stats["repaired"], "spliced": spliced,
                         "compute_fraction": stats["compute_fraction"], **cmp.to_dict()})
-        if progress:
-            print(f"{name} {case.name}: ref margin {rows[-1]['top2_margin_reference']:.2f}",
-                  flush=True)
+        if progress:  # the rows so far, one JSON line per case (a killed run keeps them)
+            print(json.dumps({"model": name, "case": case.name,
+                              "rows": [r for r in rows if r["case"] == case.name]}), flush=True)
     return {"model": name, "cases": [c.name for c in cases], "rows": rows,
             "summary": summarize(rows)}
 
@@ -119,7 +119,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "anchor": anchor, "select": select, "budget": budget, "n": len(rs),
             "kl_median": statistics.median(r["kl"] for r in rs),
             "kl_max": max(r["kl"] for r in rs),
-            "cosine_min": min(r["logit_cosine"] for r in rs),
+            "cosine_min": min(r["cosine"] for r in rs),
             "top1_agree": sum(r["top1_agree"] for r in rs),
             "top1_agree_clear": sum(r["top1_agree"] for r in clear), "clear": len(clear),
             "compute_fraction_median": statistics.median(r["compute_fraction"] for r in rs),

@@ -11,6 +11,7 @@ from kvnotes.ops.decisions import (
     answer_ids,
     decide,
     first_token_ids,
+    guarded,
     leading_space,
     margin_of,
     parse_answer,
@@ -107,3 +108,14 @@ def test_guard_stays_quiet_above_tau(tiny_llama):
 def test_guard_needs_a_margin_at_least_zero(tiny_llama):
     with pytest.raises(KvnotesError, match=r"guard tau must be a margin >= 0, got -1"):
         decide(tiny_llama, _composed(tiny_llama), " Answer:", ("yes", "no"), guard=-1)
+
+
+def test_guard_redoes_only_what_is_not_exact(tiny_llama):
+    nb = _composed(tiny_llama)
+    decide_on = lambda n: decide(tiny_llama, n, " Refund? Answer:", ("yes", "no"))  # noqa: E731
+    exact_already, same = guarded(tiny_llama, nb, decide_on, tau=1e9, exact_from=len(nb))
+    assert not exact_already.guard.fired and same is nb  # nothing inexact: nothing redone
+    d, redone = guarded(tiny_llama, nb, decide_on, tau=1e9, exact_from=3)
+    assert d.guard.fired and d.guard.tokens == len(nb) - 3
+    full = tiny_llama.prefill(nb.token_ids)
+    assert torch.allclose(redone.keys(1), full.keys(1), atol=1e-5)

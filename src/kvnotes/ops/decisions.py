@@ -74,7 +74,8 @@ def margin_of(scores: Sequence[float]) -> float:
 
 
 def guarded(engine: Engine, nb: Notebook, decide_on: Callable[[Notebook], Decision], *,
-            tau: float | None, extra_tokens: int = 0) -> tuple[Decision, Notebook]:
+            tau: float | None, extra_tokens: int = 0, exact_from: int = 0
+            ) -> tuple[Decision, Notebook]:
     """A decision that knows when it is not sure: ``decide_on(nb)``, and when its margin is
     below ``tau``, ``decide_on`` again on ``nb``'s notes recomputed exactly from its tokens.
 
@@ -84,7 +85,10 @@ def guarded(engine: Engine, nb: Notebook, decide_on: Callable[[Notebook], Decisi
     (:meth:`Engine.recompute` of every token: exact up to float error). ``extra_tokens``: what
     ``decide_on`` feeds on top of ``nb`` (a query), counted in the guard's cost when it fires.
     ``tau=None`` decides once, unguarded. A decision with no runner-up (margin nan) is never
-    re-decided. Returns the decision (with :class:`Guard` in ``decision.guard``) and the
+    re-decided. ``exact_from``: the notes before this index already equal a recompute's (an
+    exact prefix, a header skill spliced at its own position), so only the rest is recomputed;
+    when it is ``len(nb)`` the fast decision is exact and nothing is redone. Returns the
+    decision (with :class:`Guard` in ``decision.guard``) and the
     notebook it was read from (the recomputed one when the guard fired).
     """
     fast = decide_on(nb)
@@ -93,13 +97,13 @@ def guarded(engine: Engine, nb: Notebook, decide_on: Callable[[Notebook], Decisi
     if not tau >= 0:
         raise InvalidArgumentError(f"guard tau must be a margin >= 0, got {tau!r}; "
                                    "give e.g. guard=0.5 (or None for no guard)")
-    if not fast.margin < tau:  # a clear decision, or nothing to compare (nan)
+    if not fast.margin < tau or exact_from >= len(nb):  # clear, nothing to compare, or exact
         return replace(fast, guard=Guard(tau, False, fast.answer, fast.margin)), nb
     t0 = time.perf_counter()
-    exact_nb = engine.recompute(nb, range(len(nb)))
+    exact_nb = engine.recompute(nb, range(max(0, exact_from), len(nb)))
     exact = decide_on(exact_nb)
-    guard = Guard(tau, True, fast.answer, fast.margin, exact.answer, len(nb) + extra_tokens,
-                  time.perf_counter() - t0)
+    guard = Guard(tau, True, fast.answer, fast.margin, exact.answer,
+                  len(nb) - max(0, exact_from) + extra_tokens, time.perf_counter() - t0)
     return replace(exact, guard=guard), exact_nb
 
 

@@ -44,6 +44,7 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
                                        anchored=anchored)
     t0 = time.perf_counter()
     book.prepare(after=agents["kvnotes"].after)  # type: ignore[attr-defined]
+    book.header(agents["kvnotes"].prompt.head())  # the header too: no turn compiles anything
     prepare_s = time.perf_counter() - t0
     records: list[dict[str, Any]] = []
     for i, ep in enumerate(episodes):

@@ -168,11 +168,13 @@ class KvnotesAgent(_Agent):
         self.notebook: Notebook | None = None
         self._loaded: list[str] = []
         self._pending: str | None = None  # the previous answer, written at the next turn
+        self._exact = 0  # notes [0, _exact) equal a recompute's: the guard redoes only the rest
 
     def _start(self) -> None:
         self.notebook = None
         self._loaded = []
         self._pending = None
+        self._exact = 0
 
     def _feed(self, nb: Notebook, pieces: list[tuple[str, str, str]], *, decide: bool
               ) -> tuple[Notebook, torch.Tensor | None]:
@@ -208,15 +210,23 @@ class KvnotesAgent(_Agent):
         pieces: list[tuple[str, str, str]] = []
         if self.notebook is None:  # first turn: header and skills spliced, then the record
             first = [s for s in dict.fromkeys(["tools", *request.skills]) if s in self.skills.names]
-            nb = self.engine.compose([self.skills.header(self.prompt.head()),
-                                      *(self.skills.notes(s, after=self.after) for s in first)])
+            header = self.skills.header(self.prompt.head())
+            nb = self.engine.compose([header, *(self.skills.notes(s, after=self.after)
+                                                for s in first)])
             self._loaded = list(first)
             before, spliced = 0, int(nb.meta["compose"]["reused"])
+            # exact so far: BOS, the header (a skill at its own positions) and, when anchored
+            # behind that header, the first skill (spliced exactly where it was compiled)
+            exact = int(self.engine.adds_bos) + len(header)
+            if self.after is not None and first:
+                exact += len(self.skills.notes(first[0], after=self.after))
+            clean = exact == len(nb)
             pieces.append((self.prompt.record(self.state.render()), "text", "record"))
             close_policy = False
         else:
             nb = self.notebook
             before, spliced = len(nb), 0
+            exact, clean = self._exact, self._exact == len(nb)
             if self._pending:
                 pieces.append((self._pending, "text", f"t{index - 1}.answer"))
             for e in events:
@@ -235,15 +245,20 @@ class KvnotesAgent(_Agent):
                 n0 = len(nb)
                 nb = self._splice(nb, new)
                 spliced += len(nb) - n0
+                if clean:  # text fed on exact notes is exact; the spliced skills are not
+                    exact, clean = n0, False
         pieces.append((self.prompt.query(request, close_policy=close_policy), "query",
                        f"t{index}.request"))
         nb, logits = self._feed(nb, pieces, decide=True)
         assert logits is not None
+        if clean:
+            exact = len(nb)
         fed = nb
         decision, nb = guarded(  # decide_on(fed) reuses the logits the feed already has
             self.engine, nb, lambda n: choose(self.engine, n, logits if n is fed else
                                               self.engine.next_logits(n), request.options),
-            tau=self.guard)
+            tau=self.guard, exact_from=exact)
+        self._exact = len(nb) if decision.guard and decision.guard.fired else exact
         tool, tool_tokens = self._tool_call(nb, request, decision)
         latency = time.perf_counter() - t0
         self.notebook = nb
