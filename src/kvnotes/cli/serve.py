@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli.app import app, emit_json, fail, folder_option
+from kvnotes.cli.app import app, emit_json, fail, folder_option, read_text_file
 from kvnotes.core.errors import KvnotesError, ServingError, UnknownNameError
 
 
@@ -70,6 +70,8 @@ def serve_bench(
     matrix: bool = typer.Option(False, "--matrix", help="erratum: the full matrix (contexts "
                                 "1k/4k/8k and 16k where the model allows, concurrency 1/4/16, "
                                 "all policies, 16 requests per row); explicit options override"),
+    no_anchor: bool = typer.Option(False, "--no-anchor", help="skills: compile each policy alone "
+                                   "instead of behind the system header (for comparison)"),
 ) -> None:
     """Erratum vs in-place vs cold (--workload erratum) or composed skills vs prefix caching vs
     cold (--workload skills) on a real vLLM server: TTFT, hit rate, fidelity."""
@@ -80,7 +82,7 @@ def serve_bench(
                              dtype=dtype, block_size=block_size, out=out, as_json=as_json,
                              vllm_python=vllm_python, kv_cache_gib=kv_cache_gib,
                              startup_timeout=startup_timeout,
-                             request_timeout=request_timeout)
+                             request_timeout=request_timeout, no_anchor=no_anchor)
     if workload != "erratum":
         raise UnknownNameError("workload", workload, ("erratum", "skills"))
     from kvnotes.apps.serving import (
@@ -178,8 +180,6 @@ def _max_pos(folder: Path) -> int:
 
 # ---- composition inside vLLM ---------------------------------------------------------------------
 def _skill_files(paths: list[Path] | None) -> list[tuple[str, str]]:
-    from kvnotes.cli.app import read_text_file
-
     return [(p.stem, read_text_file(p, "--skill")) for p in (paths or [])]
 
 
@@ -190,6 +190,9 @@ def serve(
                                 "skills registered there are spliced, also while the server runs"),
     skill: list[Path] = typer.Option(None, "--skill", help="Text file to register as a skill at "
                                      "start (repeatable; its name is the file's stem)"),
+    header: Path = typer.Option(None, "--header", help="Text file of the system header requests "
+                                "start with: registered as a piece, and --skill files are "
+                                "compiled behind it (closer to a full prefill)"),
     port: int = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: a free one)"),
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
@@ -209,14 +212,17 @@ def serve(
     from kvnotes.apps.serving.launch import compose_server
 
     texts = _skill_files(skill)
+    head = read_text_file(header, "--header") if header else None
     folder_option(skills, "--skills")
     engine = kvnotes.load(model)
     server, lib = compose_server(engine, model, skills, dtype=dtype, block_size=block_size,
                                  max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                                  port=port, python=vllm_python, log_path=log,
                                  startup_timeout=startup_timeout)
+    if head:
+        lib.add(head, name="header")
     for name, text in texts:
-        info = lib.add(text, name=name)
+        info = lib.add(text, name=name, after=head)
         typer.echo(f"skill {name}: {len(info)} tokens", err=True)
     typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
                err=True)
@@ -244,16 +250,19 @@ def skills_add(
     files: list[Path] = typer.Argument(..., help="Text files, one skill each (name: file stem)"),
     model: str = typer.Option("smollm2-135m", "--model"),
     skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
+    header: Path = typer.Option(None, "--header", help="Compile the skills behind this system "
+                                "header (as `kvnotes serve --header`)"),
 ) -> None:
     """Compile skills with kvnotes and publish them (a running server picks them up)."""
     import kvnotes
     from kvnotes.apps.serving.skills import ServingSkills
 
     texts = _skill_files(files)
+    head = read_text_file(header, "--header") if header else None
     folder_option(skills, "--skills")
     lib = ServingSkills(skills, kvnotes.load(model))
     for name, text in texts:
-        info = lib.add(text, name=name)
+        info = lib.add(text, name=name, after=head)
         typer.echo(f"{name}\t{len(info)} tokens\t{info.key}")
 
 
@@ -274,7 +283,7 @@ def _skills_bench(*, url: str | None, launch: bool, model: str, k: int, requests
                   concurrency: str, policies: str | None, fidelity_samples: int,
                   skills_dir: Path | None, dtype: str, block_size: int | None, out: Path,
                   as_json: bool, vllm_python: str | None, kv_cache_gib: float,
-                  startup_timeout: float, request_timeout: float) -> None:
+                  startup_timeout: float, request_timeout: float, no_anchor: bool) -> None:
     import kvnotes
     from kvnotes.apps.serving.compose_bench import (
         SKILL_POLICIES,
@@ -306,9 +315,11 @@ def _skills_bench(*, url: str | None, launch: bool, model: str, k: int, requests
     def register(skills: ServingSkills) -> None:
         from kvnotes.apps.agent.prompt import HEADER
 
-        for name, text in [("header", HEADER), *skill_texts().items()]:
-            info = skills.add(text, name=name)
-            log(f"skill {name}: {len(info)} tokens")
+        skills.add(HEADER, name="header")
+        for name, text in skill_texts().items():
+            # anchored: each policy compiled behind the header every request starts with
+            info = skills.add(text, name=name, after=None if no_anchor else HEADER)
+            log(f"skill {name}: {len(info)} tokens (first position {info.origin})")
 
     server_info: dict[str, object] = {}
     if url:
@@ -335,6 +346,7 @@ def _skills_bench(*, url: str | None, launch: bool, model: str, k: int, requests
                        "startup_s": server.startup_s, "command": server.cmd,
                        "stopped": not server.alive_pids()}
     result["server"] = server_info
+    result["skills_anchor"] = "none" if no_anchor else "header"
     paths = write_outputs(result, out)
     if as_json:
         emit_json({k_: v for k_, v in result.items() if k_ != "requests"})
