@@ -75,8 +75,10 @@ def load_now() -> dict[str, Any]:
     """The 1-minute load average and the CPU count (timings on a busy machine are marked)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    import torch
+
     return {"load_1min": round(load, 2), "cpus": cpus, "busy": bool(load > (cpus or 1)),
-            "cpu_flags": _cpu_flags()}
+            "cpu_flags": _cpu_flags(), "torch_threads": torch.get_num_threads()}
 
 
 def _cpu_flags() -> str:

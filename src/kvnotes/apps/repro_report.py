@@ -40,14 +40,15 @@ def report_markdown(per_model: dict[str, dict[str, Any]], table: list[dict[str, 
     md += [f"Device `{settings['device']}`, dtype `{settings['dtype']}`, "
            f"{'--quick sizes' if settings['quick'] else 'full sizes'}: "
            + ", ".join(f"{k}={v}" for k, v in settings["sizes"].items()), ""]
-    md += ["| model | stage | seconds | load average (1 min) before/after | CPUs (SIMD) |",
-           "|---|---|---|---|---|"]
+    md += ["| model | stage | seconds | load average (1 min) before/after | CPUs (SIMD) | "
+           "torch threads |", "|---|---|---|---|---|---|"]
     for model, stages in per_model.items():
         for stage, r in stages.items():
             b, a = r["load_before"], r["load_after"]
             md.append(f"| {model} | {stage} | {r['seconds']:.0f} | {b['load_1min']:.2f} / "
                       f"{a['load_1min']:.2f}{' (busy)' if b['busy'] or a['busy'] else ''} | "
-                      f"{b['cpus']} ({b.get('cpu_flags') or '-'}) |")
+                      f"{b['cpus']} ({b.get('cpu_flags') or '-'}) | "
+                      f"{b.get('torch_threads', '-')} |")
     md += ["", "Verdicts: **holds**, **does not hold**, **inconclusive** (the CI spans the "
            "paper's figure), **not measurable** (the field does not move the decision on this "
            "model, so a normalized effect or a recovery rate has no denominator), **not run**. "
@@ -94,7 +95,7 @@ def _details(per_model: dict[str, dict[str, Any]]) -> list[str]:
                 md.append(f"| {row['family']} | {row['n_cases']} | {row['n_sensitive']} | "
                           f"{row['n_insensitive']} | "
                           f"{row['n_skipped_length'] + row['n_skipped_other']} | "
-                          f"{row['median_abs_denominator']} | {ci_text(row['field'])} | "
+                          f"{_num(row['median_abs_denominator'])} | {ci_text(row['field'])} | "
                           f"{ci_text(row['notes'])} |")
             md.append("")
         if "agent" in stages:
@@ -104,6 +105,10 @@ def _details(per_model: dict[str, dict[str, Any]]) -> list[str]:
                    f"computed {a['tokens']['kvnotes_computed']} vs "
                    f"{a['tokens']['recompute_computed']}.", ""]
     return md
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or x != x else f"{x:.2f}"
 
 
 def plot(per_model: dict[str, dict[str, Any]], path: Path) -> None:
@@ -137,10 +142,13 @@ def plot(per_model: dict[str, dict[str, Any]], path: Path) -> None:
     axes[0].axhline(0.90, color="gray", ls="--", lw=0.8)
     axes[0].set_title("composition: logit cosine per case (paper >= 0.90)", fontsize=9)
     axes[1].axhline(0.01, color="gray", ls="--", lw=0.8)
-    axes[1].set_title("trace: field KV vs notes effect (paper: field < 0.01)", fontsize=9)
+    axes[1].set_title("trace, sensitive cases of every family: field KV vs notes\n"
+                      "(paper, decisions: field < 0.01; decision families: see report)",
+                      fontsize=9)
     if axes[1].get_legend_handles_labels()[0]:
         axes[1].legend(fontsize=7)
-    axes[2].set_title("edit recovery: overwrite/erratum/prefix, plain | CoT (hatched)", fontsize=9)
+    axes[2].set_title("edit recovery, sensitive cases of every family:\n"
+                      "overwrite / erratum / prefix, plain | CoT (hatched)", fontsize=9)
     for ax in axes:
         ax.set_xticks(range(len(models)), models, fontsize=7)
     fig.tight_layout()
