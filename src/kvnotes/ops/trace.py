@@ -212,9 +212,8 @@ def patch_metrics(engine: Engine, base: Notebook, source: Notebook,
                   *, batch_size: int = 16) -> list[float]:
     """The one patch loop: ``metric`` after ``query`` on each hybrid, ``batch_size`` per forward.
 
-    Each hybrid is ``splice(base, source, sites)``; hybrids are stacked along the batch axis of
-    one transformers cache and the query is fed to all of them at once (the same forward as
-    :meth:`Engine.next_logits`, batched; equal to it up to float error).
+    Each hybrid is ``splice(base, source, sites)``; hybrids are fed the query together through
+    :meth:`Engine.forward_batch` (equal to :meth:`Engine.next_logits` up to float error).
     """
     _check_aligned(base, source)
     base.check_same_model(engine.fingerprint, what="trace")
