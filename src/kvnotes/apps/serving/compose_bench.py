@@ -296,6 +296,7 @@ def plot_ttft(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     concs = sorted({r["concurrency"] for r in result["requests"]})
     fig, axes = plt.subplots(1, len(concs), figsize=(5 * len(concs), 3.6), squeeze=False)
@@ -307,6 +308,7 @@ def plot_ttft(result: dict[str, Any], path: Path) -> None:
                 ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
                         label=policy)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels
         ax.set_xlabel("time to first token (s, log)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"concurrency {conc}")
