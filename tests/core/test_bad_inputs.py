@@ -40,6 +40,7 @@ from kvnotes.core.errors import (
     PositionError,
     UnknownFieldError,
     UnknownModelError,
+    UnknownNameError,
     UnsafePathError,
 )
 from kvnotes.ops.decisions import first_token_ids
@@ -146,6 +147,16 @@ API_CASES: list[tuple[str, Callable[[Ctx], Any], type[Exception], str]] = [
     ("trace-query-none", lambda c: _trace(c, query=None), ArgumentTypeError, "query is None"),
     ("trace-batch-size-zero", lambda c: _trace(c, options=TraceOptions(batch_size=0)), InvalidArgumentError, "batch_size must be >= 1"),
     ("trace-doc-str", lambda c: kvnotes.trace(c.engine, "text", field="s", new_value="x", query="q", answers=("a", "b")), ArgumentTypeError, "doc must be"),
+    ("keys-negative-layer", lambda c: c.nb.keys(-1), InvalidArgumentError, "layer must be >= 0"),
+    ("values-layer-past-end", lambda c: c.nb.values(99), InvalidArgumentError, "layer must be <= 1"),
+    ("slice-float", lambda c: c.nb.slice(1.5), ArgumentTypeError, "start must be an integer"),
+    ("slice-out-of-range", lambda c: c.nb.slice(0, 10_000), InvalidArgumentError, "out of range"),
+    ("shifted-flag-str", lambda c: c.nb.shifted(3, allow_approximate="yes"), ArgumentTypeError, "allow_approximate"),
+    ("field-empty-name", lambda c: Field("", "x"), EmptyInputError, "field name is empty"),
+    ("field-value-int", lambda c: Field("status", 3), ArgumentTypeError, "field 'status' value"),
+    ("prefill-unknown-kind", lambda c: c.engine.prefill("hi", kind="note"), InvalidArgumentError, "kind must be one of"),
+    ("load-without-engine", lambda c: kvnotes.Notebook.load(c.nb.save(c.tmp / "n.safetensors"), None), ArgumentTypeError, "needs the Engine"),
+    ("quantize-unknown-axis", lambda c: quantize(c.nb, "row"), UnknownNameError, "valid axes: token, channel"),
 ]
 
 

@@ -29,8 +29,8 @@ class Field:
     value: str
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("a field needs a name")
+        validate.text(self.name, "field name", allow_empty=False)
+        validate.text(self.value, f"field {self.name!r} value")
 
 
 Part = str | Field

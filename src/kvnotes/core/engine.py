@@ -29,7 +29,7 @@ from kvnotes.core.errors import (
     UnknownNameError,
 )
 from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.core.notebook import LayerKV, Notebook, Span
+from kvnotes.core.notebook import SPAN_KINDS, LayerKV, Notebook, Span
 from kvnotes.core.positions import adapter_for
 
 TokenInput = str | Sequence[int] | torch.Tensor | Document
@@ -347,6 +347,7 @@ class Engine:
         from a document remembers it (``nb.meta["document"]``) so its fields can be edited.
         """
         validate.prefill_args(self, x, start, bos, name)
+        validate.choice(kind, "kind", SPAN_KINDS)
         ids, spans = self.tokens_of(x, bos=bos, kind=kind, name=name)
         nb = self.forward(self.empty(start), ids, spans=spans).notebook
         if isinstance(x, Document):

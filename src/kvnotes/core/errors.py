@@ -57,7 +57,10 @@ class UnknownNameError(KvnotesError, ValueError):
     def __init__(self, kind: str, name: object, valid: Iterable[object], hint: str = "") -> None:
         self.kind, self.name, self.hint = kind, name, hint
         self.valid = tuple(str(v) for v in valid)
-        plural = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
+        plural = (kind[:-2] + "es" if kind.endswith("is")  # axis -> axes
+                  else kind[:-1] + "ies" if kind.endswith("y")
+                  else kind + "es" if kind.endswith(("s", "x"))
+                  else kind + "s")
         message = f"unknown {kind} {name!r}; valid {plural}: {', '.join(self.valid)}"
         super().__init__(message + (f" ({hint})" if hint else ""))
 

@@ -28,7 +28,9 @@ import torch
 from kvnotes.core import files, validate
 from kvnotes.core.cache import KVStore
 from kvnotes.core.errors import (
+    ArgumentTypeError,
     EmptyInputError,
+    InvalidArgumentError,
     NotebookMismatchError,
     PositionError,
     UnknownFieldError,
@@ -205,10 +207,12 @@ class Notebook:
 
     def keys(self, layer: int) -> torch.Tensor:
         """Post-RoPE keys of one layer, ``[1, kv_heads, n, head_dim]`` (never windowed)."""
+        layer = validate.layer_index(layer, self.num_layers)  # -1 is refused, not wrapped
         return self._store.view(layer, self._start, self._end)[0]
 
     def values(self, layer: int) -> torch.Tensor:
         """Values of one layer, ``[1, kv_heads, n, head_dim_v]`` (never windowed)."""
+        layer = validate.layer_index(layer, self.num_layers)
         return self._store.view(layer, self._start, self._end)[1]
 
     def span(self, name: str) -> Span:
@@ -323,6 +327,7 @@ class Notebook:
         :class:`PositionError` where it is only approximate unless ``allow_approximate``.
         """
         validate.shift(delta)
+        validate.flag(allow_approximate, "allow_approximate")
         delta = int(delta)
         if delta == 0:
             return self
@@ -350,9 +355,12 @@ class Notebook:
 
         A view onto the same storage (nothing is copied).
         """
-        end = len(self) if end is None else end
+        start = validate.integer(start, "start")
+        end = len(self) if end is None else validate.integer(end, "end")
         if not 0 <= start <= end <= len(self):
-            raise IndexError(f"slice [{start}, {end}) out of range for a notebook of {len(self)}")
+            raise InvalidArgumentError(f"slice [{start}, {end}) is out of range for a notebook "
+                                       f"of {len(self)} tokens; use 0 <= start <= end <= "
+                                       f"{len(self)}")
         spans = [Span(s.name, s.kind, max(s.start, start) - start, min(s.end, end) - start)
                  for s in self.spans if s.end > start and s.start < end]
         origin = int(self.positions[start]) if start < len(self) else self.next_position
@@ -426,9 +434,14 @@ class Notebook:
             NotebookFileError: the file is missing, truncated, tampered with or not a notebook.
             NotebookMismatchError: the notebook was written by a different model.
         """
+        if not hasattr(engine, "fingerprint") or not hasattr(engine, "adapter"):
+            raise ArgumentTypeError(f"Notebook.load needs the Engine whose model wrote the file, "
+                                    f"got {type(engine).__name__}")
         header, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
                                      version=FILE_VERSION, what="notebook")
-        layers = [LayerKV(tensors[f"layers.{l}.keys"], tensors[f"layers.{l}.values"])
+        device = getattr(engine, "device", "cpu")  # files are read on the CPU
+        layers = [LayerKV(tensors[f"layers.{l}.keys"].to(device),
+                          tensors[f"layers.{l}.values"].to(device))
                   for l in range(header["num_layers"])]
         return cls(
             layers=layers, token_ids=tensors["token_ids"], positions=tensors["positions"],

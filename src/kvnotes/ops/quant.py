@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvnotes.core import files
-from kvnotes.core.errors import NotebookFileError
+from kvnotes.core.errors import NotebookFileError, UnknownNameError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import LayerKV, Notebook, Span
 from kvnotes.core.positions import PositionAdapter
@@ -74,7 +74,7 @@ class QuantizedTensor:
 def quantize_tensor(x: torch.Tensor, axis: str = "token") -> QuantizedTensor:
     """Symmetric absmax int8 of a ``[1, h, n, d]`` tensor, one scale per token or per channel."""
     if axis not in AXES:
-        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+        raise UnknownNameError("axis", axis, AXES)
     xf = x.detach().to(torch.float32)
     reduce = -1 if axis == "token" else -2
     absmax = xf.abs().amax(dim=reduce, keepdim=True)
@@ -100,7 +100,7 @@ class QuantizedNotebook:
                  dtype: torch.dtype = torch.float32, meta: dict[str, Any] | None = None,
                  origin: int = 0) -> None:
         if axis not in AXES:
-            raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+            raise UnknownNameError("axis", axis, AXES)
         self.layers = tuple(layers)
         self.token_ids = token_ids.to(torch.long).reshape(-1)
         self.positions = positions.to(torch.long).reshape(-1)
