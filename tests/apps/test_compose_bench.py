@@ -64,8 +64,8 @@ def test_ratios_and_report():
     assert ratios(rows) == [{"concurrency": 1, "prefix_over_compose_p90": 10.0,
                              "cold_over_compose_p90": 12.0}]
     result = {"config": vars(SkillsBenchConfig()) | {"concurrency": [1]},
-              "machine": {"before": {"load_avg": (0.1, 0.2, 0.3)},
-                          "after": {"load_avg": (0.4, 0.5, 0.6)}},
+              "machine": {"before": {"load_average": (0.1, 0.2, 0.3)},
+                          "after": {"load_average": (0.4, 0.5, 0.6)}},
               "summaries": [vars(s) for s in rows], "ratios": ratios(rows),
               "fidelity": {"samples": 2, "first_token_agreement": 1.0,
                            "continuation_identity": 0.5, "continuation_tokens": 16,

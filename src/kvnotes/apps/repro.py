@@ -28,6 +28,7 @@ from typing import Any
 
 from kvnotes.apps.repro_report import write_report
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.machine import machine_info
 
 STAGES: tuple[str, ...] = ("compose", "edit", "edit_cot", "trace", "agent")
 DEFAULT_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
@@ -73,23 +74,9 @@ def slug(model: str) -> str:
 
 def load_now() -> dict[str, Any]:
     """The 1-minute load average and the CPU count (timings on a busy machine are marked)."""
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    import torch
-
-    return {"load_1min": round(load, 2), "cpus": cpus, "busy": bool(load > (cpus or 1)),
-            "cpu_flags": _cpu_flags(), "torch_threads": torch.get_num_threads()}
-
-
-def _cpu_flags() -> str:
-    """The SIMD flags that decide CPU speed (machines differ: record them with every timing)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    flags = next((ln.partition(":")[2].split() for ln in text.splitlines()
-                  if ln.startswith(("flags", "Features"))), [])
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "neon") if f in flags)
+    info = machine_info()
+    return {"load_1min": info["load_average"][0], "cpus": info["cpus"], "busy": info["busy"],
+            "cpu_flags": " ".join(info["cpu_flags"]), "torch_threads": info["torch_threads"]}
 
 
 def _stage_compose(engine: Any, sizes: Sizes, tick: Callable[[int, int], None]) -> dict[str, Any]:

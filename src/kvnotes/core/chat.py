@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvnotes.core.document import added_bos
 from kvnotes.core.errors import UnsupportedModelError
 
 _SENTINEL = "\u2063KVNOTES\u2063"  # invisible separator: never part of real text
@@ -124,8 +125,6 @@ def _strip_added_bos(tokenizer: Any, rendered: str) -> str:
     template's first token is real text and must stay.
     """
     bos = getattr(tokenizer, "bos_token", None)
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if not bos or bos_id is None or not rendered.startswith(bos):
+    if not bos or not rendered.startswith(bos):
         return rendered
-    probe = tokenizer("a")["input_ids"]
-    return rendered[len(bos):] if probe and probe[0] == bos_id else rendered
+    return rendered[len(bos):] if added_bos(tokenizer) is not None else rendered

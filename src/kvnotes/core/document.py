@@ -113,6 +113,16 @@ def encode(tokenizer: object, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
 
 
+def added_bos(tokenizer: object) -> int | None:
+    """The BOS rule: the BOS id when ``tokenizer(text)`` adds one by default, else None.
+
+    SmolLM2's ``bos_token`` is ``<|im_start|>``, which its tokenizer never adds: no BOS there.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    probe = tokenizer("a")["input_ids"]  # type: ignore[operator]
+    return bos if bos is not None and probe and probe[0] == bos else None
+
+
 def as_parts(parts: Sequence[Part] | Document | str) -> Document:
     if isinstance(parts, Document):
         return parts

@@ -19,7 +19,7 @@ import torch
 
 from kvnotes.core import validate
 from kvnotes.core.cache import KVStore, NotebookCache, build_cache
-from kvnotes.core.document import Document, document_meta, encode
+from kvnotes.core.document import Document, added_bos, document_meta, encode
 from kvnotes.core.errors import (
     ArgumentTypeError,
     EmptyInputError,
@@ -128,10 +128,8 @@ class Engine:
         self.fingerprint = ModelFingerprint.of(model, tokenizer)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        probe = tokenizer("a")["input_ids"]
-        bos = getattr(tokenizer, "bos_token_id", None)
         # BOS rule: a notebook starts with BOS exactly when tokenizer(text) would add one.
-        self.bos_id: int | None = bos if bos is not None and probe and probe[0] == bos else None
+        self.bos_id: int | None = added_bos(tokenizer)
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-SIMD_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "amx_tile", "fma", "neon", "asimd")
+SIMD_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma",
+              "neon", "asimd")
 
 
 def _cpuinfo() -> str:
@@ -59,16 +60,38 @@ def set_threads(threads: int | None = None) -> int:
     return n
 
 
-def machine_info() -> dict[str, Any]:
-    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON."""
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    cpus = available_cpus()
-    flags: list[str] = []
+def load_average() -> tuple[float, float, float]:
+    """1, 5 and 15-minute load averages (NaN where the platform has none)."""
+    if not hasattr(os, "getloadavg"):
+        return (float("nan"),) * 3
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags that decide CPU speed (machines here differ: record them with timings)."""
     for line in _cpuinfo().splitlines():
         if line.startswith(("flags", "Features")):
             present = set(line.partition(":")[2].split())
-            flags = [f for f in SIMD_FLAGS if f in present]
-            break
+            return [f for f in SIMD_FLAGS if f in present]
+    return []
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return ""
+
+
+def machine_info() -> dict[str, Any]:
+    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON."""
+    load = load_average()
+    cpus = available_cpus()
+    flags = cpu_flags()
     return {
         "torch_threads": torch.get_num_threads(), "physical_cores": physical_cores(),
         "cpus": cpus, "load_average": [round(x, 2) for x in load],

@@ -35,6 +35,7 @@ from kvnotes.apps.serving.metrics import (
 )
 from kvnotes.apps.serving.workload import ANSWERS, POLICIES, Session, make_sessions
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
+from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.ops.decisions import parse_answer
 
 __all__ = ["BenchConfig", "PhaseSummary", "RequestRecord", "machine_state", "markdown_table", "ratios",
@@ -191,29 +192,13 @@ class _Deadline:
         return self.at is not None and time.monotonic() > self.at
 
 
-def _load() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def _load() -> list[float]:
+    return [round(x, 2) for x in load_average()]
 
 
 def machine_state() -> dict[str, Any]:
     """CPUs, CPU model and SIMD flags of this machine (the server runs here too), load now."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
-    flags: list[str] = []
-    model = ""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                have = set(value.split())
-                flags = [f for f in wanted if f in have]
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model, "cpu_flags": flags,
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
             "load_average": _load()}
 
 

@@ -17,7 +17,6 @@ hits) is the reference for the first token, 16 greedy tokens and the top-20 logp
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ from kvnotes.apps.agent.skills import skill_names, skill_text
 from kvnotes.apps.serving.compose_client import ComposeClient, ComposeResult, cold_salt
 from kvnotes.apps.serving.metrics import percentile
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
 
 SKILL_POLICIES = ("cold", "prefix", "compose")
@@ -186,21 +186,10 @@ def measure_fidelity(client: ComposeClient, prompts: Sequence[list[str]], tokens
             "cases": cases}
 
 
-def machine_info() -> dict[str, Any]:
-    flags = ""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"load_avg": os.getloadavg(), "cpus": os.cpu_count(),
-            "cpu_flags": [f for f in wanted if f" {f}" in flags]}
-
-
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                          log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every policy x concurrency phase, then fidelity; a JSON-able result."""
-    machine_before = machine_info()
+    machine_before = machine_info()  # threads, load average, CPU flags
     summaries: list[PhaseSummary] = []
     records: list[Record] = []
     # warm-up: the first requests after start pay compilation; not measured
@@ -288,7 +277,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _load(m: dict[str, Any]) -> str:
-    return "/".join(f"{x:.1f}" for x in m["load_avg"])
+    return "/".join(f"{x:.1f}" for x in m["load_average"])
 
 
 def plot_ttft(result: dict[str, Any], path: Path) -> None:

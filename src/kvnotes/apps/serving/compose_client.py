@@ -18,17 +18,10 @@ from typing import Any
 
 from kvnotes.apps.serving.client import check_loopback_url
 from kvnotes.apps.serving.piece_store import SPLICE_SALT_PREFIX
-from kvnotes.core.document import encode
+from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import ServingError
 
 SPLICE_SALT = SPLICE_SALT_PREFIX  # one salt for all spliced requests: repeats share the cache
-
-
-def bos_id_of(tokenizer: Any) -> int | None:
-    """BOS when ``tokenizer(text)`` adds one by default (the engine's BOS rule)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    probe = tokenizer("a")["input_ids"]
-    return bos if bos is not None and probe and probe[0] == bos else None
 
 
 def prompt_ids(tokenizer: Any, parts: Sequence[str]) -> list[int]:
@@ -36,7 +29,7 @@ def prompt_ids(tokenizer: Any, parts: Sequence[str]) -> list[int]:
     if isinstance(parts, str):
         raise TypeError("parts is a list of strings (header, skills, user text), not one string")
     ids: list[int] = []
-    bos = bos_id_of(tokenizer)
+    bos = added_bos(tokenizer)  # the engine's BOS rule
     if bos is not None:
         ids.append(bos)
     for part in parts:

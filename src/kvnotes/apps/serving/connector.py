@@ -183,7 +183,7 @@ class KvnotesConnector(KVConnectorBase_V1):
                 continue
             for i, layer in layers:
                 keys, values = assemble_layer(load.run, load.start, load.end, i,
-                                              self.store.manifest.inv_freq(i), self.store.load,
+                                              self.store.inv_freqs[i], self.store.load,
                                               self.dtype)
                 layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache,
                                               load.slots.to(layer.kv_cache.device))

@@ -18,6 +18,7 @@ from kvnotes.apps.serving.export import export_hf_dir
 from kvnotes.apps.serving.server import VLLMServer
 from kvnotes.apps.serving.skills import ServingSkills
 from kvnotes.core.engine import Engine
+from kvnotes.core.machine import cpu_flags
 
 CONNECTOR_CLASS = "KvnotesConnector"
 CONNECTOR_MODULE = "kvnotes.apps.serving.connector"
@@ -26,11 +27,8 @@ CONNECTOR_MODULE = "kvnotes.apps.serving.connector"
 def cpu_dtype() -> str:
     """bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), else float32
     (RECIPES.md: bf16 without native support is several times slower)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    native_bf16 = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
+    return "bfloat16" if native_bf16 else "float32"
 
 
 def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> dict[str, Any]:

@@ -49,6 +49,8 @@ class PieceStore:
         self.folder = Path(folder)
         self.manifest = ServingManifest.read(self.folder)
         self.fingerprint = self.manifest.fingerprint_obj
+        # RoPE tables as tensors once, not per request and layer on the splice path
+        self.inv_freqs = [self.manifest.inv_freq(l) for l in range(self.manifest.num_layers)]
         self.index = PieceIndex()
         self.max_bytes = int(max_bytes)
         self.rescan_s = rescan_s
@@ -126,22 +128,25 @@ class PieceStore:
         return keys, values
 
     def _remember(self, key: str, keys: torch.Tensor, values: torch.Tensor) -> None:
-        size = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        size = _nbytes(keys, values)
         if size > self.max_bytes:
             return
         self._evict(key)
         self._cache[key] = (keys, values)
         self._cached_bytes += size
         while self._cached_bytes > self.max_bytes and self._cache:
-            old, (k, v) = self._cache.popitem(last=False)
-            self._cached_bytes -= k.numel() * k.element_size() + v.numel() * v.element_size()
+            _, oldest = self._cache.popitem(last=False)
+            self._cached_bytes -= _nbytes(*oldest)
 
     def _evict(self, key: str) -> None:
         old = self._cache.pop(key, None)
         if old is not None:
-            k, v = old
-            self._cached_bytes -= k.numel() * k.element_size() + v.numel() * v.element_size()
+            self._cached_bytes -= _nbytes(*old)
 
     @property
     def cached_bytes(self) -> int:
         return self._cached_bytes
+
+
+def _nbytes(keys: torch.Tensor, values: torch.Tensor) -> int:
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
