@@ -18,6 +18,7 @@ from kvnotes.apps.agent.episodes import Episode, scripted_episodes
 from kvnotes.apps.agent.runtime import KvnotesAgent, RecomputeAgent, TurnResult
 from kvnotes.apps.agent.skills import SkillBook
 from kvnotes.core.engine import Engine
+from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
 
 
@@ -34,6 +35,7 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
     ``anchored`` configure the kvnotes agent (see :class:`KvnotesAgent`).
     """
     episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
+    machine_before = machine_info()  # latency ratios mean little without the load beside them
     book = SkillBook(engine, skill_root)
     misses0 = book.library.misses
     agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard,
@@ -72,8 +74,19 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
         if on_episode:
             on_episode(summarize(engine, records, book=book, prepare_s=prepare_s,
                                  compiled=book.library.misses - misses0, tool_calls=tool_calls))
-    return summarize(engine, records, book=book, prepare_s=prepare_s,
-                     compiled=book.library.misses - misses0, tool_calls=tool_calls)
+    result = summarize(engine, records, book=book, prepare_s=prepare_s,
+                       compiled=book.library.misses - misses0, tool_calls=tool_calls)
+    result["machine"] = {"before": machine_before, "after": machine_info()}
+    return result
+
+
+def _machine_line(machine: dict[str, Any] | None) -> str:
+    if not machine:
+        return ""
+    b, a = machine["before"], machine["after"]
+    busy = " (busy: latency ratios are contaminated)" if b["busy"] or a["busy"] else ""
+    return (f" {b['torch_threads']} torch threads; load average {b['load_average'][0]} before, "
+            f"{a['load_average'][0]} after{busy}.")
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -212,7 +225,8 @@ def report_markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# agent-bench: {result['model']}", "",
         f"{result['episodes']} scripted episodes x {result['turns_per_episode']} turns = "
-        f"{result['decisions']} decisions (tool calls: {'on' if result['tool_calls'] else 'off'}).",
+        f"{result['decisions']} decisions (tool calls: {'on' if result['tool_calls'] else 'off'})."
+        + _machine_line(result.get("machine")),
         "", "## Summary", "",
         "| figure | value |", "| --- | --- |",
         f"| decision identity with recompute | {result['identity']:.1%} "
