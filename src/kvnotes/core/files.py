@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
 from kvnotes.core.errors import NotebookFileError, NotebookMismatchError, UnsafePathError
@@ -217,12 +218,16 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
         raise NotebookFileError(f"no {what} file at {path}" + (" (it is a folder)"
                                                                if path.is_dir() else ""))
     try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("kvnotes")
-            if raw is None:
-                raise NotebookFileError(f"{path} is a safetensors file but not a kvnotes {what}")
-            header = json.loads(raw)
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        # Read the bytes once, then parse them: a memory map (safe_open) dies with SIGBUS when
+        # another process truncates the file while it is being read (a damaged library entry
+        # rewritten in place); a plain read sees the old or the new bytes, and the checksum
+        # below catches a mix.
+        data = path.read_bytes()
+        raw = _safetensors_metadata(data).get("kvnotes")
+        if raw is None:
+            raise NotebookFileError(f"{path} is a safetensors file but not a kvnotes {what}")
+        header = json.loads(raw)
+        tensors = safetensors_load(data)
     except (SafetensorError, json.JSONDecodeError, RuntimeError, ValueError, OSError) as err:
         if isinstance(err, NotebookFileError):
             raise
@@ -256,6 +261,18 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
             "Load it with the model that wrote it, or prefill again."
         )
     return header, tensors
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's bytes (8-byte header length, JSON header)."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise ValueError(f"header of {n} bytes does not fit a file of {len(data)}")
+    header = json.loads(data[8:8 + n])
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def _is_int(x: object) -> bool:
