@@ -28,6 +28,7 @@ CORE_RANKS = {
     "kvnotes.core.files": 2,
     "kvnotes.core.notebook": 3,
     "kvnotes.core.cache": 3,
+    "kvnotes.core.attention": 3,
     "kvnotes.core.engine": 4,
     "kvnotes.core.models": 5,
     "kvnotes.core.tiny": 5,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvnotes.core import validate
+from kvnotes.core.attention import use_grouped_sdpa
 from kvnotes.core.cache import KVStore, NotebookCache, build_cache
 from kvnotes.core.document import Document, added_bos, document_meta, encode
 from kvnotes.core.errors import (
@@ -122,12 +123,14 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, name: str | None = None) -> None:
         model.eval()
         self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # grouped K/V attended without transformers' per-forward repeat_kv copy (CPU only)
+        self.grouped_attention = use_grouped_sdpa(model, self.device)
         self.tokenizer = tokenizer
         self.name = name or str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.adapter = adapter_for(model)
         self.fingerprint = ModelFingerprint.of(model, tokenizer)
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         # BOS rule: a notebook starts with BOS exactly when tokenizer(text) would add one.
         self.bos_id: int | None = added_bos(tokenizer)
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
