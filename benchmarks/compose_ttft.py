@@ -9,14 +9,24 @@ compiled skills; a request is answered by splicing them and feeding the request 
              request: the time to first token of a composed request
 - alone:     the request's own forward on a near-empty notebook (the header only): what the
              request costs by itself
+- over_context: the request's forward on top of the already composed notebook: what it costs
+             when the context is a perfect prefix-cache hit (its attention over L included)
 - splice:    the re-rotation alone (the O(L) part of compose)
-- decode:    time per greedy token after the composed request (flat in L when decoding appends
-             in place)
+- decode:    time per decode step after the composed request: exactly --decode-tokens forwards of
+             one token each (no end-of-sequence stop, so every length times the same work)
 
 Reported per length: ``speedup`` = recompute / compose; ``efficiency`` = alone / compose (1.0
-means composing costs nothing beyond the request's own forward); ``ceiling`` = recompute /
-alone (the speedup compose would reach at efficiency 1); ``speedup_bound`` = total tokens /
-request tokens. Medians over --reps after one warm-up; the JSON records torch threads, the load
+means composing costs nothing beyond the request's own forward); ``prefix_hit_efficiency`` =
+over_context / compose (1.0 means composing costs no more than a prefix-cache hit of the same
+context would); ``ceiling`` = recompute / alone (the speedup compose would reach at efficiency
+1); ``speedup_bound`` = total tokens / request tokens.
+
+Two physical floors are written beside the times, from the model's shapes (no timing in them):
+``attention_flop_share`` = the request's attention FLOPs over the context ÷ all its FLOPs (the
+best ``efficiency`` any implementation can reach when the forward is compute-bound is
+``1 - attention_flop_share``), and ``decode_bytes_ratio`` = bytes a decode step must read
+(weights + KV at this length) ÷ the same at the shortest length (what a memory-bound decode
+step's time grows by). Medians over --reps after one warm-up; the JSON records torch threads, the load
 average and whether the machine was busy. Writes JSON and a log-log PNG with fitted slopes. Run
 on a quiet machine:
     .venv/bin/python benchmarks/compose_ttft.py --out out/bench
@@ -50,6 +60,44 @@ def skill_text(engine: kvnotes.Engine, n_tokens: int) -> str:
         ids.extend(engine.encode(f"\n\n[Section {i + 1}]\n" + docs[i % len(docs)]))
         i += 1
     return engine.decode(ids[:n_tokens])
+
+
+def decode_steps(engine: kvnotes.Engine, nb: kvnotes.Notebook, steps: int) -> None:
+    """``steps`` decode forwards of one token each on top of ``nb`` (greedy picks, no EOS stop)."""
+    logits = nb.last_logits
+    for _ in range(steps):
+        step = engine.forward(nb, [int(logits.argmax())])
+        nb, logits = step.notebook, step.logits
+
+
+def model_shapes(engine: kvnotes.Engine) -> dict[str, int]:
+    config = engine.model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads}
+
+
+def attention_flop_share(engine: kvnotes.Engine, q: int, context: int) -> float:
+    """Share of a q-token forward's FLOPs on top of ``context`` tokens spent in attention
+    scores and mixing over that context (2 matmuls of heads x head_dim per key), against
+    2 FLOPs per weight per token for everything else (the output head counted once, as
+    logits are kept for the last token only)."""
+    s = model_shapes(engine)
+    attention = 2 * 2 * s["layers"] * s["heads"] * s["head_dim"] * context * q
+    embed = engine.model.get_input_embeddings().weight.numel()
+    weights = sum(p.numel() for p in engine.model.parameters()) - embed
+    dense = 2 * weights * q + 2 * embed
+    return attention / (attention + dense)
+
+
+def decode_bytes(engine: kvnotes.Engine, length: int) -> int:
+    """Bytes one decode step reads at ``length`` cached tokens: every weight once (the output
+    head included) plus every layer's keys and values."""
+    s = model_shapes(engine)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * length * engine.dtype.itemsize
+    return weights + kv
 
 
 def timed(fn) -> float:
@@ -100,23 +148,31 @@ def main() -> None:
             lambda p=parts: engine.next_logits(engine.compose(p), request_ids), args.reps)
         alone, alone_raw = median_time(lambda: engine.next_logits(near_empty, request_ids),
                                        args.reps)
+        over, over_raw = median_time(lambda c=composed: engine.next_logits(c, request_ids),
+                                     args.reps)
         splice, splice_raw = median_time(lambda pre=prefix, sk=skill: pre.splice(sk), args.reps)
         asked = engine.extend(composed, request_ids)
-        decode, decode_raw = median_time(
-            lambda nb=asked: engine.greedy(nb, None, args.decode_tokens), args.reps)
+        decode, decode_raw = median_time(lambda nb=asked: decode_steps(engine, nb,
+                                                                       args.decode_tokens),
+                                         args.reps)
         per_token = decode / args.decode_tokens
         rows.append({
             "requested_tokens": n, "skill_tokens": len(skill), "total_tokens": len(ids),
             "request_tokens": len(request_ids), "speedup_bound": len(ids) / len(request_ids),
-            "recompute_s": rec, "compose_s": comp, "request_alone_s": alone, "splice_s": splice,
-            "decode_s_per_token": per_token,
-            "speedup": rec / comp, "efficiency": alone / comp, "ceiling": rec / alone,
+            "recompute_s": rec, "compose_s": comp, "request_alone_s": alone,
+            "request_over_context_s": over, "splice_s": splice,
+            "decode_s_per_token": per_token, "decode_tokens": args.decode_tokens,
+            "speedup": rec / comp, "efficiency": alone / comp,
+            "prefix_hit_efficiency": over / comp, "ceiling": rec / alone,
+            "attention_flop_share": attention_flop_share(engine, len(request_ids), len(composed)),
+            "decode_bytes": decode_bytes(engine, len(asked)),
             "raw": {"recompute_s": rec_raw, "compose_s": comp_raw, "request_alone_s": alone_raw,
-                    "splice_s": splice_raw, "decode_s": decode_raw},
+                    "request_over_context_s": over_raw, "splice_s": splice_raw,
+                    "decode_s": decode_raw},
         })
         r = rows[-1]
         tqdm.write(f"L={n}: recompute {rec*1e3:.0f} ms, compose {comp*1e3:.0f} ms, request alone "
-                   f"{alone*1e3:.0f} ms, splice {splice*1e3:.1f} ms, decode "
+                   f"{alone*1e3:.0f} ms, over context {over*1e3:.0f} ms, splice {splice*1e3:.1f} ms, decode "
                    f"{per_token*1e3:.1f} ms/token; speedup {r['speedup']:.1f}x, efficiency "
                    f"{r['efficiency']:.2f}, ceiling {r['ceiling']:.1f}x")
 
@@ -127,24 +183,34 @@ def main() -> None:
         y = np.log([r[key] for r in rows])
         return float(np.polyfit(x, y, 1)[0])
 
+    for r in rows:
+        r["decode_bytes_ratio"] = r["decode_bytes"] / rows[0]["decode_bytes"]
+        r["decode_time_ratio"] = r["decode_s_per_token"] / rows[0]["decode_s_per_token"]
     after = machine_info()
     result = {
         "model": args.model, "reps": args.reps, "warmup": 1, "dtype": str(engine.dtype),
         "torch_threads": after["torch_threads"], "machine": after["machine"],
         "machine_before": before, "machine_after": after,
         "busy": before["busy"] or after["busy"], "rows": rows,
-        "slopes": {k: slope(k) for k in ("recompute_s", "compose_s", "splice_s",
-                                         "decode_s_per_token")},
+        "slopes": {k: slope(k) for k in ("recompute_s", "compose_s", "request_over_context_s",
+                                         "splice_s", "decode_s_per_token")},
     }
     for at in (2048, 4096):
         hit = [r for r in rows if r["requested_tokens"] == at]
         result[f"speedup_at_{at}"] = hit[0]["speedup"] if hit else None
         result[f"efficiency_at_{at}"] = hit[0]["efficiency"] if hit else None
+        result[f"prefix_hit_efficiency_at_{at}"] = (hit[0]["prefix_hit_efficiency"] if hit
+                                                    else None)
+        result[f"efficiency_floor_at_{at}"] = (1 - hit[0]["attention_flop_share"] if hit
+                                               else None)
+    result["decode_time_ratio_last"] = rows[-1]["decode_time_ratio"]
+    result["decode_bytes_ratio_last"] = rows[-1]["decode_bytes_ratio"]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compose_ttft.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "compose_ttft.png")
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("slopes", "speedup_at",
-                                                                        "efficiency_at"))},
+    print(json.dumps({k: v for k, v in result.items() if k.startswith((
+        "slopes", "speedup_at", "efficiency_at", "prefix_hit_efficiency_at", "efficiency_floor_at",
+        "decode_"))},
                      indent=2))
     print(load_note(after))
 
@@ -160,9 +226,12 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for key, label in (("recompute_s", "full recompute"), ("compose_s", "compose (TTFT)"),
                        ("request_alone_s", "request alone (near-empty notebook)"),
+                       ("request_over_context_s", "request over the context (prefix hit)"),
                        ("splice_s", "splice only (re-rotation)"),
                        ("decode_s_per_token", "greedy decode, per token")):
         slope = result["slopes"].get(key, float("nan"))
+        if key not in rows[0]:
+            continue
         ax.loglog(x, [r[key] for r in rows], "o-", label=f"{label}: slope {slope:.2f}")
     ax.set_xlabel("skill tokens L")
     ax.set_ylabel("seconds (median)")
