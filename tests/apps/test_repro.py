@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -168,6 +169,7 @@ def test_resume_skips_finished_stages(monkeypatch, tmp_path):
     assert (tmp_path / "a" / "trace.json").is_file() and (tmp_path / "c" / "agent.json").is_file()
     report = paths["report"].read_text()
     assert "| a | cosine min 0.9800" in report and paths["plot"].is_file()
+    assert re.search(r"All stages together: \*\*\d+\.\d min\*\*", report)
     data = json.loads(paths["json"].read_text())
     assert {v["id"] for v in data["verdicts"]} >= {"composition_cosine", "vllm_prefix_cache"}
 

@@ -49,6 +49,12 @@ def report_markdown(per_model: dict[str, dict[str, Any]], table: list[dict[str, 
                       f"{a['load_1min']:.2f}{' (busy)' if b['busy'] or a['busy'] else ''} | "
                       f"{b['cpus']} ({b.get('cpu_flags') or '-'}) | "
                       f"{b.get('torch_threads', '-')} |")
+    total = sum(r["seconds"] for stages in per_model.values() for r in stages.values())
+    busy = any(r["load_before"]["busy"] or r["load_after"]["busy"]
+               for stages in per_model.values() for r in stages.values())
+    md += ["", f"All stages together: **{total / 60:.1f} min**"
+           + (" (some stages ran while the machine was busy: an upper bound on a quiet run)"
+              if busy else "") + "."]
     md += ["", "Verdicts: **holds**, **does not hold**, **inconclusive** (the CI spans the "
            "paper's figure), **not measurable** (the field does not move the decision on this "
            "model, so a normalized effect or a recovery rate has no denominator), **not run**. "
