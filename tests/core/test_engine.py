@@ -240,5 +240,11 @@ def test_recompute_every_index_equals_prefill_and_leaves_input(tiny):
     again = tiny.recompute(composed, range(len(composed)))
     _close(again, tiny.prefill(composed.token_ids))
     assert torch.equal(composed.keys(0), before)  # the input notebook is untouched
-    with pytest.raises(IndexError, match="recompute indices must be in"):
-        tiny.recompute(composed, [len(composed)])
+    n = len(composed)
+    with pytest.raises(InvalidArgumentError, match=rf"recompute indices must be token indices "
+                       rf"in \[0, {n}\) of a notebook of {n} tokens; got 1 out of range "
+                       rf"\({n}\)$") as err:
+        tiny.recompute(composed, [0, n])
+    assert isinstance(err.value, kvnotes.KvnotesError) and not isinstance(err.value, IndexError)
+    with pytest.raises(InvalidArgumentError, match=r"got 2 out of range \(-1\.\.%d\)" % (n + 3)):
+        tiny.recompute(composed, torch.tensor([-1, 2, n + 3]))

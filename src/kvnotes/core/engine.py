@@ -436,8 +436,11 @@ class Engine:
         idx = sorted({int(i) for i in (indices.reshape(-1).tolist()
                                        if isinstance(indices, torch.Tensor) else indices)})
         if idx and not (0 <= idx[0] and idx[-1] < len(nb)):
-            raise IndexError(f"recompute indices must be in [0, {len(nb)}), got {idx[0]}.."
-                             f"{idx[-1]}")
+            bad = [i for i in idx if not 0 <= i < len(nb)]
+            raise InvalidArgumentError(
+                f"recompute indices must be token indices in [0, {len(nb)}) of a notebook of "
+                f"{len(nb)} tokens; got {len(bad)} out of range ({bad[0]}"
+                f"{f'..{bad[-1]}' if len(bad) > 1 else ''})")
         if not idx:
             return nb
         nb.check_same_model(self.fingerprint, what="recompute notes of")
