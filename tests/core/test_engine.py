@@ -246,5 +246,5 @@ def test_recompute_every_index_equals_prefill_and_leaves_input(tiny):
                        rf"\({n}\)$") as err:
         tiny.recompute(composed, [0, n])
     assert isinstance(err.value, kvnotes.KvnotesError) and not isinstance(err.value, IndexError)
-    with pytest.raises(InvalidArgumentError, match=r"got 2 out of range \(-1\.\.%d\)" % (n + 3)):
+    with pytest.raises(InvalidArgumentError, match=rf"got 2 out of range \(-1\.\.{n + 3}\)"):
         tiny.recompute(composed, torch.tensor([-1, 2, n + 3]))
