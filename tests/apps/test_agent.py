@@ -28,6 +28,7 @@ from kvnotes.apps.agent import (
     skill_names,
 )
 from kvnotes.apps.agent.bench import report_markdown, run_bench, write_outputs
+from kvnotes.apps.agent.runtime import _common_prefix
 from kvnotes.core.errors import KvnotesError, UnknownFieldError, UnknownNameError
 
 
@@ -45,9 +46,7 @@ def skill_root(tmp_path_factory):
 def book(engine, skill_root):
     b = SkillBook(engine, skill_root)
     b.prepare()
-    agent = KvnotesAgent(engine, b)
-    b.prepare(after=agent.after)  # what the (anchored) agent splices, and its header
-    b.header(agent.prompt.head())
+    KvnotesAgent(engine, b).prepare()  # everything the (anchored) agent splices
     return b
 
 
@@ -78,33 +77,139 @@ def test_scripted_episodes_are_deterministic_with_state_changes():
     assert scripted_episode(3, 3).turns == scripted_episode(3, 5).turns[:3]
 
 
-def test_episode_end_to_end_and_append_only(engine, book):
-    episode = scripted_episode(0, 3)
+def _close_to_prefill(engine, nb, upto: int) -> bool:
+    """The notes of ``nb[:upto]`` equal a prefill of its tokens (up to float error)."""
+    if not upto:
+        return True
+    exact = engine.prefill(nb.token_ids[:upto])
+    return all(torch.allclose(nb.keys(l)[..., :upto, :], exact.keys(l), atol=1e-4)
+               and torch.allclose(nb.values(l)[..., :upto, :], exact.values(l), atol=1e-4)
+               for l in range(nb.num_layers))
+
+
+def test_episode_end_to_end_reads_the_recompute_prompt_and_keeps_the_valid_prefix(engine, book):
+    episode = scripted_episode(0, 4)
+    assert any(t.events for t in episode.turns)
     agent = KvnotesAgent(engine, book)
+    ref = RecomputeAgent(engine, book)
     agent.start(episode.state)
+    ref.start(episode.state)
     previous = None
     for turn in episode.turns:
         result = agent.turn(turn.request, turn.events)
+        ref.turn(turn.request, turn.events)
         assert result.decision.answer in turn.request.options
         assert set(result.decision.scores) == set(turn.request.options)
         assert result.tokens_computed > 0 and result.notebook_len == len(agent.notebook)
-        if previous is not None:
-            assert _prefix(previous, agent.notebook), "the notebook must grow append-only"
-            assert result.tokens_reused >= len(previous)
+        # state changes are rewrites of the record: the very tokens the recompute agent reads
+        assert torch.equal(agent.notebook.token_ids, ref.notebook.token_ids)
+        assert torch.equal(agent.notebook.positions, ref.notebook.positions)
+        # what the agent says is exact, is: equal to a prefill of the same tokens
+        assert 0 < agent._exact <= len(agent.notebook)
+        assert _close_to_prefill(engine, agent.notebook, agent._exact)
+        if previous is not None:  # the kept prefix is the old notebook's, untouched
+            same = _common_prefix(previous.token_ids.tolist(), agent.notebook.token_ids.tolist())
+            # a splice is kept whole or redone whole
+            same = next((sp.start for sp in agent.notebook.spans
+                         if sp.kind == "skill" and sp.start < same < sp.end), same)
+            assert result.tokens_reused >= same
+            assert _prefix(previous.slice(0, same).with_spans([]),
+                           agent.notebook.slice(0, same).with_spans([]))
         previous = agent.notebook
     kinds = {s.kind for s in agent.notebook.spans}
-    assert {"skill", "query"} <= kinds
-    errata = [s for s in agent.notebook.spans if s.kind == "erratum"]
-    assert len(errata) == sum(len(t.events) for t in episode.turns[1:])
+    assert {"skill", "query", "text"} <= kinds and "erratum" not in kinds
     assert agent.state == episode.state.apply(e for t in episode.turns for e in t.events)
+    record = agent.notebook.span("record")
+    assert engine.decode(agent.notebook.token_ids[record.start:record.end]).startswith(
+        agent.state.render())
+    assert all(r.tokens_reused == 0 and r.tokens_computed == r.notebook_len for r in ref.turns)
 
-    reference = run_episode(RecomputeAgent(engine, book), episode.state, episode.turns)
-    assert [r.decision.answer in t.request.options
-            for r, t in zip(reference, episode.turns, strict=True)] == [True] * 3
-    assert all(r.tokens_reused == 0 and r.tokens_computed == r.notebook_len for r in reference)
+
+def test_a_state_change_recomputes_from_the_changed_field_on(engine, book):
+    state = scripted_episode(1).state.apply([Event("insurance", "none")])
+    ask = request("add_bag", state)
+    agent = KvnotesAgent(engine, book)
+    agent.start(state)
+    first = agent.turn(ask)
+    record = agent.notebook.span("record")
+    query = agent.notebook.span("t0.request")
+    second = agent.turn(ask, [Event("insurance", "purchased")])
+    # the same request and skills: kept up to the changed value, then the record's tail and
+    # the request prefilled; the header and skills are reused, nothing is spliced again
+    tail = len(engine.encode("- Travel insurance: purchased\n- Checked bags: "))
+    assert second.tokens_computed < (record.end - record.start) // 2 + (query.end - query.start)
+    assert second.tokens_computed <= tail + 30 + (query.end - query.start)
+    assert second.tokens_reused >= record.start + (record.end - record.start) // 2
+    assert first.tokens_computed > second.tokens_computed
+    third = agent.turn(ask)  # the very same prompt: only its last token is fed again
+    assert third.tokens_computed == 1 and third.tokens_reused == third.notebook_len - 1
+    assert third.decision.scores == pytest.approx(second.decision.scores, abs=1e-4)
 
 
-def test_without_state_changes_both_agents_read_the_same_tokens(engine, book):
+def test_errata_and_ignore_ablations_keep_the_first_record(engine, book):
+    episode = scripted_episode(0, 3)
+    changed = sum(len(t.events) for t in episode.turns[1:])
+    assert changed
+    errata = KvnotesAgent(engine, book, updates="errata")
+    run_episode(errata, episode.state, episode.turns)
+    spans = [s for s in errata.notebook.spans if s.kind == "erratum"]
+    assert len(spans) == changed and all(".erratum." in s.name for s in spans)
+    stale = KvnotesAgent(engine, book, errata=False)  # the old spelling of updates="ignore"
+    assert stale.updates == "ignore"
+    run_episode(stale, episode.state, episode.turns)
+    for agent in (errata, stale):
+        record = agent.notebook.span("record")
+        text = engine.decode(agent.notebook.token_ids[record.start:record.end])
+        assert text.startswith(episode.state.render())
+    assert not [s for s in stale.notebook.spans if s.kind == "erratum"]
+    with pytest.raises(UnknownNameError, match="unknown state update mode 'edit'"):
+        KvnotesAgent(engine, book, updates="edit")
+
+
+def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, book):
+    episode = scripted_episode(0, 3)
+    for history, kept in ((0, 0), (1, 1), (None, 2)):
+        for order in ("request", "loaded"):
+            a = KvnotesAgent(engine, book, history=history, order=order)
+            b = RecomputeAgent(engine, book, history=history, order=order)
+            run_episode(a, episode.state, episode.turns)
+            run_episode(b, episode.state, episode.turns)
+            assert torch.equal(a.notebook.token_ids, b.notebook.token_ids)
+            past = [s for s in a.notebook.spans if s.kind == "query"][:-1]
+            assert len(past) == kept
+    last = episode.turns[2].request
+    names = [s.name for s in a.notebook.spans if s.kind == "skill"]  # order="loaded"
+    assert names[:3] == ["header", "tools", episode.turns[0].request.skills[0]]
+    ordered = KvnotesAgent(engine, book)  # the request's own skills open the skill block
+    run_episode(ordered, episode.state, episode.turns)
+    names = [s.name for s in ordered.notebook.spans if s.kind == "skill"]
+    assert names[2:2 + len(last.skills)] == list(last.skills)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(KvnotesError, match="history must be a number of past exchanges"):
+            KvnotesAgent(engine, book, history=bad)
+    with pytest.raises(UnknownNameError, match="unknown skill order 'random'"):
+        RecomputeAgent(engine, book, order="random")
+
+
+def test_repair_recomputes_the_first_tokens_of_inexact_splices(engine, book):
+    episode = scripted_episode(0, 2)
+    plain = run_episode(KvnotesAgent(engine, book), episode.state, episode.turns)
+    fixed = KvnotesAgent(engine, book, repair=4)
+    repaired = run_episode(fixed, episode.state, episode.turns)
+    inexact = [s for s in fixed.notebook.spans if s.kind == "skill"][3:]  # after the lead
+    assert inexact, "turn 2 must splice a skill that is not exact"
+    assert repaired[1].tokens_computed == plain[1].tokens_computed + 4 * len(inexact)
+    assert _close_to_prefill(engine, fixed.notebook, fixed._exact)
+    chosen = KvnotesAgent(engine, book, repair=0.01, select="kv_deviation")
+    run_episode(chosen, episode.state, episode.turns)
+    assert _close_to_prefill(engine, chosen.notebook, chosen._exact)
+    with pytest.raises(UnknownNameError, match="unknown repair selector"):
+        KvnotesAgent(engine, book, select="best")
+    with pytest.raises(KvnotesError, match="repair"):
+        KvnotesAgent(engine, book, repair=-1)
+
+
+def test_both_agents_read_the_same_tokens_and_decide_alike(engine, book):
     state = scripted_episode(1).state
     turns = [Turn(request(k, state)) for k in ("cancel", "add_bag", "compensation")]
     kv = KvnotesAgent(engine, book)
@@ -218,44 +323,59 @@ def test_interactive_agent_handles_requests_state_changes_and_eof(engine, skill_
     assert "reused" in result.output and "computed" in result.output
 
 
-def test_agent_skills_are_compiled_behind_its_header(engine, book):
+def test_agent_skills_are_compiled_behind_their_true_prefix(engine, book):
+    from kvnotes.apps.agent.prompt import Piece
+
     agent = KvnotesAgent(engine, book)
     head = engine.encode(agent.after)
-    skill = book.notes("refunds", after=agent.after)
-    assert int(skill.positions[0]) == len(head)  # true positions behind the header
+    tools, anchor = agent._notes(Piece("skill", "tools", "tools"))
+    assert anchor == head and int(tools.positions[0]) == len(head)  # right behind the header
+    refunds, anchor = agent._notes(Piece("skill", "refunds", "refunds"))
+    assert anchor == head + book.token_ids("tools")  # behind the header and the fixed skill
+    assert int(refunds.positions[0]) == len(anchor)
     plain = KvnotesAgent(engine, book, anchored=False)
     assert plain.after is None and int(book.notes("refunds").positions[0]) == 0
+    # the lead (header, tools, the request's own skills) is spliced exactly where compiled:
+    # nothing in turn 0 needs recomputing
+    state = scripted_episode(0).state
+    first = agent.turn(request("cancel", state)) if agent.start(state) is None else None
+    assert agent._exact == first.notebook_len
+    assert first.tokens_computed == len(agent.notebook) - agent.notebook.span("record").start
 
 
-def test_guarded_agent_redecides_near_ties_on_exact_notes(engine, book):
-    episode = scripted_episodes(1, 2)[0]
-    agent = KvnotesAgent(engine, book, guard=1e9)  # every margin is below: always fires
+def test_guard_fires_only_on_inexact_notes_and_then_equals_recompute(engine, book):
+    episode = scripted_episode(0, 3)
+    agent = KvnotesAgent(engine, book, guard=1e9)  # every margin is below: fires when it can
+    ref = RecomputeAgent(engine, book)
     results = run_episode(agent, episode.state, episode.turns)
-    g = results[0].decision.guard
-    assert g is not None and g.fired and results[0].to_dict()["guard"]["fired"] is True
-    # the header and the first skill (anchored behind it, spliced where it was compiled) are
-    # exact already: only the rest is redone
-    first = [s for s in dict.fromkeys(["tools", *episode.turns[0].request.skills])][0]
-    kept = len(book.header(agent.prompt.head())) + len(book.notes(first, after=agent.after))
-    assert g.tokens == results[0].notebook_len - kept
-    for r in results[1:]:  # after a fire the notes are exact until a new skill is spliced
-        g = r.decision.guard
-        assert g.fired == (bool(r.tokens_reused) and g.tokens > 0)
-        assert g.fired or g.tokens == 0
-    # the decision was read from the exact recompute of the agent's own tokens
-    nb = agent.notebook
-    exact = engine.prefill(nb.token_ids)
-    for l in range(nb.num_layers):
-        assert torch.allclose(nb.keys(l), exact.keys(l), atol=1e-4)
+    reference = run_episode(ref, episode.state, episode.turns)
+    g = results[0].decision.guard  # turn 0: header, tools and the request's skills are exact
+    assert g is not None and not g.fired and g.tokens == 0
+    assert results[0].to_dict()["guard"]["fired"] is False
+    fired = [r for r in results if r.decision.guard.fired]
+    assert fired, "a later turn keeps a skill of an earlier request: inexact, the guard fires"
+    for r in fired:
+        lead = [s for s in agent.notebook.spans if s.kind == "skill"]
+        assert 0 < r.decision.guard.tokens < r.notebook_len - sum(
+            s.end - s.start for s in lead[:2])  # never the header or tools again
+    for r, x in zip(results, reference, strict=True):  # every decision is recompute's own
+        assert r.decision.answer == x.decision.answer
+        for option, score in x.decision.scores.items():
+            assert r.decision.scores[option] == pytest.approx(score, abs=1e-3)
+    assert agent._exact == len(agent.notebook)
+    assert _close_to_prefill(engine, agent.notebook, len(agent.notebook))
     quiet = KvnotesAgent(engine, book, guard=0.0)  # no margin is below 0: never fires
-    first = run_episode(quiet, episode.state, episode.turns[:1])[0]
-    assert not first.decision.guard.fired and first.decision.guard.tokens == 0
+    run_episode(quiet, episode.state, episode.turns)
+    assert not any(t.decision.guard.fired or t.decision.guard.tokens for t in quiet.turns)
 
 
 def test_bench_reports_the_guard(engine, book, skill_root):
-    result = run_bench(engine, scripted_episodes(1, 2), skill_root=skill_root, guard=1e9,
+    result = run_bench(engine, scripted_episodes(1, 3), skill_root=skill_root, guard=1e9,
                        stale=False)
     g = result["guard"]
-    assert g["fired"] == g["decisions"] == 2 and g["tokens"] > 0
-    assert result["identity"] == 1.0  # every decision re-taken on exact notes
-    assert "decision guard (tau = 1000000000.0) fired | 2 of 2" in report_markdown(result)
+    fired = [r["turn"] for r in result["records"] if r["kvnotes"]["guard"]["fired"]]
+    assert g["decisions"] == 3 and g["fired"] == len(fired) >= 1 and g["tokens"] > 0
+    assert 0 not in fired  # turn 0's notes are exact: nothing to redo
+    assert result["identity"] == 1.0  # every inexact decision re-taken on exact notes
+    assert f"decision guard (tau = 1000000000.0) fired | {len(fired)} of 3" in \
+        report_markdown(result)

@@ -28,7 +28,7 @@ def agent_bench(
     out: Path = typer.Option(Path("out/agent-bench"), "--out", help="folder for the outputs"),
     tool_calls: bool = typer.Option(False, "--tool-calls", help="also write and check tool calls"),
     stale: bool = typer.Option(True, "--stale/--no-stale",
-                               help="also run the no-errata ablation (a stale record)"),
+                               help="also run the stale-record ablation (state changes ignored)"),
     skills_dir: Path | None = typer.Option(None, "--skills-dir",
                                            help="skill library folder (default: kvnotes home)"),
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
@@ -40,7 +40,16 @@ def agent_bench(
         help="re-decide on exactly recomputed notes when the top-two margin (log-prob) is "
              "below this"),
     anchored: bool = typer.Option(True, "--anchor/--no-anchor",
-                                  help="compile skills behind the agent's system header"),
+                                  help="compile skills behind the agent's system header (and "
+                                       "the fixed tools skill)"),
+    history: int = typer.Option(0, "--history", min=-1,
+                                help="past exchanges kept in the prompt (-1: all)"),
+    order: str = typer.Option("request", "--order",
+                              help="skill order in the system block: request (the request's "
+                                   "own first) or loaded"),
+    repair: float = typer.Option(0.0, "--repair", min=0.0,
+                                 help="recompute this many first tokens of each inexact splice "
+                                      "(< 1: a fraction of the skill)"),
 ) -> None:
     """Decision identity and latency: the kvnotes agent against the recompute agent.
 
@@ -55,6 +64,8 @@ def agent_bench(
         result = run_bench(
             engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
             skill_root=skills_dir, guard=guard, anchored=anchored,
+            history=None if history < 0 else history, order=order,
+            repair=repair if 0 < repair < 1 else int(repair),
             progress=lambda line: typer.echo(line, err=True),
             on_episode=lambda partial: write_outputs(partial, out),
         )
@@ -86,7 +97,7 @@ def agent_bench(
 
 
 HELP = """Type a customer request, or:
-  /set FIELD VALUE   change a field of the record (applied as an erratum before the next request)
+  /set FIELD VALUE   change a field of the record (rewritten before the next request)
   /state             show the record        /fields   list the fields
   /skills            list the skills        /quit     end (Ctrl-D too)"""
 
@@ -107,8 +118,8 @@ def agent_interactive(
     try:
         engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
-        book.prepare()
         agent = KvnotesAgent(engine, book, tool_calls=tool_calls)
+        agent.prepare()  # everything it splices, compiled (or loaded) before the first request
         agent.start(scripted_episode(episode, 1).state)
     except KvnotesError as err:
         fail(err)
@@ -140,7 +151,7 @@ def agent_interactive(
                     typer.echo("usage: /set FIELD VALUE")
                     continue
                 pending.append(Event(parts[1], parts[2], "typed"))
-                typer.echo(f"queued: {parts[1]} = {parts[2]} (an erratum at the next request)")
+                typer.echo(f"queued: {parts[1]} = {parts[2]} (the record is rewritten at the next request)")
             elif line.startswith("/"):
                 typer.echo(HELP)
             else:

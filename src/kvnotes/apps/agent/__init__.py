@@ -1,5 +1,6 @@
-"""A unified edit+compose agent: precompiled skills spliced in, state changes appended as errata,
-one notebook grown append-only across turns; and the recompute agent it is measured against.
+"""A compose agent: precompiled skills spliced in, every still-valid note reused (a state change
+rewrites the record from the changed field on), decisions guarded by their margin; and the
+recompute agent it is measured against, reading the same prompt.
 
 Example:
     >>> from kvnotes.apps.agent import KvnotesAgent, SkillBook, scripted_episode, run_episode

@@ -25,28 +25,32 @@ from kvnotes.eval.reports import write_bundle
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
               turns: int = 5, tool_calls: bool = False, stale: bool = True,
               skill_root: str | Path | None = None, guard: float | None = None,
-              anchored: bool = True,
+              anchored: bool = True, history: int | None = 0, order: str = "request",
+              repair: float | int = 0,
               progress: Callable[[str], None] | None = None,
               on_episode: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready result (see :func:`write_outputs`).
 
     ``on_episode`` receives the summary of the episodes done so far after each episode (the
     CLI writes it out, so an interrupted run still leaves its figures). ``guard`` and
-    ``anchored`` configure the kvnotes agent (see :class:`KvnotesAgent`).
+    ``anchored`` and ``repair`` configure the kvnotes agent (see :class:`KvnotesAgent`);
+    ``history`` and ``order`` the prompt of both agents (see :mod:`kvnotes.apps.agent.prompt`).
     """
     episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
     machine_before = machine_info()  # latency ratios mean little without the load beside them
     book = SkillBook(engine, skill_root)
     misses0 = book.library.misses
+    layout = {"history": history, "order": order}
     agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard,
-                                      anchored=anchored),
-              "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls)}
+                                      anchored=anchored, repair=repair, **layout),
+              "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls, **layout)}
     if stale:
-        agents["stale"] = KvnotesAgent(engine, book, errata=False, tool_calls=False,
-                                       anchored=anchored)
+        agents["stale"] = KvnotesAgent(engine, book, updates="ignore", tool_calls=False,
+                                       anchored=anchored, **layout)
     t0 = time.perf_counter()
-    book.prepare(after=agents["kvnotes"].after)  # type: ignore[attr-defined]
-    book.header(agents["kvnotes"].prompt.head())  # the header too: no turn compiles anything
+    for agent in agents.values():  # every splice compiled (or loaded) before any turn
+        if isinstance(agent, KvnotesAgent):
+            agent.prepare()
     prepare_s = time.perf_counter() - t0
     records: list[dict[str, Any]] = []
     for i, ep in enumerate(episodes):
@@ -206,7 +210,7 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
     ax.plot(turns, [p["recompute_latency_s"] for p in result["per_turn"]], "o-",
             label="recompute agent")
     ax.plot(turns, [p["kvnotes_latency_s"] for p in result["per_turn"]], "s-",
-            label="kvnotes agent (splice + errata)")
+            label="kvnotes agent (splice + valid-prefix reuse)")
     ax.set_xlabel("turn")
     ax.set_ylabel("mean latency per turn (s)")
     ax.set_yscale("log")
@@ -257,10 +261,10 @@ def report_markdown(result: dict[str, Any]) -> str:
     if "stale" in result:
         s = result["stale"]
         lines += [
-            f"| identity after a state change: kvnotes (errata) | "
+            f"| identity after a state change: kvnotes (record rewritten) | "
             f"{s['kvnotes_identity_after_state_change']:.1%} of "
             f"{s['decisions_after_state_change']} |",
-            f"| identity after a state change: stale record (no errata, ablation) | "
+            f"| identity after a state change: stale record (changes ignored, ablation) | "
             f"{s['identity_after_state_change']:.1%} |",
         ]
     if "tool_call_stats" in result:

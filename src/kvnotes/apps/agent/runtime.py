@@ -1,5 +1,6 @@
-"""The two agents: the kvnotes agent (splice skills, append errata, grow one notebook) and the
-recompute agent (prefill everything from scratch each turn), with the same decision rule.
+"""The two agents: the kvnotes agent (splice skills, reuse every note still valid, prefill the
+rest) and the recompute agent (prefill everything from scratch each turn), with the same prompt
+(:mod:`kvnotes.apps.agent.prompt`) and the same decision rule.
 
 A decision is a constrained choice among the request's options at the decision position (after
 ``Decision:``): each option is scored by its log-probability, and the best one wins. When the
@@ -16,14 +17,14 @@ from typing import Any
 
 import torch
 
-from kvnotes.apps.agent.episodes import Request
-from kvnotes.apps.agent.prompt import DECISION, Prompt
+from kvnotes.apps.agent.episodes import REQUESTS, Request
+from kvnotes.apps.agent.prompt import DECISION, Piece, Prompt
 from kvnotes.apps.agent.skills import SkillBook
 from kvnotes.apps.agent.state import Event, State, label
 from kvnotes.apps.agent.toolcall import TOOL_CALL_PREFIX, ToolCall, parse_tool_call
 from kvnotes.core.chat import ChatFormat
-from kvnotes.core.engine import Engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.engine import COMPOSE_SELECTORS, Engine, repair_budget
+from kvnotes.core.errors import KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
 from kvnotes.ops.decisions import Decision, answer_ids, guarded
 from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_turn
@@ -82,37 +83,97 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
     return Decision(options[order[0]], dict(zip(options, scores, strict=True)), margin)
 
 
+UPDATES = ("rewrite", "errata", "ignore")
+FIXED_SKILLS = ("tools",)  # loaded first in every episode, right after the header
+ORDERS = ("request", "loaded")
+_PROBE = Request("x", (), ("a", "b"))
+
+
 class _Agent:
-    """What both agents share: skills, prompt pieces, the state and the history."""
+    """What both agents share: skills, the prompt layout, the state and the history."""
 
     name = "agent"
+    updates = "rewrite"
 
     def __init__(self, engine: Engine, skills: SkillBook, *, tool_calls: bool = False,
-                 max_tool_tokens: int = 48) -> None:
+                 max_tool_tokens: int = 48, history: int | None = 0,
+                 order: str = "request") -> None:
         if skills.engine is not engine:
             raise KvnotesError("the skill book was made for another engine; make one per engine")
+        if history is not None and (isinstance(history, bool) or not isinstance(history, int)
+                                    or history < 0):
+            raise KvnotesError(f"history must be a number of past exchanges >= 0 or None (all), "
+                               f"got {history!r}")
         self.engine = engine
         self.skills = skills
         self.prompt = Prompt(ChatFormat.from_tokenizer(engine.tokenizer))
         self.tool_calls = tool_calls
         self.max_tool_tokens = max_tool_tokens
+        self.history = history
+        if order not in ORDERS:
+            raise UnknownNameError("skill order", order, ORDERS)
+        self.order = order
+        self.erratum_template = DEFAULT_ERRATUM
         self.state: State | None = None
         self.turns: list[TurnResult] = []
+
+    @property
+    def fixed_skills(self) -> list[str]:
+        """Skills every prompt opens with (right after the header)."""
+        return [s for s in FIXED_SKILLS if s in self.skills.names]
 
     def start(self, state: State) -> None:
         """Begin an episode with ``state`` as the customer record."""
         self.state = state
+        self._shown = state  # the record as written (the first one unless updates="rewrite")
+        self._errata: list[tuple[str, str]] = []
+        self._exchanges: list[tuple[int, Request, str]] = []
+        self._loaded: list[str] = []
         self.turns = []
         self._start()
 
     def _start(self) -> None:
-        raise NotImplementedError
+        pass
 
     def _check(self, request: Request, events: Sequence[Event]) -> None:
         if self.state is None:
             raise KvnotesError("call start(state) before the first turn")
         for name in request.skills:
             self.skills.check(name)
+
+    def _advance(self, request: Request, events: Sequence[Event]) -> list[Piece]:
+        """Apply ``events`` and load ``request``'s skills; the pieces of this turn's prompt."""
+        assert self.state is not None
+        index = len(self.turns)
+        for e in events:
+            old = self.state[e.field]
+            self.state = self.state.apply([e])
+            if self.updates == "errata" and old != e.value:
+                self._errata.append((f"t{index}.erratum.{e.field}",
+                                     erratum_turn(self.engine, label(e.field).lower(), old,
+                                                  e.value, template=self.erratum_template)))
+        if self.updates == "rewrite":
+            self._shown = self.state
+        wanted = [*self.fixed_skills, *request.skills] if index == 0 else list(request.skills)
+        self._loaded += [s for s in dict.fromkeys(wanted)
+                         if s in self.skills.names and s not in self._loaded]
+        skills = self._loaded
+        if self.order == "request":  # fixed skills, the request's own, then the others loaded
+            first = [s for s in dict.fromkeys([*self.fixed_skills, *request.skills])
+                     if s in self._loaded]
+            skills = first + [s for s in self._loaded if s not in first]
+        kept = (self._exchanges if self.history is None
+                else self._exchanges[len(self._exchanges) - self.history:] if self.history
+                else [])
+        return self.prompt.pieces(skills=skills, record=self._shown.render(),
+                                  errata=self._errata, history=kept, request=request,
+                                  turn=index)
+
+    def _ids(self, piece: Piece) -> list[int]:
+        """The token ids of one piece (a skill's: exactly those its notes hold)."""
+        if piece.kind == "skill":
+            return self.skills.token_ids(piece.text)
+        return self.engine.encode(piece.text)
 
     def _tool_call(self, nb: Notebook, request: Request, decision: Decision
                    ) -> tuple[ToolCall | None, int]:
@@ -123,30 +184,66 @@ class _Agent:
         raw = TOOL_CALL_OPEN + gen.text
         return parse_tool_call(raw, expected=request.tool), len(gen.notebook) - len(nb) + 1
 
+    def _record(self, request: Request, events: Sequence[Event], decision: Decision,
+                tool: ToolCall | None, latency: float, computed: int, reused: int,
+                length: int) -> TurnResult:
+        index = len(self.turns)
+        assert decision.answer is not None
+        self._exchanges.append((index, request, decision.answer))
+        result = TurnResult(index, request.kind, decision, tool, latency, computed, reused,
+                            length, tuple(events))
+        self.turns.append(result)
+        return result
+
     def turn(self, request: Request, events: Sequence[Event] = ()) -> TurnResult:
         """Apply ``events`` to the record, then decide on ``request``."""
         raise NotImplementedError
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class KvnotesAgent(_Agent):
-    """Composes precompiled skills by splicing, applies state changes as errata, and grows one
-    notebook append-only across turns (so a serving prefix cache stays aligned).
+    """Reuses every note that is still valid, splices precompiled skills, and prefills only the
+    rest, reading the same prompt as the recompute agent (:meth:`Prompt.pieces`).
 
-    Per turn, the text it must compute (the previous answer, one erratum per state change, the
-    policy opener, the request and decision cue) is fed in as few forwards as the splices
-    allow: one when no new skill is needed, two otherwise. Each piece keeps its own span
-    (errata are ``kind="erratum"`` spans named ``t{turn}.erratum.{field}``).
+    Per turn it lays out the whole prompt, keeps its notebook up to the first token that differs
+    from it (notes there depend on those tokens alone: the kept prefix is what a prefix cache
+    would reuse, exactly), then rebuilds the rest in as few forwards as the splices allow: text
+    (a rewritten record's tail, the kept exchanges, the request) is prefilled in place, skills
+    are re-rotated and spliced. A state change is therefore applied exactly, as a rewrite of
+    the record from the changed field on; the only difference from recompute left is the
+    splice (a skill's notes never attended to the skills spliced before it).
 
-    ``erratum_template`` names a wording of :data:`kvnotes.ops.edit.ERRATUM_TEMPLATES` (or is a
-    format string). ``errata=False`` is an ablation: the agent ignores state changes (a stale record).
+    ``repair``: after splicing a skill that is not already exact, recompute its first tokens in
+    context (an int: that many tokens per skill; a float in (0, 1]: that fraction of each
+    skill), as :meth:`Engine.compose`'s ``repair=`` does (:meth:`Engine.recompute`).
 
-    ``anchored`` compiles every skill behind the agent's real header (``after=`` the system
-    header every notebook opens with), so a spliced skill's notes were written attending to
-    the text that really precedes it. ``guard=tau`` makes each decision know when it is not
-    sure: when the margin between the two best options is below ``tau``, the notebook is
-    recomputed exactly from its tokens, the decision is taken again on it, and the agent goes
-    on with the exact notes (``decision.guard`` says whether it fired; the recompute is in the
-    turn's latency and tokens).
+    ``anchored`` compiles every skill behind the text that really precedes it where that text
+    is fixed: ``tools`` behind the system header, the request's own skills (which open the skill
+    block with ``order="request"``) behind the header, ``tools`` and the request's earlier
+    skills, and any other skill behind the header and ``tools``. The first ones are spliced
+    exactly where they were compiled, so their notes equal a recompute's; :meth:`prepare`
+    compiles them all once per model (a skill compiled during a turn counts as computed).
+
+    ``guard=tau`` makes each decision know when it is not sure: when the margin between the two
+    best options is below ``tau`` and some note is not exact, the notes from the first inexact
+    one on are recomputed (:func:`kvnotes.ops.decisions.guarded`), the decision is taken again
+    on them (it is then the recompute agent's, up to float error) and the agent goes on with
+    the exact notes; ``decision.guard`` says whether it fired and what it cost (in the turn's
+    latency and tokens).
+
+    ``updates``: ``"rewrite"`` (the default) writes the current record; ``"errata"`` keeps the
+    first record and appends a correction per state change (``erratum_template`` names a wording
+    of :data:`kvnotes.ops.edit.ERRATUM_TEMPLATES`), an ablation whose prompt differs from the
+    recompute agent's; ``"ignore"`` keeps the first record (the stale-record ablation).
+    ``errata=False`` is the old spelling of ``updates="ignore"``. ``history``: past exchanges
+    kept in the prompt (see :mod:`kvnotes.apps.agent.prompt`).
 
     Example:
         >>> agent = KvnotesAgent(engine, SkillBook(engine))          # doctest: +SKIP
@@ -157,170 +254,215 @@ class KvnotesAgent(_Agent):
 
     name = "kvnotes"
 
-    def __init__(self, engine: Engine, skills: SkillBook, *, errata: bool = True,
-                 erratum_template: str = DEFAULT_ERRATUM, anchored: bool = True,
-                 guard: float | None = None, **options: Any) -> None:
+    def __init__(self, engine: Engine, skills: SkillBook, *, updates: str = "rewrite",
+                 errata: bool = True, erratum_template: str = DEFAULT_ERRATUM,
+                 anchored: bool = True, guard: float | None = None, repair: float | int = 0,
+                 select: str = "first", select_layer: int = 1, **options: Any) -> None:
         super().__init__(engine, skills, **options)
-        self.errata = errata
+        if updates not in UPDATES:
+            raise UnknownNameError("state update mode", updates, UPDATES)
+        self.updates = updates if errata else "ignore"
         self.erratum_template = erratum_template
         self.after = self.prompt.head() if anchored else None  # what skills are compiled behind
+        # skills that open every prompt (right after the header) are compiled behind the header;
+        # every other skill behind the header and those (the fixed part of every prompt), so the
+        # skill spliced right after them is exact and later ones saw the text before them
+        self.fixed = [s for s in FIXED_SKILLS if s in skills.names] if anchored else []
+        self._anchors: dict[str, list[int]] = {"header": engine.anchor_ids(None)}
+        if self.after is not None:
+            head = engine.anchor_ids(self.after)
+            fixed = head + [i for s in self.fixed for i in skills.token_ids(s)]
+            self._anchors.update({s: head for s in self.fixed})
+            self._anchors.update({s: fixed for s in skills.names if s not in self.fixed})
         self.guard = guard
+        repair_budget(repair, 1)  # validated here, not at the first splice
+        self.repair = repair
+        if select not in COMPOSE_SELECTORS:
+            raise UnknownNameError("repair selector", select, COMPOSE_SELECTORS)
+        self.select, self.select_layer = select, select_layer
         self.notebook: Notebook | None = None
-        self._loaded: list[str] = []
-        self._pending: str | None = None  # the previous answer, written at the next turn
         self._exact = 0  # notes [0, _exact) equal a recompute's: the guard redoes only the rest
 
     def _start(self) -> None:
         self.notebook = None
-        self._loaded = []
-        self._pending = None
         self._exact = 0
 
-    def _feed(self, nb: Notebook, pieces: list[tuple[str, str, str]], *, decide: bool
-              ) -> tuple[Notebook, torch.Tensor | None]:
-        """Prefill ``(text, kind, name)`` pieces on top of ``nb`` in one forward, each piece
-        tokenized alone and given its own span; with ``decide``, also the next-token logits."""
-        ids: list[int] = []
-        spans: list[Span] = []
-        for text, kind, name in pieces:
-            piece = self.engine.encode(text)
-            spans.append(Span(name, kind, len(nb) + len(ids), len(nb) + len(ids) + len(piece)))
-            ids += piece
-        if decide:
-            step = self.engine.forward(nb, ids)
-            longer, logits = step.notebook, step.logits
-        else:
-            longer, logits = self.engine.extend(nb, ids), None
-        return longer.with_spans([*nb.spans, *spans]), logits
+    def _notes(self, piece: Piece, anchor: list[int] | None = None
+               ) -> tuple[Notebook, list[int]]:
+        """A spliced piece's compiled notes and the token ids they were compiled behind:
+        ``anchor`` when given (the skill's true prefix), else the agent's default."""
+        if piece.kind == "header":
+            return self.skills.header(piece.text), self._anchors["header"]
+        if self.after is None:
+            return self.skills.notes(piece.text), self.engine.anchor_ids(None)
+        if piece.text in self.fixed:
+            return self.skills.notes(piece.text, after=self.after), self._anchors[piece.text]
+        anchor = self._anchors[piece.text] if anchor is None else anchor
+        return self.skills.notes(piece.text, after=anchor), anchor
 
-    def _splice(self, nb: Notebook, names: Sequence[str]) -> Notebook:
-        """Compiled skills re-rotated to follow ``nb`` and spliced on, in one concatenation."""
-        parts = [nb]
-        for name in names:
-            parts.append(self.skills.notes(name, after=self.after)
-                         .moved_to(parts[-1].next_position))
-            self._loaded.append(name)
-        return Notebook.concat(parts, meta=nb.meta)
+    def _lead_anchors(self, flat: list[int], parts: list[tuple[list[int], Piece]],
+                      request_skills: Sequence[str]) -> dict[int, list[int]]:
+        """Part index -> its true prefix, for the current request's skills in the run of
+        spliced pieces that opens the prompt (header, fixed skills, then the request's own):
+        those are compiled behind exactly what precedes them, so they splice exactly."""
+        out: dict[int, list[int]] = {}
+        if self.after is None:
+            return out
+        at = 0
+        for i, (ids, p) in enumerate(parts):
+            if p.kind == "header" or (p.kind == "skill" and p.text in self.fixed):
+                pass
+            elif p.kind == "skill" and p.text in request_skills:
+                out[i] = flat[:at]
+            elif p.name != "bos":
+                break
+            at += len(ids)
+        return out
+
+    def prepare(self, requests: Sequence[Request] | None = None) -> None:
+        """Compile (or load) what this agent splices, so that no turn compiles: the header,
+        every skill behind the default anchor, and each request kind's skills behind their
+        true prefix (``requests``: default one of each kind in :data:`REQUESTS`)."""
+        self.skills.header(self.prompt.head())
+        for name in self.skills.names:
+            self._notes(Piece("skill", name, name))
+        if self.order != "request":
+            return
+        for skills in ([r.skills for r in requests] if requests is not None
+                       else [spec[1] for spec in REQUESTS.values()]):
+            loaded = list(dict.fromkeys([*self.fixed, *skills]))
+            pieces = self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0)
+            parts = self._parts(pieces)
+            flat = [i for ids, _ in parts for i in ids]
+            for i, anchor in self._lead_anchors(flat, parts, skills).items():
+                self._notes(parts[i][1], anchor)
+
+    def _parts(self, pieces: list[Piece]) -> list[tuple[list[int], Piece]]:
+        parts = [([self.engine.bos_id], Piece("text", "bos", ""))] if self.engine.adds_bos else []
+        return parts + [(self._ids(p), p) for p in pieces]
+
+    def _build(self, pieces: list[Piece], request: Request
+               ) -> tuple[Notebook, torch.Tensor, dict[str, int]]:
+        """The notebook of ``pieces``: the old one's valid prefix, then splices and prefills.
+        Returns it, the logits after its last token and the counts (kept, fed, spliced,
+        repaired); ``self._exact`` is updated."""
+        engine = self.engine
+        parts = self._parts(pieces)
+        flat = [i for ids, _ in parts for i in ids]
+        lead = self._lead_anchors(flat, parts, request.skills)
+        old = self.notebook
+        cut = _common_prefix(old.token_ids.tolist(), flat) if old is not None else 0
+        cut = min(cut, len(flat) - 1)  # at least the last token is fed: its logits decide
+        spans: list[Span] = []
+        at = 0
+        for ids, p in parts:  # a splice is kept whole or redone whole
+            if p.spliced and at < cut < at + len(ids):
+                cut = at
+            spans.append(Span(p.name, p.kind if p.kind in ("skill", "erratum", "query")
+                              else "skill" if p.kind == "header" else "text",
+                              at, at + len(ids)))
+            at += len(ids)
+        nb = old.slice(0, cut) if old is not None and cut else engine.empty(0)
+        exact = min(self._exact, cut)
+        counts = {"kept": cut, "fed": 0, "spliced": 0, "repaired": 0, "selected": 0,
+                  "compiled": 0}
+        pending: list[int] = []
+        logits: torch.Tensor | None = None
+
+        def flush() -> None:
+            nonlocal nb, exact, logits, pending
+            if pending:
+                step = engine.forward(nb, pending)
+                if exact == len(nb):  # text fed on exact notes is exact
+                    exact = len(step.notebook)
+                nb, logits = step.notebook, step.logits
+                counts["fed"] += len(pending)
+                pending = []
+
+        at = 0
+        for i, (ids, p) in enumerate(parts):
+            start, at = at, at + len(ids)
+            if at <= cut:
+                continue
+            if not p.spliced:
+                pending += ids[max(0, cut - start):]
+                continue
+            flush()
+            misses = self.skills.library.misses
+            notes, anchor = self._notes(p, lead.get(i))
+            if self.skills.library.misses > misses:  # compiled in this turn: it counts
+                counts["compiled"] += len(anchor) + len(ids)
+            n0 = len(nb)
+            nb = nb.splice(notes)  # re-rotated to follow nb (moved only when it must be)
+            in_place = (exact == n0 and int(notes.positions[0]) == n0
+                        and flat[:n0] == anchor)
+            if in_place:  # compiled behind exactly what precedes it, where it now sits
+                exact = len(nb)
+            else:
+                k = repair_budget(self.repair, len(ids))
+                if k and self.select == "kv_deviation":
+                    deviation = engine.note_deviation(nb, n0, self.select_layer)
+                    chosen = sorted((torch.topk(deviation, k).indices + n0).tolist())
+                    counts["selected"] += len(ids) * (self.select_layer + 1) // \
+                        engine.adapter.num_layers
+                else:
+                    chosen = list(range(n0, n0 + k))
+                if chosen:
+                    nb = engine.recompute(nb, chosen)
+                    counts["repaired"] += k
+                    if exact == n0 and chosen[-1] == n0 + k - 1:  # the skill's first k tokens
+                        exact = n0 + k
+            counts["spliced"] += len(ids)
+            logits = None
+        flush()
+        assert logits is not None, "the last piece is text, fed every turn"
+        self._exact = exact
+        return nb.with_spans(spans), logits, counts
 
     def turn(self, request: Request, events: Sequence[Event] = ()) -> TurnResult:
         self._check(request, events)
-        assert self.state is not None
-        index = len(self.turns)
         t0 = time.perf_counter()
-        pieces: list[tuple[str, str, str]] = []
-        if self.notebook is None:  # first turn: header and skills spliced, then the record
-            first = [s for s in dict.fromkeys(["tools", *request.skills]) if s in self.skills.names]
-            header = self.skills.header(self.prompt.head())
-            nb = self.engine.compose([header, *(self.skills.notes(s, after=self.after)
-                                                for s in first)])
-            self._loaded = list(first)
-            before, spliced = 0, int(nb.meta["compose"]["reused"])
-            # exact so far: BOS, the header (a skill at its own positions) and, when anchored
-            # behind that header, the first skill (spliced exactly where it was compiled)
-            exact = int(self.engine.adds_bos) + len(header)
-            if self.after is not None and first:
-                exact += len(self.skills.notes(first[0], after=self.after))
-            clean = exact == len(nb)
-            pieces.append((self.prompt.record(self.state.render()), "text", "record"))
-            close_policy = False
-        else:
-            nb = self.notebook
-            before, spliced = len(nb), 0
-            exact, clean = self._exact, self._exact == len(nb)
-            if self._pending:
-                pieces.append((self._pending, "text", f"t{index - 1}.answer"))
-            for e in events:
-                old = self.state[e.field]
-                self.state = self.state.apply([e])
-                if self.errata and old != e.value:
-                    text = erratum_turn(self.engine, label(e.field).lower(), old, e.value,
-                                        template=self.erratum_template)
-                    pieces.append((text, "erratum", f"t{index}.erratum.{e.field}"))
-            new = [s for s in dict.fromkeys(request.skills) if s not in self._loaded]
-            close_policy = bool(new)
-            if new:
-                pieces.append((self.prompt.more_policy(), "text", f"t{index}.policy"))
-                nb, _ = self._feed(nb, pieces, decide=False)
-                pieces = []
-                n0 = len(nb)
-                nb = self._splice(nb, new)
-                spliced += len(nb) - n0
-                if clean:  # text fed on exact notes is exact; the spliced skills are not
-                    exact, clean = n0, False
-        pieces.append((self.prompt.query(request, close_policy=close_policy), "query",
-                       f"t{index}.request"))
-        nb, logits = self._feed(nb, pieces, decide=True)
-        assert logits is not None
-        if clean:
-            exact = len(nb)
+        pieces = self._advance(request, events)
+        nb, logits, counts = self._build(pieces, request)
         fed = nb
         decision, nb = guarded(  # decide_on(fed) reuses the logits the feed already has
             self.engine, nb, lambda n: choose(self.engine, n, logits if n is fed else
                                               self.engine.next_logits(n), request.options),
-            tau=self.guard, exact_from=exact)
-        self._exact = len(nb) if decision.guard and decision.guard.fired else exact
+            tau=self.guard, exact_from=self._exact)
+        if decision.guard and decision.guard.fired:
+            self._exact = len(nb)
         tool, tool_tokens = self._tool_call(nb, request, decision)
         latency = time.perf_counter() - t0
         self.notebook = nb
-        self._pending = self.prompt.answer(decision.answer)
-        computed = len(nb) - before - spliced
         redone = decision.guard.tokens if decision.guard else 0
-        result = TurnResult(index, request.kind, decision, tool, latency,
-                            computed + tool_tokens + redone, before + spliced, len(nb),
-                            tuple(events))
-        self.turns.append(result)
-        return result
+        spliced = counts["spliced"] - counts["repaired"]
+        return self._record(request, events, decision, tool, latency,
+                            counts["fed"] + counts["repaired"] + counts["selected"]
+                            + counts["compiled"] + tool_tokens
+                            + redone,
+                            counts["kept"] + spliced, len(nb))
 
 
 class RecomputeAgent(_Agent):
-    """The reference: every turn prefilled from scratch with the current record written in
-    place, the same skills at the same places, and the history; no errata, nothing reused."""
+    """The reference: every turn the whole prompt (the same pieces as the kvnotes agent's, with
+    the current record) prefilled from scratch in one forward; nothing reused."""
 
     name = "recompute"
-
-    def _start(self) -> None:
-        self._history: list[int] = []  # token ids after the record, through the last answer
-        self._loaded: list[str] = []
-        self._head: list[str] = []
-
-    def _ids(self, text: str) -> list[int]:
-        return self.engine.encode(text)
+    notebook: Notebook | None = None  # the last turn's prompt, prefilled
 
     def turn(self, request: Request, events: Sequence[Event] = ()) -> TurnResult:
         self._check(request, events)
-        assert self.state is not None
-        index = len(self.turns)
         t0 = time.perf_counter()
-        self.state = self.state.apply(events)
-        if index == 0:
-            self._head = [s for s in dict.fromkeys(["tools", *request.skills])
-                          if s in self.skills.names]
-            self._loaded = list(self._head)
-            turn_ids: list[int] = []
-            close_policy = False
-        else:
-            new = [s for s in dict.fromkeys(request.skills) if s not in self._loaded]
-            turn_ids = self._ids(self.prompt.more_policy()) if new else []
-            for s in new:
-                turn_ids += self.skills.token_ids(s)
-            self._loaded += new
-            close_policy = bool(new)
-        turn_ids += self._ids(self.prompt.query(request, close_policy=close_policy))
         ids = [self.engine.bos_id] if self.engine.adds_bos else []
-        ids += self._ids(self.prompt.head())
-        for s in self._head:
-            ids += self.skills.token_ids(s)
-        ids += self._ids(self.prompt.record(self.state.render()))
-        ids += self._history + turn_ids
+        for piece in self._advance(request, events):
+            ids += self._ids(piece)
         step = self.engine.forward(self.engine.empty(0), ids)  # one forward over everything
+        self.notebook = step.notebook
         decision = choose(self.engine, step.notebook, step.logits, request.options)
         tool, tool_tokens = self._tool_call(step.notebook, request, decision)
         latency = time.perf_counter() - t0
-        self._history += turn_ids + self._ids(self.prompt.answer(decision.answer))
-        result = TurnResult(index, request.kind, decision, tool, latency,
-                            len(ids) + tool_tokens, 0, len(ids), tuple(events))
-        self.turns.append(result)
-        return result
+        return self._record(request, events, decision, tool, latency, len(ids) + tool_tokens,
+                            0, len(ids))
 
 
 def run_episode(agent: _Agent, state: State, turns: Sequence[Any]) -> list[TurnResult]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -67,10 +68,17 @@ class SkillBook:
             self._ids[name] = self.engine.encode(self.text(name))
         return self._ids[name]
 
-    def notes(self, name: str, *, after: str | None = None) -> Notebook:
+    def notes(self, name: str, *, after: str | Sequence[int] | None = None) -> Notebook:
         """The compiled skill (a library hit when compiled before for this model); ``after``:
-        compiled behind that prefix (the agent's header), its own library entry."""
-        key = name if after is None else f"{name}|after:{after}"
+        compiled behind that prefix (text, such as the agent's header, or token ids taken as
+        given), its own library entry."""
+        if after is None:
+            key = name
+        elif isinstance(after, str):
+            key = f"{name}|after:{after}"
+        else:
+            after = [int(i) for i in after]
+            key = f"{name}|after-ids:{','.join(map(str, after))}"
         return self._compiled(key, self.text(name), name=name, after=after)
 
     def header(self, text: str) -> Notebook:
@@ -78,14 +86,15 @@ class SkillBook:
         return self._compiled(f"header:{text}", text, name="header")
 
     def _compiled(self, key: str, text: str, name: str | None = None,
-                  after: str | None = None) -> Notebook:
+                  after: str | Sequence[int] | None = None) -> Notebook:
         if key not in self._notes:
             t0 = time.perf_counter()
             self._notes[key] = self.library.get(text, name=name or key, after=after)
             self.compile_s += time.perf_counter() - t0
         return self._notes[key]
 
-    def prepare(self, names: list[str] | None = None, *, after: str | None = None) -> None:
+    def prepare(self, names: list[str] | None = None, *,
+                after: str | Sequence[int] | None = None) -> None:
         """Compile or load every skill up front (so no turn pays for it)."""
         for name in names if names is not None else self.names:
             self.notes(name, after=after)

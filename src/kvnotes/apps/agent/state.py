@@ -7,20 +7,22 @@ from dataclasses import dataclass
 
 from kvnotes.core.errors import UnknownFieldError
 
-# field name -> label shown to the model (the record renders in this order)
+# field name -> label shown to the model. The record renders in this order: fields that never
+# change in an episode first, those that events change last, so a state change invalidates only
+# the record's tail (the agent re-prefills from the first changed token on).
 FIELDS: dict[str, str] = {
     "customer_name": "Customer name",
     "reservation_id": "Reservation id",
     "email": "Email",
+    "passengers": "Passengers",
+    "payment_method": "Payment method",
+    "departure": "Departure",
+    "booked": "Booked",
     "membership": "Membership tier",
     "cabin": "Cabin class",
-    "booked": "Booked",
-    "departure": "Departure",
     "flight_status": "Flight status",
     "insurance": "Travel insurance",
     "checked_bags": "Checked bags",
-    "passengers": "Passengers",
-    "payment_method": "Payment method",
 }
 
 
