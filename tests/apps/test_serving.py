@@ -666,8 +666,11 @@ def test_ctrl_c_or_sigterm_stops_the_launched_server(tmp_path, sig):
     import time
 
     script = tmp_path / "run.py"
+    # the Ctrl-C of an interactive terminal: a test run started in the background ('make test &')
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     script.write_text(textwrap.dedent(f"""\
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from kvnotes.apps.serving import VLLMServer
         server = VLLMServer({str(tmp_path)!r}, served_name="fake-m", python=sys.executable,
                             module="_fake_vllm", env={{"PYTHONPATH": {str(TESTS)!r}}},
