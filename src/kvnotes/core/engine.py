@@ -462,6 +462,20 @@ class Engine:
         return Notebook.from_storage(store, s0, end, work.spans, self.adapter, self.fingerprint,
                                      work.meta, work.origin, last_logits=logits)
 
+    def repair_choice(self, nb: Notebook, at: int, k: int, *, select: str = "first",
+                      layer: int = 1) -> tuple[list[int], float]:
+        """Which ``k`` of the notes spliced at ``nb[at:]`` a boundary repair recomputes, in
+        order, and what choosing them cost in token-equivalents: ``"first"`` takes the first
+        ``k`` (free); ``"kv_deviation"`` the ``k`` whose ``layer`` notes deviate most from a
+        recompute's (:meth:`note_deviation`, a partial forward over the spliced tokens)."""
+        if not k:
+            return [], 0.0
+        if select == "kv_deviation":
+            scores = self.note_deviation(nb, at, layer)  # [len(nb) - at]
+            chosen = sorted((torch.topk(scores, k).indices + at).tolist())
+            return chosen, (len(nb) - at) * (layer + 1) / self.adapter.num_layers
+        return list(range(at, at + k)), 0.0
+
     def note_deviation(self, nb: Notebook, start: int, layer: int = 1) -> torch.Tensor:
         """FloatTensor[len(nb) - start]: how far each note of ``nb`` from ``start`` on is, at
         ``layer``, from the note a recompute of those tokens on top of ``nb[:start]`` writes
@@ -536,14 +550,10 @@ class Engine:
                 at = len(nb)
                 nb = nb.splice(piece)  # re-rotated straight into nb's storage
                 k = next(budgets)
-                if k and select == "kv_deviation":
-                    scores = self.note_deviation(nb, at, layer)  # [len(piece)]
-                    chosen = (torch.topk(scores, k).indices + at).tolist()
-                    select_tokens += len(piece) * (layer + 1) / self.adapter.num_layers
-                else:
-                    chosen = list(range(at, at + k))
+                chosen, cost = self.repair_choice(nb, at, k, select=select, layer=layer)
+                select_tokens += cost
                 if chosen:  # nb's storage is compose's own: repaired in place
-                    nb = self._recompute_runs(nb, sorted(chosen))
+                    nb = self._recompute_runs(nb, chosen)
                 reused += len(piece) - k
                 repaired += k
             else:

@@ -400,13 +400,9 @@ class KvnotesAgent(_Agent):
                 exact = len(nb)
             else:
                 k = repair_budget(self.repair, len(ids))
-                if k and self.select == "kv_deviation":
-                    deviation = engine.note_deviation(nb, n0, self.select_layer)
-                    chosen = sorted((torch.topk(deviation, k).indices + n0).tolist())
-                    counts["selected"] += len(ids) * (self.select_layer + 1) // \
-                        engine.adapter.num_layers
-                else:
-                    chosen = list(range(n0, n0 + k))
+                chosen, cost = engine.repair_choice(nb, n0, k, select=self.select,
+                                                    layer=self.select_layer)
+                counts["selected"] += int(cost)
                 if chosen:
                     nb = engine.recompute(nb, chosen)
                     counts["repaired"] += k
