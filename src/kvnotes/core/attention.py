@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
 NAME = "kvnotes_sdpa"
 
@@ -56,8 +57,11 @@ def _register() -> None:
 
 def use_grouped_sdpa(model: torch.nn.Module, device: torch.device) -> bool:
     """Run ``model`` (on ``device``) with :func:`grouped_sdpa_forward` when it would use
-    ``sdpa`` on a CPU; returns whether it switched."""
+    ``sdpa`` on a CPU (with a torch whose SDPA takes ``enable_gqa``, 2.5 on); returns whether it
+    switched."""
     if device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    if not is_torch_greater_or_equal("2.5"):
         return False
     _register()
     model.set_attn_implementation(NAME)
