@@ -248,3 +248,16 @@ def test_recompute_every_index_equals_prefill_and_leaves_input(tiny):
     assert isinstance(err.value, kvnotes.KvnotesError) and not isinstance(err.value, IndexError)
     with pytest.raises(InvalidArgumentError, match=rf"got 2 out of range \(-1\.\.{n + 3}\)"):
         tiny.recompute(composed, torch.tensor([-1, 2, n + 3]))
+
+
+def test_repair_choice_picks_spliced_notes_and_refuses_bad_arguments(tiny):
+    nb = tiny.compose(["Q. ", tiny.compile(POLICY)])
+    at = len(nb) - 4
+    assert tiny.repair_choice(nb, at, 2) == ([at, at + 1], 0.0)
+    chosen, cost = tiny.repair_choice(nb, at, 2, select="kv_deviation", layer=1)
+    assert len(chosen) == 2 and chosen == sorted(chosen) and all(at <= i < len(nb) for i in chosen)
+    assert cost == pytest.approx(4 * 2 / tiny.adapter.num_layers)
+    with pytest.raises(UnknownNameError, match="repair selector"):
+        tiny.repair_choice(nb, at, 1, select="nope")
+    with pytest.raises(InvalidArgumentError, match=r"got at=.*, k=5"):
+        tiny.repair_choice(nb, at, 5)

@@ -468,6 +468,11 @@ class Engine:
         order, and what choosing them cost in token-equivalents: ``"first"`` takes the first
         ``k`` (free); ``"kv_deviation"`` the ``k`` whose ``layer`` notes deviate most from a
         recompute's (:meth:`note_deviation`, a partial forward over the spliced tokens)."""
+        if select not in COMPOSE_SELECTORS:
+            raise UnknownNameError("repair selector", select, COMPOSE_SELECTORS)
+        if not 0 <= at <= len(nb) or not 0 <= k <= len(nb) - at:
+            raise InvalidArgumentError(f"repair_choice needs 0 <= at <= {len(nb)} and 0 <= k <= "
+                                       f"the {len(nb) - at} notes after at; got at={at}, k={k}")
         if not k:
             return [], 0.0
         if select == "kv_deviation":
