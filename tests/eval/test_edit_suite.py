@@ -11,6 +11,7 @@ from kvnotes.eval.edit_suite import (
     DEFAULT_STRATEGIES,
     CaseResult,
     compare_strategies,
+    evaluate_case,
     parse_strategy,
     rewrite_report,
     run_suite,
@@ -73,3 +74,21 @@ def test_compare_strategies_rows(tiny_llama):
     assert [r.strategy for r in rows] == ["recompute", "overwrite", "erratum"]
     assert rows[0].identical and rows[0].cosine == pytest.approx(1.0)
     assert rows[1].to_dict()["strategy"] == "overwrite" and rows[1].case_id == case.case_id
+
+
+def test_batched_cot_equals_one_by_one(tiny_llama):
+    """With CoT, every strategy's reasoning is decoded as one batch by default; the rows are
+    those of decoding each alone (texts, decisions, first-token logits), and the result says
+    it was batched."""
+    case = load_suite(["refund"])[0]
+    strategies = ["recompute", "overwrite", "erratum", "repair:kv_deviation:4"]
+    batched = evaluate_case(tiny_llama, case, strategies, cot=True, budget=6)
+    alone = evaluate_case(tiny_llama, case, strategies, cot=True, budget=6, batch=False)
+    assert (batched.text_old, batched.text_new) == (alone.text_old, alone.text_new)
+    for b, a in zip(batched.rows, alone.rows, strict=True):
+        assert (b.strategy, b.text, b.decision) == (a.strategy, a.text, a.decision)
+        assert b.kl == pytest.approx(a.kl, abs=1e-6)
+    assert any(r.text for r in batched.rows)
+    result = run_suite(tiny_llama, [case], ["recompute", "erratum"], cot=True, budget=4)
+    assert result["cot_batched"] is True
+    assert run_suite(tiny_llama, [case], ["recompute"], cot=False)["cot_batched"] is False

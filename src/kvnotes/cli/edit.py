@@ -22,6 +22,9 @@ def edit_eval(
                    "repair:<attention|kv_deviation>:<k> (default: all, k in 8/32/96)"),
     cot: bool = typer.Option(False, "--cot", help="decide by greedy chain of thought"),
     budget: int = typer.Option(96, help="CoT token budget"),
+    batch: bool = typer.Option(True, "--batch/--no-batch",
+                               help="decode each case's chains of thought (every strategy) as "
+                                    "one batch; --no-batch decodes them one by one"),
     device: str = device_option(),
     dtype: str = dtype_option(),
     families: str = typer.Option(None, help="comma-separated task families (default: all)"),
@@ -67,6 +70,7 @@ def edit_eval(
                     console.print(f"case {i}/{n}")
 
             result = run_suite(engine, cases, chosen, cot=cot, budget=budget, progress=progress,
+                               batch=batch,
                                checkpoint=lambda partial: write_outputs(partial, folder))
     except KvnotesError as err:
         fail(err)

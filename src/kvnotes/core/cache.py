@@ -13,7 +13,8 @@ layer writes the new keys/values into the store and returns views, so a forward 
 tokens costs attention over L, not a copy of L. Every layer is a full (non-sliding) layer: a
 sliding-window layer still gets all tokens and the model's own sliding mask hides the ones
 outside its window, as at prefill (transformers' sliding cache layers would drop them).
-:func:`build_cache` stacks equal-length notebooks along the batch axis (patching's hybrids).
+:func:`build_cache` stacks equal-length notebooks along the batch axis (patching's hybrids);
+:func:`build_padded_cache` stacks notebooks of any lengths, left-padded (batched decoding).
 """
 
 from __future__ import annotations
@@ -188,3 +189,36 @@ def build_cache(notebooks: Sequence[Notebook]) -> DynamicCache:
         hf_layer.keys, hf_layer.values = keys, values
         cache.layers.append(hf_layer)
     return cache
+
+
+def build_padded_cache(notebooks: Sequence[Notebook]) -> tuple[DynamicCache, list[int]]:
+    """Notebooks of any lengths stacked along the batch axis, each left-padded with zeros to
+    the longest; returns the cache and each row's number of pad slots.
+
+    The caller masks the pads out (a 2-D attention mask with zeros there). Padding on the left
+    keeps the distance, in cache slots, from every new token to each real note the same as in
+    the notebook alone, so a sliding window (which counts slots) covers the same notes. The
+    tensors are copied once into the batch; the notebooks are never written.
+    """
+    width = max(len(nb) for nb in notebooks)
+    pads = [width - len(nb) for nb in notebooks]
+    if not width:
+        return DynamicCache(), pads
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    for l in range(notebooks[0].num_layers):
+        keys = torch.cat([_left_pad(nb.keys(l), p) for nb, p in zip(notebooks, pads, strict=True)])
+        values = torch.cat([_left_pad(nb.values(l), p)
+                            for nb, p in zip(notebooks, pads, strict=True)])
+        hf_layer = DynamicLayer()  # [b, kv_heads, width, d]
+        hf_layer.lazy_initialization(keys, values)
+        hf_layer.keys, hf_layer.values = keys, values
+        cache.layers.append(hf_layer)
+    return cache, pads
+
+
+def _left_pad(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` ([1, heads, n, d]) with ``pad`` zero slots before its tokens."""
+    if not pad:
+        return t
+    return torch.cat([t.new_zeros(*t.shape[:2], pad, t.shape[-1]), t], dim=2)

@@ -19,7 +19,7 @@ import torch
 
 from kvnotes.core import validate
 from kvnotes.core.attention import use_grouped_sdpa
-from kvnotes.core.cache import KVStore, NotebookCache, build_cache
+from kvnotes.core.cache import KVStore, NotebookCache, build_cache, build_padded_cache
 from kvnotes.core.document import Document, added_bos, document_meta, encode
 from kvnotes.core.errors import (
     ArgumentTypeError,
@@ -99,6 +99,16 @@ class Generation:
     text: str
     token_ids: list[int]
     notebook: Notebook
+    first_logits: torch.Tensor  # FloatTensor[vocab] at the first generated position
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """One row of :meth:`Engine.greedy_batch`: a :class:`Generation` without its notebook (the
+    rows' generated notes live in one batch cache that is dropped)."""
+
+    text: str
+    token_ids: list[int]
     first_logits: torch.Tensor  # FloatTensor[vocab] at the first generated position
 
 
@@ -272,24 +282,115 @@ class Engine:
     def forward_batch(self, notebooks: Sequence[Notebook], ids: Sequence[int]) -> torch.Tensor:
         """FloatTensor[b, vocab]: the logits after ``ids`` on top of each notebook, in one forward.
 
-        The notebooks must line up (same length and positions), as patching's hybrids do; each
-        row equals :meth:`forward` on that notebook up to float error.
+        The notebooks may differ in length and positions (they are left-padded and the pads
+        masked, see :func:`~kvnotes.core.cache.build_padded_cache`); each row equals
+        :meth:`forward` on that notebook up to float error.
         """
         if not notebooks:
             raise EmptyInputError("forward_batch needs at least one notebook")
-        first = notebooks[0]
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise EmptyInputError("forward_batch needs at least one token")
+        starts = self._batch_starts(notebooks)
+        cache, pads = build_padded_cache(notebooks)
+        out = self._call(cache, [ids] * len(notebooks), self._batch_positions(starts, len(ids)),
+                         **self._padding_mask(notebooks, pads, len(ids)))
+        return out.logits[:, -1].float()  # [b, vocab]
+
+    def greedy_batch(self, notebooks: Sequence[Notebook], query: TokenInput | None,
+                     max_new_tokens: int = 32, *, stop: Sequence[str] = ()) -> list[Continuation]:
+        """:meth:`greedy` after the same ``query`` on each notebook, decoded as one batch
+        (:meth:`continue_greedy_batch`); each row equals :meth:`greedy` up to float error."""
+        if not notebooks:
+            raise EmptyInputError("greedy_batch needs at least one notebook")
+        for nb in notebooks:
+            validate.greedy_args(self, nb, query, max_new_tokens, stop)
+            if not len(nb) and (query is None or (isinstance(query, str) and not query)):
+                raise EmptyInputError("nothing to continue: a notebook and the query are empty")
+        steps = [self._feed_query(nb, query) for nb in notebooks]
+        return self.continue_greedy_batch([s.notebook for s in steps],
+                                          torch.stack([s.logits for s in steps]),
+                                          max_new_tokens, stop=stop)
+
+    @torch.inference_mode()
+    def continue_greedy_batch(self, notebooks: Sequence[Notebook], logits: torch.Tensor,
+                              max_new_tokens: int, *, stop: Sequence[str] = ()
+                              ) -> list[Continuation]:
+        """:meth:`continue_greedy` for many notebooks at once: one forward per generated token
+        for the whole batch instead of one per row and token (what a GPU wants; on a CPU too, a
+        decode step's cost being mostly the read of the weights).
+
+        ``logits`` (FloatTensor[b, vocab]) are each notebook's next-token logits, e.g. after a
+        query fed with :meth:`forward`. Each row stops as :meth:`continue_greedy` does (end of
+        sequence, a ``stop`` string, ``max_new_tokens``) and equals it up to float error; rows
+        that stopped ride along until the last one does, their outputs ignored. The
+        notebooks may differ in length (left-padded, see :meth:`forward_batch`); the generated
+        notes live in a batch cache that is dropped, so no notebook is returned or changed.
+        """
+        if not notebooks:
+            raise EmptyInputError("continue_greedy_batch needs at least one notebook")
+        if logits.dim() != 2 or logits.shape[0] != len(notebooks):
+            raise InvalidArgumentError(f"continue_greedy_batch needs one row of logits per notebook "
+                                       f"([{len(notebooks)}, vocab]), got {tuple(logits.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        starts = self._batch_starts(notebooks)
+        b = len(notebooks)
+        cache, pads = build_padded_cache(notebooks)
+        width = len(notebooks[0]) + pads[0]
+        mask = self._padding_mask(notebooks, pads, 0).get("attention_mask")
+        mask = torch.ones(b, width, dtype=torch.long) if mask is None else mask.cpu()
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        first = logits
+        for _ in range(max_new_tokens):
+            tokens = logits.argmax(-1).tolist()
+            for r in range(b):
+                if done[r]:
+                    continue
+                out[r].append(int(tokens[r]))
+                done[r] = (tokens[r] in self.eos_ids or len(out[r]) == max_new_tokens
+                           or bool(stop) and any(s in self.decode(out[r]) for s in stop))
+            if all(done):
+                break
+            # a row that stopped feeds its last token again at position 0: any valid input
+            # does, its logits are never read
+            positions = [0 if done[r] else starts[r] + len(out[r]) - 1 for r in range(b)]
+            self.adapter.check_positions(torch.tensor([p for p, d in zip(positions, done,
+                                                                         strict=True) if not d]))
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], dim=1)
+            step = self._call(cache, [[row[-1]] for row in out],
+                              torch.cat([self.adapter.position_ids(torch.tensor([p]))
+                                         for p in positions], dim=-2),
+                              attention_mask=mask.to(self.device))
+            logits = step.logits[:, -1].float()
+        return [Continuation(self.decode([t for t in row if t not in self.eos_ids]), row,
+                             first[r]) for r, row in enumerate(out)]
+
+    def _batch_starts(self, notebooks: Sequence[Notebook]) -> list[int]:
+        """Each notebook's next position, after checking it belongs to this model."""
         for nb in notebooks:
             nb.check_same_model(self.fingerprint, what="extend a notebook with")
-            if len(nb) != len(first) or not torch.equal(nb.positions, first.positions):
-                raise KvnotesError("forward_batch needs notebooks of equal length and positions")
-        ids = [int(i) for i in ids]
-        positions = torch.arange(first.next_position, first.next_position + len(ids))  # [q]
-        self.adapter.check_positions(positions)
-        pos = self.adapter.position_ids(positions)  # [..., 1, q]
-        b = len(notebooks)
-        out = self._call(build_cache(notebooks), [ids] * b,
-                         pos.expand(*pos.shape[:-2], b, pos.shape[-1]))
-        return out.logits[:, -1].float()  # [b, vocab]
+        return [nb.next_position for nb in notebooks]
+
+    def _batch_positions(self, starts: Sequence[int], q: int) -> torch.Tensor:
+        """The position_ids of ``q`` new tokens per row, row ``r`` starting at ``starts[r]``
+        (checked against the model's maximum)."""
+        rows = [torch.arange(s, s + q) for s in starts]  # [q] each
+        for positions in rows:
+            self.adapter.check_positions(positions)
+        return torch.cat([self.adapter.position_ids(p) for p in rows], dim=-2)  # [..., b, q]
+
+    def _padding_mask(self, notebooks: Sequence[Notebook], pads: Sequence[int],
+                      q: int) -> dict[str, torch.Tensor]:
+        """``{"attention_mask": [b, width + q]}`` with zeros on each row's left pads, or ``{}``
+        when no row is padded (the model's own causal mask is then enough)."""
+        if not any(pads):
+            return {}
+        mask = torch.ones(len(pads), len(notebooks[0]) + pads[0] + q, dtype=torch.long)
+        for r, pad in enumerate(pads):
+            mask[r, :pad] = 0
+        return {"attention_mask": mask.to(self.device)}
 
     def layer_notes(self, nb: Notebook, ids: Sequence[int], layer: int) -> LayerKV:
         """The notes ``ids`` write at ``layer`` when fed on top of ``nb``.

@@ -25,7 +25,7 @@ from kvnotes.core.document import Document
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.metrics import compare_logits
 from kvnotes.eval.reports import write_bundle
-from kvnotes.ops.decisions import Decision, decide
+from kvnotes.ops.decisions import decide, decide_batch
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -170,30 +170,42 @@ class CaseResult:
 
 
 def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DEFAULT_STRATEGIES,
-                  *, cot: bool = False, budget: int = 96) -> CaseResult:
-    """One case: the reference decisions and one row per strategy (see module docstring)."""
+                  *, cot: bool = False, budget: int = 96, batch: bool = True) -> CaseResult:
+    """One case: the reference decisions and one row per strategy (see module docstring).
+
+    Every strategy's edit is made first; the question is then asked on each notebook. With
+    ``cot`` and ``batch`` (the default) the chains of thought of all of them (old value,
+    recompute and every strategy) are decoded as one batch (:func:`decide_batch`): one forward
+    per reasoning token instead of one per strategy and token. Each edit and each first token
+    is still timed alone, so the TTFT columns mean the same either way.
+    """
     specs = [(s, *parse_strategy(s)) for s in strategies]
     doc, query = case_prompt(engine, case, cot=cot)
-
-    def ask(nb: Notebook) -> Decision:
-        return decide(engine, nb, query, case.answers, cot=cot, budget=budget)
-
     nb_old = engine.prefill(doc)
-    d_old = ask(nb_old)
     ref_nb, ref_report = engine.edit(nb_old, case.field, case.new_value, strategy="recompute")
-    d_new = ask(ref_nb)
-    ttft_ref = ref_report.seconds + d_new.first_seconds
-    sensitive = d_old.answer != d_new.answer
-    rows = []
+    edits: list[tuple[str, Notebook, Any]] = []
     memo: dict[Any, Any] = {}  # repair selection scores, shared by the budgets k
     for label, name, options in specs:
         if name == "recompute":
-            nb, report, d = ref_nb, ref_report, d_new
-        else:
-            if name == "repair":
-                options = {**options, "memo": memo}
-            nb, report = engine.edit(nb_old, case.field, case.new_value, strategy=name, **options)
-            d = ask(nb)
+            edits.append((label, ref_nb, ref_report))
+            continue
+        if name == "repair":
+            options = {**options, "memo": memo}
+        edits.append((label, *engine.edit(nb_old, case.field, case.new_value, strategy=name,
+                                          **options)))
+    asked = [nb_old, ref_nb, *(nb for _, nb, _ in edits if nb is not ref_nb)]
+    if cot and batch:
+        decisions = iter(decide_batch(engine, asked, query, case.answers, cot=True,
+                                      budget=budget))
+    else:
+        decisions = iter([decide(engine, nb, query, case.answers, cot=cot, budget=budget)
+                          for nb in asked])
+    d_old, d_new = next(decisions), next(decisions)
+    ttft_ref = ref_report.seconds + d_new.first_seconds
+    sensitive = d_old.answer != d_new.answer
+    rows = []
+    for label, nb, report in edits:
+        d = d_new if nb is ref_nb else next(decisions)
         cmp = compare_logits(d_new.logits, d.logits)
         ttft = report.seconds + d.first_seconds
         rows.append(StrategyRow(
@@ -231,8 +243,11 @@ def _margin(scores: Sequence[float], answers: Sequence[str], target: str | None)
 def run_suite(engine: Engine, cases: Iterable[EditCase],
               strategies: Sequence[str] = DEFAULT_STRATEGIES, *, cot: bool = False,
               budget: int = 96, progress: Callable[[int, int], None] | None = None,
-              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              checkpoint: Callable[[dict[str, Any]], None] | None = None,
+              batch: bool = True) -> dict[str, Any]:
     """Evaluate every case and aggregate per strategy and per family.
+
+    ``batch``: decode each case's chains of thought as one batch (see :func:`evaluate_case`).
 
     ``checkpoint`` is called with the aggregate so far after every case (to write partial
     results during long runs).
@@ -243,19 +258,23 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
     t0 = time.perf_counter()
     results: list[CaseResult] = []
     for i, case in enumerate(cases):
-        results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget))
+        results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget,
+                                     batch=batch))
         if progress:
             progress(i + 1, len(cases))
         if checkpoint and i + 1 < len(cases):
-            checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases)))
-    return _summary(engine, results, strategies, cot, budget, t0, len(cases))
+            checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases),
+                                batch))
+    return _summary(engine, results, strategies, cot, budget, t0, len(cases), batch)
 
 
 def _summary(engine: Engine, results: list[CaseResult], strategies: Sequence[str],
-             cot: bool, budget: int, t0: float, planned: int) -> dict[str, Any]:
+             cot: bool, budget: int, t0: float, planned: int,
+             batch: bool = True) -> dict[str, Any]:
     """The JSON-ready result: settings, aggregates and every case (as dicts)."""
     return {
         "model": engine.name, "cot": cot, "budget": budget if cot else None,
+        "cot_batched": cot and batch,
         "strategies": list(strategies), "n_cases": len(results), "n_planned": planned,
         "n_sensitive": sum(r.sensitive for r in results),
         "recompute_matches_expected": {

@@ -183,6 +183,45 @@ def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
                     time.perf_counter() - t0)
 
 
+@torch.inference_mode()
+def decide_batch(engine: Engine, notebooks: Sequence[Notebook], query: str,
+                 answers: Sequence[str], *, cot: bool = False, budget: int = 96,
+                 parse: Callable[[str], str | None] | None = None) -> list[Decision]:
+    """:func:`decide` on each notebook, the chains of thought decoded as one batch.
+
+    The query is fed on each notebook alone (so each row's ``first_seconds`` is its own time to
+    the first token, as with :func:`decide`); with ``cot=True`` the reasoning of every row is
+    then decoded together by :meth:`Engine.continue_greedy_batch`, one forward per token for
+    the batch, and each row's ``seconds`` is its first-token time plus an equal share of the batch's
+    decode time. Each decision equals :func:`decide`'s up to float error (greedy text can part
+    only on a near-tie of two tokens).
+    """
+    if not cot:
+        return [decide(engine, nb, query, answers, budget=budget, parse=parse)
+                for nb in notebooks]
+    if not notebooks:
+        return []
+    ids = first_token_ids(engine, answers, after=query)
+    q_ids, q_spans = engine.tokens_of(query, bos=False, kind="query", name="query")
+    steps, firsts = [], []
+    for nb in notebooks:
+        t0 = time.perf_counter()
+        steps.append(engine.forward(nb, q_ids, spans=q_spans))
+        firsts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    texts = [c.text for c in engine.continue_greedy_batch([s.notebook for s in steps],
+                                                 torch.stack([s.logits for s in steps]),
+                                                 budget)]
+    shared = (time.perf_counter() - t0) / len(steps)
+    pick = parse or (lambda t: parse_answer(t, answers))
+    out = []
+    for step, text, first_seconds in zip(steps, texts, firsts, strict=True):
+        scores = {a: float(step.logits[i]) for a, i in zip(answers, ids, strict=True)}
+        out.append(Decision(pick(text), scores, margin_of(list(scores.values())), step.logits,
+                            text, first_seconds, first_seconds + shared))
+    return out
+
+
 def parse_answer(text: str, answers: Sequence[str]) -> str | None:
     """The answer choice a model's text names: the first one (as a whole word, any case) after
     the last "answer:" / "answer is" in ``text``, else the first one anywhere in it; None when
