@@ -54,6 +54,7 @@ lint: install
 bench: models
 	$(PY) benchmarks/compose_ttft.py --out $(OUT)/bench
 	$(PY) benchmarks/splice_bandwidth.py --out $(OUT)/bench
+	$(PY) benchmarks/batch_decode.py --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT)
