@@ -45,6 +45,10 @@ def test_parse_strategy_specs():
 def test_run_suite_writes_json_report_and_chart(tiny_llama, tmp_path):
     assert [c.family for c in spread(load_suite(["refund", "lookup"]), 2)] == [
         "refund", "lookup", "refund", "lookup"]
+    both = load_suite(["refund", "lookup"])
+    everything = spread(both, len(both))  # what edit-eval runs without --per-family
+    assert sorted(c.case_id for c in everything) == sorted(c.case_id for c in both)
+    assert [c.family for c in everything[:4]] == ["refund", "lookup", "refund", "lookup"]
     cases = spread(load_suite(["refund", "lookup"]), 1)
     assert [c.family for c in cases] == ["refund", "lookup"]
     strategies = ["recompute", "prefix", "overwrite", "erratum", "repair:kv_deviation:4"]

@@ -29,7 +29,8 @@ def edit_eval(
     dtype: str = dtype_option(),
     families: str = typer.Option(None, help="comma-separated task families (default: all)"),
     per_family: int = typer.Option(0, help="use N cases of each family, spread over its value "
-                                           "pairs (0: all)"),
+                                           "pairs (0: all); cases run round-robin across "
+                                           "families, so a run stopped early covers each"),
     erratum_wordings: bool = typer.Option(False, "--erratum-wordings",
                                           help="also measure the other erratum templates"),
     out: Path = typer.Option(None, help="folder for results.json, report.md, edit.png "
@@ -59,8 +60,8 @@ def edit_eval(
     folder = out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}"
     try:
         cases = load_suite([f.strip() for f in families.split(",")] if families else None)
-        if per_family:
-            cases = spread(cases, per_family)
+        # round-robin across families either way, so a run stopped early covers every family
+        cases = spread(cases, per_family or len(cases))
         with console.status(f"loading {model}"):
             engine = load_engine(model, device, dtype)
         with console.status("evaluating") as status:
