@@ -293,8 +293,11 @@ class Engine:
             raise EmptyInputError("forward_batch needs at least one token")
         starts = self._batch_starts(notebooks)
         cache, pads = build_padded_cache(notebooks)
+        width = len(notebooks[0]) + pads[0]
+        padded = ({"attention_mask": self._padding_mask(pads, width + len(ids)).to(self.device)}
+                  if any(pads) else {})  # unpadded: the model's own causal mask is enough
         out = self._call(cache, [ids] * len(notebooks), self._batch_positions(starts, len(ids)),
-                         **self._padding_mask(notebooks, pads, len(ids)))
+                         **padded)
         return out.logits[:, -1].float()  # [b, vocab]
 
     def greedy_batch(self, notebooks: Sequence[Notebook], query: TokenInput | None,
@@ -337,9 +340,7 @@ class Engine:
         starts = self._batch_starts(notebooks)
         b = len(notebooks)
         cache, pads = build_padded_cache(notebooks)
-        width = len(notebooks[0]) + pads[0]
-        mask = self._padding_mask(notebooks, pads, 0).get("attention_mask")
-        mask = torch.ones(b, width, dtype=torch.long) if mask is None else mask.cpu()
+        mask = self._padding_mask(pads, len(notebooks[0]) + pads[0])  # grows by one per step
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         first = logits
@@ -381,16 +382,12 @@ class Engine:
             self.adapter.check_positions(positions)
         return torch.cat([self.adapter.position_ids(p) for p in rows], dim=-2)  # [..., b, q]
 
-    def _padding_mask(self, notebooks: Sequence[Notebook], pads: Sequence[int],
-                      q: int) -> dict[str, torch.Tensor]:
-        """``{"attention_mask": [b, width + q]}`` with zeros on each row's left pads, or ``{}``
-        when no row is padded (the model's own causal mask is then enough)."""
-        if not any(pads):
-            return {}
-        mask = torch.ones(len(pads), len(notebooks[0]) + pads[0] + q, dtype=torch.long)
+    def _padding_mask(self, pads: Sequence[int], width: int) -> torch.Tensor:
+        """LongTensor[b, width]: ones, with zeros on each row's left pads (on the CPU)."""
+        mask = torch.ones(len(pads), width, dtype=torch.long)
         for r, pad in enumerate(pads):
             mask[r, :pad] = 0
-        return {"attention_mask": mask.to(self.device)}
+        return mask
 
     def layer_notes(self, nb: Notebook, ids: Sequence[int], layer: int) -> LayerKV:
         """The notes ``ids`` write at ``layer`` when fed on top of ``nb``.

@@ -194,12 +194,10 @@ def evaluate_case(engine: Engine, case: EditCase, strategies: Sequence[str] = DE
         edits.append((label, *engine.edit(nb_old, case.field, case.new_value, strategy=name,
                                           **options)))
     asked = [nb_old, ref_nb, *(nb for _, nb, _ in edits if nb is not ref_nb)]
-    if cot and batch:
-        decisions = iter(decide_batch(engine, asked, query, case.answers, cot=True,
-                                      budget=budget))
-    else:
-        decisions = iter([decide(engine, nb, query, case.answers, cot=cot, budget=budget)
-                          for nb in asked])
+    decisions = iter(decide_batch(engine, asked, query, case.answers, cot=cot, budget=budget)
+                     if batch else
+                     [decide(engine, nb, query, case.answers, cot=cot, budget=budget)
+                      for nb in asked])
     d_old, d_new = next(decisions), next(decisions)
     ttft_ref = ref_report.seconds + d_new.first_seconds
     sensitive = d_old.answer != d_new.answer
