@@ -51,3 +51,25 @@ def test_models_list_names_the_aliases():
     result = runner.invoke(app, ["models", "list"])
     assert result.exit_code == 0
     assert "smollm2-135m" in result.output and "gemma3-270m" in result.output
+
+
+def test_edit_eval_resume_and_shards(tiny_folder, tmp_path):
+    """A stopped or smaller run is continued with --resume; a run that would drop measured
+    cases from its own results.json is refused, and a missing --resume-from file is named."""
+    out = tmp_path / "run"
+    base = ["edit-eval", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
+            "--per-family", "1", "--out", str(out), "--threads", "1"]
+    first = runner.invoke(app, [*base, "--families", "refund"])
+    assert first.exit_code == 0, first.output
+    more = runner.invoke(app, [*base, "--families", "refund,lookup", "--resume"])
+    assert more.exit_code == 0, more.output
+    assert "resuming: 1 of 2 cases taken from earlier results" in more.output
+    data = json.loads((out / "results.json").read_text())
+    assert data["n_cases"] == 2 and data["n_resumed"] == 1
+    lose = runner.invoke(app, [*base, "--families", "lookup", "--resume"])
+    assert lose.exit_code == 2 and "which rewriting it would lose" in lose.output
+    assert json.loads((out / "results.json").read_text())["n_cases"] == 2  # nothing lost
+    missing = runner.invoke(app, [*base, "--families", "lookup", "--shard", "1/2",
+                                  "--out", str(tmp_path / "s1"),
+                                  "--resume-from", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "no such file" in missing.output

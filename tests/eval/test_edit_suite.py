@@ -12,10 +12,12 @@ from kvnotes.eval.edit_suite import (
     CaseResult,
     compare_strategies,
     evaluate_case,
+    load_results,
     parse_strategy,
     rewrite_report,
     run_suite,
     spread,
+    take_shard,
     write_outputs,
 )
 from kvnotes.eval.tasks import load_suite
@@ -96,3 +98,50 @@ def test_batched_cot_equals_one_by_one(tiny_llama):
     result = run_suite(tiny_llama, [case], ["recompute", "erratum"], cot=True, budget=4)
     assert result["cot_batched"] is True
     assert run_suite(tiny_llama, [case], ["recompute"], cot=False)["cot_batched"] is False
+
+
+def test_shards_and_resume_merge_into_the_whole_run(tiny_llama, tmp_path):
+    """Shards split a run without overlap; a run given earlier results takes those cases as
+    they are (their timings too, so they were not run again) and runs only the rest."""
+    cases = spread(load_suite(["refund", "lookup", "access"]), 1)
+    strategies = ["recompute", "overwrite", "erratum"]
+    one, two = take_shard(cases, "1/2"), take_shard(cases, "2/2")
+    assert [c.case_id for c in one + two] == [cases[0].case_id, cases[2].case_id,
+                                              cases[1].case_id]
+    for bad in ("0/2", "3/2", "x", "1/2/3"):
+        with pytest.raises(InvalidArgumentError, match="bad shard"):
+            take_shard(cases, bad)
+    write_outputs(run_suite(tiny_llama, one, strategies), tmp_path / "a")
+    done = load_results(tmp_path / "a" / "results.json", tiny_llama, strategies, cot=False,
+                        budget=96)
+    assert [r.case_id for r in done] == [c.case_id for c in one]
+    merged = run_suite(tiny_llama, cases, strategies, done=done)
+    assert merged["n_cases"] == 3 and merged["n_resumed"] == 2
+    first = json.loads((tmp_path / "a" / "results.json").read_text())["cases"]
+    assert merged["cases"][0] == first[0] and merged["cases"][2] == first[1]
+    fresh = run_suite(tiny_llama, cases, strategies)
+    for got, want in zip(merged["cases"], fresh["cases"], strict=True):
+        assert [r["decision"] for r in got["rows"]] == [r["decision"] for r in want["rows"]]
+    write_outputs(merged, tmp_path / "m")
+    assert "2 of the 3 cases were taken from an earlier run" in (
+        tmp_path / "m" / "report.md").read_text()
+
+
+def test_resume_refuses_other_settings_and_damaged_files(tiny_llama, tmp_path):
+    cases = spread(load_suite(["refund"]), 1)
+    write_outputs(run_suite(tiny_llama, cases, ["recompute", "erratum"]), tmp_path)
+    path = tmp_path / "results.json"
+    assert load_results(tmp_path / "none.json", tiny_llama, ["recompute"], cot=False,
+                        budget=96) == []
+    with pytest.raises(InvalidArgumentError, match=r"other settings \(strategies: "):
+        load_results(path, tiny_llama, ["recompute"], cot=False, budget=96)
+    with pytest.raises(InvalidArgumentError, match=r"other settings \(cot: False there, "
+                                                   r"True now, budget: None there, 96 now"):
+        load_results(path, tiny_llama, ["recompute", "erratum"], cot=True, budget=96)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(InvalidArgumentError, match="not a readable edit-eval results.json"):
+        load_results(path, tiny_llama, ["recompute", "erratum"], cot=False, budget=96)
+    path.write_text(json.dumps({"model": tiny_llama.name}))  # not a results file
+    with pytest.raises(InvalidArgumentError, match="not a readable edit-eval results.json"):
+        load_results(path, tiny_llama, ["recompute", "erratum"], cot=False, budget=96)

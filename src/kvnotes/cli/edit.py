@@ -9,7 +9,7 @@ from rich.console import Console
 
 from kvnotes.cli.app import app, emit_json, fail
 from kvnotes.cli.options import device_option, dtype_option, load_engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 
 console = Console(stderr=True)
 
@@ -35,6 +35,16 @@ def edit_eval(
                                           help="also measure the other erratum templates"),
     out: Path = typer.Option(None, help="folder for results.json, report.md, edit.png "
                                         "(default: out/edit-eval-<model>[-cot])"),
+    resume: bool = typer.Option(False, "--resume",
+                                help="keep the cases already in OUT/results.json (a stopped "
+                                     "run's checkpoint or a smaller run with the same "
+                                     "settings) and run only the rest"),
+    resume_from: list[Path] = typer.Option(
+        None, "--resume-from", help="also keep the cases in this results.json (repeatable; "
+                                    "same settings), e.g. to merge --shard runs"),
+    shard: str = typer.Option(None, help="K/N: run only every N-th case starting at the K-th "
+                                         "(1-based), to split a run over processes; merge "
+                                         "the parts with --resume-from"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     threads: int | None = typer.Option(None, "--threads",
                                        help="torch CPU threads (default: physical cores)"),
@@ -46,9 +56,11 @@ def edit_eval(
     from kvnotes.eval.edit_suite import (
         DEFAULT_STRATEGIES,
         ERRATUM_WORDINGS,
+        load_results,
         run_suite,
         spread,
         strategy_table,
+        take_shard,
         write_outputs,
     )
     from kvnotes.eval.tasks import load_suite
@@ -62,8 +74,29 @@ def edit_eval(
         cases = load_suite([f.strip() for f in families.split(",")] if families else None)
         # round-robin across families either way, so a run stopped early covers every family
         cases = spread(cases, per_family or len(cases))
+        if shard:
+            cases = take_shard(cases, shard)
         with console.status(f"loading {model}"):
             engine = load_engine(model, device, dtype)
+        done = []
+        for source in list(resume_from or []):
+            if not source.is_file():
+                raise InvalidArgumentError(f"--resume-from {source}: no such file")
+            done += load_results(source, engine, chosen, cot=cot, budget=budget)
+        if resume:
+            found = load_results(folder / "results.json", engine, chosen, cot=cot,
+                                          budget=budget)
+            planned = {c.case_id for c in cases}
+            dropped = [r.case_id for r in found if r.case_id not in planned]
+            if dropped:  # the checkpoints overwrite that file: never lose measured cases
+                raise InvalidArgumentError(
+                    f"--resume: {folder / 'results.json'} holds {len(dropped)} cases this run "
+                    f"does not select (e.g. {dropped[0]}), which rewriting it would lose; "
+                    "write to another --out and pass that file with --resume-from")
+            done += found
+        if done:
+            kept = len({d.case_id for d in done} & {c.case_id for c in cases})
+            console.print(f"resuming: {kept} of {len(cases)} cases taken from earlier results")
         with console.status("evaluating") as status:
             def progress(i: int, n: int) -> None:
                 status.update(f"case {i}/{n}")
@@ -71,7 +104,7 @@ def edit_eval(
                     console.print(f"case {i}/{n}")
 
             result = run_suite(engine, cases, chosen, cot=cot, budget=budget, progress=progress,
-                               batch=batch,
+                               batch=batch, done=done,
                                checkpoint=lambda partial: write_outputs(partial, folder))
     except KvnotesError as err:
         fail(err)

@@ -96,6 +96,18 @@ def spread(cases: Sequence[EditCase], per_family: int) -> list[EditCase]:
     return [g[i] for i in range(per_family) for g in picked if i < len(g)]
 
 
+def take_shard(cases: Sequence[EditCase], shard: str) -> list[EditCase]:
+    """``"K/N"``: every N-th case starting at the K-th (1-based), so N processes together run
+    each case once."""
+    try:
+        k, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise InvalidArgumentError(f"bad shard {shard!r}; write K/N, e.g. 1/2") from None
+    if not 1 <= k <= n:
+        raise InvalidArgumentError(f"bad shard {shard!r}: K must be between 1 and N")
+    return list(cases[k - 1::n])
+
+
 @dataclass(frozen=True, slots=True)
 class StrategyRow:
     """One strategy on one case, measured against recompute of the new value."""
@@ -242,38 +254,76 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
               strategies: Sequence[str] = DEFAULT_STRATEGIES, *, cot: bool = False,
               budget: int = 96, progress: Callable[[int, int], None] | None = None,
               checkpoint: Callable[[dict[str, Any]], None] | None = None,
-              batch: bool = True) -> dict[str, Any]:
+              batch: bool = True, done: Iterable[CaseResult] = ()) -> dict[str, Any]:
     """Evaluate every case and aggregate per strategy and per family.
 
     ``batch``: decode each case's chains of thought as one batch (see :func:`evaluate_case`).
 
     ``checkpoint`` is called with the aggregate so far after every case (to write partial
-    results during long runs).
+    results during long runs). ``done``: results of an earlier run with the same settings
+    (:func:`load_results`); cases found there are taken as they are instead of run again
+    (``seconds`` is then this run's wall time only, and ``n_resumed`` counts the cases taken).
     """
     cases = list(cases)
     for s in strategies:
         parse_strategy(s)
+    earlier = {r.case_id: r for r in done}
     t0 = time.perf_counter()
     results: list[CaseResult] = []
+    resumed = 0
     for i, case in enumerate(cases):
-        results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget,
-                                     batch=batch))
+        if case.case_id in earlier:
+            results.append(earlier[case.case_id])
+            resumed += 1
+        else:
+            results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget,
+                                         batch=batch))
         if progress:
             progress(i + 1, len(cases))
-        if checkpoint and i + 1 < len(cases):
+        if checkpoint and i + 1 < len(cases) and case.case_id not in earlier:
             checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases),
-                                batch))
-    return _summary(engine, results, strategies, cot, budget, t0, len(cases), batch)
+                                batch, resumed))
+    return _summary(engine, results, strategies, cot, budget, t0, len(cases), batch, resumed)
+
+
+def load_results(path: str | Path, engine: Engine, strategies: Sequence[str], *, cot: bool,
+                budget: int) -> list[CaseResult]:
+    """The case results of an earlier ``results.json`` (a finished run or a
+    checkpoint), for :func:`run_suite`'s ``done``. A missing file gives nothing to resume; a
+    file that cannot be read or was written with other settings (model, CoT, budget,
+    strategies) raises, so results measured differently are never mixed into one table."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+        settings = {"model": data["model"], "cot": bool(data["cot"]),
+                    "budget": data["budget"], "strategies": list(data["strategies"])}
+        cases = [CaseResult.from_dict(c) for c in data["cases"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise InvalidArgumentError(
+            f"cannot resume from {path}: not a readable edit-eval results.json ({err}); "
+            "move it away or choose another --out") from None
+    wanted = {"model": engine.name, "cot": cot, "budget": budget if cot else None,
+              "strategies": list(strategies)}
+    differ = [k for k in wanted if settings[k] != wanted[k]]
+    if differ:
+        raise InvalidArgumentError(
+            f"cannot resume from {path}: it was run with other settings ("
+            + ", ".join(f"{k}: {settings[k]!r} there, {wanted[k]!r} now" for k in differ)
+            + "); choose another --out or the same settings")
+    return cases
 
 
 def _summary(engine: Engine, results: list[CaseResult], strategies: Sequence[str],
              cot: bool, budget: int, t0: float, planned: int,
-             batch: bool = True) -> dict[str, Any]:
+             batch: bool = True, resumed: int = 0) -> dict[str, Any]:
     """The JSON-ready result: settings, aggregates and every case (as dicts)."""
     return {
         "model": engine.name, "cot": cot, "budget": budget if cot else None,
         "cot_batched": cot and batch,
         "strategies": list(strategies), "n_cases": len(results), "n_planned": planned,
+        "n_resumed": resumed,
         "n_sensitive": sum(r.sensitive for r in results),
         "recompute_matches_expected": {
             "old": sum(r.decision_old == r.expected_old for r in results),
@@ -416,6 +466,10 @@ def report_markdown(result: dict[str, Any]) -> str:
         "",
         *([f"**Partial: {n} of {result['n_planned']} cases done.**", ""]
           if result.get("n_planned", n) != n else []),
+        *([f"{result['n_resumed']} of the {n} cases were taken from an earlier run with the "
+           "same settings (`--resume`, `--resume-from`); the wall time below is this run's "
+           "alone.", ""]
+          if result.get("n_resumed") else []),
         f"{n} cases, {result['n_sensitive']} sensitive (recompute decides differently for the old "
         f"and the new value). Recompute(old) matches the task author's intended answer in "
         f"{expected['old']}/{n} cases, recompute(new) in {expected['new']}/{n}.",
