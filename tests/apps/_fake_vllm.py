@@ -55,6 +55,7 @@ class FakeState:
         self.hist = {name: [0.0, 0] for name in HISTOGRAMS}  # name -> [sum, count]
         self.faults: list[tuple[str, object]] = []  # (kind, predicate on the prompt text)
         self.hang_s = 5.0
+        self.reads_errata = True  # False: a reader that misses appended corrections
 
     def fail(self, kind: str, n: int = 1, when: object = None) -> None:
         """The next ``n`` generation requests (whose prompt text satisfies ``when``, if given)
@@ -94,14 +95,15 @@ class FakeState:
         return len(toks), best
 
 
-def _status(prompt: str) -> str:
-    """The asked-about order's status, as a perfect reader of the prompt sees it."""
-    m = re.search(r"refund of order #(\d+)", prompt)
+def _status(prompt: str, reads_errata: bool = True) -> str:
+    """The asked-about order's status, as a perfect reader of the prompt sees it (or one that
+    misses the corrections)."""
+    m = re.search(r"(?:refund of|current status of) order #(\d+)", prompt)
     if not m:
         return ""
     oid = m.group(1)
     fixes = re.findall(rf"order #{oid} is ([a-z ]+?), not", prompt)
-    if fixes:
+    if fixes and reads_errata:
         return fixes[-1]
     rec = re.search(rf"Order #{oid}:[^\n]*?status: ([a-z ]+?);", prompt)
     return rec.group(1) if rec else ""
@@ -193,7 +195,11 @@ def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             state.observe("vllm:inter_token_latency_seconds", state.step_s)
             state.observe("vllm:request_prefill_kv_computed_tokens", n - hit)
             state.observe("vllm:request_prompt_tokens", n)
-            answer = "Yes." if _status(prompt).startswith(("delivered", "returned")) else "No."
+            status = _status(prompt, state.reads_errata)
+            if "current status of order #" in prompt:
+                answer = f"The status is {status}."
+            else:
+                answer = "Yes." if status.startswith(("delivered", "returned")) else "No."
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")

@@ -28,6 +28,7 @@ from kvnotes.apps.serving import (
     write_outputs,
 )
 from kvnotes.apps.serving.bench import matrix_config, validate_block_size
+from kvnotes.apps.serving.bench_report import report_markdown
 from kvnotes.apps.serving.metrics import HISTOGRAMS, agreement, info_labels, ttft_breakdown
 from kvnotes.apps.serving.workload import ANSWERS, MAX_EDITS, REFUND_STATUSES, whitespace_tokens
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
@@ -419,6 +420,37 @@ def test_benchmark_on_fake_server(fake_server, tmp_path):
     assert "| 600 | 2 | erratum |" in report and "ttft_cdf.png" in report
     assert "KV block size 128 tokens" in report and "## Where the time to first token goes" in report
     assert paths["plot"].stat().st_size > 1000
+
+
+def test_status_question_shows_whether_the_edit_was_read(fake_server):
+    """--question status asks for the field's value itself; accuracy counts the new value and
+    'old answer' the original one, so a reader that misses the appended corrections shows up."""
+    url, state = fake_server
+    s = _session(edits=3, question="status")
+    assert s.question.startswith("Question: what is the current status of order #")
+    assert s.expected(1) == s.turns[1].new and s.stale(1) == s.initial
+    assert s.answers[:2] == ("delivered to a locker", "returned unopened")  # longest first
+    assert parse_answer("The status is delivered late.", s.answers) == "delivered late"
+    with pytest.raises(UnknownNameError, match="unknown question 'mood'; valid questions: "
+                                               "decision, status"):
+        _session(question="mood")
+    with pytest.raises(UnknownNameError, match="unknown question"):
+        BenchConfig(question="mood")
+    config = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
+                         policies=("in-place", "erratum"), question="status")
+    for reads, erratum_acc, erratum_old in ((True, 1.0, 0.0), (False, 0.0, 1.0)):
+        state.reads_errata = reads
+        try:
+            result = run_benchmark(Client(url), config, log=lambda s: None)
+        finally:
+            state.reads_errata = True
+        rows = {r["policy"]: r for r in result["summaries"]}
+        assert rows["in-place"]["accuracy"] == 1.0 and rows["in-place"]["stale_rate"] == 0.0
+        assert rows["erratum"]["accuracy"] == erratum_acc
+        assert rows["erratum"]["stale_rate"] == erratum_old
+        assert sum(rows["erratum"]["decisions"].values()) == 6
+    assert result["config"]["question"] == "status"
+    assert "the order's current status" in report_markdown(result)
 
 
 def _small(**kw):

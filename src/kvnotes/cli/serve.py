@@ -70,6 +70,9 @@ def serve_bench(
     matrix: bool = typer.Option(False, "--matrix", help="erratum: the full matrix (contexts "
                                 "1k/4k/8k and 16k where the model allows, concurrency 1/4/16, "
                                 "all policies, 16 requests per row); explicit options override"),
+    question: str = typer.Option("decision", "--question", help="erratum: what each request "
+                                 "asks: decision (the refund the policy implies) or status "
+                                 "(the field's current value, to see whether an edit is read)"),
     no_anchor: bool = typer.Option(False, "--no-anchor", help="skills: compile each policy alone "
                                    "instead of behind the system header (for comparison)"),
 ) -> None:
@@ -122,7 +125,8 @@ def serve_bench(
                                                                  ).split(",") if p.strip()),
                              max_tokens=max_tokens, request_timeout_s=request_timeout,
                              time_budget_s=time_budget, requests_per_row=per_row,
-                             optional_contexts=optional, block_size=block_size)
+                             optional_contexts=optional, block_size=block_size,
+                             question=question)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 

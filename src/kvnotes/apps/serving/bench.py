@@ -33,7 +33,7 @@ from kvnotes.apps.serving.metrics import (
     percentile,
     ttft_breakdown,
 )
-from kvnotes.apps.serving.workload import ANSWERS, POLICIES, Session, make_sessions
+from kvnotes.apps.serving.workload import POLICIES, QUESTIONS, Session, make_sessions
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.ops.decisions import parse_answer
@@ -85,8 +85,11 @@ class BenchConfig:
     requests_per_row: int = 0
     optional_contexts: tuple[int, ...] = ()
     block_size: int | None = None
+    question: str = "decision"  # what each request asks (workload.QUESTIONS)
 
     def __post_init__(self) -> None:
+        if self.question not in QUESTIONS:
+            raise UnknownNameError("question", self.question, QUESTIONS)
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise UnknownNameError("policy", bad[0], POLICIES)
@@ -147,6 +150,7 @@ class RequestRecord:
     error: str | None = None
     skipped: bool = False
     error_kind: str | None = None
+    stale: str | None = None  # the answer the session's original value gives
 
 
 @dataclass
@@ -171,7 +175,10 @@ class PhaseSummary:
     wall_s: float
     mean_prompt_tokens: float | None
     decisions: dict[str, int] = field(default_factory=dict)
-    accuracy: float | None = None  # decision == the refund policy's answer for the new value
+    accuracy: float | None = None  # decision == the right answer for the new value
+    # decision == the original value's answer, over the edits whose right answer differs
+    # from it (the edits were missed)
+    stale_rate: float | None = None
     agreement_with_in_place: float | None = None
     agreement_n: int = 0
     ttft_mean_s: float | None = None
@@ -249,7 +256,8 @@ async def _phase(client: Client, sessions: Sequence[Session], policy: str, *,
     async def stream(s: Session) -> None:
         for turn in s.turns:
             base = dict(context_tokens=context_tokens, concurrency=concurrency, policy=policy,
-                        session=s.session_id, turn=turn.index, expected=turn.expected)
+                        session=s.session_id, turn=turn.index,
+                        expected=s.expected(turn.index), stale=s.stale(turn.index))
             if deadline.passed():
                 records.append(RequestRecord(**base, ok=False, ttft_s=None, total_s=None,
                                              prompt_tokens=None, cached_tokens=None, text="",
@@ -260,7 +268,7 @@ async def _phase(client: Client, sessions: Sequence[Session], policy: str, *,
             records.append(RequestRecord(
                 **base, ok=r.ok, ttft_s=r.ttft_s, total_s=r.total_s,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, text=r.text,
-                decision=parse_answer(r.text, ANSWERS) if r.ok else None, error=r.error,
+                decision=parse_answer(r.text, s.answers) if r.ok else None, error=r.error,
                 error_kind=r.error_kind))
 
     try:
@@ -332,6 +340,7 @@ def summarize(records: Sequence[RequestRecord], *, policy: str, concurrency: int
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     usage = [r for r in ok if r.prompt_tokens and r.cached_tokens is not None]
     failed = [r for r in records if not r.ok and not r.skipped]
+    changed = [r for r in ok if r.stale is not None and r.stale != r.expected]
     decisions: dict[str, int] = {}
     for r in ok:
         key = r.decision or "unparsed"
@@ -351,6 +360,8 @@ def summarize(records: Sequence[RequestRecord], *, policy: str, concurrency: int
                             if ok and all(r.prompt_tokens for r in ok) else None),
         decisions=decisions,
         accuracy=sum(1 for r in ok if r.decision == r.expected) / len(ok) if ok else None,
+        stale_rate=(sum(1 for r in changed if r.decision == r.stale) / len(changed)
+                    if changed else None),
         ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None,
         errors=_count_kinds(failed))
 
@@ -383,7 +394,8 @@ def _plan(config: BenchConfig, limit: int | None, run_id: str,
             rows = {conc: make_sessions(config.sessions_for(conc), context_tokens=ctx,
                                         depth=config.field_depth, edits=config.edits,
                                         count_tokens=count_tokens,
-                                        tag=f"{run_id}-c{ctx}-k{conc}", seed=config.seed)
+                                        tag=f"{run_id}-c{ctx}-k{conc}", seed=config.seed,
+                                        question=config.question)
                     for conc in config.concurrency}
             need = max(_longest_prompt(v, config, count_tokens) for v in rows.values())
             if limit is None or need <= limit:

@@ -50,8 +50,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The per policy and concurrency tables of a result, as Markdown."""
     lines = ["| context | conc | policy | ok/n | TTFT p50 | p90 | p99 | hit rate (metrics) | "
              "hit rate (usage) | req/s | errors | warm-up errors | load 1m before/after | "
-             "agree w/ in-place | decisions | acc |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---:|"]
+             "agree w/ in-place | answers | acc | old answer |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|---:|---|---:|---:|"]
     for s in result["summaries"]:
         agree = ("-" if s["agreement_with_in_place"] is None
                  else f"{s['agreement_with_in_place']:.2f} (n={s['agreement_n']})")
@@ -63,7 +63,8 @@ def markdown_table(result: dict[str, Any]) -> str:
             f"{_fmt(s['ttft_p99_s'])} | {_pct(s['hit_rate'])} | {_pct(s['hit_rate_usage'])} | "
             f"{rps} | {_kinds(s.get('errors') or {})} | {_kinds(s.get('warmup_errors') or {})} "
             f"| {_load(s.get('load_before'))} / {_load(s.get('load_after'))} | {agree} | {dec} | "
-            f"{'-' if s['accuracy'] is None else format(s['accuracy'], '.2f')} |")
+            f"{'-' if s['accuracy'] is None else format(s['accuracy'], '.2f')} | "
+            f"{'-' if s.get('stale_rate') is None else format(s['stale_rate'], '.2f')} |")
     lines += ["", "| context | conc | in-place / erratum p90 | cold / erratum p90 |",
               "|---:|---:|---:|---:|"]
     for r in result["ratios"]:
@@ -133,8 +134,14 @@ def report_markdown(result: dict[str, Any]) -> str:
         "vllm:prefix_cache_queries_total (tokens) around each measured phase; the usage column "
         "is the same from each response's cached_tokens.",
         "- Each cache-using policy first sends every session's original prompt once (warm-up, "
-        "not measured). Agreement: decisions equal to in-place's for the same session and edit; "
-        "acc: the decision the refund policy implies for the new value. Errors: http_4xx/5xx, "
+        "not measured). Question: " + (
+            "the order's current status (the field's value itself)"
+            if cfg.get("question") == "status" else
+            "the refund decision the policy implies for the order's status")
+        + ". Agreement: answers equal to in-place's for the same session and edit; acc: the "
+        "right answer for the new value; old answer: the answer the session's original value "
+        "gives (what the cached context still says), over the edits whose right answer differs "
+        "from it (the edits were missed). Errors: http_4xx/5xx, "
         "timeout, connection (refused, dropped, cut short), stream (error inside the stream).",
         "", markdown_table(result), "", "![TTFT CDF](ttft_cdf.png)", "",
         "## Where the time to first token goes", "",

@@ -36,6 +36,13 @@ DECLINE_STATUSES: tuple[str, ...] = ("pending", "shipped", "cancelled", "lost", 
 STATUSES: tuple[str, ...] = REFUND_STATUSES + DECLINE_STATUSES
 MAX_EDITS = len(STATUSES) - 1  # every edit brings a value the session has not seen yet
 ANSWERS: tuple[str, ...] = ("yes", "no")
+# What each session asks after an edit. "decision": the refund decision the policy implies (a
+# reasoning step over the field); "status": the field's current value itself (retrieval: whether
+# the model reads the edit at all, which a small model answering "yes" to everything hides).
+QUESTIONS: tuple[str, ...] = ("decision", "status")
+# longest first: parse_answer breaks ties at one position by order ("delivered late" over
+# "delivered")
+STATUS_ANSWERS: tuple[str, ...] = tuple(sorted(STATUSES, key=len, reverse=True))
 
 _FIRST = ("Dana", "Luis", "Mei", "Omar", "Priya", "Tomas", "Aiko", "Ruth", "Jonas", "Fatima",
           "Elena", "Kwame", "Ines", "Viktor", "Sara", "Noah")
@@ -99,6 +106,11 @@ class Session:
     context_tokens: int = 0  # as measured by the count function at build time
     field_token_depth: float = 0.0  # tokens before the field / context tokens
     meta: dict = field(default_factory=dict)
+    question_kind: str = "decision"  # one of QUESTIONS
+
+    def __post_init__(self) -> None:
+        if self.question_kind not in QUESTIONS:
+            raise UnknownNameError("question", self.question_kind, QUESTIONS)
 
     @property
     def field_label(self) -> str:
@@ -106,9 +118,32 @@ class Session:
 
     @property
     def question(self) -> str:
+        if self.question_kind == "status":
+            return (f"Question: what is the current status of order #{self.order_id}? Answer "
+                    "with the status only.")
         return (f"Question: a customer asks for a refund of order #{self.order_id}. Following "
                 "the refund policy and the order's current status, should the refund be "
                 "approved? Answer with one word, yes or no.")
+
+    @property
+    def answers(self) -> tuple[str, ...]:
+        """The choices a response is parsed into."""
+        return STATUS_ANSWERS if self.question_kind == "status" else ANSWERS
+
+    def expected(self, turn: int) -> str:
+        """The right answer after edit ``turn``: the refund policy's decision for the new
+        value, or the new value itself."""
+        t = self.turns[turn]
+        return t.new if self.question_kind == "status" else t.expected
+
+    def stale(self, turn: int) -> str:
+        """The answer the session's original value gives (the value the cached context, and the
+        erratum's unchanged prefix, still hold): a model that misses the edits answers this.
+        The same for every turn; ``turn`` is checked like :meth:`expected`'s."""
+        self.turns[turn]
+        if self.question_kind == "status":
+            return self.initial
+        return "yes" if self.initial in REFUND_STATUSES else "no"
 
     def context(self, value: str | None = None) -> str:
         """The context with the field at ``value`` (the initial value when None)."""
@@ -178,7 +213,8 @@ def edit_stream(rng: random.Random, initial: str, n: int) -> tuple[Turn, ...]:
 
 
 def make_session(session_id: str, *, context_tokens: int, depth: float, edits: int,
-                 count_tokens: Callable[[str], int], seed: int = 0) -> Session:
+                 count_tokens: Callable[[str], int], seed: int = 0,
+                 question: str = "decision") -> Session:
     """One session: at most about ``context_tokens`` tokens, the field at ``depth`` (0..1).
 
     The context is a header naming the session (so sessions share no prefix beyond the chat
@@ -186,6 +222,8 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
     whose status is the field. Blocks are added until the token budget is met; the target
     record goes where the tokens before it reach ``depth`` of the budget.
     """
+    if question not in QUESTIONS:
+        raise UnknownNameError("question", question, QUESTIONS)
     if context_tokens < 64:
         raise InvalidArgumentError(f"context_tokens must be at least 64, got {context_tokens}")
     if not 0.0 <= depth <= 1.0:
@@ -242,16 +280,18 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
     depth_measured = count_tokens(before) / max(total, 1)
     return Session(session_id=session_id, before=before, after=after, initial=initial,
                    turns=edit_stream(rng, initial, edits), order_id=order_id,
-                   context_tokens=total, field_token_depth=depth_measured)
+                   context_tokens=total, field_token_depth=depth_measured,
+                   question_kind=question)
 
 
 def make_sessions(n: int, *, context_tokens: int, depth: float, edits: int,
                   count_tokens: Callable[[str], int], tag: str = "run",
-                  seed: int = 0) -> list[Session]:
+                  seed: int = 0, question: str = "decision") -> list[Session]:
     """``n`` independent sessions whose ids start with ``tag`` (one tag per benchmark run, so
     that no run finds another run's prompts in the prefix cache)."""
     return [make_session(f"{tag}-s{i}", context_tokens=context_tokens, depth=depth, edits=edits,
-                         count_tokens=count_tokens, seed=seed) for i in range(n)]
+                         count_tokens=count_tokens, seed=seed, question=question)
+            for i in range(n)]
 
 
 def whitespace_tokens(text: str) -> int:
