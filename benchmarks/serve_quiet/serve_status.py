@@ -35,7 +35,7 @@ with server:
     for name, kw in RUNS:
         config = BenchConfig(model="smollm2-135m", requests_per_row=16, block_size=32,
                              request_timeout_s=1800, concurrency=(1,), sessions=4, edits=4,
-                             question="status", max_tokens=12, **kw)
+                             question="status", max_tokens=24, **kw)
         print(f"[{time.strftime('%T')}] {name}: {kw} load {os.getloadavg()}", flush=True)
         result = run_benchmark(Client(server.url, timeout=1800), config,
                                log=lambda s: print(s, flush=True))

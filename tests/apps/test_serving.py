@@ -666,6 +666,19 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     data = json.loads((out / "result.json").read_text())
     assert data["config"]["requests_per_row"] == 16 and data["config"]["optional_contexts"] == []
     assert data["summaries"][0]["requests"] == 16 and data["summaries"][0]["ok"] == 16
+    assert data["config"]["question"] == "decision" and data["config"]["max_tokens"] == 8
+    # --question status: room for a restated question before the status, unless told
+    for extra, tokens in (([], 24), (["--max-tokens", "5"], 5)):
+        res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--context-tokens", "150",
+                                       "--concurrency", "1", "--policies", "erratum", "--edits",
+                                       "1", "--sessions", "1", "--question", "status",
+                                       "--out", str(out), *extra])
+        assert res.exit_code == 0, res.output
+        data = json.loads((out / "result.json").read_text())
+        assert data["config"]["question"] == "status" and data["config"]["max_tokens"] == tokens
+        assert data["summaries"][0]["accuracy"] == 1.0
+    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--question", "mood"])
+    assert res.exit_code == 2 and "unknown question 'mood'" in res.output
 
 
 def test_time_budget_skips_requests(fake_server):

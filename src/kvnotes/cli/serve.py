@@ -40,7 +40,9 @@ def serve_bench(
                                     "1,4,16 for erratum, 1,4 for skills)"),
     policies: str = typer.Option(None, "--policies", help="default: in-place,erratum,cold "
                                  "(erratum) or cold,prefix,compose (skills)"),
-    max_tokens: int = typer.Option(8, "--max-tokens", help="Tokens generated per answer"),
+    max_tokens: int = typer.Option(None, "--max-tokens", help="Tokens generated per answer "
+                                   "(default 8; 24 with --question status, since small models "
+                                   "restate the question before the status)"),
     time_budget: float = typer.Option(None, "--time-budget", help="Stop sending requests after "
                                       "this many seconds (the rest are reported as skipped)"),
     request_timeout: float = typer.Option(600.0, "--request-timeout"),
@@ -123,7 +125,8 @@ def serve_bench(
                              concurrency=_ints(concurrency, "--concurrency"),
                              policies=tuple(p.strip() for p in (policies or "in-place,erratum,cold"
                                                                  ).split(",") if p.strip()),
-                             max_tokens=max_tokens, request_timeout_s=request_timeout,
+                             max_tokens=max_tokens or (24 if question == "status" else 8),
+                             request_timeout_s=request_timeout,
                              time_budget_s=time_budget, requests_per_row=per_row,
                              optional_contexts=optional, block_size=block_size,
                              question=question)
@@ -142,7 +145,7 @@ def serve_bench(
             served_dtype = cpu_dtype() if dtype == "auto" else dtype
             folder = export_hf_dir(model, dtype=served_dtype)
             # room for the longest prompt: context + errata + question + answer
-            needed = max(contexts + optional) + 120 + 30 * edits + max_tokens
+            needed = max(contexts + optional) + 120 + 30 * edits + config.max_tokens
             mml = max_model_len or min(max(4096, -(-needed // 1024) * 1024), _max_pos(folder))
             out.mkdir(parents=True, exist_ok=True)
             log(f"starting vLLM on {folder} ({served_dtype}, max-model-len {mml}, block size "
