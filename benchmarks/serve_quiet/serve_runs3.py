@@ -2,7 +2,8 @@
 (every context and policy) and the concurrency-16 rows for in-place and cold at 1k and 4k, on one
 block-32 server, each config written as soon as it finishes. 8k in-place/cold at c=16
 (matrix-b32-c16-8k: 16 warm-ups plus 32 requests of ~40 s each on vLLM-CPU, about 35 minutes of a
-2-core machine) was added in session 5 and run on its own: `serve_runs3.py matrix-b32-c16-8k`. Run from the repository root with nothing else on the machine."""
+2-core machine) was added in session 5 and run on its own: `serve_runs3.py matrix-b32-c16-8k`.
+Run from the repository root with nothing else on the machine."""
 import os
 import sys
 import time
