@@ -68,6 +68,9 @@ def test_edit_eval_resume_and_shards(tiny_folder, tmp_path):
     assert data["n_cases"] == 2 and data["n_resumed"] == 1
     lose = runner.invoke(app, [*base, "--families", "lookup", "--resume"])
     assert lose.exit_code == 2 and "which rewriting it would lose" in lose.output
+    same = runner.invoke(app, [*base, "--families", "lookup", "--resume-from",
+                               str(out / "results.json")])  # the file this run rewrites
+    assert same.exit_code == 2 and "which rewriting it would lose" in same.output
     assert json.loads((out / "results.json").read_text())["n_cases"] == 2  # nothing lost
     missing = runner.invoke(app, [*base, "--families", "lookup", "--shard", "1/2",
                                   "--out", str(tmp_path / "s1"),

@@ -76,23 +76,27 @@ def edit_eval(
         cases = spread(cases, per_family or len(cases))
         if shard:
             cases = take_shard(cases, shard)
-        with console.status(f"loading {model}"):
-            engine = load_engine(model, device, dtype)
-        done = []
-        for source in list(resume_from or []):
+        sources = list(resume_from or [])
+        for source in sources:  # before the model loads: a typo costs nothing
             if not source.is_file():
                 raise InvalidArgumentError(f"--resume-from {source}: no such file")
-            done += load_results(source, engine, chosen, cot=cot, budget=budget)
+        with console.status(f"loading {model}"):
+            engine = load_engine(model, device, dtype)
+        target = folder / "results.json"
         if resume:
-            found = load_results(folder / "results.json", engine, chosen, cot=cot,
-                                          budget=budget)
-            planned = {c.case_id for c in cases}
-            dropped = [r.case_id for r in found if r.case_id not in planned]
-            if dropped:  # the checkpoints overwrite that file: never lose measured cases
-                raise InvalidArgumentError(
-                    f"--resume: {folder / 'results.json'} holds {len(dropped)} cases this run "
-                    f"does not select (e.g. {dropped[0]}), which rewriting it would lose; "
-                    "write to another --out and pass that file with --resume-from")
+            sources.append(target)
+        done = []
+        for source in sources:
+            found = load_results(source, engine, chosen, cot=cot, budget=budget)
+            if source.resolve() == target.resolve():
+                # the checkpoints overwrite that file: never lose the cases measured there
+                planned = {c.case_id for c in cases}
+                dropped = [r.case_id for r in found if r.case_id not in planned]
+                if dropped:
+                    raise InvalidArgumentError(
+                        f"{target} holds {len(dropped)} cases this run does not select (e.g. "
+                        f"{dropped[0]}), which rewriting it would lose; write to another --out "
+                        "and pass that file with --resume-from")
             done += found
         if done:
             kept = len({d.case_id for d in done} & {c.case_id for c in cases})
