@@ -428,7 +428,7 @@ def test_status_question_shows_whether_the_edit_was_read(fake_server):
     url, state = fake_server
     s = _session(edits=3, question="status")
     assert s.question.startswith("Question: what is the current status of order #")
-    assert s.expected(1) == s.turns[1].new and s.stale(1) == s.initial
+    assert s.expected(1) == s.turns[1].new and s.stale == s.initial
     assert s.answers[:2] == ("delivered to a locker", "returned unopened")  # longest first
     assert parse_answer("The status is delivered late.", s.answers) == "delivered late"
     with pytest.raises(UnknownNameError, match="unknown question 'mood'; valid questions: "
@@ -679,6 +679,8 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
         assert data["summaries"][0]["accuracy"] == 1.0
     res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--question", "mood"])
     assert res.exit_code == 2 and "unknown question 'mood'" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--max-tokens", "0"])
+    assert res.exit_code == 2 and "--max-tokens must be at least 1, got 0" in res.output
 
 
 def test_time_budget_skips_requests(fake_server):

@@ -125,7 +125,8 @@ def serve_bench(
                              concurrency=_ints(concurrency, "--concurrency"),
                              policies=tuple(p.strip() for p in (policies or "in-place,erratum,cold"
                                                                  ).split(",") if p.strip()),
-                             max_tokens=max_tokens or (24 if question == "status" else 8),
+                             max_tokens=(max_tokens if max_tokens is not None
+                                         else 24 if question == "status" else 8),
                              request_timeout_s=request_timeout,
                              time_budget_s=time_budget, requests_per_row=per_row,
                              optional_contexts=optional, block_size=block_size,

@@ -102,6 +102,8 @@ class BenchConfig:
         if self.requests_per_row < 0:
             raise InvalidArgumentError(f"--requests-per-row must be 0 or more, got "
                                        f"{self.requests_per_row}")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if self.request_timeout_s <= 0:
             raise InvalidArgumentError("--request-timeout must be positive")
         validate_block_size(self.block_size)
@@ -257,7 +259,7 @@ async def _phase(client: Client, sessions: Sequence[Session], policy: str, *,
         for turn in s.turns:
             base = dict(context_tokens=context_tokens, concurrency=concurrency, policy=policy,
                         session=s.session_id, turn=turn.index,
-                        expected=s.expected(turn.index), stale=s.stale(turn.index))
+                        expected=s.expected(turn.index), stale=s.stale)
             if deadline.passed():
                 records.append(RequestRecord(**base, ok=False, ttft_s=None, total_s=None,
                                              prompt_tokens=None, cached_tokens=None, text="",

@@ -136,11 +136,10 @@ class Session:
         t = self.turns[turn]
         return t.new if self.question_kind == "status" else t.expected
 
-    def stale(self, turn: int) -> str:
+    @property
+    def stale(self) -> str:
         """The answer the session's original value gives (the value the cached context, and the
-        erratum's unchanged prefix, still hold): a model that misses the edits answers this.
-        The same for every turn; ``turn`` is checked like :meth:`expected`'s."""
-        self.turns[turn]
+        erratum's unchanged prefix, still hold): a model that misses the edits answers this."""
         if self.question_kind == "status":
             return self.initial
         return "yes" if self.initial in REFUND_STATUSES else "no"
@@ -222,8 +221,6 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
     whose status is the field. Blocks are added until the token budget is met; the target
     record goes where the tokens before it reach ``depth`` of the budget.
     """
-    if question not in QUESTIONS:
-        raise UnknownNameError("question", question, QUESTIONS)
     if context_tokens < 64:
         raise InvalidArgumentError(f"context_tokens must be at least 64, got {context_tokens}")
     if not 0.0 <= depth <= 1.0:
