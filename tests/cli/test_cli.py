@@ -76,3 +76,20 @@ def test_edit_eval_resume_and_shards(tiny_folder, tmp_path):
                                   "--out", str(tmp_path / "s1"),
                                   "--resume-from", str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "no such file" in missing.output
+
+
+def test_edit_eval_workers_match_one_process(tiny_folder, tmp_path):
+    """--workers 2 gives the one-process run's decisions, says so in the report, and a bad
+    count is refused before anything loads."""
+    base = ["edit-eval", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
+            "--per-family", "1", "--families", "refund,lookup", "--threads", "1"]
+    one = runner.invoke(app, [*base, "--out", str(tmp_path / "one")])
+    two = runner.invoke(app, [*base, "--out", str(tmp_path / "two"), "--workers", "2"])
+    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert b["workers"] == 2 and b["n_cases"] == a["n_cases"] == 2
+    assert [[r["decision"] for r in c["rows"]] for c in b["cases"]] == [
+        [r["decision"] for r in c["rows"]] for c in a["cases"]]
+    assert "2 worker processes ran the cases" in (tmp_path / "two" / "report.md").read_text()
+    bad = runner.invoke(app, [*base, "--workers", "0"])
+    assert bad.exit_code == 2 and "--workers must be at least 1, got 0" in bad.output

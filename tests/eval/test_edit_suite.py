@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+from functools import partial
 
 import pytest
+from conftest import make_tiny_model
 
-from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError
+from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError, WorkerError
+from kvnotes.core.models import load
 from kvnotes.eval.edit_suite import (
     DEFAULT_STRATEGIES,
     CaseResult,
@@ -14,6 +18,7 @@ from kvnotes.eval.edit_suite import (
     evaluate_case,
     load_results,
     parse_strategy,
+    report_markdown,
     rewrite_report,
     run_suite,
     spread,
@@ -145,3 +150,56 @@ def test_resume_refuses_other_settings_and_damaged_files(tiny_llama, tmp_path):
     path.write_text(json.dumps({"model": tiny_llama.name}))  # not a results file
     with pytest.raises(InvalidArgumentError, match="not a readable edit-eval results.json"):
         load_results(path, tiny_llama, ["recompute", "erratum"], cot=False, budget=96)
+
+
+@pytest.fixture(scope="module")
+def tiny_saved(tmp_path_factory, tokenizer):
+    """A tiny llama saved to a folder, so worker processes can load the same model."""
+    folder = tmp_path_factory.mktemp("tiny-llama-workers")
+    make_tiny_model("llama", tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_workers_give_the_serial_results_in_case_order(tiny_saved):
+    """Two worker processes (one engine each, one queue of cases) give the serial run's
+    decisions, in case order, with checkpoints and progress as they finish; resumed cases are
+    not sent to the workers."""
+    engine = load(str(tiny_saved))
+    cases = spread(load_suite(["refund", "lookup", "access"]), 1)
+    strategies = ["recompute", "overwrite", "erratum"]
+    serial = run_suite(engine, cases, strategies)
+    ticks, saved = [], []
+    parallel = run_suite(engine, cases, strategies, workers=2, threads=1,
+                         loader=partial(load, str(tiny_saved)),
+                         progress=lambda i, n: ticks.append((i, n)), checkpoint=saved.append)
+    assert parallel["workers"] == 2 and "workers" not in serial
+    assert [c["case_id"] for c in parallel["cases"]] == [c.case_id for c in cases]
+    for got, want in zip(parallel["cases"], serial["cases"], strict=True):
+        assert [r["decision"] for r in got["rows"]] == [r["decision"] for r in want["rows"]]
+        assert [r["kl"] for r in got["rows"]] == pytest.approx([r["kl"] for r in want["rows"]],
+                                                               abs=1e-5)
+    assert ticks == [(1, 3), (2, 3), (3, 3)] and [s["n_cases"] for s in saved] == [1, 2]
+    assert "2 worker processes ran the cases side by side" in report_markdown(parallel)
+    first = CaseResult.from_dict(serial["cases"][0])
+    resumed = run_suite(engine, cases, strategies, workers=4, threads=1, done=[first],
+                        loader=partial(load, str(tiny_saved)))
+    assert resumed["n_resumed"] == 1 and resumed["workers"] == 2  # no more workers than cases
+    assert resumed["cases"][0] == serial["cases"][0]
+
+
+def test_worker_failures_stop_the_run_with_a_clear_error(tiny_saved, tmp_path):
+    engine = load(str(tiny_saved))
+    cases = spread(load_suite(["refund", "lookup"]), 1)
+    with pytest.raises(WorkerError, match="an edit-eval worker failed: loading the model: "):
+        run_suite(engine, cases, ["recompute"], workers=2, threads=1,
+                  loader=partial(load, str(tmp_path / "no-such-model")))
+    with pytest.raises(WorkerError, match=r"edit-eval-worker-\d died \(exit code 3; out of "
+                                          r"memory\?\) with 2 cases unfinished"):
+        run_suite(engine, cases, ["recompute"], workers=2, threads=1,
+                  loader=partial(os._exit, 3))
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InvalidArgumentError, match="workers must be a number of processes"):
+            run_suite(engine, cases, ["recompute"], workers=bad)
+    with pytest.raises(InvalidArgumentError, match="workers > 1 needs a loader"):
+        run_suite(engine, cases, ["recompute"], workers=2)

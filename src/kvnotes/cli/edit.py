@@ -45,6 +45,10 @@ def edit_eval(
     shard: str = typer.Option(None, help="K/N: run only every N-th case starting at the K-th "
                                          "(1-based), to split a run over processes; merge "
                                          "the parts with --resume-from"),
+    workers: int = typer.Option(1, "--workers", help="evaluate in N worker processes, each "
+                                "with its own copy of the model and cores/N torch threads (unless "
+                                "--threads), taking cases from one queue; timings are then not "
+                                "quiet figures"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     threads: int | None = typer.Option(None, "--threads",
                                        help="torch CPU threads (default: physical cores)"),
@@ -52,7 +56,12 @@ def edit_eval(
     """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
     from kvnotes.core.machine import set_threads
 
+    if workers < 1:
+        raise typer.BadParameter(f"--workers must be at least 1, got {workers}")
     set_threads(threads)
+    from functools import partial
+
+    from kvnotes.core.models import load
     from kvnotes.eval.edit_suite import (
         DEFAULT_STRATEGIES,
         ERRATUM_WORDINGS,
@@ -109,7 +118,9 @@ def edit_eval(
 
             result = run_suite(engine, cases, chosen, cot=cot, budget=budget, progress=progress,
                                batch=batch, done=done,
-                               checkpoint=lambda partial: write_outputs(partial, folder))
+                               checkpoint=lambda part: write_outputs(part, folder),
+                               workers=workers, threads=threads,
+                               loader=partial(load, model, device=device, dtype=dtype))
     except KvnotesError as err:
         fail(err)
     paths = write_outputs(result, folder)

@@ -97,6 +97,10 @@ class ServingError(KvnotesError, RuntimeError):
     """A server that cannot be reached, fails to start, or does not serve the model."""
 
 
+class WorkerError(KvnotesError, RuntimeError):
+    """A worker process of a parallel run failed (an error in a case, or the process died)."""
+
+
 class InvalidArgumentError(KvnotesError, ValueError):
     """An argument with a value the call cannot take (a range, a vocabulary, a text encoding)."""
 

@@ -13,16 +13,19 @@ the old and the new value; recovery rates count sensitive cases only.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import queue
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.chat import chat_turn, has_template, turn_frame
 from kvnotes.core.document import Document
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError, WorkerError
+from kvnotes.core.machine import physical_cores
 from kvnotes.core.metrics import compare_logits
 from kvnotes.eval.reports import write_bundle
 from kvnotes.ops.decisions import decide, decide_batch
@@ -254,7 +257,9 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
               strategies: Sequence[str] = DEFAULT_STRATEGIES, *, cot: bool = False,
               budget: int = 96, progress: Callable[[int, int], None] | None = None,
               checkpoint: Callable[[dict[str, Any]], None] | None = None,
-              batch: bool = True, done: Iterable[CaseResult] = ()) -> dict[str, Any]:
+              batch: bool = True, done: Iterable[CaseResult] = (), workers: int = 1,
+              loader: Callable[[], Engine] | None = None,
+              threads: int | None = None) -> dict[str, Any]:
     """Evaluate every case and aggregate per strategy and per family.
 
     ``batch``: decode each case's chains of thought as one batch (see :func:`evaluate_case`).
@@ -263,27 +268,120 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
     results during long runs). ``done``: results of an earlier run with the same settings
     (:func:`load_results`); cases found there are taken as they are instead of run again
     (``seconds`` is then this run's wall time only, and ``n_resumed`` counts the cases taken).
+
+    ``workers=N`` (N > 1) evaluates the cases in N worker processes, each loading its own
+    engine with ``loader`` (picklable: a module-level function or a ``functools.partial`` of
+    one; it must load the model ``engine`` is) and running ``threads`` torch threads (default:
+    the physical cores shared out). Each worker takes the next case as soon as it is free, so
+    slow cases do not hold the others back; results come back in case order whatever order
+    they finish in. The workers share the machine, so the timing columns are not quiet figures
+    (``workers`` is recorded). A case that raises, or a worker that dies, stops the run with
+    :class:`WorkerError`; the checkpoints written until then keep every finished case.
     """
     cases = list(cases)
     for s in strategies:
         parse_strategy(s)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"workers must be a number of processes >= 1, got {workers!r}")
+    if workers > 1 and loader is None:
+        raise InvalidArgumentError("workers > 1 needs a loader: each worker process loads its "
+                                   "own engine")
     earlier = {r.case_id: r for r in done}
+    todo = [c for c in cases if c.case_id not in earlier]
+    finished = {c.case_id: earlier[c.case_id] for c in cases if c.case_id in earlier}
+    resumed = len(finished)
+    n_workers = min(workers, len(todo)) if workers > 1 else 1
     t0 = time.perf_counter()
-    results: list[CaseResult] = []
-    resumed = 0
-    for i, case in enumerate(cases):
-        if case.case_id in earlier:
-            results.append(earlier[case.case_id])
-            resumed += 1
-        else:
-            results.append(evaluate_case(engine, case, strategies, cot=cot, budget=budget,
-                                         batch=batch))
+
+    def summary() -> dict[str, Any]:
+        results = [finished[c.case_id] for c in cases if c.case_id in finished]
+        out = _summary(engine, results, strategies, cot, budget, t0, len(cases), batch, resumed)
+        return {**out, "workers": n_workers} if n_workers > 1 else out
+
+    if progress and resumed:
+        progress(resumed, len(cases))
+    if n_workers > 1:
+        assert loader is not None
+        evaluated = _in_workers(engine, loader, todo, strategies, cot=cot, budget=budget,
+                                batch=batch, workers=n_workers,
+                                threads=threads or max(1, physical_cores() // n_workers))
+    else:
+        evaluated = (evaluate_case(engine, case, strategies, cot=cot, budget=budget, batch=batch)
+                     for case in todo)
+    for result in evaluated:
+        finished[result.case_id] = result
         if progress:
-            progress(i + 1, len(cases))
-        if checkpoint and i + 1 < len(cases) and case.case_id not in earlier:
-            checkpoint(_summary(engine, results, strategies, cot, budget, t0, len(cases),
-                                batch, resumed))
-    return _summary(engine, results, strategies, cot, budget, t0, len(cases), batch, resumed)
+            progress(len(finished), len(cases))
+        if checkpoint and len(finished) < len(cases):
+            checkpoint(summary())
+    return summary()
+
+
+def _in_workers(engine: Engine, loader: Callable[[], Engine], cases: list[EditCase],
+                strategies: Sequence[str], *, cot: bool, budget: int, batch: bool,
+                workers: int, threads: int) -> Iterator[CaseResult]:
+    """:func:`evaluate_case` of every case in ``workers`` spawned processes (a shared queue of
+    cases, one engine per process), yielded as they finish."""
+    ctx = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
+    jobs: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    for case in cases:
+        jobs.put(case)
+    for _ in range(workers):
+        jobs.put(None)  # one stop sign per worker
+    settings = (list(strategies), cot, budget, batch, threads, engine.name)
+    procs = [ctx.Process(target=_worker, args=(loader, settings, jobs, results), daemon=True,
+                         name=f"edit-eval-worker-{i + 1}") for i in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        left = len(cases)
+        while left:
+            try:
+                kind, case_id, payload = results.get(timeout=2.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorkerError(
+                        f"{dead[0].name} died (exit code {dead[0].exitcode}; out of memory?) "
+                        f"with {left} cases unfinished; the cases done so far are in the "
+                        "checkpoint: rerun with --resume") from None
+                continue
+            if kind == "error":
+                where = f" on case {case_id}" if case_id else ""
+                raise WorkerError(f"an edit-eval worker failed{where}: {payload}")
+            left -= 1
+            yield CaseResult.from_dict(payload)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+
+
+def _worker(loader: Callable[[], Engine], settings: tuple, jobs: Any, results: Any) -> None:
+    """One worker process: load the engine, then evaluate cases from ``jobs`` until a stop
+    sign; every outcome (a result or an error) goes to ``results``."""
+    import torch
+
+    strategies, cot, budget, batch, threads, name = settings
+    torch.set_num_threads(threads)
+    try:
+        engine = loader()
+        if engine.name != name:
+            raise InvalidArgumentError(f"the worker loaded {engine.name!r}, not {name!r}")
+    except Exception as err:  # reported to the parent, which stops the run
+        results.put(("error", None, f"loading the model: {type(err).__name__}: {err}"))
+        return
+    while (case := jobs.get()) is not None:
+        try:
+            result = evaluate_case(engine, case, strategies, cot=cot, budget=budget,
+                                   batch=batch)
+        except Exception as err:
+            results.put(("error", case.case_id, f"{type(err).__name__}: {err}"))
+            return
+        results.put(("done", case.case_id, result.to_dict()))
 
 
 def load_results(path: str | Path, engine: Engine, strategies: Sequence[str], *, cot: bool,
@@ -470,6 +568,9 @@ def report_markdown(result: dict[str, Any]) -> str:
            "same settings (`--resume`, `--resume-from`); the wall time below is this run's "
            "alone.", ""]
           if result.get("n_resumed") else []),
+        *([f"{result['workers']} worker processes ran the cases side by side (`--workers`), "
+           "so the TTFT ratios and timings are not quiet-machine figures.", ""]
+          if result.get("workers", 1) > 1 else []),
         f"{n} cases, {result['n_sensitive']} sensitive (recompute decides differently for the old "
         f"and the new value). Recompute(old) matches the task author's intended answer in "
         f"{expected['old']}/{n} cases, recompute(new) in {expected['new']}/{n}.",
