@@ -30,8 +30,9 @@ def run_configs(runs, *, server_dir, kv_cache_gib, how, **defaults):
         print(f"[{time.strftime('%T')}] server up after {time.monotonic() - t0:.0f}s "
               f"load {os.getloadavg()}", flush=True)
         for name, kw in runs:
-            config = BenchConfig(model="smollm2-135m", requests_per_row=16, block_size=32,
-                                 request_timeout_s=1800, **{**defaults, **kw})
+            config = BenchConfig(**{"model": "smollm2-135m", "requests_per_row": 16,
+                                    "block_size": 32, "request_timeout_s": 1800,
+                                    **defaults, **kw})
             print(f"[{time.strftime('%T')}] {name}: {kw} load {os.getloadavg()}", flush=True)
             result = run_benchmark(Client(server.url, timeout=1800), config,
                                    log=lambda s: print(s, flush=True))

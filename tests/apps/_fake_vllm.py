@@ -55,7 +55,9 @@ class FakeState:
         self.hist = {name: [0.0, 0] for name in HISTOGRAMS}  # name -> [sum, count]
         self.faults: list[tuple[str, object]] = []  # (kind, predicate on the prompt text)
         self.hang_s = 5.0
-        self.reads_errata = True  # False: a reader that misses appended corrections
+        # which correction of the asked-about order the fake model reads: "last" (a perfect
+        # reader), "first" (repeats the first one, as SmolLM2 was seen to) or "none" (misses them)
+        self.errata_reader = "last"
 
     def fail(self, kind: str, n: int = 1, when: object = None) -> None:
         """The next ``n`` generation requests (whose prompt text satisfies ``when``, if given)
@@ -95,16 +97,16 @@ class FakeState:
         return len(toks), best
 
 
-def _status(prompt: str, reads_errata: bool = True) -> str:
-    """The asked-about order's status, as a perfect reader of the prompt sees it (or one that
-    misses the corrections)."""
+def _status(prompt: str, errata_reader: str = "last") -> str:
+    """The asked-about order's status, as a reader of the prompt sees it: the last correction
+    (a perfect reader), the first one, or none (the record as first written)."""
     m = re.search(r"(?:refund of|current status of) order #(\d+)", prompt)
     if not m:
         return ""
     oid = m.group(1)
     fixes = re.findall(rf"order #{oid} is ([a-z ]+?), not", prompt)
-    if fixes and reads_errata:
-        return fixes[-1]
+    if fixes and errata_reader != "none":
+        return fixes[-1] if errata_reader == "last" else fixes[0]
     rec = re.search(rf"Order #{oid}:[^\n]*?status: ([a-z ]+?);", prompt)
     return rec.group(1) if rec else ""
 
@@ -195,7 +197,7 @@ def make_handler(state: FakeState) -> type[BaseHTTPRequestHandler]:
             state.observe("vllm:inter_token_latency_seconds", state.step_s)
             state.observe("vllm:request_prefill_kv_computed_tokens", n - hit)
             state.observe("vllm:request_prompt_tokens", n)
-            status = _status(prompt, state.reads_errata)
+            status = _status(prompt, state.errata_reader)
             if "current status of order #" in prompt:
                 answer = f"The status is {status}."
             else:

@@ -30,7 +30,13 @@ from kvnotes.apps.serving import (
 from kvnotes.apps.serving.bench import matrix_config, validate_block_size
 from kvnotes.apps.serving.bench_report import report_markdown
 from kvnotes.apps.serving.metrics import HISTOGRAMS, agreement, info_labels, ttft_breakdown
-from kvnotes.apps.serving.workload import ANSWERS, MAX_EDITS, REFUND_STATUSES, whitespace_tokens
+from kvnotes.apps.serving.workload import (
+    ANSWERS,
+    MAX_EDITS,
+    REASK,
+    REFUND_STATUSES,
+    whitespace_tokens,
+)
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
@@ -58,7 +64,7 @@ def test_session_fills_budget_and_places_field(ctx, depth):
 
 
 def test_prompts_per_policy():
-    s = _session(edits=3)
+    s = _session(edits=3, errata="append")
     ctx = s.context()
     for k, turn in enumerate(s.turns):
         erratum = s.prompt("erratum", k)
@@ -438,12 +444,12 @@ def test_status_question_shows_whether_the_edit_was_read(fake_server):
         BenchConfig(question="mood")
     config = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
                          policies=("in-place", "erratum"), question="status")
-    for reads, erratum_acc, erratum_old in ((True, 1.0, 0.0), (False, 0.0, 1.0)):
-        state.reads_errata = reads
+    for reader, erratum_acc, erratum_old in (("last", 1.0, 0.0), ("none", 0.0, 1.0)):
+        state.errata_reader = reader
         try:
             result = run_benchmark(Client(url), config, log=lambda s: None)
         finally:
-            state.reads_errata = True
+            state.errata_reader = "last"
         rows = {r["policy"]: r for r in result["summaries"]}
         assert rows["in-place"]["accuracy"] == 1.0 and rows["in-place"]["stale_rate"] == 0.0
         assert rows["erratum"]["accuracy"] == erratum_acc
@@ -451,6 +457,65 @@ def test_status_question_shows_whether_the_edit_was_read(fake_server):
         assert sum(rows["erratum"]["decisions"].values()) == 6
     assert result["config"]["question"] == "status"
     assert "the order's current status" in report_markdown(result)
+
+
+def test_latest_errata_form_writes_one_correction_from_the_context_value():
+    """--errata latest: one correction from the value the context states to the current one,
+    after the same byte-identical context, so a reader that takes the first correction it
+    finds (as SmolLM2 did with appended errata) reads the current value."""
+    s = _session(edits=3, errata="latest")
+    for k, turn in enumerate(s.turns):
+        erratum = s.prompt("erratum", k)
+        assert erratum == (f"{s.context()}\n\n"
+                           f"{erratum_text(s.field_label, s.initial, turn.new)}\n\n{s.question}")
+        assert erratum.count("Correction:") == 1
+    assert _session().errata == BenchConfig().errata == "follow-up-latest"  # the default
+    appended = _session(edits=3, errata="append")
+    assert appended.prompt("erratum", 2).count("Correction:") == 3
+    follow = _session(edits=3, errata="follow-up")
+    for k, turn in enumerate(follow.turns):
+        erratum = follow.prompt("erratum", k)
+        # the question asked once, first; each request is the previous one plus a correction
+        previous = follow.prompt("erratum", k - 1) if k else follow.warmup_prompt()
+        assert erratum.startswith(previous + "\n\n")
+        assert erratum.endswith(f"{erratum_text(follow.field_label, turn.old, turn.new)} {REASK}")
+        assert erratum.count(follow.question) == 1 and erratum.count("Correction:") == k + 1
+    latest = _session(edits=3, errata="follow-up-latest")
+    for k, turn in enumerate(latest.turns):  # the first request, then one correction
+        assert latest.prompt("erratum", k) == (
+            f"{latest.warmup_prompt()}\n\n"
+            f"{erratum_text(latest.field_label, latest.initial, turn.new)} {REASK}")
+    with pytest.raises(UnknownNameError, match="unknown errata form 'merge'; valid errata forms:"):
+        _session(errata="merge")
+    with pytest.raises(UnknownNameError, match="unknown errata form"):
+        BenchConfig(errata="merge")
+
+
+def test_first_correction_reader_misses_appended_edits_not_latest(fake_server):
+    """A reader that repeats the first correction gets only the first edit right when errata are
+    appended (before or after the question), and every edit with one latest correction; the
+    report names the form."""
+    url, state = fake_server
+    acc = {}
+    state.errata_reader = "first"
+    try:
+        for form in ("append", "latest", "follow-up", "follow-up-latest"):
+            config = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
+                                 policies=("erratum",), question="status", errata=form)
+            result = run_benchmark(Client(url), config, log=lambda s: None)
+            acc[form] = result["summaries"][0]["accuracy"]
+            assert result["config"]["errata"] == form
+    finally:
+        state.errata_reader = "last"
+    assert acc == {"append": pytest.approx(1 / 3), "latest": 1.0,
+                   "follow-up": pytest.approx(1 / 3), "follow-up-latest": 1.0}
+    for form, said in (("follow-up", "after the question, one correction per edit"),
+                       ("follow-up-latest", "after the question, one correction from")):
+        follow = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
+                             policies=("erratum",), question="status", errata=form)
+        result = run_benchmark(Client(url), follow, log=lambda s: None)
+        assert result["summaries"][0]["accuracy"] == 1.0  # a reader of the last correction
+        assert said in report_markdown(result)
 
 
 def _small(**kw):
@@ -668,7 +733,7 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     assert data["summaries"][0]["requests"] == 16 and data["summaries"][0]["ok"] == 16
     assert data["config"]["question"] == "decision" and data["config"]["max_tokens"] == 8
     # --question status: room for a restated question before the status, unless told
-    for extra, tokens in (([], 24), (["--max-tokens", "5"], 5)):
+    for extra, tokens in (([], 24), (["--max-tokens", "5", "--errata", "append"], 5)):
         res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--context-tokens", "150",
                                        "--concurrency", "1", "--policies", "erratum", "--edits",
                                        "1", "--sessions", "1", "--question", "status",
@@ -676,9 +741,12 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
         assert res.exit_code == 0, res.output
         data = json.loads((out / "result.json").read_text())
         assert data["config"]["question"] == "status" and data["config"]["max_tokens"] == tokens
+        assert data["config"]["errata"] == ("append" if extra else "follow-up-latest")
         assert data["summaries"][0]["accuracy"] == 1.0
     res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--question", "mood"])
     assert res.exit_code == 2 and "unknown question 'mood'" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--errata", "merge"])
+    assert res.exit_code == 2 and "unknown errata form 'merge'" in res.output
     res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--max-tokens", "0"])
     assert res.exit_code == 2 and "--max-tokens must be at least 1, got 0" in res.output
 

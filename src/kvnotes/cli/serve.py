@@ -75,6 +75,13 @@ def serve_bench(
     question: str = typer.Option("decision", "--question", help="erratum: what each request "
                                  "asks: decision (the refund the policy implies) or status "
                                  "(the field's current value, to see whether an edit is read)"),
+    errata: str = typer.Option(
+        "follow-up-latest", "--errata",
+        help="erratum: how edits are written: follow-up-latest (the default: the question "
+             "first, as first asked, then one correction from the context's value to the current "
+             "one and a re-ask), follow-up (each correction after the previous request), append "
+             "(one correction per edit so far, then the question) or latest (one correction, "
+             "then the question)"),
     no_anchor: bool = typer.Option(False, "--no-anchor", help="skills: compile each policy alone "
                                    "instead of behind the system header (for comparison)"),
 ) -> None:
@@ -130,7 +137,7 @@ def serve_bench(
                              request_timeout_s=request_timeout,
                              time_budget_s=time_budget, requests_per_row=per_row,
                              optional_contexts=optional, block_size=block_size,
-                             question=question)
+                             question=question, errata=errata)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 

@@ -33,7 +33,14 @@ from kvnotes.apps.serving.metrics import (
     percentile,
     ttft_breakdown,
 )
-from kvnotes.apps.serving.workload import POLICIES, QUESTIONS, Session, make_sessions
+from kvnotes.apps.serving.workload import (
+    DEFAULT_ERRATA,
+    ERRATA_FORMS,
+    POLICIES,
+    QUESTIONS,
+    Session,
+    make_sessions,
+)
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.ops.decisions import parse_answer
@@ -86,10 +93,13 @@ class BenchConfig:
     optional_contexts: tuple[int, ...] = ()
     block_size: int | None = None
     question: str = "decision"  # what each request asks (workload.QUESTIONS)
+    errata: str = DEFAULT_ERRATA  # how the erratum policy writes its corrections (ERRATA_FORMS)
 
     def __post_init__(self) -> None:
         if self.question not in QUESTIONS:
             raise UnknownNameError("question", self.question, QUESTIONS)
+        if self.errata not in ERRATA_FORMS:
+            raise UnknownNameError("errata form", self.errata, ERRATA_FORMS)
         bad = [p for p in self.policies if p not in POLICIES]
         if bad:
             raise UnknownNameError("policy", bad[0], POLICIES)
@@ -397,7 +407,8 @@ def _plan(config: BenchConfig, limit: int | None, run_id: str,
                                         depth=config.field_depth, edits=config.edits,
                                         count_tokens=count_tokens,
                                         tag=f"{run_id}-c{ctx}-k{conc}", seed=config.seed,
-                                        question=config.question)
+                                        question=config.question,
+                                        errata=config.errata)
                     for conc in config.concurrency}
             need = max(_longest_prompt(v, config, count_tokens) for v in rows.values())
             if limit is None or need <= limit:

@@ -138,6 +138,15 @@ def report_markdown(result: dict[str, Any]) -> str:
             "the order's current status (the field's value itself)"
             if cfg.get("question") == "status" else
             "the refund decision the policy implies for the order's status")
+        + ". Errata: " + {
+            "latest": "one correction, from the context's value to the current one, before the "
+                      "question (rewritten per edit)",
+            "follow-up": "after the question, one correction per edit so far, each followed by "
+                         "a request to answer again (each request extends the previous one)",
+            "follow-up-latest": "after the question, one correction from the context's value "
+                                "to the current one and a request to answer again",
+        }.get(cfg.get("errata") or "append", "one correction per edit so far, before the "
+                                             "question (appended)")
         + ". Agreement: answers equal to in-place's for the same session and edit; acc: the "
         "right answer for the new value; old answer: the answer the session's original value "
         "gives (what the cached context still says), over the edits whose right answer differs "
@@ -151,7 +160,9 @@ def report_markdown(result: dict[str, Any]) -> str:
         "first step = the mean decode step (vllm:inter_token_latency_seconds), frontend = "
         "client TTFT less the server's (vllm:time_to_first_token_seconds): HTTP, chat template, "
         "tokenization, streaming. Computed tokens: vllm:request_prefill_kv_computed_tokens "
-        "(for the erratum: the partly filled last block + errata + question).", "",
+        "(for the erratum: the partly filled last block and the text after it that the previous "
+        "request did not have: the corrections and the question, or with --errata follow-up the "
+        "new correction and the re-ask).", "",
         breakdown_table(result), ""]
     return "\n".join(text)
 

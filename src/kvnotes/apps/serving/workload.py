@@ -7,8 +7,18 @@ per policy:
 
 - ``in-place``: the context re-sent with the field changed (what a user does today); the
   prefix cache can only reuse the tokens before the field.
-- ``erratum``: the original context byte-identical, followed by one salient correction per edit
-  so far (append-only), then the question; the prefix cache can reuse the whole old prompt.
+- ``erratum``: the original context byte-identical, followed by the corrections and the
+  question; the prefix cache can reuse the whole old context. How the corrections are written
+  is the session's ``errata`` form (:data:`ERRATA_FORMS`): ``append``, one correction per edit
+  so far, then the question (each request extends the previous one's errata); ``latest``, one
+  correction from the context's value to the current one, then the question (the errata block is
+  rewritten: it costs the same few tokens, and a model never has to pick the latest of several);
+  ``follow-up``, the previous request whole (the question included) followed by this edit's
+  correction and a short request to answer again, as in a conversation where the correction
+  arrives after the question: the prefix cache then reuses the question too;
+  ``follow-up-latest``, the first request (context and question) followed by one correction from
+  the context's value to the current one and the re-ask: the question is reused, and every
+  request has the shape of the first edit's.
 - ``cold``: the in-place prompts with the prefix cache defeated (a unique ``cache_salt`` per
   request): the no-cache baseline.
 
@@ -40,6 +50,18 @@ ANSWERS: tuple[str, ...] = ("yes", "no")
 # reasoning step over the field); "status": the field's current value itself (retrieval: whether
 # the model reads the edit at all, which a small model answering "yes" to everything hides).
 QUESTIONS: tuple[str, ...] = ("decision", "status")
+# How the erratum policy writes several edits of the field. "append": one correction per edit
+# ("is B, not A", then "is C, not B"); small models then tend to repeat the first correction.
+# "latest": one correction, from the value the context states to the current one ("is C, not A").
+# "follow-up": the question first, each correction after the previous request with a short re-ask
+# (append-only over whole requests: the question is computed once, at the warm-up).
+# "follow-up-latest": the question first, then one correction (context value -> current) and the
+# re-ask: both the cached question and the single correction.
+ERRATA_FORMS: tuple[str, ...] = ("append", "latest", "follow-up", "follow-up-latest")
+# the default since session 6: the fastest form and the only one SmolLM2 read right after every
+# edit (docs/serving.md, "Where the erratum goes"); runs before it used "append"
+DEFAULT_ERRATA = "follow-up-latest"
+REASK = "Answer again."
 # longest first: parse_answer breaks ties at one position by order ("delivered late" over
 # "delivered")
 STATUS_ANSWERS: tuple[str, ...] = tuple(sorted(STATUSES, key=len, reverse=True))
@@ -107,10 +129,13 @@ class Session:
     field_token_depth: float = 0.0  # tokens before the field / context tokens
     meta: dict = field(default_factory=dict)
     question_kind: str = "decision"  # one of QUESTIONS
+    errata: str = DEFAULT_ERRATA  # one of ERRATA_FORMS
 
     def __post_init__(self) -> None:
         if self.question_kind not in QUESTIONS:
             raise UnknownNameError("question", self.question_kind, QUESTIONS)
+        if self.errata not in ERRATA_FORMS:
+            raise UnknownNameError("errata form", self.errata, ERRATA_FORMS)
 
     @property
     def field_label(self) -> str:
@@ -152,16 +177,28 @@ class Session:
         """The session's first request (initial value): what the server has seen before edits."""
         return f"{self.context()}\n\n{self.question}"
 
+    def errata_text(self, turn: int) -> str:
+        """The corrections an erratum request carries after edit ``turn`` (plain text: the
+        serving harness puts them inside the same user message as the context)."""
+        if self.errata == "latest":
+            return erratum_text(self.field_label, self.initial, self.turns[turn].new)
+        if self.errata == "follow-up-latest":
+            return f"{erratum_text(self.field_label, self.initial, self.turns[turn].new)} {REASK}"
+        if self.errata == "follow-up":
+            return "\n\n".join(f"{erratum_text(self.field_label, u.old, u.new)} {REASK}"
+                               for u in self.turns[:turn + 1])
+        return "\n".join(erratum_text(self.field_label, u.old, u.new)
+                         for u in self.turns[:turn + 1])
+
     def prompt(self, policy: str, turn: int) -> str:
         """The user message for edit ``turn`` (0-based) under ``policy``."""
         if policy not in POLICIES:
             raise UnknownNameError("policy", policy, POLICIES)
         t = self.turns[turn]
         if policy == "erratum":
-            # the text only: the serving harness appends it inside the same user message
-            errata = "\n".join(erratum_text(self.field_label, u.old, u.new)
-                               for u in self.turns[:turn + 1])
-            return f"{self.context()}\n\n{errata}\n\n{self.question}"
+            if self.errata.startswith("follow-up"):
+                return f"{self.warmup_prompt()}\n\n{self.errata_text(turn)}"
+            return f"{self.context()}\n\n{self.errata_text(turn)}\n\n{self.question}"
         return f"{self.context(t.new)}\n\n{self.question}"
 
 
@@ -213,7 +250,7 @@ def edit_stream(rng: random.Random, initial: str, n: int) -> tuple[Turn, ...]:
 
 def make_session(session_id: str, *, context_tokens: int, depth: float, edits: int,
                  count_tokens: Callable[[str], int], seed: int = 0,
-                 question: str = "decision") -> Session:
+                 question: str = "decision", errata: str = DEFAULT_ERRATA) -> Session:
     """One session: at most about ``context_tokens`` tokens, the field at ``depth`` (0..1).
 
     The context is a header naming the session (so sessions share no prefix beyond the chat
@@ -278,16 +315,18 @@ def make_session(session_id: str, *, context_tokens: int, depth: float, edits: i
     return Session(session_id=session_id, before=before, after=after, initial=initial,
                    turns=edit_stream(rng, initial, edits), order_id=order_id,
                    context_tokens=total, field_token_depth=depth_measured,
-                   question_kind=question)
+                   question_kind=question, errata=errata)
 
 
 def make_sessions(n: int, *, context_tokens: int, depth: float, edits: int,
                   count_tokens: Callable[[str], int], tag: str = "run",
-                  seed: int = 0, question: str = "decision") -> list[Session]:
+                  seed: int = 0, question: str = "decision",
+                  errata: str = DEFAULT_ERRATA) -> list[Session]:
     """``n`` independent sessions whose ids start with ``tag`` (one tag per benchmark run, so
     that no run finds another run's prompts in the prefix cache)."""
     return [make_session(f"{tag}-s{i}", context_tokens=context_tokens, depth=depth, edits=edits,
-                         count_tokens=count_tokens, seed=seed, question=question)
+                         count_tokens=count_tokens, seed=seed, question=question,
+                         errata=errata)
             for i in range(n)]
 
 
