@@ -56,7 +56,7 @@ USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and w
 def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
     server, _ = serving
     # vLLM's CPU backend caches in blocks of 128 tokens: the partly filled last block and the
-    # appended errata + question stay uncached, so the context must be long enough (3000)
+    # appended correction stay uncached, so the context must be long enough (3000)
     # for the erratum's hit rate to clear 0.9 with a margin
     config = BenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
