@@ -180,15 +180,13 @@ class Session:
     def errata_text(self, turn: int) -> str:
         """The corrections an erratum request carries after edit ``turn`` (plain text: the
         serving harness puts them inside the same user message as the context)."""
-        if self.errata == "latest":
-            return erratum_text(self.field_label, self.initial, self.turns[turn].new)
-        if self.errata == "follow-up-latest":
-            return f"{erratum_text(self.field_label, self.initial, self.turns[turn].new)} {REASK}"
-        if self.errata == "follow-up":
-            return "\n\n".join(f"{erratum_text(self.field_label, u.old, u.new)} {REASK}"
-                               for u in self.turns[:turn + 1])
-        return "\n".join(erratum_text(self.field_label, u.old, u.new)
-                         for u in self.turns[:turn + 1])
+        if self.errata.endswith("latest"):  # one correction: the context's value -> current
+            fixes = [erratum_text(self.field_label, self.initial, self.turns[turn].new)]
+        else:  # one per edit so far
+            fixes = [erratum_text(self.field_label, u.old, u.new) for u in self.turns[:turn + 1]]
+        if self.errata.startswith("follow-up"):  # each after a request: answer again
+            return "\n\n".join(f"{fix} {REASK}" for fix in fixes)
+        return "\n".join(fixes)
 
     def prompt(self, policy: str, turn: int) -> str:
         """The user message for edit ``turn`` (0-based) under ``policy``."""
