@@ -84,6 +84,16 @@ def tiny_llama(tokenizer) -> kvnotes.Engine:
 
 
 @pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory, tokenizer) -> Path:
+    """A tiny llama saved as a model folder (read-only): for the command line, and for worker
+    processes, which load the model themselves."""
+    folder = tmp_path_factory.mktemp("tiny-llama-folder")
+    make_tiny_model("llama", tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> kvnotes.Engine:
     """SmolLM2-135M-Instruct, the bundled real model (loaded once per session)."""
     return kvnotes.load("smollm2-135m")

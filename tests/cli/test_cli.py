@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from conftest import make_tiny_model
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama", tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_unknown_model_alias_exits_2_with_message():

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_tiny_engine, make_tiny_model
+from conftest import make_tiny_engine
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -541,14 +541,6 @@ def test_unwritable_library_still_returns_the_skill(ctx, tmp_path, monkeypatch):
 
 # ---- the command line ---------------------------------------------------------------------
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-llama-cli")
-    make_tiny_model("llama", tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _binary(t: Path) -> Path:

@@ -7,7 +7,6 @@ import os
 from functools import partial
 
 import pytest
-from conftest import make_tiny_model
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError, WorkerError
 from kvnotes.core.models import load
@@ -152,26 +151,17 @@ def test_resume_refuses_other_settings_and_damaged_files(tiny_llama, tmp_path):
         load_results(path, tiny_llama, ["recompute", "erratum"], cot=False, budget=96)
 
 
-@pytest.fixture(scope="module")
-def tiny_saved(tmp_path_factory, tokenizer):
-    """A tiny llama saved to a folder, so worker processes can load the same model."""
-    folder = tmp_path_factory.mktemp("tiny-llama-workers")
-    make_tiny_model("llama", tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_workers_give_the_serial_results_in_case_order(tiny_saved):
+def test_workers_give_the_serial_results_in_case_order(tiny_folder):
     """Two worker processes (one engine each, one queue of cases) give the serial run's
     decisions, in case order, with checkpoints and progress as they finish; resumed cases are
     not sent to the workers."""
-    engine = load(str(tiny_saved))
+    engine = load(str(tiny_folder))
     cases = spread(load_suite(["refund", "lookup", "access"]), 1)
     strategies = ["recompute", "overwrite", "erratum"]
     serial = run_suite(engine, cases, strategies)
     ticks, saved = [], []
     parallel = run_suite(engine, cases, strategies, workers=2, threads=1,
-                         loader=partial(load, str(tiny_saved)),
+                         loader=partial(load, str(tiny_folder)),
                          progress=lambda i, n: ticks.append((i, n)), checkpoint=saved.append)
     assert parallel["workers"] == 2 and "workers" not in serial
     assert [c["case_id"] for c in parallel["cases"]] == [c.case_id for c in cases]
@@ -183,13 +173,13 @@ def test_workers_give_the_serial_results_in_case_order(tiny_saved):
     assert "2 worker processes ran the cases side by side" in report_markdown(parallel)
     first = CaseResult.from_dict(serial["cases"][0])
     resumed = run_suite(engine, cases, strategies, workers=4, threads=1, done=[first],
-                        loader=partial(load, str(tiny_saved)))
+                        loader=partial(load, str(tiny_folder)))
     assert resumed["n_resumed"] == 1 and resumed["workers"] == 2  # no more workers than cases
     assert resumed["cases"][0] == serial["cases"][0]
 
 
-def test_worker_failures_stop_the_run_with_a_clear_error(tiny_saved, tmp_path):
-    engine = load(str(tiny_saved))
+def test_worker_failures_stop_the_run_with_a_clear_error(tiny_folder, tmp_path):
+    engine = load(str(tiny_folder))
     cases = spread(load_suite(["refund", "lookup"]), 1)
     with pytest.raises(WorkerError, match="an edit-eval worker failed: loading the model: "):
         run_suite(engine, cases, ["recompute"], workers=2, threads=1,
