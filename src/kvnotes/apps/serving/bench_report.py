@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvnotes.apps.serving.workload import ERRATA_FORMS
 from kvnotes.eval.reports import write_bundle
 
 
@@ -138,15 +139,7 @@ def report_markdown(result: dict[str, Any]) -> str:
             "the order's current status (the field's value itself)"
             if cfg.get("question") == "status" else
             "the refund decision the policy implies for the order's status")
-        + ". Errata: " + {
-            "latest": "one correction, from the context's value to the current one, before the "
-                      "question (rewritten per edit)",
-            "follow-up": "after the question, one correction per edit so far, each followed by "
-                         "a request to answer again (each request extends the previous one)",
-            "follow-up-latest": "after the question, one correction from the context's value "
-                                "to the current one and a request to answer again",
-        }.get(cfg.get("errata") or "append", "one correction per edit so far, before the "
-                                             "question (appended)")
+        + ". Errata: " + ERRATA_FORMS[cfg.get("errata") or "append"]  # older runs: append
         + ". Agreement: answers equal to in-place's for the same session and edit; acc: the "
         "right answer for the new value; old answer: the answer the session's original value "
         "gives (what the cached context still says), over the edits whose right answer differs "

@@ -50,14 +50,22 @@ ANSWERS: tuple[str, ...] = ("yes", "no")
 # reasoning step over the field); "status": the field's current value itself (retrieval: whether
 # the model reads the edit at all, which a small model answering "yes" to everything hides).
 QUESTIONS: tuple[str, ...] = ("decision", "status")
-# How the erratum policy writes several edits of the field. "append": one correction per edit
-# ("is B, not A", then "is C, not B"); small models then tend to repeat the first correction.
-# "latest": one correction, from the value the context states to the current one ("is C, not A").
-# "follow-up": the question first, each correction after the previous request with a short re-ask
-# (append-only over whole requests: the question is computed once, at the warm-up).
-# "follow-up-latest": the question first, then one correction (context value -> current) and the
-# re-ask: both the cached question and the single correction.
-ERRATA_FORMS: tuple[str, ...] = ("append", "latest", "follow-up", "follow-up-latest")
+# How the erratum policy writes its corrections: form -> what the report says of it. Two choices
+# make a form: one correction per edit so far ("is B, not A", then "is C, not B"; small models
+# then tend to repeat the first) or one from the context's value to the current one ("is C, not
+# A"), and before the question or after the first request with a short re-ask (the question is
+# then computed once, at the warm-up).
+ERRATA_FORMS: dict[str, str] = {
+    "append": "one correction per edit so far, before the question (appended)",
+    "latest": "one correction, from the context's value to the current one, before the "
+              "question (rewritten per edit)",
+    "follow-up": "after the question, one correction per edit so far, each followed by a "
+                 "request to answer again (each request extends the previous one)",
+    "follow-up-latest": "after the question, one correction from the context's value to the "
+                        "current one and a request to answer again",
+}
+ONE_CORRECTION = frozenset({"latest", "follow-up-latest"})
+AFTER_QUESTION = frozenset({"follow-up", "follow-up-latest"})
 # the default since session 6: the fastest form and the only one SmolLM2 read right after every
 # edit (docs/serving.md, "Where the erratum goes"); runs before it used "append"
 DEFAULT_ERRATA = "follow-up-latest"
@@ -180,11 +188,11 @@ class Session:
     def errata_text(self, turn: int) -> str:
         """The corrections an erratum request carries after edit ``turn`` (plain text: the
         serving harness puts them inside the same user message as the context)."""
-        if self.errata.endswith("latest"):  # one correction: the context's value -> current
+        if self.errata in ONE_CORRECTION:  # the context's value -> the current one
             fixes = [erratum_text(self.field_label, self.initial, self.turns[turn].new)]
         else:  # one per edit so far
             fixes = [erratum_text(self.field_label, u.old, u.new) for u in self.turns[:turn + 1]]
-        if self.errata.startswith("follow-up"):  # each after a request: answer again
+        if self.errata in AFTER_QUESTION:  # each after a request: answer again
             return "\n\n".join(f"{fix} {REASK}" for fix in fixes)
         return "\n".join(fixes)
 
@@ -194,7 +202,7 @@ class Session:
             raise UnknownNameError("policy", policy, POLICIES)
         t = self.turns[turn]
         if policy == "erratum":
-            if self.errata.startswith("follow-up"):
+            if self.errata in AFTER_QUESTION:
                 return f"{self.warmup_prompt()}\n\n{self.errata_text(turn)}"
             return f"{self.context()}\n\n{self.errata_text(turn)}\n\n{self.question}"
         return f"{self.context(t.new)}\n\n{self.question}"
