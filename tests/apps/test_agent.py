@@ -379,3 +379,17 @@ def test_bench_reports_the_guard(engine, book, skill_root):
     assert result["identity"] == 1.0  # every inexact decision re-taken on exact notes
     assert f"decision guard (tau = 1000000000.0) fired | {len(fired)} of 3" in \
         report_markdown(result)
+
+
+def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
+    """With order="loaded" turn 0 opens with the same lead as "request" order (header, tools,
+    the request's skills): prepare compiles it, so no turn compiles and turn 0 is exact."""
+    book = SkillBook(engine, tmp_path)
+    agent = KvnotesAgent(engine, book, order="loaded")
+    agent.prepare()
+    misses = book.library.misses
+    state = scripted_episode(0).state
+    agent.start(state)
+    first = agent.turn(request("cancel", state))
+    assert book.library.misses == misses
+    assert agent._exact == first.notebook_len

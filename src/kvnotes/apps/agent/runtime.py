@@ -326,8 +326,6 @@ class KvnotesAgent(_Agent):
         self.skills.header(self.prompt.head())
         for name in self.skills.names:
             self._notes(Piece("skill", name, name))
-        if self.order != "request":
-            return
         for skills in ([r.skills for r in requests] if requests is not None
                        else [spec[1] for spec in REQUESTS.values()]):
             loaded = list(dict.fromkeys([*self.fixed, *skills]))
