@@ -22,13 +22,13 @@ context would); ``ceiling`` = recompute / alone (the speedup compose would reach
 1); ``speedup_bound`` = total tokens / request tokens.
 
 Two physical floors are written beside the times, from the model's shapes (no timing in them):
-``attention_flop_share`` = the request's attention FLOPs over the context ÷ all its FLOPs (the
-best ``efficiency`` any implementation can reach when the forward is compute-bound is
-``1 - attention_flop_share``), and ``decode_bytes_ratio`` = bytes a decode step must read
-(weights + KV at this length) ÷ the same at the shortest length (what a memory-bound decode
-step's time grows by). Medians over --reps after one warm-up; the JSON records torch threads, the load
-average and whether the machine was busy. Writes JSON and a log-log PNG with fitted slopes. Run
-on a quiet machine:
+``attention_flop_share`` = the share of the request's FLOPs that the context adds
+(:meth:`kvnotes.core.work.CostModel.attention_share`; the best ``efficiency`` any implementation
+can reach when the forward is compute-bound is ``1 - attention_flop_share``), and
+``decode_bytes_ratio`` = bytes a decode step must read (weights + KV at this length) ÷ the same
+at the shortest length (what a memory-bound decode step's time grows by). Medians over --reps
+after one warm-up; the JSON records torch threads, the load average and whether the machine was
+busy. Writes JSON and a log-log PNG with fitted slopes. Run on a quiet machine:
     .venv/bin/python benchmarks/compose_ttft.py --out out/bench
 """
 
@@ -76,19 +76,6 @@ def model_shapes(engine: kvnotes.Engine) -> dict[str, int]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {"layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
             "kv_heads": getattr(config, "num_key_value_heads", None) or heads}
-
-
-def attention_flop_share(engine: kvnotes.Engine, q: int, context: int) -> float:
-    """Share of a q-token forward's FLOPs on top of ``context`` tokens spent in attention
-    scores and mixing over that context (2 matmuls of heads x head_dim per key), against
-    2 FLOPs per weight per token for everything else (the output head counted once, as
-    logits are kept for the last token only)."""
-    s = model_shapes(engine)
-    attention = 2 * 2 * s["layers"] * s["heads"] * s["head_dim"] * context * q
-    embed = engine.model.get_input_embeddings().weight.numel()
-    weights = sum(p.numel() for p in engine.model.parameters()) - embed
-    dense = 2 * weights * q + 2 * embed
-    return attention / (attention + dense)
 
 
 def decode_bytes(engine: kvnotes.Engine, length: int) -> int:
@@ -164,7 +151,7 @@ def main() -> None:
             "decode_s_per_token": per_token, "decode_tokens": args.decode_tokens,
             "speedup": rec / comp, "efficiency": alone / comp,
             "prefix_hit_efficiency": over / comp, "ceiling": rec / alone,
-            "attention_flop_share": attention_flop_share(engine, len(request_ids), len(composed)),
+            "attention_flop_share": engine.cost.attention_share(len(request_ids), len(composed)),
             "decode_bytes": decode_bytes(engine, len(asked)),
             "raw": {"recompute_s": rec_raw, "compose_s": comp_raw, "request_alone_s": alone_raw,
                     "request_over_context_s": over_raw, "splice_s": splice_raw,

@@ -123,6 +123,10 @@ def test_episode_end_to_end_reads_the_recompute_prompt_and_keeps_the_valid_prefi
     assert engine.decode(agent.notebook.token_ids[record.start:record.end]).startswith(
         agent.state.render())
     assert all(r.tokens_reused == 0 and r.tokens_computed == r.notebook_len for r in ref.turns)
+    # the arithmetic: recompute's one forward over everything; kvnotes' share is what it fed
+    assert all(r.flops == engine.cost.flops(r.notebook_len) for r in ref.turns)
+    assert all(0 < a.flops < r.flops and a.guard_flops == 0
+               for a, r in zip(agent.turns, ref.turns, strict=True))
 
 
 def test_a_state_change_recomputes_from_the_changed_field_on(engine, book):
@@ -178,7 +182,9 @@ def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, boo
             past = [s for s in a.notebook.spans if s.kind == "query"][:-1]
             assert len(past) == kept
     last = episode.turns[2].request
-    names = [s.name for s in a.notebook.spans if s.kind == "skill"]  # order="loaded"
+    a = KvnotesAgent(engine, book, order="loaded")
+    run_episode(a, episode.state, episode.turns)
+    names = [s.name for s in a.notebook.spans if s.kind == "skill"]
     assert names[:3] == ["header", "tools", episode.turns[0].request.skills[0]]
     ordered = KvnotesAgent(engine, book)  # the request's own skills open the skill block
     run_episode(ordered, episode.state, episode.turns)
@@ -377,6 +383,11 @@ def test_bench_reports_the_guard(engine, book, skill_root):
     assert g["decisions"] == 3 and g["fired"] == len(fired) >= 1 and g["tokens"] > 0
     assert 0 not in fired  # turn 0's notes are exact: nothing to redo
     assert result["identity"] == 1.0  # every inexact decision re-taken on exact notes
+    comp = result["compute"]
+    assert 0 < comp["guard_flops"] < comp["kvnotes_flops"] < comp["recompute_flops"]
+    assert comp["fast_flop_ratio"] > comp["flop_ratio"] > 1
+    assert sum(r["kvnotes"]["guard_flops"] > 0 for r in result["records"]) == len(fired)
+    assert "arithmetic, recompute / kvnotes" in report_markdown(result)
     assert f"decision guard (tau = 1000000000.0) fired | {len(fired)} of 3" in \
         report_markdown(result)
 
@@ -393,3 +404,4 @@ def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
     first = agent.turn(request("cancel", state))
     assert book.library.misses == misses
     assert agent._exact == first.notebook_len
+

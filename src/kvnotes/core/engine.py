@@ -32,6 +32,7 @@ from kvnotes.core.errors import (
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import SPAN_KINDS, LayerKV, Notebook, Span
 from kvnotes.core.positions import adapter_for
+from kvnotes.core.work import CostModel, WorkCounter
 
 TokenInput = str | Sequence[int] | torch.Tensor | Document
 Part = str | Document | Notebook
@@ -145,6 +146,9 @@ class Engine:
         self.bos_id: int | None = added_bos(tokenizer)
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # what every model call costs, counted in _call (benchmarks read it around their work)
+        self.cost = CostModel.of(model, _blocks_or_none(model))
+        self.work = WorkCounter()
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, tokenizer: Any, *, name: str | None = None) -> Engine:
@@ -422,6 +426,9 @@ class Engine:
         keep_one = self.keeps_logits and not all_logits
         kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_one else {}
         kwargs.update(model_kwargs)
+        rows, n_new = len(ids), len(ids[0])
+        self.work.add(rows * n_new, self.cost.flops(
+            n_new, cache.get_seq_length(), rows=rows, logit_rows=rows if keep_one else rows * n_new))
         previous = None
         if attentions:  # attention weights exist only in the eager implementation
             previous = self.model.config._attn_implementation
@@ -781,6 +788,13 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             return module
     raise KvnotesError(f"cannot find the decoder layers of {type(model).__name__}; "
                        "layer_notes needs them (use select='attention' to edit instead)")
+
+
+def _blocks_or_none(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    try:
+        return decoder_layers(model)
+    except KvnotesError:
+        return None
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

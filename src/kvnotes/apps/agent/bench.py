@@ -121,6 +121,8 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
             "ratio": sum(c) / sum(k) if sum(k) else float("nan"),
             "kvnotes_tokens_computed": _mean([r["kvnotes"]["tokens_computed"] for r in rs]),
             "recompute_tokens_computed": _mean([r["recompute"]["tokens_computed"] for r in rs]),
+            "flop_ratio": _ratio(sum(r["recompute"].get("flops", 0.0) for r in rs),
+                                 sum(r["kvnotes"].get("flops", 0.0) for r in rs)),
             **({"stale_identity": _mean([r["stale"]["choice"] == r["recompute"]["choice"]
                                          for r in rs])} if "stale" in rs[0] else {}),
         })
@@ -141,6 +143,7 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
             "kvnotes_reused": sum(r["kvnotes"]["tokens_reused"] for r in records),
             "recompute_computed": sum(r["recompute"]["tokens_computed"] for r in records),
         },
+        "compute": compute_stats(records),
         "recompute_margin_median": statistics.median(r["recompute"]["margin"] for r in records),
         "guard": guard_stats(records),
         "skills": {"names": book.names, "tokens": {n: len(book.token_ids(n)) for n in book.names},
@@ -172,6 +175,27 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
                                       == r["recompute"]["tool_call"]["raw"]) for r in calls),
         }
     return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def compute_stats(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The arithmetic each agent did (:mod:`kvnotes.core.work`) and the latency ratio it allows:
+    on a compute-bound machine the latency ratio cannot beat the FLOP ratio by much, so the
+    FLOP ratio is the workload's ceiling and latency ÷ FLOP ratio is how much of it is kept."""
+    k = sum(r["kvnotes"].get("flops", 0.0) for r in records)
+    c = sum(r["recompute"].get("flops", 0.0) for r in records)
+    guard = sum(r["kvnotes"].get("guard_flops", 0.0) for r in records)
+    guard_s = sum(r["kvnotes"]["guard"]["seconds"] for r in records
+                  if r["kvnotes"].get("guard") and r["kvnotes"]["guard"]["fired"])
+    lat_k = sum(r["kvnotes"]["latency_s"] for r in records)
+    lat_c = sum(r["recompute"]["latency_s"] for r in records)
+    return {"kvnotes_flops": k, "recompute_flops": c, "guard_flops": guard,
+            "flop_ratio": _ratio(c, k), "fast_flop_ratio": _ratio(c, k - guard),
+            "fast_latency_ratio": _ratio(lat_c, lat_k - guard_s),
+            "kept": _ratio(_ratio(lat_c, lat_k), _ratio(c, k))}
 
 
 def guard_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -258,6 +282,17 @@ def report_markdown(result: dict[str, Any]) -> str:
             f"| decisions the fast (unguarded) choice would have flipped | "
             f"{g['would_flip_without']} |",
         ]
+    comp = result.get("compute")
+    if comp and comp["kvnotes_flops"]:
+        fast = (f" (fast path, without the guard's recomputes: {comp['fast_flop_ratio']:.1f}x "
+                f"FLOPs, {comp['fast_latency_ratio']:.1f}x latency)" if comp["guard_flops"] else "")
+        lines += [
+            f"| arithmetic, recompute / kvnotes (the latency ratio a compute-bound machine "
+            f"allows) | {comp['recompute_flops'] / 1e12:.1f} / {comp['kvnotes_flops'] / 1e12:.1f}"
+            f" TFLOP: {comp['flop_ratio']:.1f}x{fast} |",
+            f"| latency ratio / FLOP ratio (how much of the arithmetic saving the latency "
+            f"keeps) | {comp['kept']:.2f} |",
+        ]
     if "stale" in result:
         s = result["stale"]
         lines += [
@@ -273,12 +308,15 @@ def report_markdown(result: dict[str, Any]) -> str:
                      f"{t['turns_with_a_call']} | {t['kvnotes_valid']} / {t['recompute_valid']}"
                      f" / {t['identical_raw']} |")
     lines += ["", "## Per turn", "",
-              "| turn | n | identity | recompute s | kvnotes s | ratio | recompute tokens | "
-              "kvnotes tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| turn | n | identity | recompute s | kvnotes s | ratio | FLOP ratio | "
+              "recompute tokens | kvnotes tokens |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result["per_turn"]:
+        flop = p.get("flop_ratio", float("nan"))
         lines.append(f"| {p['turn'] + 1} | {p['n']} | {p['identity']:.1%} | "
                      f"{p['recompute_latency_s']:.3f} | {p['kvnotes_latency_s']:.3f} | "
-                     f"{p['ratio']:.1f}x | {p['recompute_tokens_computed']:.0f} | "
+                     f"{p['ratio']:.1f}x | {'-' if flop != flop else f'{flop:.1f}x'} | "
+                     f"{p['recompute_tokens_computed']:.0f} | "
                      f"{p['kvnotes_tokens_computed']:.0f} |")
     lines += ["", "![latency per turn](latency.png)", "", "## Flips", ""]
     if not result["flips"]:

@@ -45,6 +45,8 @@ class TurnResult:
     tokens_reused: int  # notes reused: the notebook kept from before + spliced skills
     notebook_len: int
     events: tuple[Event, ...] = field(default_factory=tuple)
+    flops: float = 0.0  # arithmetic of every model call this turn (kvnotes.core.work)
+    guard_flops: float = 0.0  # the part spent by the decision guard's recompute
 
     def to_dict(self) -> dict[str, Any]:
         return {"turn": self.turn, "kind": self.kind, "choice": self.decision.answer,
@@ -53,6 +55,7 @@ class TurnResult:
                 "tool_call": self.tool_call.to_dict() if self.tool_call else None,
                 "latency_s": self.latency_s, "tokens_computed": self.tokens_computed,
                 "tokens_reused": self.tokens_reused, "notebook_len": self.notebook_len,
+                "flops": self.flops, "guard_flops": self.guard_flops,
                 "events": [[e.field, e.value] for e in self.events]}
 
 
@@ -186,12 +189,12 @@ class _Agent:
 
     def _record(self, request: Request, events: Sequence[Event], decision: Decision,
                 tool: ToolCall | None, latency: float, computed: int, reused: int,
-                length: int) -> TurnResult:
+                length: int, flops: float, guard_flops: float = 0.0) -> TurnResult:
         index = len(self.turns)
         assert decision.answer is not None
         self._exchanges.append((index, request, decision.answer))
         result = TurnResult(index, request.kind, decision, tool, latency, computed, reused,
-                            length, tuple(events))
+                            length, tuple(events), flops, guard_flops)
         self.turns.append(result)
         return result
 
@@ -415,14 +418,17 @@ class KvnotesAgent(_Agent):
 
     def turn(self, request: Request, events: Sequence[Event] = ()) -> TurnResult:
         self._check(request, events)
+        work = self.engine.work.snapshot()
         t0 = time.perf_counter()
         pieces = self._advance(request, events)
         nb, logits, counts = self._build(pieces, request)
         fed = nb
+        before_guard = self.engine.work.snapshot()
         decision, nb = guarded(  # decide_on(fed) reuses the logits the feed already has
             self.engine, nb, lambda n: choose(self.engine, n, logits if n is fed else
                                               self.engine.next_logits(n), request.options),
             tau=self.guard, exact_from=self._exact)
+        guard_flops = self.engine.work.since(before_guard)[2]
         if decision.guard and decision.guard.fired:
             self._exact = len(nb)
         tool, tool_tokens = self._tool_call(nb, request, decision)
@@ -434,7 +440,8 @@ class KvnotesAgent(_Agent):
                             counts["fed"] + counts["repaired"] + counts["selected"]
                             + counts["compiled"] + tool_tokens
                             + redone,
-                            counts["kept"] + spliced, len(nb))
+                            counts["kept"] + spliced, len(nb), self.engine.work.since(work)[2],
+                            guard_flops)
 
 
 class RecomputeAgent(_Agent):
@@ -446,6 +453,7 @@ class RecomputeAgent(_Agent):
 
     def turn(self, request: Request, events: Sequence[Event] = ()) -> TurnResult:
         self._check(request, events)
+        work = self.engine.work.snapshot()
         t0 = time.perf_counter()
         ids = [self.engine.bos_id] if self.engine.adds_bos else []
         for piece in self._advance(request, events):
@@ -456,7 +464,7 @@ class RecomputeAgent(_Agent):
         tool, tool_tokens = self._tool_call(step.notebook, request, decision)
         latency = time.perf_counter() - t0
         return self._record(request, events, decision, tool, latency, len(ids) + tool_tokens,
-                            0, len(ids))
+                            0, len(ids), self.engine.work.since(work)[2])
 
 
 def run_episode(agent: _Agent, state: State, turns: Sequence[Any]) -> list[TurnResult]:
