@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.agent.episodes import Episode, scripted_episodes
+from kvnotes.apps.agent.episodes import Episode, scripted_episode, scripted_episodes
 from kvnotes.apps.agent.runtime import KvnotesAgent, RecomputeAgent, TurnResult
 from kvnotes.apps.agent.skills import SkillBook
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
+
+WARM_UP_EPISODE = 10_000  # an episode no run measures
 
 
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
@@ -52,6 +54,12 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
         if isinstance(agent, KvnotesAgent):
             agent.prepare()
     prepare_s = time.perf_counter() - t0
+    # one untimed turn each first: a fresh process's first forwards are slower (allocator,
+    # kernel set-up), and the first episode would carry that for one agent more than the other
+    warm = scripted_episode(WARM_UP_EPISODE, 1)
+    for agent in agents.values():
+        agent.start(warm.state)
+        agent.turn(warm.turns[0].request, warm.turns[0].events)
     records: list[dict[str, Any]] = []
     for i, ep in enumerate(episodes):
         for agent in agents.values():
@@ -330,6 +338,7 @@ def report_markdown(result: dict[str, Any]) -> str:
                          f"{f['recompute']} | {f['recompute_margin']:.3f} | {events} |")
     lines += ["", "Latency: time from a request (with its pending state changes) to the decision"
               " (and tool call when on), measured per turn with both agents interleaved. Skill "
-              "compilation happens once per model, before the episodes, and is not in any turn.",
+              "compilation happens once per model, before the episodes, and is not in any turn; "
+              "each agent takes one untimed warm-up turn before the first episode.",
               ""]
     return "\n".join(lines)
