@@ -173,7 +173,7 @@ def test_errata_and_ignore_ablations_keep_the_first_record(engine, book):
 def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, book):
     episode = scripted_episode(0, 3)
     for history, kept in ((0, 0), (1, 1), (None, 2)):
-        for order in ("request", "loaded"):
+        for order in ("request", "loaded", "appended"):
             a = KvnotesAgent(engine, book, history=history, order=order)
             b = RecomputeAgent(engine, book, history=history, order=order)
             run_episode(a, episode.state, episode.turns)
@@ -405,3 +405,38 @@ def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
     assert book.library.misses == misses
     assert agent._exact == first.notebook_len
 
+
+def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
+    """order="appended": turn 0's skills open the system block, the record follows, skills
+    loaded later come after it (compiled behind everything that opens the block) and the block
+    closes last. Loading a skill then re-prefills nothing: only the close and the request."""
+    book = SkillBook(engine, tmp_path)
+    agent = KvnotesAgent(engine, book, order="appended")
+    agent.prepare()
+    misses = book.library.misses
+    ref = RecomputeAgent(engine, book, order="appended")
+    guarded_agent = KvnotesAgent(engine, book, order="appended", guard=1e9)
+    state = scripted_episode(1).state
+    turns = [Turn(request(k, state)) for k in ("cancel", "add_bag", "compensation")]
+    for a in (agent, ref, guarded_agent):
+        a.start(state)
+    for t in turns:
+        fast, exact, slow = agent.turn(t.request), guarded_agent.turn(t.request), ref.turn(t.request)
+        assert torch.equal(agent.notebook.token_ids, ref.notebook.token_ids)
+        for option, score in slow.decision.scores.items():  # the guard re-decides exactly
+            assert exact.decision.scores[option] == pytest.approx(score, abs=1e-3)
+        assert fast.decision.answer in t.request.options
+    assert book.library.misses == misses  # prepare compiled every later skill's anchor
+    nb = agent.notebook
+    names = [s.name for s in nb.spans if s.name != "bos"]
+    record = names.index("record")
+    assert names[:record] == ["header", "tools", "cancellation", "refunds"]
+    assert names[record + 1:] == ["baggage", "compensation", "system.end", "t2.request"]
+    close, query = nb.span("system.end"), nb.span("t2.request")
+    assert agent.turns[2].tokens_computed == (close.end - close.start) + (query.end - query.start)
+    opening = nb.token_ids[:nb.span("record").start].tolist()
+    later = book.notes("compensation", after=opening)  # what was spliced: compiled behind that
+    assert book.library.misses == misses and int(later.positions[0]) == len(opening)
+    assert agent._exact == nb.span("baggage").start  # exact up to the first later skill
+    assert _close_to_prefill(engine, nb, agent._exact)
+    assert _close_to_prefill(engine, guarded_agent.notebook, len(guarded_agent.notebook))

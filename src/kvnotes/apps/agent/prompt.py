@@ -16,6 +16,15 @@ record, and the few exchanges kept after it). ``history`` keeps the last ``h`` e
 The record renders its fields that never change first (:data:`kvnotes.apps.agent.state.FIELDS`),
 so a changed field invalidates only the record's tail.
 
+The ``"appended"`` skill order (``later=`` in :meth:`Prompt.pieces`) keeps the skills of turn 0
+before the record and writes every skill loaded later after it, closing the system block in a
+piece of its own:
+
+    [BOS] system( HEADER, turn 0's skills, record, later skills )  ...  user(request t) ...
+
+so loading a skill re-prefills nothing (the record stays), at the price of re-splicing the later
+skills when a state change rewrites the record before them.
+
 ``updates="errata"`` (an ablation) keeps the record of the first turn and writes one correction
 per state change after it (:func:`kvnotes.ops.edit.erratum_turn`, a user turn for chat models);
 ``"ignore"`` (the stale-record ablation) keeps the first record and writes nothing.
@@ -75,13 +84,22 @@ class Prompt:
     def pieces(self, *, skills: Sequence[str], record: str,
                errata: Sequence[tuple[str, str]] = (),
                history: Sequence[tuple[int, Request, str]] = (),
-               request: Request, turn: int) -> list[Piece]:
+               request: Request, turn: int, later: Sequence[str] | None = None) -> list[Piece]:
         """The whole prompt of turn ``turn``: the header, ``skills`` (names), the record (its
         rendered text), ``errata`` (``(span name, text)``), the kept ``history`` exchanges
-        (``(turn, request, answer)``) and ``request``."""
+        (``(turn, request, answer)``) and ``request``.
+
+        ``later`` (the ``"appended"`` layout): skills written after the record, still inside
+        the system block, which then closes in a piece of its own (``system.end``) after them.
+        """
         out = [Piece("header", "header", self.head())]
         out += [Piece("skill", name, name) for name in skills]
-        out.append(Piece("text", "record", self.record(record)))
+        if later is None:
+            out.append(Piece("text", "record", self.record(record)))
+        else:
+            out.append(Piece("text", "record", record))
+            out += [Piece("skill", name, name) for name in later]
+            out.append(Piece("text", "system.end", self.fmt.system[1]))
         out += [Piece("erratum", name, text) for name, text in errata]
         for t, req, answer in history:
             out.append(Piece("query", f"t{t}.request", self.query(req)))

@@ -88,7 +88,7 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
 
 UPDATES = ("rewrite", "errata", "ignore")
 FIXED_SKILLS = ("tools",)  # loaded first in every episode, right after the header
-ORDERS = ("request", "loaded")
+ORDERS = ("request", "loaded", "appended")
 _PROBE = Request("x", (), ("a", "b"))
 
 
@@ -132,6 +132,7 @@ class _Agent:
         self._errata: list[tuple[str, str]] = []
         self._exchanges: list[tuple[int, Request, str]] = []
         self._loaded: list[str] = []
+        self._opening: list[str] = []  # the skills loaded at turn 0 ("appended" layout)
         self.turns = []
         self._start()
 
@@ -160,17 +161,21 @@ class _Agent:
         wanted = [*self.fixed_skills, *request.skills] if index == 0 else list(request.skills)
         self._loaded += [s for s in dict.fromkeys(wanted)
                          if s in self.skills.names and s not in self._loaded]
-        skills = self._loaded
+        if index == 0:
+            self._opening = list(self._loaded)  # what the system block opens with for good
+        skills, later = self._loaded, None
         if self.order == "request":  # fixed skills, the request's own, then the others loaded
             first = [s for s in dict.fromkeys([*self.fixed_skills, *request.skills])
                      if s in self._loaded]
             skills = first + [s for s in self._loaded if s not in first]
+        elif self.order == "appended":  # turn 0's skills, the record, then later ones
+            skills, later = self._opening, self._loaded[len(self._opening):]
         kept = (self._exchanges if self.history is None
                 else self._exchanges[len(self._exchanges) - self.history:] if self.history
                 else [])
         return self.prompt.pieces(skills=skills, record=self._shown.render(),
                                   errata=self._errata, history=kept, request=request,
-                                  turn=index)
+                                  turn=index, later=later)
 
     def _ids(self, piece: Piece) -> list[int]:
         """The token ids of one piece (a skill's: exactly those its notes hold)."""
@@ -232,7 +237,10 @@ class KvnotesAgent(_Agent):
     block with ``order="request"``) behind the header, ``tools`` and the request's earlier
     skills, and any other skill behind the header and ``tools``. The first ones are spliced
     exactly where they were compiled, so their notes equal a recompute's; :meth:`prepare`
-    compiles them all once per model (a skill compiled during a turn counts as computed).
+    compiles them all once per model (a skill compiled during a turn counts as computed). With
+    ``order="appended"`` a skill loaded after turn 0 is compiled behind everything that opens
+    the system block (header, ``tools`` and turn 0's skills: all but the record), one variant
+    per opening; only the record and the later skills before it are then unseen by its notes.
 
     ``guard=tau`` makes each decision know when it is not sure: when the margin between the two
     best options is below ``tau`` and some note is not exact, the notes from the first inexact
@@ -307,7 +315,8 @@ class KvnotesAgent(_Agent):
                       request_skills: Sequence[str]) -> dict[int, list[int]]:
         """Part index -> its true prefix, for the current request's skills in the run of
         spliced pieces that opens the prompt (header, fixed skills, then the request's own):
-        those are compiled behind exactly what precedes them, so they splice exactly."""
+        those are compiled behind exactly what precedes them, so they splice exactly. In the
+        appended layout, skills after the record map to everything before the record."""
         out: dict[int, list[int]] = {}
         if self.after is None:
             return out
@@ -320,12 +329,22 @@ class KvnotesAgent(_Agent):
             elif p.name != "bos":
                 break
             at += len(ids)
+        if self.order == "appended":  # skills after the record: behind all that opens it
+            at, opening = 0, None
+            for i, (ids, p) in enumerate(parts):
+                if p.name == "record":
+                    opening = flat[:at]
+                elif p.kind == "skill" and opening is not None:
+                    out[i] = opening
+                at += len(ids)
         return out
 
     def prepare(self, requests: Sequence[Request] | None = None) -> None:
         """Compile (or load) what this agent splices, so that no turn compiles: the header,
         every skill behind the default anchor, and each request kind's skills behind their
-        true prefix (``requests``: default one of each kind in :data:`REQUESTS`)."""
+        true prefix (``requests``: default one of each kind in :data:`REQUESTS`); in the
+        appended layout also every other skill behind each of those openings (on SmolLM2-135M:
+        71 more variants, about 3 minutes and 1.2 GB once per model)."""
         self.skills.header(self.prompt.head())
         for name in self.skills.names:
             self._notes(Piece("skill", name, name))
@@ -337,6 +356,11 @@ class KvnotesAgent(_Agent):
             flat = [i for ids, _ in parts for i in ids]
             for i, anchor in self._lead_anchors(flat, parts, skills).items():
                 self._notes(parts[i][1], anchor)
+            if self.order == "appended" and self.after is not None:
+                opening = flat[:sum(len(ids) for ids, _ in parts[:-2])]  # all but record, query
+                for name in self.skills.names:
+                    if name not in loaded:
+                        self._notes(Piece("skill", name, name), opening)
 
     def _parts(self, pieces: list[Piece]) -> list[tuple[list[int], Piece]]:
         parts = [([self.engine.bos_id], Piece("text", "bos", ""))] if self.engine.adds_bos else []
