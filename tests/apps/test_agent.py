@@ -387,7 +387,11 @@ def test_bench_reports_the_guard(engine, book, skill_root):
     assert 0 < comp["guard_flops"] < comp["kvnotes_flops"] < comp["recompute_flops"]
     assert comp["fast_flop_ratio"] > comp["flop_ratio"] > 1
     assert sum(r["kvnotes"]["guard_flops"] > 0 for r in result["records"]) == len(fired)
-    assert "arithmetic, recompute / kvnotes" in report_markdown(result)
+    report = report_markdown(result)
+    assert "arithmetic, recompute / kvnotes" in report
+    assert "## Lower guard thresholds, read off this run" in report
+    assert result["guard_sweep"][0]["tau"] == 1.0  # nothing above 1e9 is in the default sweep
+    assert result["fast_margin_error"]["under_0.001"] >= 1  # turn 0 is exact
     assert f"decision guard (tau = 1000000000.0) fired | {len(fired)} of 3" in \
         report_markdown(result)
 
@@ -440,3 +444,47 @@ def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
     assert agent._exact == nb.span("baggage").start  # exact up to the first later skill
     assert _close_to_prefill(engine, nb, agent._exact)
     assert _close_to_prefill(engine, guarded_agent.notebook, len(guarded_agent.notebook))
+
+
+def _record(fast, fast_margin, choice, margin, fired, seconds=0.0, guard_flops=0.0):
+    guard = {"tau": 1.0, "fired": fired, "fast_answer": fast, "fast_margin": fast_margin,
+             "seconds": seconds}
+    return {"kvnotes": {"choice": choice if fired else fast, "margin": margin, "guard": guard,
+                        "latency_s": 1.0 + seconds, "flops": 10.0 + guard_flops,
+                        "guard_flops": guard_flops},
+            "recompute": {"choice": choice, "margin": margin, "latency_s": 8.0, "flops": 80.0}}
+
+
+def test_margin_errors_and_the_guard_sweep_read_off_records():
+    from kvnotes.apps.agent.bench import fast_margin_errors, guard_sweep, margin_error_stats
+
+    records = [_record("a", 2.0, "a", 2.0, False),              # exact notes: no error
+               _record("a", 0.6, "a", 0.9, True, 3.0, 30.0),    # a fire that changed nothing
+               _record("b", 0.2, "a", 0.1, True, 1.0, 10.0)]    # a fire that caught a flip
+    assert fast_margin_errors(records) == pytest.approx([0.0, 0.3, 0.3])
+    stats = margin_error_stats(records)
+    assert stats["max"] == pytest.approx(0.3) and stats["under_0.001"] == 1
+    sweep = {row["tau"]: row for row in guard_sweep(records, (2.0, 1.0, 0.5, 0.1))}
+    assert 2.0 not in sweep  # above the run's own tau: its extra fires never ran
+    assert (sweep[1.0]["fired"], sweep[1.0]["missed_flips"]) == (2, 0)
+    assert sweep[1.0]["latency_ratio"] == pytest.approx(24 / 7)
+    assert (sweep[0.5]["fired"], sweep[0.5]["missed_flips"]) == (1, 0)
+    assert sweep[0.5]["latency_ratio"] == pytest.approx(24 / 4)
+    assert sweep[0.5]["flop_ratio"] == pytest.approx(240 / 40)
+    assert (sweep[0.1]["fired"], sweep[0.1]["missed_flips"]) == (0, 1)
+    assert sweep[0.1]["latency_ratio"] == pytest.approx(24 / 3)
+
+
+def test_agent_bench_command_prints_the_arithmetic(engine, skill_root, tmp_path, monkeypatch):
+    from kvnotes.cli import app
+    from kvnotes.core import models
+
+    monkeypatch.setattr(models, "load", lambda model, **device_dtype: engine)
+    result = CliRunner().invoke(app, ["agent-bench", "--model", "tiny", "--episodes", "1",
+                                      "--turns", "2", "--no-stale", "--order", "appended",
+                                      "--skills-dir", str(skill_root), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "decision identity: " in result.output
+    assert "arithmetic: recompute / kvnotes " in result.output
+    data = json.loads((tmp_path / "agent-bench.json").read_text())
+    assert data["compute"]["flop_ratio"] > 1 and data["decisions"] == 2

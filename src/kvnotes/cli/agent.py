@@ -94,6 +94,9 @@ def agent_bench(
     tok = result["tokens"]
     typer.echo(f"tokens computed: recompute {tok['recompute_computed']}, kvnotes "
                f"{tok['kvnotes_computed']} (reused {tok['kvnotes_reused']})")
+    comp = result["compute"]
+    typer.echo(f"arithmetic: recompute / kvnotes {comp['flop_ratio']:.1f}x FLOPs (fast path "
+               f"{comp['fast_flop_ratio']:.1f}x FLOPs, {comp['fast_latency_ratio']:.1f}x latency)")
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 

@@ -154,6 +154,9 @@ def summarize(engine: Engine, records: list[dict[str, Any]], *, book: SkillBook,
         "compute": compute_stats(records),
         "recompute_margin_median": statistics.median(r["recompute"]["margin"] for r in records),
         "guard": guard_stats(records),
+        "fast_margin_error": margin_error_stats(records),
+        "guard_sweep": guard_sweep(records) if any(r["kvnotes"].get("guard")
+                                                   for r in records) else None,
         "skills": {"names": book.names, "tokens": {n: len(book.token_ids(n)) for n in book.names},
                    "compiled_now": compiled, "library_hits": book.library.hits,
                    "prepare_s": prepare_s},
@@ -204,6 +207,62 @@ def compute_stats(records: list[dict[str, Any]]) -> dict[str, float]:
             "flop_ratio": _ratio(c, k), "fast_flop_ratio": _ratio(c, k - guard),
             "fast_latency_ratio": _ratio(lat_c, lat_k - guard_s),
             "kept": _ratio(_ratio(lat_c, lat_k), _ratio(c, k))}
+
+
+def fast_margin_errors(records: list[dict[str, Any]]) -> list[float]:
+    """Per decision, how far the fast (unguarded) decision's margin is from recompute's: the
+    fast margin counts positive when the fast choice is recompute's, negative otherwise, and
+    the error is its distance from recompute's margin (exact for two options; with three, the
+    runner-ups may differ). 0 on turns whose notes were all exact."""
+    out = []
+    for r in records:
+        k, c = r["kvnotes"], r["recompute"]
+        g = k.get("guard")
+        answer, margin = (g["fast_answer"], g["fast_margin"]) if g else (k["choice"], k["margin"])
+        signed = margin if answer == c["choice"] else -margin
+        out.append(abs(signed - c["margin"]))
+    return out
+
+
+def margin_error_stats(records: list[dict[str, Any]]) -> dict[str, float]:
+    errors = sorted(fast_margin_errors(records))
+    return {"median": statistics.median(errors), "p90": errors[int(0.9 * (len(errors) - 1))],
+            "max": errors[-1], "under_0.001": sum(e < 1e-3 for e in errors)}
+
+
+SWEEP_TAUS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.1, 0.0)
+
+
+def guard_sweep(records: list[dict[str, Any]], taus: Sequence[float] = SWEEP_TAUS
+                ) -> list[dict[str, float]]:
+    """What a lower guard threshold would have cost, read off a run's records (an estimate, not
+    a run): a fire whose fast margin is at or above ``tau`` is dropped with its recompute time
+    and FLOPs, and a fast flip it caught is counted as missed. Thresholds above the run's own
+    are not estimated (the fires they add were never run). After a dropped fire the notes
+    would have stayed inexact, so later turns could differ from the run's."""
+    run_tau = next(r["kvnotes"]["guard"]["tau"] for r in records if r["kvnotes"].get("guard"))
+    rec_s = sum(r["recompute"]["latency_s"] for r in records)
+    rec_f = sum(r["recompute"].get("flops", 0.0) for r in records)
+    out = []
+    for tau in taus:
+        if tau > run_tau:
+            continue
+        kv_s = sum(r["kvnotes"]["latency_s"] for r in records)
+        kv_f = sum(r["kvnotes"].get("flops", 0.0) for r in records)
+        fired = missed = 0
+        for r in records:
+            g = r["kvnotes"]["guard"]
+            if not g["fired"]:
+                continue
+            if g["fast_margin"] < tau:
+                fired += 1
+            else:
+                kv_s -= g["seconds"]
+                kv_f -= r["kvnotes"].get("guard_flops", 0.0)
+                missed += g["fast_answer"] != r["recompute"]["choice"]
+        out.append({"tau": tau, "fired": fired, "missed_flips": missed,
+                    "latency_ratio": _ratio(rec_s, kv_s), "flop_ratio": _ratio(rec_f, kv_f)})
+    return out
 
 
 def guard_stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -301,6 +360,11 @@ def report_markdown(result: dict[str, Any]) -> str:
             f"| latency ratio / FLOP ratio (how much of the arithmetic saving the latency "
             f"keeps) | {comp['kept']:.2f} |",
         ]
+    err = result.get("fast_margin_error")
+    if err:
+        lines.append(f"| fast decision's margin error vs recompute (log-prob): median / p90 / max |"
+                     f" {err['median']:.3f} / {err['p90']:.3f} / {err['max']:.3f} "
+                     f"({err['under_0.001']} decisions on exact notes) |")
     if "stale" in result:
         s = result["stale"]
         lines += [
@@ -326,6 +390,16 @@ def report_markdown(result: dict[str, Any]) -> str:
                      f"{p['ratio']:.1f}x | {'-' if flop != flop else f'{flop:.1f}x'} | "
                      f"{p['recompute_tokens_computed']:.0f} | "
                      f"{p['kvnotes_tokens_computed']:.0f} |")
+    if result.get("guard_sweep"):
+        lines += ["", "## Lower guard thresholds, read off this run", "",
+                  "An estimate, not a run: a fire whose fast margin is at or above tau is dropped"
+                  " with its time and FLOPs; after it the notes would have stayed inexact, so "
+                  "later turns could differ.", "",
+                  "| tau | fired | flips it would miss | latency ratio | FLOP ratio |",
+                  "| --- | --- | --- | --- | --- |"]
+        for row in result["guard_sweep"]:
+            lines.append(f"| {row['tau']} | {row['fired']} | {row['missed_flips']} | "
+                         f"{row['latency_ratio']:.1f}x | {row['flop_ratio']:.1f}x |")
     lines += ["", "![latency per turn](latency.png)", "", "## Flips", ""]
     if not result["flips"]:
         lines.append("None: every decision matched the recompute agent.")
