@@ -146,7 +146,8 @@ class Engine:
         self.bos_id: int | None = added_bos(tokenizer)
         self.eos_ids: set[int] = _eos_ids(model, tokenizer)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        # what every model call costs, counted in _call (benchmarks read it around their work)
+        # what every model call costs, counted in _call (benchmarks read it around their work);
+        # a forward that layer_notes stops early is counted whole
         self.cost = CostModel.of(model, _blocks_or_none(model))
         self.work = WorkCounter()
 
