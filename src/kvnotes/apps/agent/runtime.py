@@ -351,16 +351,15 @@ class KvnotesAgent(_Agent):
         for skills in ([r.skills for r in requests] if requests is not None
                        else [spec[1] for spec in REQUESTS.values()]):
             loaded = list(dict.fromkeys([*self.fixed, *skills]))
-            pieces = self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0)
+            # appended layout: every other skill may later follow this opening and the record
+            later = ([n for n in self.skills.names if n not in loaded]
+                     if self.order == "appended" else None)
+            pieces = self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0,
+                                        later=later)
             parts = self._parts(pieces)
             flat = [i for ids, _ in parts for i in ids]
             for i, anchor in self._lead_anchors(flat, parts, skills).items():
                 self._notes(parts[i][1], anchor)
-            if self.order == "appended" and self.after is not None:
-                opening = flat[:sum(len(ids) for ids, _ in parts[:-2])]  # all but record, query
-                for name in self.skills.names:
-                    if name not in loaded:
-                        self._notes(Piece("skill", name, name), opening)
 
     def _parts(self, pieces: list[Piece]) -> list[tuple[list[int], Piece]]:
         parts = [([self.engine.bos_id], Piece("text", "bos", ""))] if self.engine.adds_bos else []
