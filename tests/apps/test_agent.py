@@ -446,6 +446,38 @@ def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
     assert _close_to_prefill(engine, guarded_agent.notebook, len(guarded_agent.notebook))
 
 
+def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path):
+    """order="loaded": skills loaded after turn 0 follow turn 0's skills and precede the record;
+    each is compiled behind that opening (the same variants as the appended layout), so the
+    first one splices exactly and only a second one misses the first."""
+    book = SkillBook(engine, tmp_path)
+    agent = KvnotesAgent(engine, book, order="loaded")
+    agent.prepare()
+    misses = book.library.misses
+    ref = RecomputeAgent(engine, book, order="loaded")
+    state = scripted_episode(1).state
+    turns = [Turn(request(k, state)) for k in ("cancel", "add_bag", "compensation")]
+    for a in (agent, ref):
+        a.start(state)
+    for i, t in enumerate(turns):
+        fast, slow = agent.turn(t.request), ref.turn(t.request)
+        assert torch.equal(agent.notebook.token_ids, ref.notebook.token_ids)
+        if i < 2:  # turn 0's skills, then one later skill right behind them: all exact
+            assert agent._exact == len(agent.notebook)
+            for option, score in slow.decision.scores.items():
+                assert fast.decision.scores[option] == pytest.approx(score, abs=1e-3)
+    assert book.library.misses == misses  # prepare compiled every later skill's anchor
+    nb = agent.notebook
+    names = [s.name for s in nb.spans if s.name != "bos"]
+    assert names[:names.index("record")] == ["header", "tools", "cancellation", "refunds",
+                                             "baggage", "compensation"]
+    opening = nb.token_ids[:nb.span("baggage").start].tolist()
+    later = book.notes("compensation", after=opening)  # the second later skill: behind the opening
+    assert book.library.misses == misses and int(later.positions[0]) == len(opening)
+    assert agent._exact == nb.span("compensation").start
+    assert _close_to_prefill(engine, nb, agent._exact)
+
+
 def _record(fast, fast_margin, choice, margin, fired, seconds=0.0, guard_flops=0.0):
     guard = {"tau": 1.0, "fired": fired, "fast_answer": fast, "fast_margin": fast_margin,
              "seconds": seconds}

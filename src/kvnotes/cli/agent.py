@@ -46,8 +46,9 @@ def agent_bench(
                                 help="past exchanges kept in the prompt (-1: all)"),
     order: str = typer.Option("request", "--order",
                               help="skill order in the system block: request (the request's "
-                                   "own first), loaded, or appended (skills loaded after turn 0 "
-                                   "come after the record)"),
+                                   "own first), loaded (load order; later skills compiled behind turn "
+                                   "0's), or appended (skills loaded after turn 0 come after the "
+                                   "record)"),
     repair: float = typer.Option(0.0, "--repair", min=0.0,
                                  help="recompute this many first tokens of each inexact splice "
                                       "(< 1: a fraction of the skill)"),

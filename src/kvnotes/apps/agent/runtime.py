@@ -119,6 +119,7 @@ class _Agent:
         self.erratum_template = DEFAULT_ERRATUM
         self.state: State | None = None
         self.turns: list[TurnResult] = []
+        self._opening: list[str] = []  # the skills loaded at turn 0 (see start())
 
     @property
     def fixed_skills(self) -> list[str]:
@@ -132,7 +133,7 @@ class _Agent:
         self._errata: list[tuple[str, str]] = []
         self._exchanges: list[tuple[int, Request, str]] = []
         self._loaded: list[str] = []
-        self._opening: list[str] = []  # the skills loaded at turn 0 ("appended" layout)
+        self._opening: list[str] = []  # anchors later skills ("loaded", "appended")
         self.turns = []
         self._start()
 
@@ -241,6 +242,9 @@ class KvnotesAgent(_Agent):
     ``order="appended"`` a skill loaded after turn 0 is compiled behind everything that opens
     the system block (header, ``tools`` and turn 0's skills: all but the record), one variant
     per opening; only the record and the later skills before it are then unseen by its notes.
+    ``order="loaded"`` splices the same variants right after the opening, before the record:
+    the first skill loaded after turn 0 is then exact, and a later one misses only the later
+    skills before it (the record, after them, is re-prefilled when a skill loads).
 
     ``guard=tau`` makes each decision know when it is not sure: when the margin between the two
     best options is below ``tau`` and some note is not exact, the notes from the first inexact
@@ -312,11 +316,15 @@ class KvnotesAgent(_Agent):
         return self.skills.notes(piece.text, after=anchor), anchor
 
     def _lead_anchors(self, flat: list[int], parts: list[tuple[list[int], Piece]],
-                      request_skills: Sequence[str]) -> dict[int, list[int]]:
-        """Part index -> its true prefix, for the current request's skills in the run of
-        spliced pieces that opens the prompt (header, fixed skills, then the request's own):
-        those are compiled behind exactly what precedes them, so they splice exactly. In the
-        appended layout, skills after the record map to everything before the record."""
+                      request_skills: Sequence[str], opening: Sequence[str] | None = None
+                      ) -> dict[int, list[int]]:
+        """Part index -> the prefix its notes are compiled behind, where that is not the
+        agent's default: the current request's skills in the run of spliced pieces that opens
+        the prompt (header, fixed skills, then the request's own) map to exactly what precedes
+        them, so they splice exactly. In the ``loaded`` and ``appended`` layouts a skill loaded
+        after turn 0 maps to the opening (everything before the first such skill in ``loaded``,
+        before the record in ``appended``), so the first one is exact in ``loaded``.
+        ``opening``: the skills loaded at turn 0 (default: this episode's)."""
         out: dict[int, list[int]] = {}
         if self.after is None:
             return out
@@ -329,13 +337,23 @@ class KvnotesAgent(_Agent):
             elif p.name != "bos":
                 break
             at += len(ids)
-        if self.order == "appended":  # skills after the record: behind all that opens it
-            at, opening = 0, None
+        opening = self._opening if opening is None else opening
+        if self.order == "loaded" and opening:
+            behind = None
+            at = 0
+            for i, (ids, p) in enumerate(parts):
+                if p.kind == "skill" and p.text not in opening:
+                    behind = flat[:at] if behind is None else behind
+                    out[i] = behind  # one variant per opening, as prepare() compiles them
+                at += len(ids)
+        if self.order == "appended":
+            behind = None
+            at = 0
             for i, (ids, p) in enumerate(parts):
                 if p.name == "record":
-                    opening = flat[:at]
-                elif p.kind == "skill" and opening is not None:
-                    out[i] = opening
+                    behind = flat[:at]
+                elif p.kind == "skill" and behind is not None:
+                    out[i] = behind
                 at += len(ids)
         return out
 
@@ -343,22 +361,25 @@ class KvnotesAgent(_Agent):
         """Compile (or load) what this agent splices, so that no turn compiles: the header,
         every skill behind the default anchor, and each request kind's skills behind their
         true prefix (``requests``: default one of each kind in :data:`REQUESTS`); in the
-        appended layout also every other skill behind each of those openings (on SmolLM2-135M:
-        71 more variants, about 3 minutes and 1.2 GB once per model)."""
+        ``loaded`` and ``appended`` layouts also every other skill behind each of those
+        openings (on SmolLM2-135M: 71 more variants, the same for both layouts, about 3 minutes
+        and 1.2 GB once per model)."""
         self.skills.header(self.prompt.head())
         for name in self.skills.names:
             self._notes(Piece("skill", name, name))
         for skills in ([r.skills for r in requests] if requests is not None
                        else [spec[1] for spec in REQUESTS.values()]):
             loaded = list(dict.fromkeys([*self.fixed, *skills]))
-            # appended layout: every other skill may later follow this opening and the record
-            later = ([n for n in self.skills.names if n not in loaded]
-                     if self.order == "appended" else None)
-            pieces = self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0,
-                                        later=later)
+            # every other skill may later follow this opening (and the record, when appended)
+            others = ([n for n in self.skills.names if n not in loaded]
+                      if self.order in ("loaded", "appended") else [])
+            pieces = (self.prompt.pieces(skills=loaded + others, record="", request=_PROBE,
+                                         turn=0) if self.order == "loaded" else
+                      self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0,
+                                         later=others if self.order == "appended" else None))
             parts = self._parts(pieces)
             flat = [i for ids, _ in parts for i in ids]
-            for i, anchor in self._lead_anchors(flat, parts, skills).items():
+            for i, anchor in self._lead_anchors(flat, parts, skills, opening=loaded).items():
                 self._notes(parts[i][1], anchor)
 
     def _parts(self, pieces: list[Piece]) -> list[tuple[list[int], Piece]]:
