@@ -96,7 +96,7 @@ def main() -> None:
         print(f"{order}: identity {result['identity']:.1%}, fast flips {rows[-1]['fast_flips']}, "
               f"FLOPs {rows[-1]['fast_flop_ratio']:.1f}x fast / {rows[-1]['flop_ratio']:.1f}x "
               f"guarded, latency {rows[-1]['fast_latency_ratio']:.1f}x / "
-              f"{rows[-1]['latency_ratio']:.1f}x; {load_note(result['machine']['before'])}")
+              f"{rows[-1]['latency_ratio']:.1f}x; {load_note(result['machine']['after'])}")
     data = {"model": engine.name, "episodes": args.episodes, "guard": args.guard, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "agent-layouts.json").write_text(json.dumps(data, indent=1))

@@ -78,7 +78,7 @@ def main() -> None:
 
     seq_s, seq_raw, seq_texts = median_time(one_by_one, args.reps)
     bat_s, bat_raw, bat_texts = median_time(batched, args.reps)
-    after = machine_info()
+    after = machine_info(since=before)
     b = len(fed)
     result = {
         "model": args.model, "family": args.family, "rows": b,

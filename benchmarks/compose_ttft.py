@@ -173,7 +173,7 @@ def main() -> None:
     for r in rows:
         r["decode_bytes_ratio"] = r["decode_bytes"] / rows[0]["decode_bytes"]
         r["decode_time_ratio"] = r["decode_s_per_token"] / rows[0]["decode_s_per_token"]
-    after = machine_info()
+    after = machine_info(since=before)
     result = {
         "model": args.model, "reps": args.reps, "warmup": 1, "dtype": str(engine.dtype),
         "torch_threads": after["torch_threads"], "machine": after["machine"],

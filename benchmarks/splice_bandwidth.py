@@ -118,7 +118,7 @@ def main() -> None:
         r = rows[-1]
         print(f"L={n}: splice {r['splice_gb_s']:.2f} GB/s, copy {r['copy_gb_s']:.2f} GB/s "
               f"({r['splice_vs_copy']:.0%} of copy)")
-    after = machine_info()
+    after = machine_info(since=before)
     result = {"model": args.model, "reps": args.reps, "warmup": 1, "dtype": str(engine.dtype),
               "torch_threads": after["torch_threads"], "machine_before": before,
               "machine_after": after, "busy": before["busy"] or after["busy"], "rows": rows}

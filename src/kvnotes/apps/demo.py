@@ -106,7 +106,7 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         rows.append(row)
         if progress is not None:
             progress(case.name)
-    after = machine_info()
+    after = machine_info(since=before)
     return {
         "model": engine.name,
         "skills": {n: {"tokens": len(nb), "compile_s": compile_s[n],

@@ -1,13 +1,19 @@
-"""The machine a timing ran on: torch threads (default: physical cores), load, CPU flags.
+"""The machine a timing ran on: torch threads (default: physical cores), load, CPU flags, and
+how much CPU time other work took while it ran.
 
 Timings on a shared CPU mean little without the load beside them: every command that times
-things sets its threads with :func:`set_threads` and records :func:`machine_info`.
+things sets its threads with :func:`set_threads` and records :func:`machine_info` before and
+after (``machine_info(since=before)``). The load average alone cannot tell a run's own threads
+from other work (a 2-thread run on 2 CPUs ends at a load of about 2 however quiet the machine
+was), so the "after" record also counts CPU seconds over the run: the machine's busy time from
+``/proc/stat`` minus this process's own, and the hypervisor's steal time.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +93,73 @@ def cpu_model() -> str:
     return ""
 
 
-def machine_info() -> dict[str, Any]:
-    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON."""
+BUSY_SHARE = 0.10  # other work (or steal) above this share of the CPUs contaminates a timing
+
+
+def cpu_counters() -> dict[str, float | None]:
+    """CPU seconds so far: the machine's busy and steal time over all CPUs (``/proc/stat``;
+    None where there is none), this process's own (all its threads and waited-for children),
+    and a wall clock, for :func:`cpu_use`."""
+    own = os.times()
+    out: dict[str, float | None] = {
+        "wall_s": time.monotonic(),
+        "own_s": own.user + own.system + own.children_user + own.children_system,
+        "busy_s": None, "steal_s": None}
+    try:
+        line = Path("/proc/stat").read_text().splitlines()[0].split()
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, AttributeError):
+        return out
+    if line[0] != "cpu" or len(line) < 9:
+        return out
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in line[1:9])
+    out["busy_s"] = (user + nice + system + irq + softirq) / hz  # guest time is inside user
+    out["steal_s"] = steal / hz
+    return out
+
+
+def cpu_use(before: dict[str, float | None], after: dict[str, float | None], cpus: int
+            ) -> dict[str, float] | None:
+    """What the CPUs did between two :func:`cpu_counters`: this process's seconds, other work's
+    (the machine's busy time minus this process's) and steal, and their shares of the
+    ``cpus`` x wall seconds available. None without ``/proc/stat``."""
+    if before.get("busy_s") is None or after.get("busy_s") is None:
+        return None
+    wall = max(after["wall_s"] - before["wall_s"], 1e-9)  # type: ignore[operator]
+    own = after["own_s"] - before["own_s"]  # type: ignore[operator]
+    other = max(0.0, after["busy_s"] - before["busy_s"] - own)  # type: ignore[operator]
+    steal = after["steal_s"] - before["steal_s"]  # type: ignore[operator]
+    return {"wall_s": round(wall, 3), "own_cpu_s": round(own, 3), "other_cpu_s": round(other, 3),
+            "steal_s": round(steal, 3), "other_share": round(other / (wall * cpus), 4),
+            "steal_share": round(steal / (wall * cpus), 4)}
+
+
+def machine_info(since: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON.
+
+    ``since``: an earlier ``machine_info()`` of this process (the run's "before"). The result
+    then also says what the CPUs did in between (``cpu_use``, see :func:`cpu_use`), and
+    ``busy`` means other work or steal took more than :data:`BUSY_SHARE` of the CPUs over the
+    run. Without ``since`` (or without ``/proc/stat``), ``busy`` means more runnable work than
+    CPUs over the last minute, which counts this process's own threads too.
+    """
     load = load_average()
     cpus = available_cpus()
-    flags = cpu_flags()
-    return {
+    counters = cpu_counters()
+    use = cpu_use(since["cpu_counters"], counters, cpus) if since and "cpu_counters" in since \
+        else None
+    busy = (use["other_share"] > BUSY_SHARE or use["steal_share"] > BUSY_SHARE) if use \
+        else load[0] > cpus
+    info = {
         "torch_threads": torch.get_num_threads(), "physical_cores": physical_cores(),
         "cpus": cpus, "load_average": [round(x, 2) for x in load],
-        # busy: more runnable work than CPUs over the last minute (timings then run slow)
-        "busy": bool(load[0] > cpus), "cpu_flags": flags,
+        "busy": bool(busy), "cpu_flags": cpu_flags(),
         "machine": f"{platform.machine()} / {platform.processor() or 'cpu'}",
+        "cpu_counters": counters,
     }
+    if use is not None:
+        info["cpu_use"] = use
+    return info
 
 
 def load_note(info: dict[str, Any]) -> str:
@@ -106,6 +167,10 @@ def load_note(info: dict[str, Any]) -> str:
     load = info["load_average"][0]
     line = (f"load average {load:.2f} on {info['cpus']} CPUs, {info['torch_threads']} torch "
             f"threads")
+    use = info.get("cpu_use")
+    if use:
+        line += (f"; other work took {100 * use['other_share']:.1f}% of the CPUs during the run"
+                 f" (steal {100 * use['steal_share']:.1f}%)")
     if info["busy"]:
         line += " -- the machine was busy: timings are slower and noisier than on a quiet one"
     return line

@@ -88,7 +88,7 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
                                  compiled=book.library.misses - misses0, tool_calls=tool_calls))
     result = summarize(engine, records, book=book, prepare_s=prepare_s,
                        compiled=book.library.misses - misses0, tool_calls=tool_calls)
-    result["machine"] = {"before": machine_before, "after": machine_info()}
+    result["machine"] = {"before": machine_before, "after": machine_info(since=machine_before)}
     return result
 
 
@@ -96,9 +96,14 @@ def _machine_line(machine: dict[str, Any] | None) -> str:
     if not machine:
         return ""
     b, a = machine["before"], machine["after"]
+    # "after" is busy when other work took CPU time during the run (cpu_use); the load average
+    # after a run counts the run's own threads, so it is only reported
     busy = " (busy: latency ratios are contaminated)" if b["busy"] or a["busy"] else ""
+    use = a.get("cpu_use")
+    other = (f"; other work took {100 * use['other_share']:.1f}% of the CPUs during the run "
+             f"(steal {100 * use['steal_share']:.1f}%)" if use else "")
     return (f" {b['torch_threads']} torch threads; load average {b['load_average'][0]} before, "
-            f"{a['load_average'][0]} after{busy}.")
+            f"{a['load_average'][0]} after{other}{busy}.")
 
 
 def _mean(xs: Sequence[float]) -> float:
