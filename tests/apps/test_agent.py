@@ -401,8 +401,12 @@ def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
     the request's skills): prepare compiles it, so no turn compiles and turn 0 is exact."""
     book = SkillBook(engine, tmp_path)
     agent = KvnotesAgent(engine, book, order="loaded")
-    agent.prepare()
+    calls = []
+    compiled = agent.prepare(progress=lambda *call: calls.append(call))
     misses = book.library.misses
+    assert [c[:2] for c in calls] == [(i, len(calls)) for i in range(1, len(calls) + 1)]
+    assert compiled == misses == sum(c[3] for c in calls) > 0  # a fresh library: all compiled
+    assert agent.prepare() == 0 and book.library.misses == misses  # then all loaded
     state = scripted_episode(0).state
     agent.start(state)
     first = agent.turn(request("cancel", state))

@@ -50,9 +50,13 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
         agents["stale"] = KvnotesAgent(engine, book, updates="ignore", tool_calls=False,
                                        anchored=anchored, **layout)
     t0 = time.perf_counter()
+    def compiling(done: int, total: int, name: str, compiled: bool) -> None:
+        if compiled and progress:  # a first run of a layout compiles for minutes: say so
+            progress(f"skills: compiled {name} ({done}/{total} ready)")
+
     for agent in agents.values():  # every splice compiled (or loaded) before any turn
         if isinstance(agent, KvnotesAgent):
-            agent.prepare()
+            agent.prepare(progress=compiling)
     prepare_s = time.perf_counter() - t0
     # one untimed turn each first: a fresh process's first forwards are slower (allocator,
     # kernel set-up), and the first episode would carry that for one agent more than the other

@@ -11,7 +11,7 @@ and validated (:mod:`kvnotes.apps.agent.toolcall`); a malformed call is reported
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,16 +357,18 @@ class KvnotesAgent(_Agent):
                 at += len(ids)
         return out
 
-    def prepare(self, requests: Sequence[Request] | None = None) -> None:
+    def prepare(self, requests: Sequence[Request] | None = None, *,
+                progress: Callable[[int, int, str, bool], None] | None = None) -> int:
         """Compile (or load) what this agent splices, so that no turn compiles: the header,
         every skill behind the default anchor, and each request kind's skills behind their
         true prefix (``requests``: default one of each kind in :data:`REQUESTS`); in the
         ``loaded`` and ``appended`` layouts also every other skill behind each of those
         openings (on SmolLM2-135M: 71 more variants, the same for both layouts, about 3 minutes
-        and 1.2 GB once per model)."""
-        self.skills.header(self.prompt.head())
-        for name in self.skills.names:
-            self._notes(Piece("skill", name, name))
+        and 1.2 GB once per model). ``progress(done, total, name, compiled)`` is called after
+        each entry (``compiled``: it was not in the library yet). Returns how many entries
+        were compiled."""
+        todo: list[tuple[Piece, list[int] | None]] = [(Piece("header", "header", ""), None)]
+        todo += [(Piece("skill", name, name), None) for name in self.skills.names]
         for skills in ([r.skills for r in requests] if requests is not None
                        else [spec[1] for spec in REQUESTS.values()]):
             loaded = list(dict.fromkeys([*self.fixed, *skills]))
@@ -379,8 +381,20 @@ class KvnotesAgent(_Agent):
                                          later=others if self.order == "appended" else None))
             parts = self._parts(pieces)
             flat = [i for ids, _ in parts for i in ids]
-            for i, anchor in self._lead_anchors(flat, parts, skills, opening=loaded).items():
-                self._notes(parts[i][1], anchor)
+            todo += [(parts[i][1], anchor) for i, anchor
+                     in self._lead_anchors(flat, parts, skills, opening=loaded).items()]
+        compiled = 0
+        for done, (piece, anchor) in enumerate(todo, 1):
+            misses = self.skills.library.misses
+            if piece.kind == "header":
+                self.skills.header(self.prompt.head())
+            else:
+                self._notes(piece, anchor)
+            fresh = self.skills.library.misses > misses
+            compiled += fresh
+            if progress is not None:
+                progress(done, len(todo), piece.name, fresh)
+        return compiled
 
     def _parts(self, pieces: list[Piece]) -> list[tuple[list[int], Piece]]:
         parts = [([self.engine.bos_id], Piece("text", "bos", ""))] if self.engine.adds_bos else []
