@@ -327,6 +327,18 @@ def test_interactive_agent_handles_requests_state_changes_and_eof(engine, skill_
     assert "Travel insurance: purchased" in result.output
     assert "unknown state field 'seat'" in result.output
     assert "reused" in result.output and "computed" in result.output
+    # the layout and the guard as in agent-bench: the second request loads baggage after the
+    # record, an inexact splice, so a guard this wide fires there
+    result = CliRunner().invoke(app, ["agent", "--model", "tiny", "--skills-dir",
+                                      str(skill_root), "--order", "appended", "--guard", "1e9"],
+                                input="I need to cancel my trip\nCan I add a bag?\n")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("decision: ") == 2
+    assert result.output.count("guard: margin") == 1  # turn 0 is all exact: nothing to redo
+    assert "re-decided on exact notes" in result.output
+    result = CliRunner().invoke(app, ["agent", "--model", "tiny", "--skills-dir",
+                                      str(skill_root), "--order", "bogus"], input="")
+    assert result.exit_code != 0 and "unknown skill order 'bogus'" in result.output
 
 
 def test_agent_skills_are_compiled_behind_their_true_prefix(engine, book):

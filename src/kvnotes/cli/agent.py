@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -18,6 +19,26 @@ def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "fl
 
     set_threads(threads)  # None: physical cores
     return load_engine(model, device, dtype)
+
+
+def _guard_option() -> Any:
+    return typer.Option(None, "--guard", min=0.0,
+                        help="re-decide on exactly recomputed notes when the top-two margin "
+                             "(log-prob) is below this")
+
+
+def _order_option() -> Any:
+    return typer.Option("request", "--order",
+                        help="skill order in the system block: request (the request's own "
+                             "first), loaded (load order; later skills compiled behind turn "
+                             "0's), or appended (skills loaded after turn 0 come after the "
+                             "record); loaded and appended compile about 70 skill variants on "
+                             "first use")
+
+
+def _compiling(done: int, total: int, name: str, compiled: bool) -> None:
+    if compiled:
+        typer.echo(f"skills: compiled {name} ({done}/{total} ready)", err=True)
 
 
 @app.command("agent-bench")
@@ -35,20 +56,13 @@ def agent_bench(
     device: str = device_option(),
     dtype: str = dtype_option(),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
-    guard: float | None = typer.Option(
-        None, "--guard", min=0.0,
-        help="re-decide on exactly recomputed notes when the top-two margin (log-prob) is "
-             "below this"),
+    guard: float | None = _guard_option(),
     anchored: bool = typer.Option(True, "--anchor/--no-anchor",
                                   help="compile skills behind the agent's system header (and "
                                        "the fixed tools skill)"),
     history: int = typer.Option(0, "--history", min=-1,
                                 help="past exchanges kept in the prompt (-1: all)"),
-    order: str = typer.Option("request", "--order",
-                              help="skill order in the system block: request (the request's "
-                                   "own first), loaded (load order; later skills compiled behind turn "
-                                   "0's), or appended (skills loaded after turn 0 come after the "
-                                   "record)"),
+    order: str = _order_option(),
     repair: float = typer.Option(0.0, "--repair", min=0.0,
                                  help="recompute this many first tokens of each inexact splice "
                                       "(< 1: a fraction of the skill)"),
@@ -116,6 +130,8 @@ def agent_interactive(
     threads: int | None = typer.Option(None, "--threads", help="torch CPU threads"),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    guard: float | None = _guard_option(),
+    order: str = _order_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
     from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
@@ -123,8 +139,8 @@ def agent_interactive(
     try:
         engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
-        agent = KvnotesAgent(engine, book, tool_calls=tool_calls)
-        agent.prepare()  # everything it splices, compiled (or loaded) before the first request
+        agent = KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard, order=order)
+        agent.prepare(progress=_compiling)  # all it splices, ready before the first request
         agent.start(scripted_episode(episode, 1).state)
     except KvnotesError as err:
         fail(err)
@@ -166,6 +182,10 @@ def agent_interactive(
                 d = result.decision
                 scores = ", ".join(f"{k} {v:.2f}" for k, v in d.scores.items())
                 typer.echo(f"decision: {d.answer}   [{request.kind}; log-probs {scores}]")
+                if d.guard is not None and d.guard.fired:
+                    typer.echo(f"guard: margin {d.guard.fast_margin:.2f} < {d.guard.tau}; "
+                               f"re-decided on exact notes ({d.guard.tokens} tokens recomputed"
+                               f"{', changed from ' + str(d.guard.fast_answer) if d.guard.changed else ''})")
                 if result.tool_call is not None:
                     tc = result.tool_call
                     typer.echo(f"tool call: {tc.tool} {tc.args}" if tc.ok
