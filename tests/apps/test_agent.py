@@ -198,15 +198,15 @@ def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, boo
 
 
 def test_repair_recomputes_the_first_tokens_of_inexact_splices(engine, book):
-    episode = scripted_episode(0, 2)
-    plain = run_episode(KvnotesAgent(engine, book), episode.state, episode.turns)
-    fixed = KvnotesAgent(engine, book, repair=4)
+    episode = scripted_episode(0, 2)  # without variants every skill after the lead is inexact
+    plain = run_episode(KvnotesAgent(engine, book, variants=False), episode.state, episode.turns)
+    fixed = KvnotesAgent(engine, book, repair=4, variants=False)
     repaired = run_episode(fixed, episode.state, episode.turns)
     inexact = [s for s in fixed.notebook.spans if s.kind == "skill"][3:]  # after the lead
     assert inexact, "turn 2 must splice a skill that is not exact"
     assert repaired[1].tokens_computed == plain[1].tokens_computed + 4 * len(inexact)
     assert _close_to_prefill(engine, fixed.notebook, fixed._exact)
-    chosen = KvnotesAgent(engine, book, repair=0.01, select="kv_deviation")
+    chosen = KvnotesAgent(engine, book, repair=0.01, select="kv_deviation", variants=False)
     run_episode(chosen, episode.state, episode.turns)
     assert _close_to_prefill(engine, chosen.notebook, chosen._exact)
     with pytest.raises(UnknownNameError, match="unknown repair selector"):
@@ -460,6 +460,34 @@ def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
     assert agent._exact == nb.span("baggage").start  # exact up to the first later skill
     assert _close_to_prefill(engine, nb, agent._exact)
     assert _close_to_prefill(engine, guarded_agent.notebook, len(guarded_agent.notebook))
+
+
+def test_other_skills_are_compiled_behind_the_lead_of_the_request_layout(engine, tmp_path):
+    """order="request" (the default): the request's own skills open the skill block, exactly;
+    with variants every other skill is compiled behind that lead, so the first one splices
+    exactly too and a second misses only the first. variants=False: behind header and tools."""
+    book = SkillBook(engine, tmp_path)
+    agent, plain = KvnotesAgent(engine, book), KvnotesAgent(engine, book, variants=False)
+    assert agent.prepare() > plain.prepare() == 0  # plain's entries are a subset
+    misses = book.library.misses
+    ref = RecomputeAgent(engine, book)
+    state = scripted_episode(1).state
+    turns = [Turn(request(k, state)) for k in ("cancel", "add_bag")]
+    for a in (agent, plain, ref):
+        a.start(state)
+        for t in turns:
+            a.turn(t.request)
+    assert book.library.misses == misses  # prepare compiled every variant
+    nb = agent.notebook
+    assert torch.equal(nb.token_ids, ref.notebook.token_ids)
+    names = [s.name for s in nb.spans if s.kind == "skill"]
+    assert names == ["header", "tools", "baggage", "cancellation", "refunds"]
+    lead = nb.token_ids[:nb.span("cancellation").start].tolist()  # header, tools, baggage
+    assert agent._exact == nb.span("refunds").start  # cancellation sits where it was compiled
+    assert _close_to_prefill(engine, nb, agent._exact)
+    refunds = book.notes("refunds", after=lead)
+    assert book.library.misses == misses and int(refunds.positions[0]) == len(lead)
+    assert plain._exact == plain.notebook.span("cancellation").start
 
 
 def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path):

@@ -32,8 +32,14 @@ def _order_option() -> Any:
                         help="skill order in the system block: request (the request's own "
                              "first), loaded (load order; later skills compiled behind turn "
                              "0's), or appended (skills loaded after turn 0 come after the "
-                             "record); loaded and appended compile about 70 skill variants on "
-                             "first use")
+                             "record)")
+
+
+def _variants_option() -> Any:
+    return typer.Option(True, "--variants/--no-variants",
+                        help="compile every other skill behind each opening of the prompt "
+                             "(about 70 library entries, minutes on first use; about half the "
+                             "splice error)")
 
 
 def _compiling(done: int, total: int, name: str, compiled: bool) -> None:
@@ -63,6 +69,7 @@ def agent_bench(
     history: int = typer.Option(0, "--history", min=-1,
                                 help="past exchanges kept in the prompt (-1: all)"),
     order: str = _order_option(),
+    variants: bool = _variants_option(),
     repair: float = typer.Option(0.0, "--repair", min=0.0,
                                  help="recompute this many first tokens of each inexact splice "
                                       "(< 1: a fraction of the skill)"),
@@ -79,11 +86,11 @@ def agent_bench(
         engine = _load(model, threads, device, dtype)
         result = run_bench(
             engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
-            skill_root=skills_dir, guard=guard, anchored=anchored,
+            skill_root=skills_dir, guard=guard, anchored=anchored, variants=variants,
             history=None if history < 0 else history, order=order,
             repair=repair if 0 < repair < 1 else int(repair),
             progress=lambda line: typer.echo(line, err=True),
-            on_episode=lambda partial: write_outputs(partial, out),
+            on_episode=lambda partial: write_outputs(partial, out), on_skill=_compiling,
         )
         paths = write_outputs(result, out)
     except KvnotesError as err:
@@ -132,6 +139,7 @@ def agent_interactive(
     dtype: str = dtype_option(),
     guard: float | None = _guard_option(),
     order: str = _order_option(),
+    variants: bool = _variants_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
     from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
@@ -139,7 +147,8 @@ def agent_interactive(
     try:
         engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
-        agent = KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard, order=order)
+        agent = KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard, order=order,
+                             variants=variants)
         agent.prepare(progress=_compiling)  # all it splices, ready before the first request
         agent.start(scripted_episode(episode, 1).state)
     except KvnotesError as err:

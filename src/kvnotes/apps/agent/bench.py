@@ -27,15 +27,19 @@ WARM_UP_EPISODE = 10_000  # an episode no run measures
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
               turns: int = 5, tool_calls: bool = False, stale: bool = True,
               skill_root: str | Path | None = None, guard: float | None = None,
-              anchored: bool = True, history: int | None = 0, order: str = "request",
+              anchored: bool = True, variants: bool = True, history: int | None = 0,
+              order: str = "request",
               repair: float | int = 0,
               progress: Callable[[str], None] | None = None,
-              on_episode: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_episode: Callable[[dict[str, Any]], None] | None = None,
+              on_skill: Callable[[int, int, str, bool], None] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready result (see :func:`write_outputs`).
 
     ``on_episode`` receives the summary of the episodes done so far after each episode (the
-    CLI writes it out, so an interrupted run still leaves its figures). ``guard`` and
-    ``anchored`` and ``repair`` configure the kvnotes agent (see :class:`KvnotesAgent`);
+    CLI writes it out, so an interrupted run still leaves its figures). ``on_skill`` follows
+    the skill library's preparation (:meth:`KvnotesAgent.prepare`'s ``progress``), which takes
+    minutes the first time a layout with variants runs on a model. ``guard``,
+    ``anchored``, ``variants`` and ``repair`` configure the kvnotes agent (see :class:`KvnotesAgent`);
     ``history`` and ``order`` the prompt of both agents (see :mod:`kvnotes.apps.agent.prompt`).
     """
     episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
@@ -44,19 +48,16 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
     misses0 = book.library.misses
     layout = {"history": history, "order": order}
     agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard,
-                                      anchored=anchored, repair=repair, **layout),
+                                      anchored=anchored, variants=variants, repair=repair,
+                                      **layout),
               "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls, **layout)}
     if stale:
         agents["stale"] = KvnotesAgent(engine, book, updates="ignore", tool_calls=False,
-                                       anchored=anchored, **layout)
+                                       anchored=anchored, variants=variants, **layout)
     t0 = time.perf_counter()
-    def compiling(done: int, total: int, name: str, compiled: bool) -> None:
-        if compiled and progress:  # a first run of a layout compiles for minutes: say so
-            progress(f"skills: compiled {name} ({done}/{total} ready)")
-
     for agent in agents.values():  # every splice compiled (or loaded) before any turn
         if isinstance(agent, KvnotesAgent):
-            agent.prepare(progress=compiling)
+            agent.prepare(progress=on_skill)
     prepare_s = time.perf_counter() - t0
     # one untimed turn each first: a fresh process's first forwards are slower (allocator,
     # kernel set-up), and the first episode would carry that for one agent more than the other

@@ -236,15 +236,19 @@ class KvnotesAgent(_Agent):
     ``anchored`` compiles every skill behind the text that really precedes it where that text
     is fixed: ``tools`` behind the system header, the request's own skills (which open the skill
     block with ``order="request"``) behind the header, ``tools`` and the request's earlier
-    skills, and any other skill behind the header and ``tools``. The first ones are spliced
-    exactly where they were compiled, so their notes equal a recompute's; :meth:`prepare`
-    compiles them all once per model (a skill compiled during a turn counts as computed). With
-    ``order="appended"`` a skill loaded after turn 0 is compiled behind everything that opens
-    the system block (header, ``tools`` and turn 0's skills: all but the record), one variant
-    per opening; only the record and the later skills before it are then unseen by its notes.
-    ``order="loaded"`` splices the same variants right after the opening, before the record:
-    the first skill loaded after turn 0 is then exact, and a later one misses only the later
-    skills before it (the record, after them, is re-prefilled when a skill loads).
+    skills. Those are spliced exactly where they were compiled, so their notes equal a
+    recompute's; :meth:`prepare` compiles them all once per model (a skill compiled during a
+    turn counts as computed).
+
+    ``variants`` (with ``anchored``, the default) compiles every other skill behind the fixed
+    run that opens the prompt, one variant per opening: the header, ``tools`` and the
+    request's own skills with ``order="request"``, or turn 0's skills with ``"loaded"`` and
+    ``"appended"``. The first such skill then sits exactly where it was compiled (except in
+    ``"appended"``, where the record comes before it) and each later one misses only the other
+    skills before it (and the record, in ``"appended"``). The variants are the same for the
+    three layouts: on SmolLM2-135M 71 of them, about 3 minutes and 1.2 GB once per model.
+    ``variants=False`` compiles every other skill behind the header and ``tools`` only: a
+    faster first start, and about twice the splice error.
 
     ``guard=tau`` makes each decision know when it is not sure: when the margin between the two
     best options is below ``tau`` and some note is not exact, the notes from the first inexact
@@ -271,7 +275,8 @@ class KvnotesAgent(_Agent):
 
     def __init__(self, engine: Engine, skills: SkillBook, *, updates: str = "rewrite",
                  errata: bool = True, erratum_template: str = DEFAULT_ERRATUM,
-                 anchored: bool = True, guard: float | None = None, repair: float | int = 0,
+                 anchored: bool = True, variants: bool = True, guard: float | None = None,
+                 repair: float | int = 0,
                  select: str = "first", select_layer: int = 1, **options: Any) -> None:
         super().__init__(engine, skills, **options)
         if updates not in UPDATES:
@@ -279,6 +284,7 @@ class KvnotesAgent(_Agent):
         self.updates = updates if errata else "ignore"
         self.erratum_template = erratum_template
         self.after = self.prompt.head() if anchored else None  # what skills are compiled behind
+        self.variants = variants and anchored  # other skills behind the prompt's opening
         # skills that open every prompt (right after the header) are compiled behind the header;
         # every other skill behind the header and those (the fixed part of every prompt), so the
         # skill spliced right after them is exact and later ones saw the text before them
@@ -321,9 +327,9 @@ class KvnotesAgent(_Agent):
         """Part index -> the prefix its notes are compiled behind, where that is not the
         agent's default: the current request's skills in the run of spliced pieces that opens
         the prompt (header, fixed skills, then the request's own) map to exactly what precedes
-        them, so they splice exactly. In the ``loaded`` and ``appended`` layouts a skill loaded
-        after turn 0 maps to the opening (everything before the first such skill in ``loaded``,
-        before the record in ``appended``), so the first one is exact in ``loaded``.
+        them, so they splice exactly. With ``variants`` every other skill maps to the opening:
+        that lead run (``request`` layout), or turn 0's skills (``loaded``: everything before
+        the first skill loaded later; ``appended``: everything before the record).
         ``opening``: the skills loaded at turn 0 (default: this episode's)."""
         out: dict[int, list[int]] = {}
         if self.after is None:
@@ -337,34 +343,31 @@ class KvnotesAgent(_Agent):
             elif p.name != "bos":
                 break
             at += len(ids)
+        if not self.variants:
+            return out
         opening = self._opening if opening is None else opening
-        if self.order == "loaded" and opening:
-            behind = None
-            at = 0
-            for i, (ids, p) in enumerate(parts):
-                if p.kind == "skill" and p.text not in opening:
-                    behind = flat[:at] if behind is None else behind
-                    out[i] = behind  # one variant per opening, as prepare() compiles them
-                at += len(ids)
-        if self.order == "appended":
-            behind = None
-            at = 0
-            for i, (ids, p) in enumerate(parts):
-                if p.name == "record":
-                    behind = flat[:at]
-                elif p.kind == "skill" and behind is not None:
-                    out[i] = behind
-                at += len(ids)
+        behind: list[int] | None = flat[:at] if self.order == "request" else None
+        at = 0
+        for i, (ids, p) in enumerate(parts):
+            if self.order == "appended" and p.name == "record":
+                behind = flat[:at]
+            elif (self.order == "loaded" and behind is None and p.kind == "skill"
+                  and opening and p.text not in opening):
+                behind = flat[:at]
+            if p.kind == "skill" and behind is not None and i not in out \
+                    and p.text not in self.fixed:
+                out[i] = behind  # one variant per opening, as prepare() compiles them
+            at += len(ids)
         return out
 
     def prepare(self, requests: Sequence[Request] | None = None, *,
                 progress: Callable[[int, int, str, bool], None] | None = None) -> int:
         """Compile (or load) what this agent splices, so that no turn compiles: the header,
         every skill behind the default anchor, and each request kind's skills behind their
-        true prefix (``requests``: default one of each kind in :data:`REQUESTS`); in the
-        ``loaded`` and ``appended`` layouts also every other skill behind each of those
-        openings (on SmolLM2-135M: 71 more variants, the same for both layouts, about 3 minutes
-        and 1.2 GB once per model). ``progress(done, total, name, compiled)`` is called after
+        true prefix (``requests``: default one of each kind in :data:`REQUESTS`); with
+        ``variants`` also every other skill behind each of those openings (on SmolLM2-135M: 71
+        more entries, the same for the three layouts, about 3 minutes and 1.2 GB once per
+        model). ``progress(done, total, name, compiled)`` is called after
         each entry (``compiled``: it was not in the library yet). Returns how many entries
         were compiled."""
         todo: list[tuple[Piece, list[int] | None]] = [(Piece("header", "header", ""), None)]
@@ -373,10 +376,9 @@ class KvnotesAgent(_Agent):
                        else [spec[1] for spec in REQUESTS.values()]):
             loaded = list(dict.fromkeys([*self.fixed, *skills]))
             # every other skill may later follow this opening (and the record, when appended)
-            others = ([n for n in self.skills.names if n not in loaded]
-                      if self.order in ("loaded", "appended") else [])
+            others = [n for n in self.skills.names if n not in loaded] if self.variants else []
             pieces = (self.prompt.pieces(skills=loaded + others, record="", request=_PROBE,
-                                         turn=0) if self.order == "loaded" else
+                                         turn=0) if self.order in ("loaded", "request") else
                       self.prompt.pieces(skills=loaded, record="", request=_PROBE, turn=0,
                                          later=others if self.order == "appended" else None))
             parts = self._parts(pieces)
