@@ -564,3 +564,73 @@ def test_agent_bench_command_prints_the_arithmetic(engine, skill_root, tmp_path,
     assert "arithmetic: recompute / kvnotes " in result.output
     data = json.loads((tmp_path / "agent-bench.json").read_text())
     assert data["compute"]["flop_ratio"] > 1 and data["decisions"] == 2
+
+
+def test_carry_record_splices_the_last_turns_record_notes(engine, book):
+    """carry_record: when the skills before the record change, its last-turn notes are
+    re-rotated and spliced (same values, keys moved), only the request is fed, the prompt is
+    still the recompute agent's, and the notes from the record on are no longer called exact."""
+    state = scripted_episode(1).state
+    asks = [request(k, state) for k in ("cancel", "add_bag")]  # add_bag reorders the skills
+    carry, plain = KvnotesAgent(engine, book, carry_record=True), KvnotesAgent(engine, book)
+    ref = RecomputeAgent(engine, book)
+    for a in (carry, plain, ref):
+        a.start(state)
+    rows = []
+    for ask in asks:
+        old_nb = carry.notebook
+        rows.append([a.turn(ask) for a in (carry, plain, ref)])
+    assert rows[0][0].tokens_computed == rows[0][1].tokens_computed  # turn 0: nothing to carry
+    second = rows[1][0]
+    nb = carry.notebook
+    assert torch.equal(nb.token_ids, ref.notebook.token_ids)
+    assert torch.equal(nb.positions, ref.notebook.positions)
+    old, new = old_nb.span("record"), nb.span("record")
+    assert new.start != old.start  # the record moved: baggage now opens the skill block
+    query = nb.span("t1.request")
+    assert second.tokens_computed == query.end - query.start  # the request alone was fed
+    assert rows[1][1].tokens_computed == query.end - query.start + new.end - new.start
+    for l in range(nb.num_layers):  # spliced: the very values, keys re-rotated to the new place
+        assert torch.equal(nb.values(l)[..., new.start:new.end, :],
+                           old_nb.values(l)[..., old.start:old.end, :])
+    assert carry._exact <= new.start and _close_to_prefill(engine, nb, carry._exact)
+    moved = old_nb.slice(old.start, old.end).shifted(new.start - old.start)
+    assert all(torch.allclose(nb.keys(l)[..., new.start:new.end, :], moved.keys(l), atol=1e-5)
+               for l in range(nb.num_layers))
+    # a state change rewrites the record's tail: the shared head is carried, the rest fed
+    third = carry.turn(asks[0], [Event("checked_bags", "4")])
+    record = carry.notebook.span("record")
+    request_tokens = carry.notebook.span("t2.request")
+    fed = third.tokens_computed - (request_tokens.end - request_tokens.start)
+    assert 0 < fed < (record.end - record.start) // 2
+    ref.turn(asks[0], [Event("checked_bags", "4")])
+    assert torch.equal(carry.notebook.token_ids, ref.notebook.token_ids)
+
+
+def test_carry_record_with_the_guard_still_decides_as_recompute(engine, book):
+    episode = scripted_episode(0, 3)
+    agent = KvnotesAgent(engine, book, guard=1e9, carry_record=True)
+    results = run_episode(agent, episode.state, episode.turns)
+    reference = run_episode(RecomputeAgent(engine, book), episode.state, episode.turns)
+    assert any(r.decision.guard.fired for r in results[1:])
+    for r, x in zip(results, reference, strict=True):
+        assert r.decision.answer == x.decision.answer
+        for option, score in x.decision.scores.items():
+            assert r.decision.scores[option] == pytest.approx(score, abs=1e-3)
+    assert agent._exact == len(agent.notebook)
+    assert _close_to_prefill(engine, agent.notebook, len(agent.notebook))
+    with pytest.raises(KvnotesError, match="carry_record must be True or False"):
+        KvnotesAgent(engine, book, carry_record="record")
+
+
+def test_bench_records_its_settings_and_runs_a_held_out_range(engine, book, skill_root):
+    result = run_bench(engine, n_episodes=1, turns=2, first_episode=7, skill_root=skill_root,
+                       stale=False, carry_record=True, guard=0.5)
+    s = result["settings"]
+    assert s["episodes"] == ["ep007"] and s["carry_record"] is True and s["guard"] == 0.5
+    assert {r["episode"] for r in result["records"]} == {"ep007"}
+    assert "Episodes ep007; order request, history 0, variants True, guard 0.5, repair 0, " \
+           "carry_record True." in report_markdown(result)
+    assert [e.episode_id for e in scripted_episodes(2, 1, first=5)] == ["ep005", "ep006"]
+    with pytest.raises(KvnotesError, match="first must be an episode index"):
+        scripted_episodes(2, first=-1)

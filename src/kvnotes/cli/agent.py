@@ -42,6 +42,13 @@ def _variants_option() -> Any:
                              "splice error)")
 
 
+def _carry_option() -> Any:
+    return typer.Option(False, "--carry-record/--no-carry-record",
+                        help="splice the record's last-turn notes when the skills before it "
+                             "change, instead of prefilling it again (faster turns, inexact "
+                             "record notes: the guard recomputes from them on)")
+
+
 def _compiling(done: int, total: int, name: str, compiled: bool) -> None:
     if compiled:
         typer.echo(f"skills: compiled {name} ({done}/{total} ready)", err=True)
@@ -73,6 +80,10 @@ def agent_bench(
     repair: float = typer.Option(0.0, "--repair", min=0.0,
                                  help="recompute this many first tokens of each inexact splice "
                                       "(< 1: a fraction of the skill)"),
+    carry_record: bool = _carry_option(),
+    first: int = typer.Option(0, "--first", min=0,
+                              help="first scripted episode (a later range is a held-out set "
+                                   "to choose settings such as --guard on)"),
 ) -> None:
     """Decision identity and latency: the kvnotes agent against the recompute agent.
 
@@ -85,7 +96,8 @@ def agent_bench(
         folder_option(out, "--out")
         engine = _load(model, threads, device, dtype)
         result = run_bench(
-            engine, n_episodes=episodes, turns=turns, tool_calls=tool_calls, stale=stale,
+            engine, n_episodes=episodes, turns=turns, first_episode=first,
+            carry_record=carry_record, tool_calls=tool_calls, stale=stale,
             skill_root=skills_dir, guard=guard, anchored=anchored, variants=variants,
             history=None if history < 0 else history, order=order,
             repair=repair if 0 < repair < 1 else int(repair),
@@ -140,6 +152,7 @@ def agent_interactive(
     guard: float | None = _guard_option(),
     order: str = _order_option(),
     variants: bool = _variants_option(),
+    carry_record: bool = _carry_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
     from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
@@ -148,7 +161,7 @@ def agent_interactive(
         engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
         agent = KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard, order=order,
-                             variants=variants)
+                             variants=variants, carry_record=carry_record)
         agent.prepare(progress=_compiling)  # all it splices, ready before the first request
         agent.start(scripted_episode(episode, 1).state)
     except KvnotesError as err:

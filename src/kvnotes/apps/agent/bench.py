@@ -25,11 +25,11 @@ WARM_UP_EPISODE = 10_000  # an episode no run measures
 
 
 def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_episodes: int = 40,
-              turns: int = 5, tool_calls: bool = False, stale: bool = True,
+              turns: int = 5, first_episode: int = 0, tool_calls: bool = False, stale: bool = True,
               skill_root: str | Path | None = None, guard: float | None = None,
               anchored: bool = True, variants: bool = True, history: int | None = 0,
               order: str = "request",
-              repair: float | int = 0,
+              repair: float | int = 0, carry_record: bool = False,
               progress: Callable[[str], None] | None = None,
               on_episode: Callable[[dict[str, Any]], None] | None = None,
               on_skill: Callable[[int, int, str, bool], None] | None = None) -> dict[str, Any]:
@@ -39,17 +39,23 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
     CLI writes it out, so an interrupted run still leaves its figures). ``on_skill`` follows
     the skill library's preparation (:meth:`KvnotesAgent.prepare`'s ``progress``), which takes
     minutes the first time a layout with variants runs on a model. ``guard``,
-    ``anchored``, ``variants`` and ``repair`` configure the kvnotes agent (see :class:`KvnotesAgent`);
-    ``history`` and ``order`` the prompt of both agents (see :mod:`kvnotes.apps.agent.prompt`).
+    ``anchored``, ``variants``, ``repair`` and ``carry_record`` configure the kvnotes agent
+    (see :class:`KvnotesAgent`); ``history`` and ``order`` the prompt of both agents (see
+    :mod:`kvnotes.apps.agent.prompt`). ``first_episode``: run the scripted episodes from this
+    one on (a held-out range to choose settings on). The result's ``settings`` records them.
     """
-    episodes = list(episodes) if episodes is not None else scripted_episodes(n_episodes, turns)
+    episodes = (list(episodes) if episodes is not None
+                else scripted_episodes(n_episodes, turns, first=first_episode))
+    settings = {"order": order, "history": history, "anchored": anchored, "variants": variants,
+                "guard": guard, "repair": repair, "carry_record": carry_record,
+                "episodes": [ep.episode_id for ep in episodes]}
     machine_before = machine_info()  # latency ratios mean little without the load beside them
     book = SkillBook(engine, skill_root)
     misses0 = book.library.misses
     layout = {"history": history, "order": order}
     agents = {"kvnotes": KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard,
                                       anchored=anchored, variants=variants, repair=repair,
-                                      **layout),
+                                      carry_record=carry_record, **layout),
               "recompute": RecomputeAgent(engine, book, tool_calls=tool_calls, **layout)}
     if stale:
         agents["stale"] = KvnotesAgent(engine, book, updates="ignore", tool_calls=False,
@@ -89,10 +95,12 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
             progress(f"[{i + 1}/{len(episodes)}] {ep.episode_id}: identical {same}/{len(ep.turns)}"
                      f"  kvnotes {k:.2f}s  recompute {c:.2f}s  ({c / k:.1f}x)")
         if on_episode:
-            on_episode(summarize(engine, records, book=book, prepare_s=prepare_s,
-                                 compiled=book.library.misses - misses0, tool_calls=tool_calls))
-    result = summarize(engine, records, book=book, prepare_s=prepare_s,
-                       compiled=book.library.misses - misses0, tool_calls=tool_calls)
+            on_episode({"settings": settings, **summarize(
+                engine, records, book=book, prepare_s=prepare_s,
+                compiled=book.library.misses - misses0, tool_calls=tool_calls)})
+    result = {"settings": settings, **summarize(
+        engine, records, book=book, prepare_s=prepare_s,
+        compiled=book.library.misses - misses0, tool_calls=tool_calls)}
     result["machine"] = {"before": machine_before, "after": machine_info(since=machine_before)}
     return result
 
@@ -109,6 +117,16 @@ def _machine_line(machine: dict[str, Any] | None) -> str:
              f"(steal {100 * use['steal_share']:.1f}%)" if use else "")
     return (f" {b['torch_threads']} torch threads; load average {b['load_average'][0]} before, "
             f"{a['load_average'][0]} after{other}{busy}.")
+
+
+def _settings_line(settings: dict[str, Any] | None) -> str:
+    if not settings:
+        return ""
+    eps = settings["episodes"]
+    shown = f"{eps[0]}..{eps[-1]}" if len(eps) > 1 else (eps[0] if eps else "none")
+    agent = ", ".join(f"{k} {settings[k]}" for k in ("order", "history", "variants", "guard",
+                                                      "repair", "carry_record"))
+    return f" Episodes {shown}; {agent}."
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -331,7 +349,7 @@ def report_markdown(result: dict[str, Any]) -> str:
         f"# agent-bench: {result['model']}", "",
         f"{result['episodes']} scripted episodes x {result['turns_per_episode']} turns = "
         f"{result['decisions']} decisions (tool calls: {'on' if result['tool_calls'] else 'off'})."
-        + _machine_line(result.get("machine")),
+        + _machine_line(result.get("machine")) + _settings_line(result.get("settings")),
         "", "## Summary", "",
         "| figure | value |", "| --- | --- |",
         f"| decision identity with recompute | {result['identity']:.1%} "

@@ -166,9 +166,12 @@ def scripted_episode(index: int, turns: int = 5) -> Episode:
     return Episode(f"ep{index:03d}", start, tuple(out))
 
 
-def scripted_episodes(n: int = 40, turns: int = 5) -> list[Episode]:
-    """The benchmark's episodes: ``n`` scripted episodes of ``turns`` turns each."""
-    return [scripted_episode(i, turns) for i in range(n)]
+def scripted_episodes(n: int = 40, turns: int = 5, *, first: int = 0) -> list[Episode]:
+    """The benchmark's episodes: ``n`` scripted episodes of ``turns`` turns each, from episode
+    ``first`` on (the benchmark's are 0..n-1; a later range is a held-out set for tuning)."""
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise KvnotesError(f"first must be an episode index >= 0, got {first!r}")
+    return [scripted_episode(i, turns) for i in range(first, first + n)]
 
 
 # keyword -> request kind, first match wins (for requests typed by a person)

@@ -89,6 +89,7 @@ def choose(engine: Engine, nb: Notebook, logits: torch.Tensor, options: Sequence
 UPDATES = ("rewrite", "errata", "ignore")
 FIXED_SKILLS = ("tools",)  # loaded first in every episode, right after the header
 ORDERS = ("request", "loaded", "appended")
+MIN_CARRY = 8  # a shorter shared run of the record is fed again (a splice has a fixed cost)
 _PROBE = Request("x", (), ("a", "b"))
 
 
@@ -257,6 +258,13 @@ class KvnotesAgent(_Agent):
     the exact notes; ``decision.guard`` says whether it fired and what it cost (in the turn's
     latency and tokens).
 
+    ``carry_record`` composes the conversation's own state too: when the skills before the
+    record change (a request of another kind reorders them, a new skill is loaded), the record
+    is not prefilled again but its last-turn notes are re-rotated and spliced (the leading ids
+    it still shares; a rewritten tail is prefilled after them). A turn then feeds little more
+    than its request (about 45 tokens instead of 140 on SmolLM2), at the price of a record
+    whose notes saw the last turn's skills: not exact, so the guard recomputes from it on.
+
     ``updates``: ``"rewrite"`` (the default) writes the current record; ``"errata"`` keeps the
     first record and appends a correction per state change (``erratum_template`` names a wording
     of :data:`kvnotes.ops.edit.ERRATUM_TEMPLATES`), an ablation whose prompt differs from the
@@ -277,8 +285,12 @@ class KvnotesAgent(_Agent):
                  errata: bool = True, erratum_template: str = DEFAULT_ERRATUM,
                  anchored: bool = True, variants: bool = True, guard: float | None = None,
                  repair: float | int = 0,
-                 select: str = "first", select_layer: int = 1, **options: Any) -> None:
+                 select: str = "first", select_layer: int = 1,
+                 carry_record: bool = False, **options: Any) -> None:
         super().__init__(engine, skills, **options)
+        if not isinstance(carry_record, bool):
+            raise KvnotesError(f"carry_record must be True or False, got {carry_record!r}")
+        self.carry_record = carry_record
         if updates not in UPDATES:
             raise UnknownNameError("state update mode", updates, UPDATES)
         self.updates = updates if errata else "ignore"
@@ -402,6 +414,19 @@ class KvnotesAgent(_Agent):
         parts = [([self.engine.bos_id], Piece("text", "bos", ""))] if self.engine.adds_bos else []
         return parts + [(self._ids(p), p) for p in pieces]
 
+    def _carried(self, old: Notebook | None, piece: Piece, ids: list[int]) -> Notebook | None:
+        """With ``carry_record``, the last turn's notes of the record for the leading ids it
+        still shares with this turn's (``ids``), when at least :data:`MIN_CARRY` are shared;
+        else None (the piece is prefilled). They were written behind the last turn's skills,
+        so once spliced behind other ones they are not exact."""
+        if old is None or not self.carry_record or piece.name != "record":
+            return None
+        span = next((s for s in old.spans if s.name == piece.name), None)
+        if span is None:
+            return None
+        common = _common_prefix(old.token_ids[span.start:span.end].tolist(), ids)
+        return old.slice(span.start, span.start + common) if common >= MIN_CARRY else None
+
     def _build(self, pieces: list[Piece], request: Request
                ) -> tuple[Notebook, torch.Tensor, dict[str, int]]:
         """The notebook of ``pieces``: the old one's valid prefix, then splices and prefills.
@@ -423,10 +448,14 @@ class KvnotesAgent(_Agent):
                               else "skill" if p.kind == "header" else "text",
                               at, at + len(ids)))
             at += len(ids)
-        nb = old.slice(0, cut) if old is not None and cut else engine.empty(0)
+        # one store sized for the whole prompt: the kept notes are copied once (the old
+        # notebook is never written), and every splice and feed after them writes in place
+        nb = engine.empty(0, capacity=len(flat) + 64)
+        if old is not None and cut:
+            nb = Notebook.concat([nb, old.slice(0, cut)])
         exact = min(self._exact, cut)
         counts = {"kept": cut, "fed": 0, "spliced": 0, "repaired": 0, "selected": 0,
-                  "compiled": 0}
+                  "compiled": 0, "carried": 0}
         pending: list[int] = []
         logits: torch.Tensor | None = None
 
@@ -446,7 +475,15 @@ class KvnotesAgent(_Agent):
             if at <= cut:
                 continue
             if not p.spliced:
-                pending += ids[max(0, cut - start):]
+                carried = self._carried(old, p, ids) if start >= cut else None
+                if carried is None:
+                    pending += ids[max(0, cut - start):]
+                    continue
+                flush()  # the piece's old notes (its leading ids) spliced, the rest fed
+                nb = nb.splice(carried)
+                counts["carried"] += len(carried)
+                pending += ids[len(carried):]
+                logits = None
                 continue
             flush()
             misses = self.skills.library.misses
