@@ -495,7 +495,8 @@ def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path
     each is compiled behind that opening (the same variants as the appended layout), so the
     first one splices exactly and only a second one misses the first."""
     book = SkillBook(engine, tmp_path)
-    agent = KvnotesAgent(engine, book, order="loaded")
+    # the record prefilled again behind the new skill, so every note can be exact
+    agent = KvnotesAgent(engine, book, order="loaded", carry_record=False)
     agent.prepare()
     misses = book.library.misses
     ref = RecomputeAgent(engine, book, order="loaded")
@@ -572,7 +573,8 @@ def test_carry_record_splices_the_last_turns_record_notes(engine, book):
     still the recompute agent's, and the notes from the record on are no longer called exact."""
     state = scripted_episode(1).state
     asks = [request(k, state) for k in ("cancel", "add_bag")]  # add_bag reorders the skills
-    carry, plain = KvnotesAgent(engine, book, carry_record=True), KvnotesAgent(engine, book)
+    carry = KvnotesAgent(engine, book)  # carry_record is the default
+    plain = KvnotesAgent(engine, book, carry_record=False)
     ref = RecomputeAgent(engine, book)
     for a in (carry, plain, ref):
         a.start(state)
@@ -589,6 +591,7 @@ def test_carry_record_splices_the_last_turns_record_notes(engine, book):
     assert new.start != old.start  # the record moved: baggage now opens the skill block
     query = nb.span("t1.request")
     assert second.tokens_computed == query.end - query.start  # the request alone was fed
+    assert second.tokens_reused == second.notebook_len - second.tokens_computed  # carried too
     assert rows[1][1].tokens_computed == query.end - query.start + new.end - new.start
     for l in range(nb.num_layers):  # spliced: the very values, keys re-rotated to the new place
         assert torch.equal(nb.values(l)[..., new.start:new.end, :],

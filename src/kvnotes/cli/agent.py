@@ -43,7 +43,7 @@ def _variants_option() -> Any:
 
 
 def _carry_option() -> Any:
-    return typer.Option(False, "--carry-record/--no-carry-record",
+    return typer.Option(True, "--carry-record/--no-carry-record",
                         help="splice the record's last-turn notes when the skills before it "
                              "change, instead of prefilling it again (faster turns, inexact "
                              "record notes: the guard recomputes from them on)")

@@ -29,7 +29,7 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
               skill_root: str | Path | None = None, guard: float | None = None,
               anchored: bool = True, variants: bool = True, history: int | None = 0,
               order: str = "request",
-              repair: float | int = 0, carry_record: bool = False,
+              repair: float | int = 0, carry_record: bool = True,
               progress: Callable[[str], None] | None = None,
               on_episode: Callable[[dict[str, Any]], None] | None = None,
               on_skill: Callable[[int, int, str, bool], None] | None = None) -> dict[str, Any]:
@@ -258,7 +258,7 @@ def margin_error_stats(records: list[dict[str, Any]]) -> dict[str, float]:
             "max": errors[-1], "under_0.001": sum(e < 1e-3 for e in errors)}
 
 
-SWEEP_TAUS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.1, 0.0)
+SWEEP_TAUS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
 
 
 def guard_sweep(records: list[dict[str, Any]], taus: Sequence[float] = SWEEP_TAUS

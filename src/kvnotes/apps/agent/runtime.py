@@ -258,12 +258,13 @@ class KvnotesAgent(_Agent):
     the exact notes; ``decision.guard`` says whether it fired and what it cost (in the turn's
     latency and tokens).
 
-    ``carry_record`` composes the conversation's own state too: when the skills before the
-    record change (a request of another kind reorders them, a new skill is loaded), the record
-    is not prefilled again but its last-turn notes are re-rotated and spliced (the leading ids
-    it still shares; a rewritten tail is prefilled after them). A turn then feeds little more
+    ``carry_record`` (the default) composes the conversation's own state too: when the skills
+    before the record change (a request of another kind reorders them, a new skill is loaded),
+    the record is not prefilled again but its last-turn notes are re-rotated and spliced (the
+    leading ids it still shares; a rewritten tail is prefilled after them). A turn then feeds little more
     than its request (about 45 tokens instead of 140 on SmolLM2), at the price of a record
     whose notes saw the last turn's skills: not exact, so the guard recomputes from it on.
+    ``carry_record=False`` prefills the record again whenever it moves.
 
     ``updates``: ``"rewrite"`` (the default) writes the current record; ``"errata"`` keeps the
     first record and appends a correction per state change (``erratum_template`` names a wording
@@ -286,7 +287,7 @@ class KvnotesAgent(_Agent):
                  anchored: bool = True, variants: bool = True, guard: float | None = None,
                  repair: float | int = 0,
                  select: str = "first", select_layer: int = 1,
-                 carry_record: bool = False, **options: Any) -> None:
+                 carry_record: bool = True, **options: Any) -> None:
         super().__init__(engine, skills, **options)
         if not isinstance(carry_record, bool):
             raise KvnotesError(f"carry_record must be True or False, got {carry_record!r}")
@@ -537,8 +538,8 @@ class KvnotesAgent(_Agent):
                             counts["fed"] + counts["repaired"] + counts["selected"]
                             + counts["compiled"] + tool_tokens
                             + redone,
-                            counts["kept"] + spliced, len(nb), self.engine.work.since(work)[2],
-                            guard_flops)
+                            counts["kept"] + spliced + counts["carried"], len(nb),
+                            self.engine.work.since(work)[2], guard_flops)
 
 
 class RecomputeAgent(_Agent):
