@@ -261,9 +261,10 @@ class KvnotesAgent(_Agent):
     ``carry_record`` (the default) composes the conversation's own state too: when the skills
     before the record change (a request of another kind reorders them, a new skill is loaded),
     the record is not prefilled again but its last-turn notes are re-rotated and spliced (the
-    leading ids it still shares; a rewritten tail is prefilled after them). A turn then feeds little more
-    than its request (about 45 tokens instead of 140 on SmolLM2), at the price of a record
-    whose notes saw the last turn's skills: not exact, so the guard recomputes from it on.
+    leading ids it still shares; a rewritten tail is prefilled after them). A turn then feeds
+    little more than its request (about 60 tokens instead of 140 on SmolLM2), at the price of
+    a record whose notes saw the last turn's skills: not exact, so the guard recomputes from
+    it on.
     ``carry_record=False`` prefills the record again whenever it moves.
 
     ``updates``: ``"rewrite"`` (the default) writes the current record; ``"errata"`` keeps the
