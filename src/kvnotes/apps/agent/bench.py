@@ -72,6 +72,12 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
         agent.start(warm.state)
         agent.turn(warm.turns[0].request, warm.turns[0].events)
     records: list[dict[str, Any]] = []
+
+    def summary() -> dict[str, Any]:  # the figures of the episodes done so far
+        return {"settings": settings, **summarize(
+            engine, records, book=book, prepare_s=prepare_s,
+            compiled=book.library.misses - misses0, tool_calls=tool_calls)}
+
     for i, ep in enumerate(episodes):
         for agent in agents.values():
             agent.start(ep.state)
@@ -95,12 +101,8 @@ def run_bench(engine: Engine, episodes: Sequence[Episode] | None = None, *, n_ep
             progress(f"[{i + 1}/{len(episodes)}] {ep.episode_id}: identical {same}/{len(ep.turns)}"
                      f"  kvnotes {k:.2f}s  recompute {c:.2f}s  ({c / k:.1f}x)")
         if on_episode:
-            on_episode({"settings": settings, **summarize(
-                engine, records, book=book, prepare_s=prepare_s,
-                compiled=book.library.misses - misses0, tool_calls=tool_calls)})
-    result = {"settings": settings, **summarize(
-        engine, records, book=book, prepare_s=prepare_s,
-        compiled=book.library.misses - misses0, tool_calls=tool_calls)}
+            on_episode(summary())
+    result = summary()
     result["machine"] = {"before": machine_before, "after": machine_info(since=machine_before)}
     return result
 

@@ -423,9 +423,7 @@ class KvnotesAgent(_Agent):
         so once spliced behind other ones they are not exact."""
         if old is None or not self.carry_record or piece.name != "record":
             return None
-        span = next((s for s in old.spans if s.name == piece.name), None)
-        if span is None:
-            return None
+        span = old.span("record")  # every notebook _build makes has one
         common = _common_prefix(old.token_ids[span.start:span.end].tolist(), ids)
         return old.slice(span.start, span.start + common) if common >= MIN_CARRY else None
 
