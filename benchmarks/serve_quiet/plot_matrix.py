@@ -4,7 +4,7 @@ measured in several runs; see docs/serving.md). Writes docs/results/serve-bench/
 import json
 from pathlib import Path
 
-from kvnotes.apps.serving.bench_report import plot_ttft_cdf
+from kvnotes.bench.serving.report import plot_ttft_cdf
 
 ROOT = Path("docs/results/serve-bench")
 RUNS = ["matrix-b32-c1", "matrix-b32-c4-1k4k", "matrix-b32-c4-8k", "matrix-b32-c16-1k4k",

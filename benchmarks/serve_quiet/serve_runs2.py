@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvnotes.apps.serving.bench import BenchConfig, run_benchmark
-from kvnotes.apps.serving.bench_report import markdown_table, write_outputs
-from kvnotes.apps.serving.client import Client
-from kvnotes.apps.serving.export import export_hf_dir
-from kvnotes.apps.serving.launch import cpu_dtype
-from kvnotes.apps.serving.server import VLLMServer
+from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
+from kvnotes.bench.serving.report import markdown_table, write_outputs
+from kvnotes.serving.client import Client
+from kvnotes.serving.export import export_hf_dir
+from kvnotes.serving.launch import cpu_dtype
+from kvnotes.serving.server import VLLMServer
 
 OUT = Path("out/serve-bench")
 HOW = ("benchmarks/serve_quiet/serve_runs2.py: rows run in sequence on a quiet machine; erratum policy only "

@@ -34,8 +34,8 @@ CORE_RANKS = {
     "kvnotes.core.models": 5,
     "kvnotes.core.tiny": 5,
 }
-LAYER_RANKS = {"kvnotes.core": 10, "kvnotes.ops": 20, "kvnotes.eval": 30, "kvnotes.apps": 40,
-               "kvnotes.cli": 50}
+LAYER_RANKS = {"kvnotes.core": 10, "kvnotes.ops": 20, "kvnotes.eval": 30, "kvnotes.serving": 35,
+               "kvnotes.apps": 40, "kvnotes.bench": 42, "kvnotes.cli": 50}
 FACADE = "kvnotes"  # the package root re-exports the public API: above apps, below cli
 
 
@@ -48,7 +48,7 @@ def module_name(path: Path) -> str:
 
 def rank(module: str) -> int:
     if module == FACADE:
-        return 45
+        return 46
     for prefix in sorted(CORE_RANKS, key=len, reverse=True):
         if module == prefix or module.startswith(prefix + "."):
             return CORE_RANKS[prefix]

@@ -4,11 +4,12 @@ Each capability registers its commands from its own module (imported below), so 
 next to nothing but the API they call.
 """
 
-import kvnotes.cli.serve  # noqa: F401  (registers serve-bench)
 from kvnotes.cli import agent as _agent  # noqa: F401  (registers agent-bench, agent)
 from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
 from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
 from kvnotes.cli import repro as _repro  # noqa: F401  (registers repro)
+from kvnotes.cli import serve as _serve  # noqa: F401  (registers serve, skills)
+from kvnotes.cli import serve_bench as _serve_bench  # noqa: F401  (registers serve-bench)
 from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli.app import app
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from kvnotes.apps.serving.client import Client
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.client import Client
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[4]

@@ -3,7 +3,7 @@
 :func:`compose_server` is what ``kvnotes serve`` and the skills benchmark use: it checks the
 model can be spliced exactly (before anything starts), writes the serving manifest, exports a
 vLLM-ready copy of the model, and returns a :class:`VLLMServer` whose command line loads
-:class:`~kvnotes.apps.serving.connector.KvnotesConnector` with prefix caching on.
+:class:`~kvnotes.serving.connector.KvnotesConnector` with prefix caching on.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.serving.connector_path import SOURCE_ROOT
-from kvnotes.apps.serving.export import export_hf_dir
-from kvnotes.apps.serving.server import VLLMServer
-from kvnotes.apps.serving.skills import ServingSkills
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import cpu_flags
+from kvnotes.serving.connector_path import SOURCE_ROOT
+from kvnotes.serving.export import export_hf_dir
+from kvnotes.serving.server import VLLMServer
+from kvnotes.serving.skills import ServingSkills
 
 CONNECTOR_CLASS = "KvnotesConnector"
-CONNECTOR_MODULE = "kvnotes.apps.serving.connector"
+CONNECTOR_MODULE = "kvnotes.serving.connector"
 
 
 def cpu_dtype() -> str:

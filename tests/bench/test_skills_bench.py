@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.apps.serving.compose_bench import (
+from kvnotes.bench.serving.skills import (
     PhaseSummary,
     SkillsBenchConfig,
     make_requests,
@@ -13,8 +13,8 @@ from kvnotes.apps.serving.compose_bench import (
     ratios,
     skill_texts,
 )
-from kvnotes.apps.serving.compose_client import ComposeResult, prompt_ids
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.serving.compose_client import ComposeResult, prompt_ids
 
 
 def test_requests_pick_k_distinct_skills_in_random_order():

@@ -3,12 +3,12 @@
 Loaded by vLLM out of tree (``kvnotes serve`` passes these flags)::
 
     --kv-transfer-config '{"kv_connector": "KvnotesConnector",
-                           "kv_connector_module_path": "kvnotes.apps.serving.connector",
+                           "kv_connector_module_path": "kvnotes.serving.connector",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"skills": "ROOT/<fingerprint>"}}'
 
 Scheduler side: for a request whose ``cache_salt`` starts with ``kvnotes-splice``, match the
-prompt from token 0 against the registered pieces (:func:`~kvnotes.apps.serving.splice.leading_run`)
+prompt from token 0 against the registered pieces (:func:`~kvnotes.serving.splice.leading_run`)
 and report the part of that run beyond vLLM's local prefix hit as external tokens (vLLM takes
 one contiguous external run per request, right after its local hit, and leaves at least one
 token to compute). Worker side: before the forward, write each placed piece's keys (re-rotated
@@ -33,8 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvnotes.apps.serving.piece_store import PieceStore, is_splice_salt
-from kvnotes.apps.serving.splice import (
+from kvnotes.serving.piece_store import PieceStore, is_splice_salt
+from kvnotes.serving.splice import (
     Placement,
     assemble_layer,
     external_tokens,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.serving.workload import ERRATA_FORMS
+from kvnotes.bench.serving.workload import ERRATA_FORMS
 from kvnotes.eval.reports import write_bundle
 
 

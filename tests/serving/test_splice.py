@@ -12,9 +12,11 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.apps.serving.piece_store import PieceStore, is_splice_salt
-from kvnotes.apps.serving.skills import ServingManifest, ServingSkills, check_servable, read_entry
-from kvnotes.apps.serving.splice import (
+from kvnotes.core.errors import UnsupportedModelError
+from kvnotes.core.tiny import ByteTokenizer, tiny_model
+from kvnotes.serving.piece_store import PieceStore, is_splice_salt
+from kvnotes.serving.skills import ServingManifest, ServingSkills, check_servable, read_entry
+from kvnotes.serving.splice import (
     KEY_TOKENS,
     PieceIndex,
     PieceInfo,
@@ -24,8 +26,6 @@ from kvnotes.apps.serving.splice import (
     leading_run,
     slot_mapping,
 )
-from kvnotes.core.errors import UnsupportedModelError
-from kvnotes.core.tiny import ByteTokenizer, tiny_model
 
 
 def piece(key: str, ids, origin: int = 0) -> PieceInfo:

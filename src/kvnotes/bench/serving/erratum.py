@@ -22,9 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvnotes.apps.serving.bench_report import _fmt, _pct, markdown_table, ratios, write_outputs
-from kvnotes.apps.serving.client import Client, StreamResult, stream_chat
-from kvnotes.apps.serving.metrics import (
+from kvnotes.bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
     agreement,
@@ -33,7 +31,8 @@ from kvnotes.apps.serving.metrics import (
     percentile,
     ttft_breakdown,
 )
-from kvnotes.apps.serving.workload import (
+from kvnotes.bench.serving.report import _fmt, _pct, markdown_table, ratios, write_outputs
+from kvnotes.bench.serving.workload import (
     DEFAULT_ERRATA,
     ERRATA_FORMS,
     POLICIES,
@@ -44,6 +43,7 @@ from kvnotes.apps.serving.workload import (
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.ops.decisions import parse_answer
+from kvnotes.serving.client import Client, StreamResult, stream_chat
 
 __all__ = ["BenchConfig", "PhaseSummary", "RequestRecord", "machine_state", "markdown_table", "ratios",
            "matrix_config", "run_benchmark", "validate_block_size", "write_outputs"]

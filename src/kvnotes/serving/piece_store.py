@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from kvnotes.apps.serving.skills import ServingManifest, read_entry
-from kvnotes.apps.serving.splice import PieceIndex
 from kvnotes.core.errors import KvnotesError, NotebookFileError
+from kvnotes.serving.skills import ServingManifest, read_entry
+from kvnotes.serving.splice import PieceIndex
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 
@@ -37,7 +37,7 @@ class PieceStore:
     """Index + tensor cache over one model's skill-library folder.
 
     Args:
-        folder: ``ROOT/<fingerprint id>`` (see :mod:`kvnotes.apps.serving.skills`).
+        folder: ``ROOT/<fingerprint id>`` (see :mod:`kvnotes.serving.skills`).
         max_bytes: bound on the tensors kept in memory (least recently used leave first).
         rescan_s: how often, at most, the folder's modification time is checked.
         keep_tensors: keep the tensors read while indexing (the worker loads them; the

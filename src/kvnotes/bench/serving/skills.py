@@ -27,11 +27,11 @@ from typing import Any
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_names, skill_text
-from kvnotes.apps.serving.compose_client import ComposeClient, ComposeResult, cold_salt
-from kvnotes.apps.serving.metrics import percentile
+from kvnotes.bench.serving.metrics import percentile
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
+from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
 
 SKILL_POLICIES = ("cold", "prefix", "compose")
 

@@ -17,11 +17,12 @@ import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
-from kvnotes.apps.serving import BenchConfig, Client, run_benchmark
-from kvnotes.apps.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.apps.serving.launch import compose_server
-from kvnotes.apps.serving.server import find_vllm_python
+from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.client import Client
+from kvnotes.serving.compose_client import ComposeClient, cold_salt
+from kvnotes.serving.launch import compose_server
+from kvnotes.serving.server import find_vllm_python
 
 pytestmark = pytest.mark.vllm
 

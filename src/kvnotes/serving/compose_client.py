@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.apps.serving.client import check_loopback_url
-from kvnotes.apps.serving.piece_store import SPLICE_SALT_PREFIX
 from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.client import check_loopback_url
+from kvnotes.serving.piece_store import SPLICE_SALT_PREFIX
 
 SPLICE_SALT = SPLICE_SALT_PREFIX  # one salt for all spliced requests: repeats share the cache
 

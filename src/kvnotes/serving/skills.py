@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvnotes.apps.serving.splice import PieceInfo
 from kvnotes.core import files
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import NotebookFileError, UnsupportedModelError
@@ -36,6 +35,7 @@ from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import FILE_FORMAT, FILE_VERSION
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
+from kvnotes.serving.splice import PieceInfo
 
 MANIFEST_NAME = "serving.json"
 MANIFEST_FORMAT = "kvnotes.serving-manifest"

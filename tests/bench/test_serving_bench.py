@@ -12,34 +12,31 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.apps.serving import (
-    BenchConfig,
-    Client,
+from kvnotes.bench.serving.erratum import BenchConfig, matrix_config, run_benchmark, validate_block_size
+from kvnotes.bench.serving.metrics import (
+    HISTOGRAMS,
     PrefixCacheCounters,
-    ServingError,
-    VLLMServer,
-    check_loopback_url,
-    find_vllm_python,
-    make_session,
-    make_sessions,
+    agreement,
+    info_labels,
     parse_prometheus,
     percentile,
-    run_benchmark,
-    write_outputs,
+    ttft_breakdown,
 )
-from kvnotes.apps.serving.bench import matrix_config, validate_block_size
-from kvnotes.apps.serving.bench_report import report_markdown
-from kvnotes.apps.serving.metrics import HISTOGRAMS, agreement, info_labels, ttft_breakdown
-from kvnotes.apps.serving.workload import (
+from kvnotes.bench.serving.report import report_markdown, write_outputs
+from kvnotes.bench.serving.workload import (
     ANSWERS,
     MAX_EDITS,
     REASK,
     REFUND_STATUSES,
+    make_session,
+    make_sessions,
     whitespace_tokens,
 )
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
+from kvnotes.serving.client import Client, check_loopback_url
+from kvnotes.serving.server import VLLMServer, find_vllm_python
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -171,7 +168,7 @@ def test_parse_prometheus_sums_label_sets():
 
 
 def test_metrics_parsed_by_prometheus_client(monkeypatch):
-    import kvnotes.apps.serving.metrics as metrics_mod
+    import kvnotes.bench.serving.metrics as metrics_mod
 
     assert not hasattr(metrics_mod, "_SAMPLE")  # the hand-written parser is gone
     calls = []
@@ -291,7 +288,7 @@ def test_context_longer_than_the_server_allows(fake_server):
 
 
 def test_context_limit_checked_on_the_measured_prompts(fake_server, monkeypatch):
-    import kvnotes.apps.serving.bench as bench
+    import kvnotes.bench.serving.erratum as bench
 
     url, state = fake_server
     monkeypatch.setattr(bench.secrets, "token_hex", lambda n: "abcdef")  # same sessions
@@ -543,8 +540,8 @@ def test_async_concurrency_is_honoured(fake_server, conc):
 def test_bench_uses_async_openai_not_threads():
     import inspect
 
-    import kvnotes.apps.serving.bench as bench
-    import kvnotes.apps.serving.client as client
+    import kvnotes.bench.serving.erratum as bench
+    import kvnotes.serving.client as client
 
     src = inspect.getsource(bench) + inspect.getsource(client)
     for gone in ("threading", "http.client", "queue.Queue"):
@@ -627,7 +624,8 @@ def test_block_size_recorded_from_server_metrics(tmp_path):
 def test_launch_passes_and_records_block_size(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import kvnotes.apps.serving as serving
+    import kvnotes.serving.export as export_mod
+    import kvnotes.serving.server as server_mod
     from kvnotes.cli import app
 
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
@@ -639,8 +637,8 @@ def test_launch_passes_and_records_block_size(tmp_path, monkeypatch):
                           module="_fake_vllm", env={"PYTHONPATH": str(TESTS)},
                           log_path=kw["log_path"], startup_timeout=60, extra_args=extra_args)
 
-    monkeypatch.setattr(serving, "VLLMServer", fake_server)
-    monkeypatch.setattr(serving, "export_hf_dir", lambda model, dtype: tmp_path)
+    monkeypatch.setattr(server_mod, "VLLMServer", fake_server)
+    monkeypatch.setattr(export_mod, "export_hf_dir", lambda model, dtype: tmp_path)
     out = tmp_path / "out"
     res = CliRunner().invoke(app, ["serve-bench", "--launch", "--block-size", "64",
                                    "--dtype", "float32", "--context-tokens", "200", "--sessions",
@@ -786,7 +784,7 @@ def test_ctrl_c_or_sigterm_stops_the_launched_server(tmp_path, sig):
     script.write_text(textwrap.dedent(f"""\
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from kvnotes.apps.serving import VLLMServer
+        from kvnotes.serving.server import VLLMServer
         server = VLLMServer({str(tmp_path)!r}, served_name="fake-m", python=sys.executable,
                             module="_fake_vllm", env={{"PYTHONPATH": {str(TESTS)!r}}},
                             log_path={str(tmp_path / "server.log")!r}, startup_timeout=60)

@@ -1,0 +1,1 @@
+"""Measurement: benchmarks of kvnotes' products (serving workloads), apart from the products."""
