@@ -10,6 +10,7 @@ from conftest import make_tiny_engine
 
 import kvnotes
 from kvnotes import Document, Field
+from kvnotes.core.engine import REPAIR_SELECTORS, repair_selector, selectors_for
 from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
 
 POLICY = "Refunds are issued within five days. Final-sale items cannot be returned."
@@ -230,8 +231,23 @@ def test_compose_bad_repair_budgets_raise(tiny_llama, bad, error, message):
 
 
 def test_compose_unknown_selector_lists_the_valid_ones(tiny_llama):
-    with pytest.raises(UnknownNameError, match="first, kv_deviation"):
+    with pytest.raises(UnknownNameError) as err:
         tiny_llama.compose(["Q. "], repair=0.5, select="random")
+    assert str(err.value) == ("unknown repair selector 'random'; valid repair selectors: first, "
+                              "kv_deviation (attention applies to edit only)")
+    with pytest.raises(UnknownNameError, match=r"'attention'; .*\(attention applies to edit only\)"):
+        tiny_llama.compose(["Q. "], repair=0.5, select="attention")
+
+
+def test_one_repair_selector_vocabulary():
+    assert list(REPAIR_SELECTORS) == ["first", "attention", "kv_deviation"]
+    assert selectors_for("compose") == ("first", "kv_deviation")
+    assert selectors_for("edit") == ("attention", "kv_deviation")
+    assert repair_selector("attention", "edit") == "attention"
+    with pytest.raises(UnknownNameError, match=r"attention applies to edit only; in 'x:attention'"):
+        repair_selector("attention", "compose", "in 'x:attention'")
+    with pytest.raises(UnknownNameError, match="unknown repair operation 'trace'"):
+        selectors_for("trace")
 
 
 def test_recompute_every_index_equals_prefill_and_leaves_input(tiny):
@@ -261,3 +277,9 @@ def test_repair_choice_picks_spliced_notes_and_refuses_bad_arguments(tiny):
         tiny.repair_choice(nb, at, 1, select="nope")
     with pytest.raises(InvalidArgumentError, match=r"got at=.*, k=5"):
         tiny.repair_choice(nb, at, 5)
+
+
+def test_engine_has_no_edit_method():
+    # editing is kvnotes.edit(engine, nb, ...) in the ops layer; the engine knows nothing of it
+    assert not hasattr(kvnotes.Engine, "edit")
+    assert kvnotes.edit.__module__ == "kvnotes.ops.edit"

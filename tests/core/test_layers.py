@@ -1,14 +1,20 @@
-"""The package's import graph: one direction of dependency, no cycles.
+"""The package's import graph: one direction of dependency, no cycles, a light connector.
 
-Layers, lowest first: core (errors <- positions <- document/notebook <- engine <- models) <- ops
-<- eval <- apps <- cli. The graph is read from the source with ``ast`` (function-level imports
-included; ``if TYPE_CHECKING:`` blocks, which never run, are left out), so a lazy import cannot
-hide an upward dependency or a cycle.
+Layers, lowest first: core (errors <- positions <- document/storage <- notebook/cache <- engine <-
+models) <- ops <- eval <- serving <- apps <- bench <- cli. The graph is read from the source with
+``ast`` (function-level imports included, so a lazy import cannot hide an upward dependency or a
+cycle). ``if TYPE_CHECKING:`` blocks never run: the direction and whole-graph checks leave them
+out, the in-package circle check counts them (no package imports itself in a circle, not even
+for type hints). The connector's import closure (what vLLM's process loads) is followed through
+every import that runs, third-party roots included.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -27,6 +33,7 @@ CORE_RANKS = {
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
+    "kvnotes.core.storage": 2,
     "kvnotes.core.notebook": 3,
     "kvnotes.core.cache": 3,
     "kvnotes.core.attention": 3,
@@ -64,8 +71,11 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int]]:
-    """(imported kvnotes module, line) for every import that runs, at any depth."""
+def imports_of(path: Path, modules: set[str], *, type_checking: bool = False,
+               third_party: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every import that runs, at any depth: kvnotes modules, and
+    with ``third_party`` the top-level name of every other import too (``transformers``);
+    ``type_checking`` adds the imports of ``if TYPE_CHECKING:`` blocks."""
     tree = ast.parse(path.read_text("utf-8"))
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
@@ -76,15 +86,21 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int]]:
             name = name.rpartition(".")[0]
         return name or None
 
+    def other(name: str, line: int) -> None:
+        if third_party and name:
+            found.append((name.split(".")[0], line))
+
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
                 for sub in child.orelse:
                     visit(sub)
                 continue
             if isinstance(child, ast.Import):
                 for alias in child.names:
-                    if alias.name.startswith("kvnotes") and (m := resolve(alias.name)):
+                    if not alias.name.startswith("kvnotes"):
+                        other(alias.name, child.lineno)
+                    elif m := resolve(alias.name):
                         found.append((m, child.lineno))
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
@@ -92,6 +108,7 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int]]:
                     anchor = package.split(".")[: len(package.split(".")) - child.level + 1]
                     base = ".".join([*anchor, base] if base else anchor)
                 if not base.startswith("kvnotes"):
+                    other(base, child.lineno)
                     continue
                 for alias in child.names:  # `from pkg import submodule` names the submodule
                     full = f"{base}.{alias.name}"
@@ -104,10 +121,35 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int]]:
     return found
 
 
-def graph() -> dict[str, list[tuple[str, int]]]:
+def graph(*, type_checking: bool = False, third_party: bool = False
+          ) -> dict[str, list[tuple[str, int]]]:
     files = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(f) for f in files}
-    return {module_name(f): imports_of(f, modules) for f in files}
+    return {module_name(f): imports_of(f, modules, type_checking=type_checking,
+                                       third_party=third_party) for f in files}
+
+
+def cycles_of(g: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first walk of ``g`` meets, as ``a -> b -> a``."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def dfs(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
+            elif d not in state:
+                dfs(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            dfs(m)
+    return cycles
 
 
 def test_every_module_has_a_layer():
@@ -139,27 +181,110 @@ def test_no_module_imports_its_own_package_init():
 
 
 def test_no_cycles():
-    g = {m: {d for d, _ in deps if d != m} for m, deps in graph().items()}
     # a package imports its own submodules to re-export them; a cycle needs an edge back
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles: list[str] = []
-
-    def dfs(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for d in sorted(g.get(m, ())):
-            if state.get(d) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(d):], d]))
-            elif d not in state:
-                dfs(d)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(g):
-        if m not in state:
-            dfs(m)
+    g = {m: {d for d, _ in deps if d != m} for m, deps in graph().items()}
+    cycles = cycles_of(g)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def package_graphs(deps: dict[str, list[tuple[str, int]]]) -> dict[str, dict[str, set[str]]]:
+    """For each package, the graph of its direct children (a subpackage counts as one node):
+    an edge when any module inside one imports any module inside another. The package's own
+    ``__init__`` is left out (it re-exports its children)."""
+    packages = {m for m in deps if (PACKAGE.parent / Path(*m.split("."))).is_dir()}
+    out: dict[str, dict[str, set[str]]] = {}
+    for package in packages:
+        prefix = package + "."
+
+        def child(module: str, prefix: str = prefix) -> str:
+            return prefix + module[len(prefix):].split(".")[0]
+
+        g: dict[str, set[str]] = {}
+        for module, imported in deps.items():
+            if not module.startswith(prefix):
+                continue
+            node = g.setdefault(child(module), set())
+            node.update(child(d) for d, _ in imported
+                        if d.startswith(prefix) and child(d) != child(module))
+        out[package] = g
+    return out
+
+
+def test_no_package_imports_itself_in_a_circle_not_even_for_type_hints():
+    cycles = [f"in {package}: {c}"
+              for package, g in sorted(package_graphs(graph(type_checking=True)).items())
+              for c in cycles_of(g)]
+    assert not cycles, "circles inside a package:\n" + "\n".join(cycles)
+
+
+def test_package_graphs_see_a_type_only_circle():
+    deps = {"kvnotes.core.a": [("kvnotes.core.b", 1)], "kvnotes.core.b": [("kvnotes.core.a", 3)],
+            "kvnotes.core": []}
+    assert cycles_of(package_graphs(deps)["kvnotes.core"]) == [
+        "kvnotes.core.a -> kvnotes.core.b -> kvnotes.core.a"]
+
+
+def import_closure(start: str) -> tuple[dict[str, str | None], dict[str, str]]:
+    """What importing ``start`` runs: every kvnotes module reached (with the module that
+    imported it first; importing a module runs its packages' ``__init__`` too) and every
+    third-party root (with the kvnotes module that imports it)."""
+    deps = graph(third_party=True)
+    seen: dict[str, str | None] = {start: None}
+    roots: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        module = queue.popleft()
+        parts = module.split(".")
+        parents = [".".join(parts[:i]) for i in range(1, len(parts))]
+        for dep in [*parents, *(d for d, _ in deps[module])]:
+            if dep in deps:
+                if dep not in seen:
+                    seen[dep] = module
+                    queue.append(dep)
+            else:
+                roots.setdefault(dep, module)
+    return seen, roots
+
+
+def _path(seen: dict[str, str | None], module: str | None) -> str:
+    chain = []
+    while module is not None:
+        chain.append(module)
+        module = seen[module]
+    return " <- ".join(chain)
+
+
+CONNECTOR = "kvnotes.serving.connector"
+
+
+def test_the_connector_imports_no_engine_and_no_transformers():
+    seen, roots = import_closure(CONNECTOR)
+    assert "kvnotes.core.engine" not in seen, (
+        "the connector's imports reach the engine: " + _path(seen, "kvnotes.core.engine"))
+    assert "transformers" not in roots, (
+        "the connector's imports reach transformers: transformers <- "
+        + _path(seen, roots["transformers"]))
+    assert {"torch", "vllm"} <= set(roots)  # the reader sees third-party imports
+
+
+def test_the_serving_product_loads_without_the_engine_at_run_time():
+    # the connector itself needs vllm; what it imports from kvnotes is these two
+    code = ("import sys, kvnotes.serving.piece_store, kvnotes.serving.splice\n"
+            "print(sorted(m for m in sys.modules if m == 'transformers' "
+            "or m.startswith('transformers.') or m == 'kvnotes.core.engine'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=SRC.parent)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_package_root_imports_its_names_on_first_use():
+    code = ("import sys, kvnotes\n"
+            "print('kvnotes.core.engine' in sys.modules, 'transformers' in sys.modules)\n"
+            "kvnotes.Engine\n"
+            "print('kvnotes.core.engine' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=SRC.parent)
+    assert out.stdout.split() == ["False", "False", "True"]
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -152,3 +152,77 @@ def test_splicing_a_foreign_notebook_is_refused(tiny_llama, tokenizer):
     skill = other.compile("a skill")
     with pytest.raises(kvnotes.NotebookMismatchError, match="splice a skill"):
         tiny_llama.compose(["context ", skill])
+
+
+def _copier(source: Notebook, start: int, calls: list):
+    """A writer that copies ``source``'s notes from ``start`` on into the claimed rows."""
+    def write(claim):
+        calls.append((claim.start, claim.end, claim.count))
+        for l in range(source.num_layers):
+            keys = source.keys(l)[..., start:start + claim.count, :]
+            values = source.values(l)[..., start:start + claim.count, :]
+            k_out, v_out = claim.slots(l, keys, values)
+            k_out.copy_(keys)
+            v_out.copy_(values)
+        return "written"
+    return write
+
+
+def test_append_records_ids_positions_spans_and_gives_back_on_failure(tiny_llama):
+    full = tiny_llama.prefill(TEXT)
+    # a copy of the first 6 tokens in storage of its own, with room for the rest
+    head = Notebook.concat([tiny_llama.empty(0, capacity=len(full)), full.slice(0, 6)])
+    calls: list = []
+    tail_ids, tail_pos = full.token_ids[6:], full.positions[6:]
+    longer, result = head.append(tail_ids, tail_pos, _copier(full, 6, calls),
+                                 spans=[kvnotes.Span("rest", "text", 0, len(full) - 6)])
+    assert result == "written" and calls == [(0, 6, len(full) - 6)]
+    assert longer.storage is head.storage  # in place: head ends at its storage's fill point
+    assert torch.equal(longer.token_ids, full.token_ids)
+    assert torch.equal(longer.positions, full.positions)
+    assert longer.span("rest") == kvnotes.Span("rest", "text", 6, len(full))
+    assert torch.equal(longer.keys(1), full.keys(1)) and longer.last_logits is None
+    assert len(head) == 6  # the input is never changed
+    # a probe's rows are given back; so are a failed write's: the next append is in place again
+    n = len(full)
+    more_ids, more_pos = full.token_ids[:2], torch.tensor([n, n + 1])
+    same, _ = longer.append(more_ids, more_pos, _copier(full, 0, []), keep=False)
+    assert same is longer and longer.storage.fill == n
+
+    def fail(claim):
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        longer.append(more_ids, more_pos, fail)
+    assert longer.storage.fill == n
+    again, _ = longer.append(more_ids, more_pos, _copier(full, 0, []))
+    assert again.storage is longer.storage and longer.storage.fill == n + 2
+    assert again.positions[-2:].tolist() == [n, n + 1]
+
+
+def test_rewritten_copies_unless_in_place(tiny_llama):
+    nb = tiny_llama.prefill(TEXT)
+    other = tiny_llama.prefill("Completely different words sit here, and there are many of them.")
+    before = nb.keys(0).clone()
+    assert not torch.equal(other.keys(0)[..., 2:7, :], before[..., 2:7, :])
+    calls: list = []
+    copy, _ = nb.rewritten(2, 5, _copier(other, 2, calls))
+    assert calls == [(0, 2, 3)] and copy.storage is not nb.storage
+    assert torch.equal(nb.keys(0), before)  # untouched
+    assert torch.equal(copy.keys(0)[..., 2:5, :], other.keys(0)[..., 2:5, :])
+    assert torch.equal(copy.token_ids, nb.token_ids) and copy.last_logits is None
+    same, _ = copy.rewritten(5, 7, _copier(other, 5, []), in_place=True)
+    assert same.storage is copy.storage
+    assert torch.equal(copy.keys(0)[..., 5:7, :], other.keys(0)[..., 5:7, :])
+    with pytest.raises(kvnotes.KvnotesError, match=r"rewrite \[3, 99\) is out of range"):
+        nb.rewritten(3, 99, _copier(other, 3, []))
+
+
+def test_load_takes_anything_with_a_fingerprint_adapter_and_device(tiny_llama, tmp_path):
+    # Notebook.load types its engine with a Protocol: the core never imports the engine
+    class Owner:
+        fingerprint, adapter, device = tiny_llama.fingerprint, tiny_llama.adapter, "cpu"
+
+    nb = tiny_llama.prefill(TEXT)
+    back = Notebook.load(nb.save(tmp_path / "n.safetensors"), Owner())
+    assert torch.equal(back.keys(0), nb.keys(0))

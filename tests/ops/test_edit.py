@@ -12,6 +12,7 @@ from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownF
 from kvnotes.ops.edit import (
     ERRATUM_TEMPLATES,
     EditReport,
+    edit,
     erratum_text,
     erratum_turn,
     field_label,
@@ -43,7 +44,7 @@ def test_prefill_remembers_the_document(engine):
 
 def test_recompute_is_prefill_of_the_new_document(engine):
     nb = engine.prefill(doc())
-    new, report = engine.edit(nb, "status", "delivered", strategy="recompute")
+    new, report = edit(engine, nb, "status", "delivered", strategy="recompute")
     ref = engine.prefill(doc("delivered"))
     assert torch.equal(new.token_ids, ref.token_ids)
     torch.testing.assert_close(logits_after(engine, new), logits_after(engine, ref))
@@ -55,8 +56,8 @@ def test_recompute_is_prefill_of_the_new_document(engine):
 @pytest.mark.parametrize("value", ["shipped", "partially refunded and closed"])
 def test_prefix_matches_recompute(engine, value):
     nb = engine.prefill(doc())
-    pre, report = engine.edit(nb, "status", value, strategy="prefix")
-    ref, _ = engine.edit(nb, "status", value, strategy="recompute")
+    pre, report = edit(engine, nb, "status", value, strategy="prefix")
+    ref, _ = edit(engine, nb, "status", value, strategy="recompute")
     torch.testing.assert_close(logits_after(engine, pre), logits_after(engine, ref),
                                rtol=1e-4, atol=1e-4)
     assert report.tokens_reused == nb.span("status").start
@@ -68,7 +69,7 @@ def test_overwrite_equal_length_keeps_downstream_bit_identical(engine):
     f = nb.span("status")
     value = next(v for v in ("closed", "open", "late", "shipped", "delivered")
                  if len(engine.encode(v)) == len(f))
-    new, report = engine.edit(nb, "status", value, strategy="overwrite")
+    new, report = edit(engine, nb, "status", value, strategy="overwrite")
     assert report.tokens_recomputed == len(f) and report.delta == 0
     assert torch.equal(new.positions, nb.positions)
     for layer in range(engine.adapter.num_layers):
@@ -86,7 +87,7 @@ def test_overwrite_length_change_shifts_downstream(engine):
     nb = engine.prefill(doc("pending"))
     f = nb.span("status")
     value = "partially refunded and closed"
-    new, report = engine.edit(nb, "status", value, strategy="overwrite")
+    new, report = edit(engine, nb, "status", value, strategy="overwrite")
     delta = len(engine.encode(value)) - len(f)
     assert delta > 0 and report.delta == delta and len(new) == len(nb) + delta
     assert torch.equal(new.positions, torch.arange(len(new)))  # contiguous
@@ -96,13 +97,13 @@ def test_overwrite_length_change_shifts_downstream(engine):
         assert torch.equal(new.keys(layer)[..., f.end + delta:, :], moved.keys(layer))
         assert torch.equal(new.values(layer)[..., f.end + delta:, :],
                            nb.values(layer)[..., f.end:, :])
-    shorter, _ = engine.edit(new, "status", "open", strategy="overwrite")
+    shorter, _ = edit(engine, new, "status", "open", strategy="overwrite")
     assert torch.equal(shorter.positions, torch.arange(len(shorter)))
 
 
 def test_erratum_keeps_the_old_notebook_as_exact_prefix(engine):
     nb = engine.prefill(doc())
-    new, report = engine.edit(nb, "status", "delivered", strategy="erratum")
+    new, report = edit(engine, nb, "status", "delivered", strategy="erratum")
     n = len(nb)
     assert torch.equal(new.token_ids[:n], nb.token_ids)
     assert torch.equal(new.positions[:n], nb.positions)
@@ -137,9 +138,9 @@ def test_erratum_templates_and_chat_turns(engine):
 @pytest.mark.parametrize("select", ["attention", "kv_deviation"])
 def test_repair_with_all_downstream_equals_prefix(engine, select):
     nb = engine.prefill(doc())
-    rep, report = engine.edit(nb, "status", "delivered", strategy="repair", k=10_000,
+    rep, report = edit(engine, nb, "status", "delivered", strategy="repair", k=10_000,
                               select=select)
-    pre, _ = engine.edit(nb, "status", "delivered", strategy="prefix")
+    pre, _ = edit(engine, nb, "status", "delivered", strategy="prefix")
     torch.testing.assert_close(logits_after(engine, rep), logits_after(engine, pre),
                                rtol=1e-4, atol=1e-4)
     assert report.tokens_reused == nb.span("status").start
@@ -149,10 +150,10 @@ def test_repair_with_all_downstream_equals_prefix(engine, select):
 @pytest.mark.parametrize("select", ["attention", "kv_deviation"])
 def test_repair_budget_k(engine, select):
     nb = engine.prefill(doc())
-    over, _ = engine.edit(nb, "status", "delivered", strategy="overwrite")
-    zero, r0 = engine.edit(nb, "status", "delivered", strategy="repair", k=0, select=select)
+    over, _ = edit(engine, nb, "status", "delivered", strategy="overwrite")
+    zero, r0 = edit(engine, nb, "status", "delivered", strategy="repair", k=0, select=select)
     torch.testing.assert_close(logits_after(engine, zero), logits_after(engine, over))
-    some, r5 = engine.edit(nb, "status", "delivered", strategy="repair", k=5, select=select)
+    some, r5 = edit(engine, nb, "status", "delivered", strategy="repair", k=5, select=select)
     assert r5.tokens_recomputed == r0.tokens_recomputed + 5
     assert torch.equal(some.positions, torch.arange(len(some)))
     assert 0 < r5.compute_fraction < 0.5
@@ -160,8 +161,8 @@ def test_repair_budget_k(engine, select):
 
 def test_edit_after_extend_keeps_the_tail(engine):
     nb = engine.extend(engine.prefill(doc()), "\nNote: customer called twice.", name="note")
-    pre, _ = engine.edit(nb, "status", "partially refunded and closed", strategy="prefix")
-    ref, _ = engine.edit(nb, "status", "partially refunded and closed", strategy="recompute")
+    pre, _ = edit(engine, nb, "status", "partially refunded and closed", strategy="prefix")
+    ref, _ = edit(engine, nb, "status", "partially refunded and closed", strategy="recompute")
     assert torch.equal(pre.token_ids, ref.token_ids)
     assert pre.span("note").end == len(pre)
     torch.testing.assert_close(logits_after(engine, pre), logits_after(engine, ref),
@@ -172,21 +173,24 @@ def test_clear_errors(engine, tokenizer):
     nb = engine.prefill(doc())
     with pytest.raises(UnknownFieldError, match=r"unknown field 'state'; this document has "
                                                 r"fields: \['status'\]"):
-        engine.edit(nb, "state", "delivered", strategy="prefix")
+        edit(engine, nb, "state", "delivered", strategy="prefix")
     with pytest.raises(EmptyInputError, match="the new value for field 'status' is empty"):
-        engine.edit(nb, "status", "", strategy="overwrite")
+        edit(engine, nb, "status", "", strategy="overwrite")
     other = make_tiny_engine("qwen2", tokenizer)
     with pytest.raises(NotebookMismatchError, match="cannot edit a notebook with a different"):
-        other.edit(nb, "status", "delivered", strategy="recompute")
+        edit(other, nb, "status", "delivered", strategy="recompute")
     with pytest.raises(UnknownNameError) as err:
-        engine.edit(nb, "status", "delivered", strategy="magic")
+        edit(engine, nb, "status", "delivered", strategy="magic")
     assert str(err.value) == ("unknown strategy 'magic'; valid strategies: recompute, prefix, "
                               "overwrite, erratum, repair")
-    with pytest.raises(UnknownNameError, match=r"^unknown selector 'random'; valid selectors: "
-                                               r"attention, kv_deviation$"):
-        engine.edit(nb, "status", "delivered", strategy="repair", select="random")
+    with pytest.raises(UnknownNameError) as err:
+        edit(engine, nb, "status", "delivered", strategy="repair", select="random")
+    assert str(err.value) == ("unknown repair selector 'random'; valid repair selectors: "
+                              "attention, kv_deviation (first applies to compose only)")
+    with pytest.raises(UnknownNameError, match=r"'first'; .* \(first applies to compose only\)$"):
+        edit(engine, nb, "status", "delivered", strategy="repair", select="first")
     with pytest.raises(Exception, match="does not remember a document"):
-        engine.edit(engine.prefill("Order status: pending"), "status", "x")
+        edit(engine, engine.prefill("Order status: pending"), "status", "x")
 
 
 def test_report_and_helpers():
@@ -199,16 +203,16 @@ def test_report_and_helpers():
 # ---- real models --------------------------------------------------------------------------------
 @pytest.mark.real
 def test_real_model_edits(real_engine):
-    from kvnotes.eval.edit_suite import case_prompt
+    from kvnotes.eval.edit_suite.cases import case_prompt
     from kvnotes.eval.tasks import load_suite
 
     case = load_suite(["membership"])[0]
     doc_, query = case_prompt(real_engine, case)
     nb = real_engine.prefill(doc_)
-    pre, _ = real_engine.edit(nb, case.field, case.new_value, strategy="prefix")
-    ref, _ = real_engine.edit(nb, case.field, case.new_value, strategy="recompute")
+    pre, _ = edit(real_engine, nb, case.field, case.new_value, strategy="prefix")
+    ref, _ = edit(real_engine, nb, case.field, case.new_value, strategy="recompute")
     torch.testing.assert_close(real_engine.next_logits(pre, query),
                                real_engine.next_logits(ref, query), rtol=1e-3, atol=1e-3)
-    err, _ = real_engine.edit(nb, case.field, case.new_value, strategy="erratum")
+    err, _ = edit(real_engine, nb, case.field, case.new_value, strategy="erratum")
     assert torch.equal(err.keys(0)[..., :len(nb), :], nb.keys(0))
     assert "Correction: the membership tier is" in real_engine.decode(err.token_ids[len(nb):])

@@ -1,18 +1,11 @@
-"""Notebook storage and the one place a transformers cache is built from notebooks.
+"""The one place a transformers cache is built from notebooks.
 
-:class:`KVStore` holds per-layer buffers with spare capacity, ``[1, kv_heads, capacity, d]``
-each, plus the token ids and positions, and a fill point: tokens ``[0, fill)`` are written and
-never change again. A :class:`~kvnotes.core.notebook.Notebook` is an immutable view
-``[start, end)`` onto a store. Appending after a view that ends at the fill point writes in
-place (nothing earlier is copied); appending after any other view first copies that view into a
-new store (copy-on-write), so no notebook ever sees another one's tokens change. Buffers grow by
-doubling, so a run of appends copies each token O(1) times on average.
-
-:class:`NotebookCache` is the transformers cache handed to the model for one forward: each
-layer writes the new keys/values into the store and returns views, so a forward over L cached
-tokens costs attention over L, not a copy of L. Every layer is a full (non-sliding) layer: a
-sliding-window layer still gets all tokens and the model's own sliding mask hides the ones
-outside its window, as at prefill (transformers' sliding cache layers would drop them).
+:class:`NotebookCache` is the transformers cache handed to the model for one forward into a
+:class:`~kvnotes.core.storage.Claim`: each layer writes the new keys/values into the claimed
+rows of the store and returns views, so a forward over L cached tokens costs attention over L,
+not a copy of L. Every layer is a full (non-sliding) layer: a sliding-window layer still gets
+all tokens and the model's own sliding mask hides the ones outside its window, as at prefill
+(transformers' sliding cache layers would drop them).
 :func:`build_cache` stacks equal-length notebooks along the batch axis (patching's hybrids);
 :func:`build_padded_cache` stacks notebooks of any lengths, left-padded (batched decoding).
 """
@@ -26,104 +19,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvnotes.core.storage import Claim, KVStore
+
 if TYPE_CHECKING:
     from kvnotes.core.notebook import Notebook
-
-
-class KVStore:
-    """Growable per-layer KV buffers shared by the notebooks that view them.
-
-    ``keys[l]`` / ``values[l]`` are ``[1, kv_heads, capacity, head_dim]`` (``None`` until the
-    first write tells the shape); ``token_ids`` and ``positions`` are LongTensor[capacity].
-    ``fill`` counts the tokens written; they never change afterwards.
-    """
-
-    __slots__ = ("keys", "values", "token_ids", "positions", "fill", "capacity")
-
-    def __init__(self, num_layers: int, capacity: int = 0) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.token_ids = torch.zeros(capacity, dtype=torch.long)
-        self.positions = torch.zeros(capacity, dtype=torch.long)
-        self.fill = 0
-        self.capacity = capacity
-
-    @classmethod
-    def wrap(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-             token_ids: torch.Tensor, positions: torch.Tensor, num_layers: int) -> KVStore:
-        """A full store around existing tensors, without copying them (capacity = length).
-
-        Nothing is ever written into wrapped tensors: the first append finds no room and moves
-        the store to new, larger buffers.
-        """
-        n = token_ids.numel()
-        store = cls(num_layers, 0)
-        if keys:
-            store.keys, store.values = list(keys), list(values)
-        store.token_ids, store.positions = token_ids, positions
-        store.fill = store.capacity = n
-        return store
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the KV buffers (capacity included)."""
-        return sum(t.nbytes for t in (*self.keys, *self.values) if t is not None)
-
-    def reserve(self, capacity: int) -> None:
-        """Make room for ``capacity`` tokens (grows to at least double; copies ``[0, fill)``)."""
-        if capacity <= self.capacity:
-            return
-        capacity = max(capacity, 2 * self.capacity)
-        for side in (self.keys, self.values):
-            for l, old in enumerate(side):
-                if old is None:
-                    continue
-                new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
-                new[..., :self.fill, :].copy_(old[..., :self.fill, :])
-                side[l] = new
-        for name in ("token_ids", "positions"):
-            old = getattr(self, name)
-            new = torch.zeros(capacity, dtype=torch.long)
-            new[:self.fill] = old[:self.fill]
-            setattr(self, name, new)
-        self.capacity = capacity
-
-    def claim(self, start: int, count: int, *, capacity: int = 0) -> None:
-        """Take ``[start, start + count)`` for writing; ``start`` must be the fill point.
-
-        ``capacity`` asks for room for that many tokens in all (compose knows its total).
-        """
-        assert start == self.fill, "only the fill point can be appended to"
-        self.reserve(max(start + count, capacity))
-        self.fill = start + count
-
-    def release(self, start: int, end: int) -> None:
-        """Give back a claim ``[start, end)`` nothing refers to (a forward that stopped early)."""
-        if self.fill == end:
-            self.fill = start
-
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy ``keys``/``values`` ``[1, kv_heads, q, d]`` into ``[start, start + q)``."""
-        k_out, v_out = self.slots(layer, start, keys.shape[-2], keys, values)
-        k_out.copy_(keys)
-        v_out.copy_(values)
-
-    def slots(self, layer: int, start: int, count: int, keys_like: torch.Tensor,
-              values_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writable views ``[start, start + count)`` of one layer (allocating it if needed)."""
-        if self.keys[layer] is None:
-            self.keys[layer] = keys_like.new_empty(
-                *keys_like.shape[:-2], self.capacity, keys_like.shape[-1])
-            self.values[layer] = values_like.new_empty(
-                *values_like.shape[:-2], self.capacity, values_like.shape[-1])
-        k, v = self.keys[layer], self.values[layer]
-        assert k is not None and v is not None
-        return k[..., start:start + count, :], v[..., start:start + count, :]
-
-    def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.keys[layer], self.values[layer]
-        assert k is not None and v is not None, "reading a layer that was never written"
-        return k[..., start:end, :], v[..., start:end, :]
 
 
 class NotebookLayer(DynamicLayer):
@@ -157,15 +56,15 @@ class NotebookLayer(DynamicLayer):
 
 
 class NotebookCache(DynamicCache):
-    """The cache for one forward on top of the view ``[start, end)`` of ``store``.
+    """The cache for one forward that writes ``claim``: on top of the notes ``[start, end)``,
+    each layer's update writes the new tokens at ``[end, end + q)`` and returns views of
+    ``[start, end + q)``."""
 
-    The caller has claimed ``[end, end + q)`` in the store (:meth:`KVStore.claim`); each layer's
-    update writes the new tokens there and returns views of ``[start, end + q)``.
-    """
-
-    def __init__(self, store: KVStore, start: int, end: int) -> None:
+    def __init__(self, claim: Claim) -> None:
         super().__init__()
-        self.layers = [NotebookLayer(store, l, start, end) for l in range(len(store.keys))]
+        store = claim.store
+        self.layers = [NotebookLayer(store, l, claim.start, claim.end)
+                       for l in range(len(store.keys))]
         self.layer_class_to_replicate = None
 
 

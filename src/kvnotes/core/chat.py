@@ -6,7 +6,7 @@ its opening and closing text (:func:`turn_frame`), the system + user frame of a 
 (:class:`ChatFormat`). Tokenizers without a chat template (base models) get plain text.
 
 BOS is never part of the rendered text when the tokenizer adds it itself: the engine decides
-about BOS (see DESIGN.md, "Beginning of sequence").
+about BOS (see docs/design.md, "Beginning of sequence").
 """
 
 from __future__ import annotations

@@ -10,15 +10,12 @@ in kvnotes always uses the same ids, so comparisons stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvnotes.core import validate
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
-
-if TYPE_CHECKING:  # annotations only
-    from kvnotes.core.notebook import Notebook
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +136,12 @@ def document_meta(doc: Document, offset: int) -> dict[str, Any]:
     return {"parts": parts, "offset": int(offset)}
 
 
-def remembered_document(nb: Notebook) -> tuple[Document, int]:
-    """The document ``nb`` was prefilled from and the index of its first token."""
-    meta = nb.meta.get("document")
-    if not meta:
+def remembered_document(meta: Mapping[str, Any]) -> tuple[Document, int]:
+    """The document a notebook whose meta is ``meta`` (``nb.meta``) was prefilled from, and the
+    index of its first token (the record :func:`document_meta` wrote)."""
+    record = meta.get("document")
+    if not record:
         raise KvnotesError("this notebook does not remember a document, so it has no fields to "
                            "edit; prefill a kvnotes.Document (engine.prefill(doc)) to edit fields")
-    parts = [Field(p[1], p[2]) if p[0] == "field" else p[1] for p in meta["parts"]]
-    return Document(parts), int(meta["offset"])
+    parts = [Field(p[1], p[2]) if p[0] == "field" else p[1] for p in record["parts"]]
+    return Document(parts), int(record["offset"])

@@ -1,9 +1,11 @@
 """The Engine: one model, its tokenizer and its position adapter, and the verbs over notebooks.
 
 Reads like a small inference stack: :meth:`Engine.forward` feeds tokens on top of a notebook and
-returns the longer notebook plus the last logits (it is the only place the model is called);
-everything else (prefill, extend, compile, compose, next_logits, greedy) is a few lines over it,
-and :meth:`Engine.continue_greedy` is the one decode loop.
+returns the longer notebook plus the last logits (the model call itself is :meth:`Engine._call`;
+the notebook's own :meth:`~kvnotes.core.notebook.Notebook.append` takes the new notes into its
+storage); everything else (prefill, extend, compile, compose, next_logits, greedy) is a few lines
+over it, and :meth:`Engine.continue_greedy` is the one decode loop. Editing fields is
+:func:`kvnotes.edit` in the ops layer, above the engine.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kvnotes.core import validate
 from kvnotes.core.attention import use_grouped_sdpa
-from kvnotes.core.cache import KVStore, NotebookCache, build_cache, build_padded_cache
+from kvnotes.core.cache import NotebookCache, build_cache, build_padded_cache
 from kvnotes.core.document import Document, added_bos, document_meta, encode
 from kvnotes.core.errors import (
     ArgumentTypeError,
@@ -32,14 +34,66 @@ from kvnotes.core.errors import (
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.notebook import SPAN_KINDS, LayerKV, Notebook, Span
 from kvnotes.core.positions import adapter_for
-from kvnotes.core.work import CostModel, WorkCounter
+from kvnotes.core.positions.base import text_config
+from kvnotes.core.storage import Claim
+from kvnotes.core.work import CausalLM, CostModel, WorkCounter
 
 TokenInput = str | Sequence[int] | torch.Tensor | Document
 Part = str | Document | Notebook
 
 
 ANCHORS = ("auto", "bos", "none")
-COMPOSE_SELECTORS = ("first", "kv_deviation")
+
+
+@dataclass(frozen=True, slots=True)
+class RepairSelector:
+    """A way to choose which notes a repair recomputes, and the operations that take it:
+    ``"edit"`` (the ``repair`` strategy of :func:`kvnotes.edit`) and ``"compose"`` (boundary
+    repair in :meth:`Engine.compose`)."""
+
+    name: str
+    operations: tuple[str, ...]
+    summary: str
+
+
+# the one vocabulary of repair selectors (edit strategies and compose repair)
+REPAIR_SELECTORS: dict[str, RepairSelector] = {s.name: s for s in (
+    RepairSelector("first", ("compose",), "the first tokens of each spliced skill (free)"),
+    RepairSelector("attention", ("edit",),
+                   "the tokens after the field that attend to it most at prefill"),
+    RepairSelector("kv_deviation", ("edit", "compose"),
+                   "the tokens whose notes at an early layer deviate most from a recompute "
+                   "(CacheBlend's choice)"),
+)}
+REPAIR_OPERATIONS = ("edit", "compose")
+
+
+def selectors_for(operation: str) -> tuple[str, ...]:
+    """The repair selectors ``operation`` (``"edit"`` or ``"compose"``) takes, in order."""
+    if operation not in REPAIR_OPERATIONS:
+        raise UnknownNameError("repair operation", operation, REPAIR_OPERATIONS)
+    return tuple(n for n, s in REPAIR_SELECTORS.items() if operation in s.operations)
+
+
+def repair_selector(name: object, operation: str, where: str = "") -> str:
+    """``name`` checked as a repair selector of ``operation``; the error lists the selectors
+    ``operation`` takes and says which of the others serve only another operation.
+
+    Example:
+        >>> repair_selector("kv_deviation", "compose")
+        'kv_deviation'
+        >>> repair_selector("first", "edit")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        kvnotes.core.errors.UnknownNameError: unknown repair selector 'first'; ... compose only)
+    """
+    valid = selectors_for(operation)
+    if isinstance(name, str) and name in valid:
+        return name
+    others = "; ".join(f"{n} applies to {' and '.join(s.operations)} only"
+                       for n, s in REPAIR_SELECTORS.items() if n not in valid)
+    raise UnknownNameError("repair selector", name, valid,
+                           "; ".join(h for h in (others, where) if h))
 
 
 def repair_budget(repair: object, spliced: int) -> int:
@@ -148,7 +202,7 @@ class Engine:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # what every model call costs, counted in _call (benchmarks read it around their work);
         # a forward that layer_notes stops early is counted whole
-        self.cost = CostModel.of(model, _blocks_or_none(model))
+        self.cost = CostModel.of(cast(CausalLM, model), _blocks_or_none(model))
         self.work = WorkCounter()
 
     @classmethod
@@ -202,8 +256,15 @@ class Engine:
         ``capacity``: room for that many tokens before its storage has to grow.
         """
         self.adapter.check_positions(torch.tensor([start]))
-        return Notebook.from_storage(KVStore(self.adapter.num_layers, capacity), 0, 0, (),
-                                     self.adapter, self.fingerprint, origin=start)
+        return Notebook.empty(self.adapter, self.fingerprint, origin=start, capacity=capacity)
+
+    def _feeder(self, ids: list[int], position_ids: torch.Tensor, **call_kwargs: Any
+                ) -> Callable[[Claim], Any]:
+        """A writer for :meth:`Notebook.append` / :meth:`Notebook.rewritten`: one forward of
+        ``ids`` whose notes go into the claimed rows; returns the model's output."""
+        def feed(claim: Claim) -> Any:
+            return self._call(NotebookCache(claim), [ids], position_ids, **call_kwargs)
+        return feed
 
     def forward(self, nb: Notebook, ids: Sequence[int] | torch.Tensor, *,
                 spans: Sequence[Span] = (), positions: torch.Tensor | None = None,
@@ -243,23 +304,12 @@ class Engine:
             position_ids = self.adapter.position_ids(positions)
         else:
             self.adapter.check_positions(position_ids.reshape(-1))
-        q = len(ids)
-        store, start, end = nb.claim(q)  # in place when nb ends at its storage's fill point
-        try:
-            with torch.inference_mode():
-                store.token_ids[end:end + q] = torch.tensor(ids, dtype=torch.long)
-                store.positions[end:end + q] = positions
-            out = self._call(NotebookCache(store, start, end), [ids], position_ids,
-                             attentions=attentions, **model_kwargs)
-        except BaseException:
-            store.release(end, end + q)
-            raise
-        assert all(k is not None for k in store.keys), "a layer wrote no keys in this forward"
+        # in place when nb ends at its storage's fill point (Notebook.append decides)
+        longer, out = nb.append(ids, positions, self._feeder(ids, position_ids,
+                                                             attentions=attentions,
+                                                             **model_kwargs), spans=spans)
         logits = out.logits[0, -1].float()
-        longer = Notebook.from_storage(
-            store, start, end + q, [*nb.spans, *(s.moved(len(nb)) for s in spans)],
-            self.adapter, self.fingerprint, nb.meta, nb.origin, last_logits=logits)
-        return Step(longer, logits, out)
+        return Step(longer.with_logits(logits), logits, out)
 
     def probe(self, nb: Notebook, ids: Sequence[int], *, every_position: bool = True
               ) -> torch.Tensor:
@@ -275,13 +325,8 @@ class Engine:
         nb.check_same_model(self.fingerprint, what="extend a notebook with")
         positions = torch.arange(nb.next_position, nb.next_position + len(ids))  # [q]
         self.adapter.check_positions(positions)
-        q = len(ids)
-        store, start, end = nb.claim(q)
-        try:
-            out = self._call(NotebookCache(store, start, end), [ids],
-                             self.adapter.position_ids(positions), all_logits=every_position)
-        finally:
-            store.release(end, end + q)
+        feed = self._feeder(ids, self.adapter.position_ids(positions), all_logits=every_position)
+        _, out = nb.append(ids, positions, feed, keep=False)  # the rows are given back
         return out.logits[0].float()
 
     def forward_batch(self, notebooks: Sequence[Notebook], ids: Sequence[int]) -> torch.Tensor:
@@ -299,8 +344,9 @@ class Engine:
         starts = self._batch_starts(notebooks)
         cache, pads = build_padded_cache(notebooks)
         width = len(notebooks[0]) + pads[0]
-        padded = ({"attention_mask": self._padding_mask(pads, width + len(ids)).to(self.device)}
-                  if any(pads) else {})  # unpadded: the model's own causal mask is enough
+        padded: dict[str, Any] = (  # unpadded: the model's own causal mask is enough
+            {"attention_mask": self._padding_mask(pads, width + len(ids)).to(self.device)}
+            if any(pads) else {})
         out = self._call(cache, [ids] * len(notebooks), self._batch_positions(starts, len(ids)),
                          **padded)
         return out.logits[:, -1].float()  # [b, vocab]
@@ -417,7 +463,7 @@ class Engine:
         finally:
             if handle is not None:
                 handle.remove()
-        hf = cache.layers[layer]
+        hf: Any = cache.layers[layer]  # a full-attention layer: the notebook cache holds no other kind
         return LayerKV(hf.keys[..., len(nb):, :], hf.values[..., len(nb):, :])  # a fresh batch copy
 
     @torch.inference_mode()
@@ -431,9 +477,10 @@ class Engine:
         self.work.add(rows * n_new, self.cost.flops(
             n_new, cache.get_seq_length(), rows=rows, logit_rows=rows if keep_one else rows * n_new))
         previous = None
+        model: Any = self.model  # a transformers PreTrainedModel (nn.Module types it loosely)
         if attentions:  # attention weights exist only in the eager implementation
-            previous = self.model.config._attn_implementation
-            self.model.set_attn_implementation("eager")
+            previous = model.config._attn_implementation
+            model.set_attn_implementation("eager")
             kwargs["output_attentions"] = True
         try:
             return self.model(input_ids=torch.tensor(ids, device=self.device),  # [b, q]
@@ -441,7 +488,7 @@ class Engine:
                               cache=cache, use_cache=True, **kwargs)
         finally:
             if previous is not None:
-                self.model.set_attn_implementation(previous)
+                model.set_attn_implementation(previous)
 
     # ---- notebooks from text ----------------------------------------------------------------
     def prefill(self, x: TokenInput, start: int = 0, *, bos: bool | None = None,
@@ -550,23 +597,20 @@ class Engine:
         if not idx:
             return nb
         nb.check_same_model(self.fingerprint, what="recompute notes of")
-        work = Notebook.concat([self.empty(nb.start_position, capacity=len(nb)), nb],
-                               meta=nb.meta)  # a private copy the runs write into
-        return self._recompute_runs(work, idx)
+        return self._recompute_runs(nb, idx, in_place=False)
 
-    def _recompute_runs(self, work: Notebook, idx: list[int]) -> Notebook:
-        """:meth:`recompute` on a notebook whose storage nobody else views (written in place)."""
-        store, s0, end = work.storage, *work.storage_range
+    def _recompute_runs(self, nb: Notebook, idx: list[int], *, in_place: bool) -> Notebook:
+        """:meth:`recompute` of sorted indices; ``in_place`` for a notebook whose storage only
+        the caller views (compose's own), else the first run writes into a copy."""
         logits = None
         for a, b in _runs(idx):
-            ids = work.token_ids[a:b].tolist()
-            positions = work.positions[a:b].clone()
-            # the forward writes rows [a, b) over the old notes: NotebookCache appends after a
-            out = self._call(NotebookCache(store, s0, s0 + a), [ids],
-                             self.adapter.position_ids(positions))
-            logits = out.logits[0, -1].float() if b == len(work) else None
-        return Notebook.from_storage(store, s0, end, work.spans, self.adapter, self.fingerprint,
-                                     work.meta, work.origin, last_logits=logits)
+            ids = nb.token_ids[a:b].tolist()
+            position_ids = self.adapter.position_ids(nb.positions[a:b].clone())
+            # the forward writes rows [a, b) again, attending to the notes before a
+            nb, out = nb.rewritten(a, b, self._feeder(ids, position_ids), in_place=in_place)
+            in_place = True  # later runs write into the copy the first one made
+            logits = out.logits[0, -1].float() if b == len(nb) else None
+        return nb.with_logits(logits)
 
     def repair_choice(self, nb: Notebook, at: int, k: int, *, select: str = "first",
                       layer: int = 1) -> tuple[list[int], float]:
@@ -574,8 +618,7 @@ class Engine:
         order, and what choosing them cost in token-equivalents: ``"first"`` takes the first
         ``k`` (free); ``"kv_deviation"`` the ``k`` whose ``layer`` notes deviate most from a
         recompute's (:meth:`note_deviation`, a partial forward over the spliced tokens)."""
-        if select not in COMPOSE_SELECTORS:
-            raise UnknownNameError("repair selector", select, COMPOSE_SELECTORS)
+        repair_selector(select, "compose")
         if not 0 <= at <= len(nb) or not 0 <= k <= len(nb) - at:
             raise InvalidArgumentError(f"repair_choice needs 0 <= at <= {len(nb)} and 0 <= k <= "
                                        f"the {len(nb) - at} notes after at; got at={at}, k={k}")
@@ -629,8 +672,7 @@ class Engine:
         validate.compose_args(self, parts, start)
         if not parts:
             raise EmptyInputError("compose needs at least one part")
-        if select not in COMPOSE_SELECTORS:
-            raise UnknownNameError("repair selector", select, COMPOSE_SELECTORS)
+        repair_selector(select, "compose")
         pieces: list[Notebook | tuple[list[int], list[Span]]] = []
         for i, part in enumerate(parts):
             if isinstance(part, Notebook):
@@ -664,7 +706,7 @@ class Engine:
                 chosen, cost = self.repair_choice(nb, at, k, select=select, layer=layer)
                 select_tokens += cost
                 if chosen:  # nb's storage is compose's own: repaired in place
-                    nb = self._recompute_runs(nb, chosen)
+                    nb = self._recompute_runs(nb, chosen, in_place=True)
                 reused += len(piece) - k
                 repaired += k
             else:
@@ -744,31 +786,6 @@ class Engine:
         """Greedy continuation text after ``query`` on top of ``nb``."""
         return self.greedy(nb, query, max_new_tokens).text
 
-    # ---- editing ------------------------------------------------------------------------------
-    def edit(self, nb: Notebook, field: str, new_value: str, strategy: str = "erratum",
-             **options: Any) -> tuple[Notebook, Any]:
-        """Change a field of a prefilled document; see :func:`kvnotes.ops.edit.edit`.
-
-        Edit strategies live in the ops layer, above the engine; they register their entry
-        point here (``register_editor``) when ``kvnotes`` is imported, so the engine never
-        imports upward.
-        """
-        if _EDITOR is None:
-            raise KvnotesError("no edit strategies are registered; import kvnotes first")
-        return _EDITOR(self, nb, field, new_value, strategy=strategy, **options)
-
-
-EditFn = Callable[..., tuple[Notebook, Any]]
-_EDITOR: EditFn | None = None
-
-
-def register_editor(fn: EditFn) -> EditFn:
-    """Install the function ``Engine.edit`` delegates to (``kvnotes.ops.edit.edit``)."""
-    global _EDITOR
-    _EDITOR = fn
-    return fn
-
-
 class _Stop(Exception):
     """Raised by a forward pre-hook to end a forward once the wanted layer has run."""
 
@@ -779,7 +796,7 @@ def _raise_stop(*_: Any) -> None:
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The model's decoder blocks, in order."""
-    n = model.config.get_text_config(decoder=True).num_hidden_layers
+    n = text_config(model).num_hidden_layers
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if isinstance(layers, torch.nn.ModuleList) and len(layers) == n:

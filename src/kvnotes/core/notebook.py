@@ -9,24 +9,26 @@ Layout (one sequence, batch 1):
 - ``spans``            named token ranges (text, field, skill, erratum, query)
 
 A notebook keeps every token of every layer (sliding-window layers are never windowed here).
-It is a view onto growable storage (:class:`kvnotes.core.cache.KVStore`); appending writes in
+It is a view onto growable storage (:class:`kvnotes.core.storage.KVStore`); appending writes in
 place when nothing else was appended to that storage since, and copies otherwise
-(copy-on-write). :mod:`kvnotes.core.cache` is the one place a transformers cache is built from
-notebooks. Every operation returns a new notebook; none changes its input.
+(copy-on-write). :meth:`Notebook.append` is the one way new notes get into storage (forwards,
+splices and concatenation all go through it); :mod:`kvnotes.core.cache` is the one place a
+transformers cache is built from notebooks. Every operation returns a new notebook; none changes
+its input.
 """
 
 from __future__ import annotations
 
+import enum
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from kvnotes.core import files, validate
-from kvnotes.core.cache import KVStore
 from kvnotes.core.errors import (
     ArgumentTypeError,
     EmptyInputError,
@@ -37,13 +39,33 @@ from kvnotes.core.errors import (
 )
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.positions import PositionAdapter
-
-if TYPE_CHECKING:
-    from kvnotes.core.engine import Engine
+from kvnotes.core.storage import Claim, KVStore
 
 SPAN_KINDS = ("text", "field", "skill", "erratum", "query")
 FILE_FORMAT = "kvnotes.notebook"
 FILE_VERSION = 1
+
+T = TypeVar("T")
+
+
+class _Keep(enum.Enum):
+    """Marks an argument left out (where None is a value: no last logits)."""
+
+    KEEP = 0
+
+
+class ModelOwner(Protocol):
+    """What :meth:`Notebook.load` needs of an engine: the model's fingerprint (checked against
+    the file's), its position adapter and the device the notes go to."""
+
+    @property
+    def fingerprint(self) -> ModelFingerprint: ...
+
+    @property
+    def adapter(self) -> PositionAdapter: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +107,7 @@ class LayerKV:
 class Notebook:
     """The notes a model wrote at prefill: per-layer KV, positions, token ids and named spans.
 
-    A notebook is an immutable view ``[start, end)`` onto a :class:`~kvnotes.core.cache.KVStore`
+    A notebook is an immutable view ``[start, end)`` onto a :class:`~kvnotes.core.storage.KVStore`
     (growable per-layer buffers). Feeding tokens after a notebook whose view ends at its store's
     fill point writes them in place; after any other notebook the view is copied first
     (copy-on-write), so an operation never changes a notebook anyone holds.
@@ -149,6 +171,14 @@ class Notebook:
         nb = cls.__new__(cls)
         nb._init(store, start, end, spans, adapter, fingerprint, meta, origin, last_logits)
         return nb
+
+    @classmethod
+    def empty(cls, adapter: PositionAdapter, fingerprint: ModelFingerprint, *, origin: int = 0,
+              capacity: int = 0, meta: dict[str, Any] | None = None) -> Notebook:
+        """A notebook with no tokens whose first token will sit at ``origin``, in new storage
+        with room for ``capacity`` tokens."""
+        return cls.from_storage(KVStore(adapter.num_layers, capacity), 0, 0, (), adapter,
+                                fingerprint, meta, origin)
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -228,34 +258,87 @@ class Notebook:
     def fields(self) -> list[str]:
         return [s.name for s in self.spans if s.kind == "field"]
 
-    # ---- appending (the engine's and splices' way in) ---------------------------------------
+    # ---- appending: the one way new notes get into storage ----------------------------------
     @torch.inference_mode()
-    def claim(self, count: int, *, capacity: int = 0) -> tuple[KVStore, int, int]:
-        """Storage to append ``count`` tokens after this notebook: ``(store, start, end)``.
+    def append(self, token_ids: Sequence[int] | torch.Tensor, positions: torch.Tensor,
+               write: Callable[[Claim], T], *, spans: Iterable[Span] = (), keep: bool = True
+               ) -> tuple[Notebook, T]:
+        """Append tokens after this notebook; ``write`` writes their notes.
 
-        This notebook's tokens sit at ``[start, end)`` of ``store`` and ``[end, end + count)``
-        is claimed for writing. When the view ends at the store's fill point that is the same
-        store (in place, nothing copied); otherwise the view is first copied into a new store
-        (copy-on-write). ``capacity`` asks for room for that many tokens in all. Whoever
-        claims must write every layer, token id and position of the claimed range, or give it
-        back with :meth:`KVStore.release`.
+        Claims room for the ``q`` new tokens after this notebook's view (in place when the view
+        ends at its storage's fill point; otherwise the view is first copied into new storage,
+        copy-on-write), records their ids and positions, and calls ``write(claim)``, which
+        writes every layer's keys and values of the claimed rows: a forward through
+        :class:`~kvnotes.core.cache.NotebookCache` ``(claim)``, or copies into
+        :meth:`Claim.slots`. ``spans`` name ranges of the new tokens (relative to them).
+
+        Returns the longer notebook (no next-token logits kept: :meth:`with_logits`) and what
+        ``write`` returned. With ``keep=False`` the rows are given back once ``write`` returns
+        (a probe whose notes are dropped) and this notebook comes back. When ``write`` raises,
+        the rows are given back and nothing changed. This notebook is never changed.
         """
-        store, start, end = self._store, self._start, self._end
-        if end != store.fill:
-            n = end - start
-            fresh = KVStore(self.num_layers, max(capacity - start, n + count))
-            if n:
-                for l in range(self.num_layers):
-                    keys, values = store.view(l, start, end)
-                    k_out, v_out = fresh.slots(l, 0, n, keys, values)
-                    k_out.copy_(keys)
-                    v_out.copy_(values)
-                fresh.token_ids[:n] = store.token_ids[start:end]
-                fresh.positions[:n] = store.positions[start:end]
-            fresh.fill = n
-            store, start, end = fresh, 0, n
-        store.claim(end, count, capacity=start + capacity)
-        return store, start, end
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)  # [q]
+        positions = positions.to(torch.long).reshape(-1)  # [q]
+        q = ids.numel()
+        assert positions.numel() == q, "positions and token ids differ in length"
+        claim = self._claim(q)
+        end = claim.end
+        claim.store.token_ids[end:end + q] = ids
+        claim.store.positions[end:end + q] = positions
+        try:
+            result = write(claim)
+        except BaseException:
+            claim.store.release(end, end + q)
+            raise
+        if not keep:
+            claim.store.release(end, end + q)
+            return self, result
+        assert not q or claim.written(), "a layer wrote no keys for the appended tokens"
+        moved = [*self.spans, *(s.moved(len(self)) for s in spans)]
+        return Notebook.from_storage(claim.store, claim.start, end + q, moved, self.adapter,
+                                     self.fingerprint, self.meta, self.origin), result
+
+    @torch.inference_mode()
+    def rewritten(self, start: int, end: int, write: Callable[[Claim], T], *,
+                  in_place: bool = False) -> tuple[Notebook, T]:
+        """This notebook with the notes of tokens ``[start, end)`` written again by ``write``.
+
+        ``write(claim)`` gets the rows ``[start, end)`` to write on top of the notes before
+        them (ids and positions stay), as :meth:`append` does: a recompute of those tokens in
+        context. The view is copied first, so nothing anyone holds changes; ``in_place=True``
+        writes into this notebook's own storage instead, for a caller that alone views it
+        (compose repairing what it just spliced, a second run into a copy). The result keeps
+        no next-token logits (:meth:`with_logits`).
+        """
+        if not 0 <= start <= end <= len(self):
+            raise InvalidArgumentError(f"rewrite [{start}, {end}) is out of range for a notebook "
+                                       f"of {len(self)} tokens")
+        nb = self if in_place else self._copy()
+        claim = Claim(nb._store, nb._start, nb._start + start, end - start)
+        result = write(claim)
+        return nb._with(last_logits=None), result
+
+    def _claim(self, count: int) -> Claim:
+        """Room for ``count`` tokens after this notebook's view: the same storage when the view
+        ends at its fill point, else a copy of the view in new storage."""
+        owner = self if self._end == self._store.fill else self._copy(len(self) + count)
+        owner._store.claim(owner._end, count)
+        return Claim(owner._store, owner._start, owner._end, count)
+
+    def _copy(self, capacity: int = 0) -> Notebook:
+        """The same notebook in new storage of its own (room for ``capacity`` tokens)."""
+        n = len(self)
+        fresh = KVStore(self.num_layers, max(capacity, n))
+        for l in range(self.num_layers if n else 0):
+            keys, values = self._store.view(l, self._start, self._end)
+            k_out, v_out = fresh.slots(l, 0, n, keys, values)
+            k_out.copy_(keys)
+            v_out.copy_(values)
+        fresh.token_ids[:n] = self.token_ids
+        fresh.positions[:n] = self.positions
+        fresh.fill = n
+        return Notebook.from_storage(fresh, 0, n, self.spans, self.adapter, self.fingerprint,
+                                     self.meta, self.origin, last_logits=self.last_logits)
 
     @torch.inference_mode()
     def splice(self, part: Notebook, *, allow_approximate: bool = False) -> Notebook:
@@ -271,36 +354,41 @@ class Notebook:
         self._check_shift(delta, allow_approximate)
         positions = part.positions + delta
         self.adapter.check_positions(positions)
-        m = len(part)
-        store, start, end = self.claim(m)
-        for l in range(self.num_layers):
-            keys, values = part.keys(l), part.values(l)
-            k_out, v_out = store.slots(l, end, m, keys, values)
-            if delta:
-                self.adapter.shift_layer_into(l, keys, values, delta, k_out, v_out)
-            else:  # already in place (and schemes that cannot move notes allow this)
-                k_out.copy_(keys)
-                v_out.copy_(values)
-        store.token_ids[end:end + m] = part.token_ids
-        store.positions[end:end + m] = positions
-        spans = [*self.spans, *(s.moved(len(self)) for s in part.spans)]
-        return Notebook.from_storage(store, start, end + m, spans, self.adapter,
-                                     self.fingerprint, self.meta, self.origin)
+        longer, _ = self.append(part.token_ids, positions, part._shift_into(delta),
+                                spans=part.spans)
+        return longer
+
+    def _shift_into(self, delta: int) -> Callable[[Claim], None]:
+        """A writer of this notebook's notes moved ``delta`` positions (keys re-rotated)."""
+        def write(claim: Claim) -> None:
+            for l in range(self.num_layers if len(self) else 0):
+                keys, values = self.keys(l), self.values(l)
+                k_out, v_out = claim.slots(l, keys, values)
+                if delta:
+                    self.adapter.shift_layer_into(l, keys, values, delta, k_out, v_out)
+                else:  # already in place (and schemes that cannot move notes allow this)
+                    k_out.copy_(keys)
+                    v_out.copy_(values)
+        return write
 
     # ---- new notebooks from this one ------------------------------------------------------
-    def _with(self, **changes: Any) -> Notebook:
-        """The same view with other spans/meta/origin/last_logits (no tensor is touched)."""
-        args = dict(spans=self.spans, meta=self.meta, origin=self.origin,
-                    last_logits=self.last_logits)
-        args.update(changes)
-        return Notebook.from_storage(self._store, self._start, self._end, args["spans"],
-                                     self.adapter, self.fingerprint, args["meta"],
-                                     args["origin"], last_logits=args["last_logits"])
+    def _with(self, *, spans: Iterable[Span] | None = None, meta: dict[str, Any] | None = None,
+              last_logits: torch.Tensor | None | _Keep = _Keep.KEEP) -> Notebook:
+        """The same view with other spans, meta or last logits (no tensor is touched)."""
+        return Notebook.from_storage(
+            self._store, self._start, self._end, self.spans if spans is None else spans,
+            self.adapter, self.fingerprint, self.meta if meta is None else meta, self.origin,
+            last_logits=self.last_logits if last_logits is _Keep.KEEP else last_logits)
 
     def with_layers(self, layers: Sequence[LayerKV]) -> Notebook:
         """The same tokens, positions and spans with other KV (e.g. a patching hybrid)."""
         return Notebook(layers, self.token_ids, self.positions, self.spans, self.adapter,
                         self.fingerprint, self.meta, self.origin)
+
+    def with_logits(self, logits: torch.Tensor | None) -> Notebook:
+        """The same view keeping ``logits`` (FloatTensor[vocab]) as the next-token logits after
+        its last token: what the forward that wrote that token computed."""
+        return self._with(last_logits=logits)
 
     def with_spans(self, spans: Iterable[Span]) -> Notebook:
         return self._with(spans=tuple(spans))
@@ -334,17 +422,11 @@ class Notebook:
         self._check_shift(delta, allow_approximate)
         positions = self.positions + delta
         self.adapter.check_positions(positions)
-        n = len(self)
-        store = KVStore(self.num_layers, n)
-        for l in range(self.num_layers if n else 0):
-            keys, values = self.keys(l), self.values(l)
-            k_out, v_out = store.slots(l, 0, n, keys, values)
-            self.adapter.shift_layer_into(l, keys, values, delta, k_out, v_out)
-        store.token_ids[:n] = self.token_ids
-        store.positions[:n] = positions
-        store.fill = n
-        return Notebook.from_storage(store, 0, n, self.spans, self.adapter, self.fingerprint,
-                                     self.meta, self.origin + delta)
+        empty = Notebook.empty(self.adapter, self.fingerprint, origin=self.origin + delta,
+                               capacity=len(self), meta=self.meta)
+        moved, _ = empty.append(self.token_ids, positions, self._shift_into(delta),
+                                spans=self.spans)
+        return moved
 
     def moved_to(self, start: int, **kw: Any) -> Notebook:
         """The same notes shifted so the first token sits at ``start``."""
@@ -382,25 +464,18 @@ class Notebook:
         first = parts[0]
         for p in parts[1:]:
             first.check_same_model(p.fingerprint, what="concatenate notebooks of")
-        rest = sum(len(p) for p in parts[1:])
+        rest = [p for p in parts[1:] if len(p)]
         if not rest:
             return first if meta is None else first._with(meta=meta)
-        store, start, end = first.claim(rest)
-        spans = list(first.spans)
-        at = end
+        spans: list[Span] = []
+        at = 0
         for p in parts[1:]:
-            m = len(p)
-            for l in range(first.num_layers if m else 0):
-                keys, values = p.keys(l), p.values(l)
-                k_out, v_out = store.slots(l, at, m, keys, values)
-                k_out.copy_(keys)
-                v_out.copy_(values)
-            store.token_ids[at:at + m] = p.token_ids
-            store.positions[at:at + m] = p.positions
-            spans.extend(s.moved(at - start) for s in p.spans)
-            at += m
-        return Notebook.from_storage(store, start, at, spans, first.adapter, first.fingerprint,
-                                     meta if meta is not None else first.meta, first.origin)
+            spans.extend(s.moved(at) for s in p.spans)
+            at += len(p)
+        joined, _ = first.append(torch.cat([p.token_ids for p in rest]),
+                                 torch.cat([p.positions for p in rest]), _copy_into(rest),
+                                 spans=spans)
+        return joined if meta is None else joined._with(meta=meta)
 
     def check_same_model(self, fingerprint: ModelFingerprint, what: str = "use") -> None:
         if fingerprint != self.fingerprint:
@@ -427,19 +502,19 @@ class Notebook:
         })
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], engine: Engine) -> Notebook:
+    def load(cls, path: str | os.PathLike[str], engine: ModelOwner) -> Notebook:
         """Read a notebook written by :meth:`save` for this engine's model.
 
         Raises:
             NotebookFileError: the file is missing, truncated, tampered with or not a notebook.
             NotebookMismatchError: the notebook was written by a different model.
         """
-        if not hasattr(engine, "fingerprint") or not hasattr(engine, "adapter"):
+        if not all(hasattr(engine, a) for a in ("fingerprint", "adapter", "device")):
             raise ArgumentTypeError(f"Notebook.load needs the Engine whose model wrote the file, "
                                     f"got {type(engine).__name__}")
         header, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
                                      version=FILE_VERSION, what="notebook")
-        device = getattr(engine, "device", "cpu")  # files are read on the CPU
+        device = engine.device  # files are read on the CPU
         layers = [LayerKV(tensors[f"layers.{l}.keys"].to(device),
                           tensors[f"layers.{l}.values"].to(device))
                   for l in range(header["num_layers"])]
@@ -448,3 +523,18 @@ class Notebook:
             spans=[Span(*s) for s in header["spans"]], adapter=engine.adapter,
             fingerprint=engine.fingerprint, meta=header.get("meta"), origin=header["origin"],
         )
+
+
+def _copy_into(parts: Sequence[Notebook]) -> Callable[[Claim], None]:
+    """A writer of ``parts``' notes, one after the other, as they are (positions kept)."""
+    def write(claim: Claim) -> None:
+        at = 0
+        for p in parts:
+            rows = replace(claim, end=claim.end + at, count=len(p))
+            for l in range(p.num_layers):
+                keys, values = p.keys(l), p.values(l)
+                k_out, v_out = rows.slots(l, keys, values)
+                k_out.copy_(keys)
+                v_out.copy_(values)
+            at += len(p)
+    return write

@@ -37,12 +37,11 @@ import torch
 from kvnotes.core import validate
 from kvnotes.core.chat import chat_turn, has_template
 from kvnotes.core.document import Document, Field, document_meta, remembered_document
-from kvnotes.core.engine import Engine, register_editor
+from kvnotes.core.engine import Engine, repair_selector
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
 
 STRATEGIES = ("recompute", "prefix", "overwrite", "erratum", "repair")
-SELECTORS = ("attention", "kv_deviation")
 
 # Erratum wordings; {label}, {Label}, {old}, {new} are filled in. Measured by `kvnotes edit-eval
 # --strategies erratum:<name>`; "correction" is the default.
@@ -113,7 +112,7 @@ class _Plan:
 
 def _plan(engine: Engine, nb: Notebook, field: str, new_value: str) -> _Plan:
     nb.check_same_model(engine.fingerprint, what="edit a notebook with")
-    doc, offset = remembered_document(nb)
+    doc, offset = remembered_document(nb.meta)
     doc.value(field)  # unknown field: the error lists the document's fields
     if not new_value or not engine.encode(new_value):
         raise EmptyInputError(f"the new value for field {field!r} is empty; give a value with at "
@@ -251,8 +250,7 @@ def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Te
 
 def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, layer: int,
             memo: dict[Any, Any] | None) -> tuple[Notebook, int, int, float, float, float]:
-    if select not in SELECTORS:
-        raise UnknownNameError("selector", select, SELECTORS)
+    repair_selector(select, "edit")
     if k < 0:
         raise ValueError(f"repair budget k must be >= 0, got {k}")
     base, _, _ = _overwrite(engine, nb, plan)
@@ -299,7 +297,9 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         new_value: the new value (at least one token).
         strategy: one of ``recompute``, ``prefix``, ``overwrite``, ``erratum``, ``repair``.
         k: ``repair`` budget, the number of downstream tokens recomputed besides the field.
-        select: ``repair`` selection, ``"attention"`` or ``"kv_deviation"``.
+        select: ``repair`` selection, a repair selector that edits take
+            (:data:`~kvnotes.core.engine.REPAIR_SELECTORS`): ``"attention"`` or
+            ``"kv_deviation"``.
         layer: the early layer ``kv_deviation`` compares at (1 = the second layer).
         template: ``erratum`` wording: a name in :data:`ERRATUM_TEMPLATES` or a format string.
         chat: ``erratum`` as a chat turn (None: when the tokenizer has a chat template).
@@ -314,7 +314,7 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
     Example:
         >>> doc = Document(["Status: ", Field("status", "pending"), "."])
         >>> nb = engine.prefill(doc)                                      # doctest: +SKIP
-        >>> new, report = engine.edit(nb, "status", "done", strategy="prefix")  # doctest: +SKIP
+        >>> new, report = edit(engine, nb, "status", "done", strategy="prefix")  # doctest: +SKIP
     """
     validate.edit_args(engine, nb, field, new_value, k=k, layer=layer, chat=chat)
     if strategy not in STRATEGIES:
@@ -348,6 +348,3 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
     report = EditReport(strategy, field, old_value, new_value, len(plan.new_ids), computed,
                         reused, seconds=seconds, delta=plan.delta, **extra)
     return out, report
-
-
-register_editor(edit)
