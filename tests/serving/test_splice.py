@@ -1,7 +1,8 @@
 """Splicing for a serving engine, without a server: matching, slots, KV assembly, the store.
 
-The vLLM connector is a thin shell over these pieces (tests/apps/test_vllm_server.py runs it
-on a real server); here every rule is checked on tiny random models.
+The vLLM connector is a thin shell over these pieces (tests/serving/test_vllm_server.py runs it
+on a real server; tests/serving/test_connector_*.py its contract with fakes); here the
+splice itself is checked on tiny random models against kvnotes' own notebooks.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from conftest import make_tiny_engine
 
 from kvnotes.core.errors import UnsupportedModelError
 from kvnotes.core.tiny import ByteTokenizer, tiny_model
-from kvnotes.serving.piece_store import PieceStore, is_splice_salt
-from kvnotes.serving.skills import ServingManifest, ServingSkills, check_servable, read_entry
+from kvnotes.serving.kv_writer import KvWriter, WorkerShare
+from kvnotes.serving.manifest import ServingManifest, read_entry
+from kvnotes.serving.piece_store import PieceStore
+from kvnotes.serving.plans import LoadSpec
+from kvnotes.serving.skills import ServingSkills, check_servable
 from kvnotes.serving.splice import (
     KEY_TOKENS,
     PieceIndex,
     PieceInfo,
     Placement,
-    assemble_layer,
     external_tokens,
     leading_run,
     slot_mapping,
@@ -30,6 +33,21 @@ from kvnotes.serving.splice import (
 
 def piece(key: str, ids, origin: int = 0) -> PieceInfo:
     return PieceInfo(key, key, tuple(ids), origin)
+
+
+def cpu_writer(folder, manifest: ServingManifest) -> KvWriter:
+    """A worker's writer for the whole cache (every layer and head) on the CPU, in float32."""
+    share = WorkerShare(torch.device("cpu"), torch.float32, range(manifest.num_kv_heads),
+                        tuple(range(manifest.num_layers)))
+    return KvWriter(folder, manifest, share)
+
+
+def assembled(writer: KvWriter, run, start: int, end: int):
+    """Keys and values ``[layers, end - start, heads, head_dim]`` the writer builds."""
+    block_size = 16
+    load = LoadSpec("r", None, tuple(run), start, end, tuple(range(-(-end // block_size))),
+                    block_size)
+    return writer.assemble(load)
 
 
 # ---- matching ------------------------------------------------------------------------------------
@@ -110,12 +128,6 @@ def test_slot_mapping():
         slot_mapping([7, 3, 9], 4, 0, 13)
 
 
-def test_salt_rule():
-    assert is_splice_salt("kvnotes-splice")
-    assert is_splice_salt("kvnotes-splice-tenant7")
-    assert not is_splice_salt(None) and not is_splice_salt("") and not is_splice_salt("cold-1")
-
-
 # ---- skills and the store on a tiny model ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tokenizer):
@@ -132,16 +144,18 @@ def test_spliced_layer_equals_notebook_shifted(engine, tmp_path):
     start = 37
     moved = skill.shifted(start - int(skill.positions[0]))
     run = [Placement(info, start)]
+    writer = cpu_writer(skills.folder, skills.manifest)
+    k, v = assembled(writer, run, start, start + len(info))
+    torch.testing.assert_close(values, v)  # values never move
     for layer in range(skill.num_layers):
-        k, v = assemble_layer(run, start, start + len(info), layer,
-                              skills.manifest.inv_freq(layer), lambda key: (keys, values),
-                              torch.float32)
-        torch.testing.assert_close(k, moved.keys(layer)[0].transpose(0, 1), atol=1e-5, rtol=0)
-        torch.testing.assert_close(v, moved.values(layer)[0].transpose(0, 1), atol=0, rtol=0)
+        torch.testing.assert_close(k[layer], moved.keys(layer)[0].transpose(0, 1), atol=1e-5,
+                                   rtol=0)
+        torch.testing.assert_close(v[layer], moved.values(layer)[0].transpose(0, 1), atol=0,
+                                   rtol=0)
     # a window inside the run (vLLM's local hit covers the first tokens)
-    k, _ = assemble_layer(run, start + 5, start + 9, 0, skills.manifest.inv_freq(0),
-                          lambda key: (keys, values), torch.float32)
-    torch.testing.assert_close(k, moved.keys(0)[0, :, 5:9].transpose(0, 1), atol=1e-5, rtol=0)
+    k, _ = assembled(writer, run, start + 5, start + 9)
+    torch.testing.assert_close(k[0], moved.keys(0)[0, :, 5:9].transpose(0, 1), atol=1e-5,
+                               rtol=0)
 
 
 def test_spliced_prompt_matches_engine_compose(engine, tmp_path):
@@ -157,12 +171,11 @@ def test_spliced_prompt_matches_engine_compose(engine, tmp_path):
     composed = engine.compose([engine.compile(t, anchor="none") for t in (header, b, a)] + [user])
     assert composed.token_ids.tolist() == ids
     end = run[-1].end
+    k, v = assembled(cpu_writer(skills.folder, store.manifest), run, 0, end)
     for layer in range(composed.num_layers):
-        k, v = assemble_layer(run, 0, end, layer, store.manifest.inv_freq(layer), store.load,
-                              torch.float32)
-        torch.testing.assert_close(k, composed.keys(layer)[0, :, :end].transpose(0, 1),
+        torch.testing.assert_close(k[layer], composed.keys(layer)[0, :, :end].transpose(0, 1),
                                    atol=1e-5, rtol=0)
-        torch.testing.assert_close(v, composed.values(layer)[0, :, :end].transpose(0, 1),
+        torch.testing.assert_close(v[layer], composed.values(layer)[0, :, :end].transpose(0, 1),
                                    atol=0, rtol=0)
 
 
@@ -182,19 +195,6 @@ def test_store_picks_up_new_skills_and_skips_damaged_ones(engine, tmp_path):
     path.unlink()
     os.utime(skills.folder, ns=(0, store._mtime + 3))
     assert store.refresh() == 1 and info.key not in store.index
-
-
-def test_store_memory_is_bounded(engine, tmp_path):
-    skills = ServingSkills(tmp_path, engine)
-    infos = [skills.add(f"skill number {i} " * 8, name=f"s{i}") for i in range(4)]
-    one = sum(t.numel() * t.element_size() for t in read_entry(
-        skills.folder / f"{infos[0].key}.safetensors", engine.fingerprint)[1:])
-    store = PieceStore(skills.folder, max_bytes=int(2.5 * one))
-    for info in infos:
-        store.load(info.key)
-    assert store.cached_bytes <= int(2.5 * one)
-    keys, _ = store.load(infos[0].key)  # evicted ones load again from disk
-    assert keys.shape[1] == len(infos[0])
 
 
 def test_manifest_round_trip(engine, tmp_path):
@@ -258,7 +258,7 @@ def test_skill_compiled_after_the_header(engine, tmp_path):
     assert [p.piece.key for p in run] == [h.key, anchored.key] and run[1].delta == 0
     # placed right after its header, the anchored skill is exactly the prefill of header+skill
     full = engine.prefill(ids[:-1], bos=False)
+    k, _ = assembled(cpu_writer(skills.folder, store.manifest), run, 0, run[-1].end)
     for layer in range(full.num_layers):
-        k, _ = assemble_layer(run, 0, run[-1].end, layer, store.manifest.inv_freq(layer),
-                              store.load, torch.float32)
-        torch.testing.assert_close(k, full.keys(layer)[0].transpose(0, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(k[layer], full.keys(layer)[0].transpose(0, 1), atol=1e-5,
+                                   rtol=0)

@@ -21,7 +21,7 @@ from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
 from kvnotes.core.errors import ServingError
 from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.launch import compose_server
+from kvnotes.serving.launch import LaunchConfig, prepare
 from kvnotes.serving.server import find_vllm_python
 
 pytestmark = pytest.mark.vllm
@@ -40,11 +40,13 @@ def serving(vllm_python, smollm2, tmp_path_factory):
     """``(server, skills)``: a started server with the connector and its skill folder, the
     system header already registered."""
     root = tmp_path_factory.mktemp("vllm")
-    server, skills = compose_server(smollm2, "smollm2-135m", root / "skills", dtype="float32",
-                                    kv_cache_gib=1, python=str(vllm_python),
-                                    log_path=root / "server.log", max_model_len=4096)
+    launch = prepare(LaunchConfig(model="smollm2-135m", skills=root / "skills", dtype="float32",
+                                  kv_cache_gib=1, vllm_python=str(vllm_python),
+                                  log_path=root / "server.log", max_model_len=4096), smollm2)
+    server, skills = launch.server, launch.skills
+    assert skills is not None
     skills.add(HEADER, name="header")
-    with server:
+    with launch:
         yield server, skills
     # the server process (and every process it started) is gone
     assert server.proc is not None and server.proc.poll() is not None
@@ -62,7 +64,7 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
     config = BenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
                          request_timeout_s=300, time_budget_s=900)
-    result = run_benchmark(Client(server.url), config, log=print)
+    result = run_benchmark(Client(server.url), config, log=print).to_dict()
     rows = {s["policy"]: s for s in result["summaries"]}
     for s in rows.values():  # every request succeeded
         assert s["failed"] == 0 and s["skipped"] == 0 and s["ok"] == s["requests"] == 4, s

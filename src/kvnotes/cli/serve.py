@@ -12,6 +12,7 @@ from kvnotes.core.errors import ServingError
 
 
 def _max_pos(folder: Path) -> int:
+    """The model's position limit (read by cli/serve_bench.py until it uses export_model)."""
     import json
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -39,7 +40,8 @@ def serve(
     block_size: int = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
                                    "multiple of 32; default 128)"),
     max_model_len: int = typer.Option(4096, "--max-model-len"),
-    kv_cache_gib: float = typer.Option(2.0, "--kv-cache-gib", help="CPU KV cache size"),
+    kv_cache_gib: float = typer.Option(2, "--kv-cache-gib", help="CPU KV cache size in whole "
+                                       "GiB (vLLM's CPU build takes no fractions)"),
     vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the vLLM environment "
                                     "(default .venv-vllm/bin/python)"),
     log: Path = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
@@ -48,17 +50,18 @@ def serve(
     """Run vLLM (prefix caching on) with kvnotes' connector: registered skills found at the start
     of a request salted `kvnotes-splice` are spliced instead of prefilled. Stops on Ctrl-C."""
     import kvnotes
-    from kvnotes.serving.compose_client import SPLICE_SALT
-    from kvnotes.serving.launch import compose_server
+    from kvnotes.serving.launch import LaunchConfig, prepare
+    from kvnotes.serving.manifest import SPLICE_SALT
 
+    config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
+                          kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, port=port,
+                          skills=folder_option(skills, "--skills"), log_path=log,
+                          startup_timeout=startup_timeout, vllm_python=vllm_python)
     texts = _skill_files(skill)
     head = read_text_file(header, "--header") if header else None
-    folder_option(skills, "--skills")
-    engine = kvnotes.load(model)
-    server, lib = compose_server(engine, model, skills, dtype=dtype, block_size=block_size,
-                                 max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                                 port=port, python=vllm_python, log_path=log,
-                                 startup_timeout=startup_timeout)
+    launch = prepare(config, kvnotes.load(model))
+    lib, server = launch.skills, launch.server
+    assert lib is not None  # config.skills is set
     if head:
         lib.add(head, name="header")
     for name, text in texts:
@@ -66,7 +69,7 @@ def serve(
         typer.echo(f"skill {name}: {len(info)} tokens", err=True)
     typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
                err=True)
-    with server:
+    with launch:
         typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); send "
                    f"prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; Ctrl-C stops",
                    err=True)

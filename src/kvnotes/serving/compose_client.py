@@ -3,9 +3,10 @@
 The prompt is sent as token ids built part by part with kvnotes' own tokenization (BOS first
 when the tokenizer adds one, then each part's tokens with no special tokens: exactly what
 ``engine.compose`` feeds), so registered skills in it match the server's pieces token for
-token. Spliced requests carry a ``cache_salt`` starting with ``kvnotes-splice``; the same prompt
-without it is an exact request that never sees spliced KV (docs/serving.md). Talks to the
-server through the ``openai`` client (streaming completions, ``extra_body`` for the salt).
+token. Spliced requests carry the ``cache_salt`` ``kvnotes-splice`` (``kvnotes-splice:<tenant>``
+for a client with a tenant); the same prompt without it is an exact request that never sees
+spliced KV (docs/serving.md). Talks to the server through the ``openai`` client (streaming
+completions, ``extra_body`` for the salt).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from typing import Any
 from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import ServingError
 from kvnotes.serving.client import check_loopback_url
-from kvnotes.serving.piece_store import SPLICE_SALT_PREFIX
-
-SPLICE_SALT = SPLICE_SALT_PREFIX  # one salt for all spliced requests: repeats share the cache
+from kvnotes.serving.manifest import splice_salt
 
 
 def prompt_ids(tokenizer: Any, parts: Sequence[str]) -> list[int]:
@@ -61,17 +60,22 @@ class ComposeResult:
 class ComposeClient:
     """Send composed prompts to a loopback vLLM server started by ``kvnotes serve``.
 
+    ``tenant`` namespaces the client's spliced requests (salt ``kvnotes-splice:<tenant>``).
+
     Example:
         >>> client = ComposeClient("http://127.0.0.1:8000", "smollm2-135m", tokenizer)  # doctest: +SKIP
         >>> r = client.complete([HEADER, refunds, shipping, "Customer: ..."])          # doctest: +SKIP
         >>> r.text, r.cached_tokens, r.prompt_tokens                                    # doctest: +SKIP
     """
 
-    def __init__(self, url: str, model: str, tokenizer: Any, *, timeout: float = 600.0) -> None:
+    def __init__(self, url: str, model: str, tokenizer: Any, *, timeout: float = 600.0,
+                 tenant: str | None = None) -> None:
         check_loopback_url(url)  # before any client exists: loopback servers only
+        self.salt = splice_salt(tenant)  # checks the tenant's spelling before any request
         from openai import OpenAI  # the client library is only needed by this class
 
         self.url, self.model, self.tokenizer = url.rstrip("/"), model, tokenizer
+        self.tenant = tenant
         self._client = OpenAI(base_url=self.url + "/v1", api_key="kvnotes", timeout=timeout,
                               max_retries=0)
 
@@ -83,8 +87,8 @@ class ComposeClient:
                  logprobs: int | None = None) -> ComposeResult:
         """Greedy completion of the composed prompt.
 
-        ``splice=True`` sends the splice salt (skills at the front are supplied by the
-        connector); ``splice=False`` sends no salt (an exact request: plain prefix caching).
+        ``splice=True`` sends the client's splice salt (skills at the front are supplied by
+        the connector); ``splice=False`` sends no salt (an exact request: plain prefix caching).
         ``salt`` overrides both (e.g. a fresh salt per request for a cold prefill).
         """
         if ids is None:
@@ -93,7 +97,7 @@ class ComposeClient:
             ids = self.prompt_ids(parts)
         extra: dict[str, Any] = {}
         if salt is not None or splice:
-            extra["cache_salt"] = salt if salt is not None else SPLICE_SALT
+            extra["cache_salt"] = salt if salt is not None else self.salt
         res = ComposeResult(ok=False)
         t0 = time.perf_counter()
         try:

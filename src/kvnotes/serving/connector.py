@@ -4,25 +4,41 @@ Loaded by vLLM out of tree (``kvnotes serve`` passes these flags)::
 
     --kv-transfer-config '{"kv_connector": "KvnotesConnector",
                            "kv_connector_module_path": "kvnotes.serving.connector",
-                           "kv_role": "kv_both",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"skills": "ROOT/<fingerprint>"}}'
 
-Scheduler side: for a request whose ``cache_salt`` starts with ``kvnotes-splice``, match the
-prompt from token 0 against the registered pieces (:func:`~kvnotes.serving.splice.leading_run`)
-and report the part of that run beyond vLLM's local prefix hit as external tokens (vLLM takes
-one contiguous external run per request, right after its local hit, and leaves at least one
-token to compute). Worker side: before the forward, write each placed piece's keys (re-rotated
-from the position it was compiled at to its place in the prompt) and values into the paged
-cache through the attention backend's own ``do_kv_cache_update``, so the cache layout is the
-backend's business. A piece that cannot be read marks its blocks failed, and vLLM recomputes
-them. Requests without the salt are untouched. This module is the only one that imports vLLM.
+Which requests: those whose ``cache_salt`` is ``kvnotes-splice`` or ``kvnotes-splice:<tenant>``.
+The salt keeps their prefix-cache entries apart from exact requests' (spliced KV is close to,
+not equal to, a prefill) and a tenant's apart from other tenants'; the worker's tensor cache is
+namespaced by tenant too. Every other request is served exactly as without kvnotes.
+
+Scheduler side (:mod:`kvnotes.serving.plans`): match the prompt from token 0 against the
+registered pieces and report the part of that run past vLLM's local prefix hit as external
+tokens (vLLM takes one contiguous external run per request, right after its local hit, and
+leaves at least one token to compute); record the load with the request's blocks when vLLM
+allocates them, and hand it to the workers in the step that schedules the request: a new one,
+or one resumed after preemption (which the V1 model runner lists among its cached requests).
+
+Worker side (:mod:`kvnotes.serving.kv_writer`): before the forward, build each load's keys (re-
+rotated from where each piece was compiled to its place in the prompt) and values on the cache's
+device, for this rank's KV heads and this stage's layers, and write them through the attention
+backend's own ``do_kv_cache_update`` (the cache layout, fp8 scales included, stays the
+backend's). A piece deleted, damaged or replaced since it was planned fails its load: its blocks
+go to ``get_block_ids_with_load_errors`` and vLLM recomputes them (policy ``"recompute"``; with
+vLLM's default ``"fail"`` the request fails instead, so the connector warns at start).
+
+Refused at server start, each with the setting to change (:mod:`kvnotes.serving.connector_checks`):
+a model other than the skills' (shape, or RoPE tables differing from vLLM's rotary embedding),
+speculative decoding with draft layers, LoRA, MLA, decode/prefill context parallelism,
+KV-sharing layers, a backend without a separate cache write, a cache whose heads, head size,
+dtype or device this rank cannot write. Tensor and pipeline parallelism are supported.
+
+This module is the only one that imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,14 +49,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvnotes.serving.piece_store import PieceStore, is_splice_salt
-from kvnotes.serving.splice import (
-    Placement,
-    assemble_layer,
-    external_tokens,
-    leading_run,
-    slot_mapping,
+from kvnotes.core.errors import InvalidArgumentError, ServingError
+from kvnotes.serving.connector_checks import (
+    ServedModel,
+    check_layers,
+    check_rope,
+    check_served,
 )
+from kvnotes.serving.kv_writer import KvWriter, WorkerShare, rank_heads
+from kvnotes.serving.manifest import SPLICE_SALT, ServingManifest, salt_tenant
+from kvnotes.serving.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
+from kvnotes.serving.plans import LoadSpec, SplicePlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,19 +70,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    """Tokens ``[start, end)`` of one request, supplied by ``run``, written at ``slots``."""
-
-    req_id: str
-    run: tuple[Placement, ...]
-    start: int
-    end: int
-    slots: torch.Tensor  # LongTensor[end - start]
-    block_ids: tuple[int, ...]
 
 
 @dataclass
@@ -71,13 +77,54 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-def layer_index(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
+def splice_tenant(salt: str | None) -> tuple[bool, str | None]:
+    """``(spliced, tenant)`` for a request's salt: only ``kvnotes-splice`` and
+    ``kvnotes-splice:<tenant>`` are spliced."""
+    if salt == SPLICE_SALT:
+        return True, None
+    tenant = salt_tenant(salt)
+    return tenant is not None, tenant
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """``(rank, size)`` of this worker in its tensor-parallel group."""
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def rotary_embeddings() -> list[Any]:
+    """The rotary embedding modules this process's model built (vLLM caches each one)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    except ImportError:
+        return []
+    return list(_ROPE_DICT.values())
+
+
+def served_model(vllm_config: VllmConfig) -> ServedModel:
+    hf = vllm_config.model_config.hf_text_config
+    heads = int(getattr(hf, "num_attention_heads", 0) or 0)
+    spec = vllm_config.speculative_config
+    par = vllm_config.parallel_config
+    return ServedModel(
+        num_layers=int(hf.num_hidden_layers),
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", heads) or heads),
+        head_dim=int(getattr(hf, "head_dim", 0) or hf.hidden_size // max(1, heads)),
+        tensor_parallel=int(getattr(par, "tensor_parallel_size", 1)),
+        decode_context_parallel=int(getattr(par, "decode_context_parallel_size", 1)),
+        prefill_context_parallel=int(getattr(par, "prefill_context_parallel_size", 1)),
+        speculative_method=(str(spec.method) if spec is not None and spec.uses_draft_kv_cache()
+                            else None),
+        lora=vllm_config.lora_config is not None,
+        mla=bool(getattr(vllm_config.model_config, "use_mla", False)))
 
 
 class KvnotesConnector(KVConnectorBase_V1):
-    """Splices kvnotes serving skills into requests salted ``kvnotes-splice*``."""
+    """Splices kvnotes serving skills into requests salted ``kvnotes-splice[:<tenant>]``."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -85,111 +132,106 @@ class KvnotesConnector(KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         folder = extra.get("skills")
         if not folder:
-            raise ValueError("KvnotesConnector needs kv_connector_extra_config.skills: the "
-                             "serving folder ROOT/<fingerprint> (`kvnotes serve` sets it)")
-        scheduler = role == KVConnectorRole.SCHEDULER
-        self.store = PieceStore(folder, max_bytes=int(float(extra.get("max_gib", 2)) * (1 << 30)),
-                                keep_tensors=not scheduler)
-        self._check_model(vllm_config)
+            raise ServingError("KvnotesConnector needs kv_connector_extra_config.skills: the "
+                               "serving folder ROOT/<fingerprint> (`kvnotes serve` sets it)")
+        self.folder = str(folder)
+        self.max_bytes = int(float(extra.get("max_gib", 2)) * (1 << 30))
+        self.max_entry_bytes = int(float(extra.get("max_entry_mib", DEFAULT_MAX_ENTRY_BYTES
+                                                   >> 20)) * (1 << 20))
+        self.manifest = ServingManifest.read(self.folder)
+        served = served_model(vllm_config)
+        check_served(self.manifest, served, self.folder)
+        try:
+            rank_heads(served.num_kv_heads, served.tensor_parallel, 0)
+        except InvalidArgumentError as err:
+            raise ServingError(f"kvnotes connector: {err}; choose another "
+                               "--tensor-parallel-size") from err
         self.block_size = int(vllm_config.cache_config.block_size)
         self.dtype: torch.dtype = vllm_config.model_config.dtype
-        self._plans: dict[str, tuple[tuple[Placement, ...], int]] = {}
-        self._pending: dict[str, tuple[tuple[Placement, ...], int, int]] = {}
+        self.scheduler = role == KVConnectorRole.SCHEDULER
+        self.store: PieceStore | None = None
+        self.planner: SplicePlanner | None = None
+        self.writer: KvWriter | None = None
+        self._layers: list[tuple[int, str]] = []
         self._failed_blocks: set[int] = set()
-        log.info("kvnotes connector (%s): %d skills in %s, block size %d",
-                 "scheduler" if scheduler else "worker", len(self.store.index), folder,
-                 self.block_size)
-
-    def _check_model(self, vllm_config: VllmConfig) -> None:
-        """Refuse, at server start, a served model the skills were not compiled for."""
-        m = self.store.manifest
-        hf = vllm_config.model_config.hf_text_config
-        heads = int(getattr(hf, "num_attention_heads", 0) or 0)
-        served = (int(hf.num_hidden_layers),
-                  int(getattr(hf, "num_key_value_heads", heads) or heads),
-                  int(getattr(hf, "head_dim", 0) or hf.hidden_size // max(1, heads)))
-        want = (m.num_layers, m.num_kv_heads, m.head_dim)
-        if served != want:
-            raise ValueError(f"kvnotes skills in {self.store.folder} were compiled for {m.model} "
-                             f"(layers, kv heads, head dim = {want}); the server runs a model "
-                             f"with {served}. Point --skills at this model's skills.")
-        if m.scheme != "rope":
-            raise ValueError(f"kvnotes connector: position scheme {m.scheme!r} cannot be moved "
-                             "exactly inside vLLM; serve without --skills")
+        if self.scheduler:
+            self.store = PieceStore(self.folder, max_entry_bytes=self.max_entry_bytes)
+            self.planner = SplicePlanner(block_size=self.block_size)
+            policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+            if policy != "recompute":
+                log.warning("kvnotes connector: kv_load_failure_policy is %r: a skill deleted "
+                            "or damaged while serving fails the requests using it; set "
+                            "\"kv_load_failure_policy\": \"recompute\" (kvnotes serve does) to "
+                            "recompute them instead", policy)
+            log.info("kvnotes connector (scheduler): %d skills in %s, block size %d",
+                     len(self.store.index), self.folder, self.block_size)
 
     # ---- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        if not is_splice_salt(getattr(request, "cache_salt", None)):
-            return 0, False
+        assert self.planner is not None and self.store is not None
+        spliced, tenant = splice_tenant(getattr(request, "cache_salt", None))
+        if not spliced or getattr(request, "mm_features", None):
+            return 0, False  # multimodal prompts: placeholders are not text the skills hold
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
-        run = leading_run(tokens, self.store.index)
-        ext = external_tokens(run, len(tokens), num_computed_tokens)
-        if ext:
-            self._plans[request.request_id] = (tuple(run), num_computed_tokens + ext)
-        else:
-            self._plans.pop(request.request_id, None)
-        return ext, False
+        return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
+                                  self.store.index), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        plan = self._plans.pop(request.request_id, None)
-        if num_external_tokens <= 0 or plan is None:
-            return
-        run, end = plan
-        # the external run always ends where the matched run (capped) ends
-        self._pending[request.request_id] = (run, end - num_external_tokens, end)
+        assert self.planner is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        self.planner.allocated(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvnotesConnectorMetadata()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            pending = self._pending.pop(new_req.req_id, None)
-            if pending is None:
-                continue
-            run, start, end = pending
-            block_ids = tuple(new_req.block_ids[0])
-            meta.loads.append(LoadSpec(new_req.req_id, run, start, end,
-                                       slot_mapping(block_ids, self.block_size, start, end),
-                                       block_ids))
-        # requests that were planned but not scheduled this step are planned again next time
-        self._pending.clear()
-        return meta
+        assert self.planner is not None
+        # every request this step schedules, new, resumed or running, is a key here
+        return KvnotesConnectorMetadata(self.planner.take(scheduler_output.num_scheduled_tokens))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self._plans.pop(request.request_id, None)
-        self._pending.pop(request.request_id, None)
+        if self.planner is not None:
+            self.planner.finished(request.request_id)
         return False, None
 
     # ---- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check, once the caches exist, that this worker can write them; refuse otherwise."""
+        rank, size = tensor_parallel()
+        heads = rank_heads(self.manifest.num_kv_heads, size, rank)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        self._layers = check_layers(self.manifest, layers, kv_caches, heads=heads,
+                                    dtype=self.dtype)
+        if not self._layers:
+            log.warning("kvnotes connector (worker): no attention layer to write; nothing "
+                        "will be spliced on this worker")
+            return
+        device = kv_caches[self._layers[0][1]].device
+        compared = check_rope(self.manifest, rotary_embeddings())
+        if not compared:
+            log.warning("kvnotes connector (worker): vLLM's rotary embeddings were not found; "
+                        "the skills' RoPE tables are used unchecked")
+        share = WorkerShare(device=device, dtype=self.dtype, heads=heads,
+                            layers=tuple(i for i, _ in self._layers))
+        self.writer = KvWriter(self.folder, self.manifest, share, max_bytes=self.max_bytes,
+                               max_entry_bytes=self.max_entry_bytes)
+        log.info("kvnotes connector (worker, tp rank %d of %d): layers %d..%d, KV heads %d..%d "
+                 "on %s in %s; RoPE tables checked against %d rotary embeddings", rank, size,
+                 share.layers[0], share.layers[-1], heads.start, heads.stop - 1, device,
+                 self.dtype, compared)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvnotesConnectorMetadata) or not meta.loads:
             return
-        layers = [(i, layer) for name, layer in forward_context.no_compile_layers.items()
-                  if (i := layer_index(name)) is not None
-                  and getattr(layer, "kv_cache", None) is not None and hasattr(layer, "impl")]
-        for load in meta.loads:
-            t0 = time.perf_counter()
-            try:
-                for p in load.run:  # read every piece first: a missing one fails the load whole
-                    self.store.load(p.piece.key)
-            except Exception as err:  # noqa: BLE001 -- a bad entry must never kill the server
-                log.warning("kvnotes: request %s: skill unavailable (%s); recomputing",
-                            load.req_id, err)
-                self._failed_blocks.update(
-                    load.block_ids[load.start // self.block_size:-(-load.end // self.block_size)])
-                continue
-            for i, layer in layers:
-                keys, values = assemble_layer(load.run, load.start, load.end, i,
-                                              self.store.inv_freqs[i], self.store.load,
-                                              self.dtype)
-                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache,
-                                              load.slots.to(layer.kv_cache.device))
-            log.info("kvnotes: request %s: spliced tokens [%d, %d) from %d pieces in %.1f ms",
-                     load.req_id, load.start, load.end, len(load.run),
-                     1000 * (time.perf_counter() - t0))
+        if self.writer is None:  # no layer here, or the caches were never registered
+            if self._layers:
+                raise AssertionError("kvnotes connector: loads before register_kv_caches")
+            return
+        ctx = forward_context.no_compile_layers
+        self._failed_blocks |= self.writer.write(meta.loads,
+                                                 [(i, ctx[name]) for i, name in self._layers])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done before the forward

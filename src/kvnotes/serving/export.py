@@ -44,8 +44,8 @@ def export_hf_dir(model: str = "smollm2-135m", out_dir: str | Path | None = None
 
     source = resolve(model)
     if not isinstance(source, Path):
-        raise UnknownModelError(f"{model!r} is a hub id; serve-bench --launch needs a local model "
-                                "(a bundled alias, a .gguf file or an HF folder)")
+        raise UnknownModelError(f"{model!r} is a hub id; a server kvnotes launches needs a local "
+                                "model (a bundled alias, a .gguf file or an HF folder)")
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
         raise UnknownModelError(f"{source} has no .safetensors weights to export for vLLM")

@@ -1,64 +1,223 @@
-"""Start vLLM with kvnotes' connector: the model exported, the skills folder prepared.
+"""The one way kvnotes starts a vLLM server: a :class:`LaunchConfig` in, a running server out.
 
-:func:`compose_server` is what ``kvnotes serve`` and the skills benchmark use: it checks the
-model can be spliced exactly (before anything starts), writes the serving manifest, exports a
-vLLM-ready copy of the model, and returns a :class:`VLLMServer` whose command line loads
-:class:`~kvnotes.serving.connector.KvnotesConnector` with prefix caching on.
+:func:`prepare` exports a vLLM-ready copy of the model, builds the command line and environment
+and returns a :class:`Launch`; entering it starts the server and waits until it is healthy,
+leaving it stops the server. With ``LaunchConfig.skills`` set, the server loads
+:class:`~kvnotes.serving.connector.KvnotesConnector` over that skill library (the model is first
+checked to be splicable exactly, and the serving manifest written); without it, it is plain vLLM
+with prefix caching. ``kvnotes serve``, ``kvnotes serve-bench`` and the benchmark scripts all
+start their servers here.
+
+Example:
+    >>> from kvnotes.serving.launch import LaunchConfig, prepare          # doctest: +SKIP
+    >>> with prepare(LaunchConfig(model="smollm2-135m", kv_cache_gib=2)) as launch:  # doctest: +SKIP
+    ...     print(launch.url)
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import cpu_flags
 from kvnotes.serving.connector_path import SOURCE_ROOT
 from kvnotes.serving.export import export_hf_dir
-from kvnotes.serving.server import VLLMServer
-from kvnotes.serving.skills import ServingSkills
+from kvnotes.serving.server import VLLMServer, check_kv_cache_gib
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
+    from kvnotes.serving.skills import ServingSkills
 
 CONNECTOR_CLASS = "KvnotesConnector"
 CONNECTOR_MODULE = "kvnotes.serving.connector"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def cpu_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), else float32
-    (RECIPES.md: bf16 without native support is several times slower)."""
+    """bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), else float32:
+    bfloat16 without native support runs several times slower on vLLM's CPU build."""
     native_bf16 = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
     return "bfloat16" if native_bf16 else "float32"
 
 
 def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvnotes' connector over one model's skills folder.
+
+    ``kv_load_failure_policy`` is ``recompute``: a skill that cannot be read when its KV is
+    loaded (deleted or damaged since it was planned) is prefilled instead, where vLLM's default
+    (``fail``) would fail the request and the co-batched ones sharing its blocks.
+    """
     return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"skills": str(skills_folder), "max_gib": max_gib}}
 
 
-def compose_server(engine: Engine, model: str, skills_root: str | os.PathLike[str], *,
-                   dtype: str = "auto", block_size: int | None = None,
-                   max_model_len: int = 4096, kv_cache_gib: float = 2.0,
-                   port: int | None = None, python: str | None = None,
-                   log_path: str | os.PathLike[str] | None = None,
-                   startup_timeout: float = 900.0) -> tuple[VLLMServer, ServingSkills]:
-    """A (not yet started) vLLM server for ``model`` that splices the skills under
-    ``skills_root``, and the :class:`ServingSkills` to register skills with (also while it
-    runs). Raises :class:`~kvnotes.UnsupportedModelError` at once for a model whose keys
-    cannot be moved exactly."""
-    skills = ServingSkills(skills_root, engine)  # checks the scheme, writes the manifest
-    served_dtype = cpu_dtype() if dtype == "auto" else dtype
-    folder = export_hf_dir(model, dtype=served_dtype)
-    extra = ["--kv-transfer-config", json.dumps(kv_transfer_config(skills.folder))]
-    if block_size:
-        extra += ["--block-size", str(block_size)]
-    # the server's Python imports kvnotes from this checkout (it lives in another venv)
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """How to start one vLLM server.
+
+    Args:
+        model: a bundled alias, a ``.gguf`` file or an HF folder (exported for vLLM).
+        dtype: ``auto`` (:func:`cpu_dtype`), ``float32``, ``bfloat16`` or ``float16``.
+        block_size: vLLM's KV block size (None: vLLM's default, 128 on the CPU build).
+        kv_cache_gib: the CPU KV cache, in whole GiB (vLLM's CPU build reads it with ``int()``).
+        max_model_len: the longest prompt plus answer (None: the model's
+            ``max_position_embeddings``).
+        port: the port on 127.0.0.1 (None: a free one).
+        skills: a skill-library root: the connector is on and splices the skills published
+            there (None: plain vLLM, no connector).
+        connector_max_gib: the bound on skill tensors the connector keeps in memory.
+        extra_args: more vLLM command-line arguments.
+        log_path: the server's log (None: ``$TMPDIR/kvnotes-vllm-<port>.log``).
+        startup_timeout: seconds to wait for the server to become healthy.
+        vllm_python: the Python of the vLLM environment (None: ``$KVNOTES_VLLM_PYTHON`` or
+            ``.venv-vllm/bin/python``).
+        served_name: the model name clients ask for (None: the alias, or the file's stem).
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    block_size: int | None = None
+    kv_cache_gib: int = 2
+    max_model_len: int | None = 4096
+    port: int | None = None
+    skills: Path | None = None
+    connector_max_gib: float = 2.0
+    extra_args: tuple[str, ...] = ()
+    log_path: Path | None = None
+    startup_timeout: float = 900.0
+    vllm_python: str | None = None
+    served_name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_gib", check_kv_cache_gib(self.kv_cache_gib))
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise InvalidArgumentError(f"block_size {self.block_size}: use a positive number "
+                                       "of tokens (vLLM's CPU build wants a multiple of 32)")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise InvalidArgumentError(f"max_model_len {self.max_model_len}: use a positive "
+                                       "number of tokens, or None for the model's limit")
+        if self.skills is not None:
+            object.__setattr__(self, "skills", Path(self.skills))
+        if self.log_path is not None:
+            object.__setattr__(self, "log_path", Path(self.log_path))
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+
+    @property
+    def name(self) -> str:
+        """The served model name."""
+        if self.served_name:
+            return self.served_name
+        return Path(self.model).stem if Path(self.model).exists() else self.model
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedModel:
+    """A vLLM-ready copy of a model."""
+
+    folder: Path
+    dtype: str  # resolved: never "auto"
+    max_positions: int  # config.json's max_position_embeddings
+
+
+def export_model(model: str, dtype: str = "auto") -> ExportedModel:
+    """Export ``model`` for vLLM in ``dtype`` (``auto``: :func:`cpu_dtype`); an up-to-date
+    export is reused, so calling this before :func:`prepare` costs a few file stats."""
+    served = cpu_dtype() if dtype == "auto" else dtype
+    folder = export_hf_dir(model, dtype=served)
+    cfg = json.loads((folder / "config.json").read_text("utf-8"))
+    return ExportedModel(folder, served, int(cfg.get("max_position_embeddings") or 1 << 30))
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRecord:
+    """What was launched, for a result file (``to_dict()`` at the JSON boundary)."""
+
+    model_dir: str
+    dtype: str
+    block_size: int | None
+    max_model_len: int
+    kv_cache_gib: int
+    connector: bool
+    command: list[str]
+    startup_s: float | None
+    pid: int | None
+    stopped: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Launch:
+    """A prepared server (from :func:`prepare`): ``with launch:`` runs it.
+
+    ``skills`` is the library to publish skills to (before the start or while it runs) when the
+    connector is on, else None.
+    """
+
+    config: LaunchConfig
+    model: ExportedModel
+    server: VLLMServer
+    max_model_len: int
+    skills: ServingSkills | None = field(default=None)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def __enter__(self) -> Launch:
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.__exit__(*exc)
+
+    def record(self) -> LaunchRecord:
+        return LaunchRecord(
+            model_dir=str(self.model.folder), dtype=self.model.dtype,
+            block_size=self.config.block_size, max_model_len=self.max_model_len,
+            kv_cache_gib=self.config.kv_cache_gib, connector=self.skills is not None,
+            command=list(self.server.cmd), startup_s=self.server.startup_s, pid=self.server.pid,
+            stopped=self.server.proc is not None and not self.server.alive_pids())
+
+
+def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
+    """Export the model and build a (not yet started) server for ``config``.
+
+    ``engine`` (the same model, loaded by kvnotes) is needed when ``config.skills`` is set: it
+    refuses a model whose keys the connector cannot move exactly
+    (:class:`~kvnotes.UnsupportedModelError`, before anything starts) and writes the serving
+    manifest. A plain launch never imports the engine.
+    """
+    skills: ServingSkills | None = None
+    extra = list(config.extra_args)
+    if config.skills is not None:
+        if engine is None:
+            raise InvalidArgumentError(
+                "LaunchConfig.skills is set: pass the model's engine too "
+                "(prepare(config, kvnotes.load(config.model))) so its skills can be checked "
+                "and published")
+        from kvnotes.serving.skills import ServingSkills
+
+        skills = ServingSkills(config.skills, engine)  # checks the scheme, writes the manifest
+        extra += ["--kv-transfer-config",
+                  json.dumps(kv_transfer_config(skills.folder, max_gib=config.connector_max_gib))]
+    exported = export_model(config.model, config.dtype)
+    if config.block_size:
+        extra += ["--block-size", str(config.block_size)]
+    max_model_len = config.max_model_len or exported.max_positions
+    # the server's Python imports kvnotes from this source tree (it lives in another venv)
     env = {"PYTHONPATH": os.pathsep.join(
         p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    name = model if not Path(model).exists() else Path(model).stem
-    server = VLLMServer(folder, served_name=name, python=python, port=port, log_path=log_path,
-                        max_model_len=max_model_len, dtype=served_dtype,
-                        kv_cache_gib=kv_cache_gib, extra_args=extra, env=env,
-                        startup_timeout=startup_timeout)
-    return server, skills
+    server = VLLMServer(exported.folder, served_name=config.name, python=config.vllm_python,
+                        port=config.port, log_path=config.log_path, max_model_len=max_model_len,
+                        dtype=exported.dtype, kv_cache_gib=config.kv_cache_gib,
+                        extra_args=extra, env=env, startup_timeout=config.startup_timeout)
+    return Launch(config, exported, server, max_model_len, skills)

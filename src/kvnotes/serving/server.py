@@ -1,6 +1,9 @@
-"""Launching a local vLLM OpenAI-compatible server in its own virtual environment.
+"""A vLLM OpenAI-compatible server as a child process in its own virtual environment.
 
-The server runs as a child process on 127.0.0.1 with prefix caching on. It is stopped by its
+:class:`VLLMServer` runs vLLM's OpenAI entry point on a model folder with the basic settings
+(port, dtype, context length, KV cache size) and whatever extra arguments it is given;
+:mod:`kvnotes.serving.launch` exports the model, adds the connector and is where servers are
+started from. The server runs as a child process on 127.0.0.1 with prefix caching on. It is stopped by its
 own process id (and the ids of the processes it started, recorded while it ran) when the
 ``with`` block ends, on error, on Ctrl-C and on SIGTERM. Errors carry the tail of its log.
 """
@@ -8,6 +11,7 @@ own process id (and the ids of the processes it started, recorded while it ran) 
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import signal
 import socket
@@ -18,11 +22,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from kvnotes.core.errors import ServingError
+from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.serving.client import Client
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
-_REPO_ROOT = Path(__file__).resolve().parents[4]
+_REPO_ROOT = Path(__file__).resolve().parents[3]  # src/kvnotes/serving/server.py -> checkout
 
 
 def find_vllm_python(explicit: str | Path | None = None) -> Path:
@@ -43,6 +47,23 @@ def find_vllm_python(explicit: str | Path | None = None) -> Path:
     raise ServingError(f"no vLLM environment found (looked for {tried}): run `make vllm` to "
                        f"create .venv-vllm, or point --vllm-python / ${VLLM_PYTHON_ENV} at the "
                        "Python of an environment with vLLM installed")
+
+
+def check_kv_cache_gib(gib: float) -> int:
+    """``gib`` as the whole number of GiB vLLM's CPU build accepts (it reads
+    ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so 0.1 would fail minutes into the start).
+
+    Example:
+        >>> check_kv_cache_gib(2.0)
+        2
+    """
+    if (isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib)
+            or gib != int(gib) or gib < 1):
+        raise InvalidArgumentError(
+            f"kv_cache_gib {gib!r}: vLLM's CPU build takes its KV cache size in whole GiB "
+            "(VLLM_CPU_KVCACHE_SPACE is read with int()); pass a whole number of at least 1, "
+            "e.g. --kv-cache-gib 1")
+    return int(gib)
 
 
 def free_port() -> int:
@@ -105,7 +126,7 @@ class VLLMServer:
     def __init__(self, model_dir: str | Path, *, served_name: str, port: int | None = None,
                  python: str | Path | None = None, log_path: str | Path | None = None,
                  prefix_caching: bool = True, max_model_len: int = 4096,
-                 dtype: str = "bfloat16", kv_cache_gib: float = 2.0,
+                 dtype: str = "bfloat16", kv_cache_gib: int = 2,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None,
                  module: str = "vllm.entrypoints.openai.api_server",
                  startup_timeout: float = 900.0) -> None:
@@ -121,10 +142,11 @@ class VLLMServer:
                     "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
                     *extra_args]
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        self.kv_cache_gib = check_kv_cache_gib(kv_cache_gib)
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         self._known: dict[int, str | None] = {}  # pid -> start time, for every process seen
         self._old_sigterm: object = None

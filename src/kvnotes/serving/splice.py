@@ -6,21 +6,18 @@ from token 0 against the registered pieces; the longest run of consecutive piece
 *leading run*, and only that run can be supplied from outside the model (vLLM asks a connector
 once, for one contiguous run right after its local prefix-cache hit; see docs/serving.md).
 
-Nothing here imports vLLM: matching, slot arithmetic and KV assembly are pure functions over
-token ids and tensors, tested without a server. Keys are post-RoPE; moving a piece from
-``origin`` to ``start`` is one more rotation by ``start - origin`` with the model's inverse
-frequencies (:func:`kvnotes.core.positions.rope.rotate_keys`, the function
-``Notebook.shifted`` uses for the same scheme).
+Nothing here imports vLLM: matching and slot arithmetic are pure functions over token ids,
+tested without a server. Keys are post-RoPE; moving a piece from ``origin`` to ``start`` is one
+more rotation by ``start - origin`` (:attr:`Placement.delta`) with the model's inverse
+frequencies, done where the keys are written (:mod:`kvnotes.serving.kv_writer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from kvnotes.core.positions.rope import rotate_keys
 
 # Index key length: pieces are looked up by the hash of their first KEY_TOKENS tokens, so a
 # position costs one dict lookup plus a full compare of the (few) candidates, whatever the
@@ -173,30 +170,3 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
     t = torch.arange(start, end)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
     return blocks[t // block_size] * block_size + t % block_size
-
-
-# A loader returns a piece's stored tensors: keys and values [layers, n, kv_heads, head_dim].
-Loader = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
-
-
-def assemble_layer(run: Sequence[Placement], start: int, end: int, layer: int,
-                   inv_freq: torch.Tensor, load: Loader, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[end - start, kv_heads, head_dim]`` of prompt tokens ``[start, end)``
-    for one layer, each piece's keys turned from its origin to its place in the prompt."""
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for p in run:
-        lo, hi = max(start, p.start), min(end, p.end)
-        if lo >= hi:
-            continue
-        k, v = load(p.piece.key)
-        k = k[layer, lo - p.start:hi - p.start]  # [m, h, d]
-        v = v[layer, lo - p.start:hi - p.start]
-        if p.delta:
-            k = rotate_keys(k, inv_freq, p.delta)
-        keys.append(k.to(dtype))
-        values.append(v.to(dtype))
-    if sum(k.shape[0] for k in keys) != end - start:
-        raise ValueError(f"the run does not cover tokens [{start}, {end})")
-    return torch.cat(keys), torch.cat(values)

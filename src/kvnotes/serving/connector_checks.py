@@ -1,0 +1,232 @@
+"""What the vLLM connector refuses at server start, and why: each check names the setting.
+
+A splice writes keys and values into vLLM's paged cache that vLLM did not compute; if they do
+not fit the model and layout being served, the server answers wrongly and says nothing. So the
+connector checks, before the first request:
+
+- :func:`check_served` (both processes, from the configuration): the model's shape against the
+  manifest's; and it refuses what the connector cannot write correctly yet: speculative decoding
+  with draft layers (their KV for spliced tokens would be missing), LoRA (an adapter on the
+  key/value projections makes other KV than the base model's skills hold), MLA (a latent cache,
+  another write), decode/prefill context parallel (slots interleaved across ranks);
+- :func:`check_layers` (each worker, with its cache tensors): every attention layer maps to a
+  manifest layer, is not a KV-sharing layer, has the backend's ``(layer, key, value, kv_cache,
+  slot_mapping)`` write, and holds exactly the KV heads and head size this rank writes;
+- :func:`check_rope` (each worker, with vLLM's rotary embeddings): the manifest's RoPE tables
+  are the ones the served model rotates with (a changed ``rope_theta`` or scaling of the same
+  shape passes a shape check).
+
+Nothing here imports vLLM: the connector passes plain values and the layer objects.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvnotes.core.errors import ServingError
+from kvnotes.serving.manifest import ServingManifest
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+WRITE_PARAMS = ("layer", "key", "value", "kv_cache", "slot_mapping")
+_FIX = "Serve without --skills (kvnotes' connector off), or"
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer index in a vLLM layer name (``model.layers.3.self_attn.attn`` -> 3)."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What the connector reads from vLLM's configuration (both processes)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tensor_parallel: int = 1
+    decode_context_parallel: int = 1
+    prefill_context_parallel: int = 1
+    speculative_method: str | None = None  # set only for methods with draft-model KV
+    lora: bool = False
+    mla: bool = False
+
+
+def check_served(manifest: ServingManifest, served: ServedModel, folder: object) -> None:
+    """Refuse, with a message that names the fix, a server the skills cannot be spliced into."""
+    want = (manifest.num_layers, manifest.num_kv_heads, manifest.head_dim)
+    got = (served.num_layers, served.num_kv_heads, served.head_dim)
+    if got != want:
+        raise ServingError(f"kvnotes skills in {folder} were compiled for {manifest.model} "
+                           f"(layers, kv heads, head dim = {want}); the server runs a model with "
+                           f"{got}. Point --skills at this model's skills.")
+    if manifest.scheme != "rope":
+        raise ServingError(f"kvnotes connector: position scheme {manifest.scheme!r} cannot be "
+                           "moved exactly inside vLLM; serve without --skills")
+    if served.mla:
+        raise ServingError(f"kvnotes connector: {manifest.model} uses MLA (a latent KV cache "
+                           f"with its own write); the connector writes keys and values. {_FIX} "
+                           "serve a model with standard attention.")
+    if served.speculative_method:
+        raise ServingError(
+            f"kvnotes connector: speculative decoding {served.speculative_method!r} runs draft "
+            "layers with their own KV cache, which spliced skills do not fill. "
+            f"{_FIX} drop --speculative-config (n-gram speculation, which has no draft KV, is "
+            "allowed).")
+    if served.lora:
+        raise ServingError(
+            "kvnotes connector: LoRA is enabled; an adapter on the key/value projections makes "
+            f"other KV than the base model's compiled skills hold. {_FIX} serve the adapters "
+            "from a second server started without --skills.")
+    if served.decode_context_parallel > 1 or served.prefill_context_parallel > 1:
+        raise ServingError(
+            "kvnotes connector: context parallelism (decode "
+            f"{served.decode_context_parallel}, prefill {served.prefill_context_parallel}) "
+            f"interleaves a request's slots across ranks. {_FIX} set "
+            "--decode-context-parallel-size 1 and --prefill-context-parallel-size 1.")
+
+
+def check_layers(manifest: ServingManifest, layers: Mapping[str, Any],
+                 kv_caches: Mapping[str, torch.Tensor], *, heads: range, dtype: torch.dtype,
+                 ) -> list[tuple[int, str]]:
+    """``(manifest layer, layer name)`` of each attention layer this worker writes, sorted;
+    :class:`ServingError` for any layer the connector cannot write exactly.
+
+    ``layers``: vLLM's static forward context (name -> attention layer); ``kv_caches``: the
+    tensors ``register_kv_caches`` received; ``heads``: the KV heads this rank holds; ``dtype``:
+    what the forward hands the cache write (the model dtype).
+    """
+    out: list[tuple[int, str]] = []
+    devices: set[torch.device] = set()
+    for name, layer in layers.items():
+        if not hasattr(layer, "impl") or name not in kv_caches:
+            continue  # not an attention layer with a paged cache (e.g. an encoder's)
+        i = layer_index(name)
+        if i is None:
+            raise ServingError(f"kvnotes connector: attention layer {name!r} has no "
+                               "'layers.<i>.' index to map to the skills' layers. "
+                               f"{_FIX} serve a decoder whose layers are named that way.")
+        if i >= manifest.num_layers:
+            raise ServingError(
+                f"kvnotes connector: attention layer {name!r} is beyond the "
+                f"{manifest.num_layers} layers of {manifest.model} (a speculative-decoding "
+                f"draft layer?): spliced skills have no KV for it. {_FIX} drop "
+                "--speculative-config.")
+        if getattr(layer, "kv_sharing_target_layer_name", None):
+            raise ServingError(
+                f"kvnotes connector: layer {name!r} shares the KV cache of "
+                f"{layer.kv_sharing_target_layer_name!r} (cross-layer KV sharing), which the "
+                f"connector does not write yet. {_FIX} serve a model without KV sharing.")
+        backend = getattr(layer, "attn_backend", None)
+        if backend is not None and getattr(backend, "forward_includes_kv_cache_update", False):
+            raise ServingError(
+                f"kvnotes connector: the attention backend of {name!r} "
+                f"({getattr(backend, '__name__', type(backend).__name__)}) writes the "
+                f"cache inside its forward, with no separate write to splice through. {_FIX} "
+                "choose another backend (VLLM_ATTENTION_BACKEND).")
+        _check_write(name, layer)
+        cache = kv_caches[name]
+        layer_heads = int(getattr(layer, "num_kv_heads", -1))
+        head_size = int(getattr(layer, "head_size", -1))
+        if layer_heads != len(heads) or head_size != manifest.head_dim:
+            raise ServingError(
+                f"kvnotes connector: layer {name!r} holds {layer_heads} KV heads of size "
+                f"{head_size}; this rank should write {len(heads)} of the "
+                f"{manifest.num_kv_heads} heads (heads {heads.start}..{heads.stop - 1}) of "
+                f"size {manifest.head_dim}. The tensor-parallel split differs from vLLM's "
+                "QKVParallelLinear: report this with the model and --tensor-parallel-size.")
+        if len(heads) not in cache.shape:
+            raise ServingError(f"kvnotes connector: the cache of {name!r} has shape "
+                               f"{tuple(cache.shape)}, with no dimension of {len(heads)} KV "
+                               "heads; an unknown cache layout.")
+        kv_dtype = str(getattr(layer, "kv_cache_dtype", "auto"))
+        if kv_dtype == "auto" and cache.dtype != dtype:
+            raise ServingError(
+                f"kvnotes connector: the cache of {name!r} is {cache.dtype} but the model "
+                f"runs in {dtype} with kv_cache_dtype 'auto'; the connector hands the cache "
+                "write tensors in the model dtype. Set --dtype and --kv-cache-dtype to agree.")
+        if not dtype.is_floating_point:
+            raise ServingError(f"kvnotes connector: model dtype {dtype} is not a float type")
+        devices.add(cache.device)
+        out.append((i, name))
+    if len(devices) > 1:
+        raise ServingError(f"kvnotes connector: one worker's caches are on several devices "
+                           f"{sorted(map(str, devices))}; the connector stages each load to "
+                           "one device.")
+    return sorted(out)
+
+
+def _check_write(name: str, layer: Any) -> None:
+    write = getattr(layer.impl, "do_kv_cache_update", None)
+    try:
+        params = tuple(inspect.signature(write).parameters) if write is not None else ()
+    except (TypeError, ValueError):
+        params = ()
+    if params[:len(WRITE_PARAMS)] != WRITE_PARAMS:
+        kind = "MLA's latent" if "kv_c_normed" in params else "no standard"
+        raise ServingError(
+            f"kvnotes connector: the attention backend of {name!r} has {kind} cache write "
+            f"({type(layer.impl).__name__}.do_kv_cache_update{params}); the connector writes "
+            f"through do_kv_cache_update{WRITE_PARAMS}. {_FIX} choose a standard attention "
+            "backend.")
+
+
+# positions at which vLLM's cos/sin cache and the manifest's tables must agree
+ROPE_PROBES = (1, 2, 3, 17, 100, 511, 2047)
+
+
+def check_rope(manifest: ServingManifest, embeddings: Iterable[Any], *,
+               atol: float = 2e-2) -> int:
+    """Refuse unless each of the manifest's RoPE tables is one the served model rotates with.
+
+    ``embeddings``: vLLM's rotary embedding modules (each with ``cos_sin_cache`` ``[positions,
+    rotary_dim]``, cos then sin halves, and ``is_neox_style``). ``atol`` covers a bf16 cache;
+    a changed ``rope_theta`` or scaling moves values by far more at these positions. Returns the
+    number of embeddings compared (0: nothing to compare; the caller says it did not check).
+    """
+    tables = []
+    for emb in embeddings:
+        cache = getattr(emb, "cos_sin_cache", None)
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 2:
+            continue
+        tables.append((bool(getattr(emb, "is_neox_style", True)), cache))
+    if not tables:
+        return 0
+    first_use = {tuple(f): l for l, f in reversed(list(enumerate(manifest.inv_freqs)))}
+    for freqs, layer in sorted(first_use.items(), key=lambda kv: kv[1]):
+        inv = torch.tensor(freqs, dtype=torch.float64)
+        if not any(_same_table(inv, neox, cache, atol) for neox, cache in tables):
+            base = _base_of(inv)
+            raise ServingError(
+                f"kvnotes connector: the skills' RoPE table for layer {layer} ({inv.numel()} "
+                f"frequencies{base}) is none of the served model's rotary embeddings "
+                "(rope_theta, rope scaling or partial rotary differ: another checkpoint or "
+                "--hf-overrides?). Compile the skills with the model being served.")
+    return len(tables)
+
+
+def _same_table(inv: torch.Tensor, neox: bool, cache: torch.Tensor, atol: float) -> bool:
+    half = inv.numel()
+    if not neox or cache.shape[1] != 2 * half:
+        return False
+    probes = [p for p in ROPE_PROBES if p < cache.shape[0]]
+    pos = torch.tensor(probes, dtype=torch.float64)
+    angles = pos[:, None] * inv[None, :]
+    want = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    got = cache[probes].detach().to("cpu", torch.float64)
+    return bool(torch.allclose(got, want, atol=atol, rtol=0))
+
+
+def _base_of(inv: torch.Tensor) -> str:
+    if inv.numel() < 2 or inv[1] <= 0:
+        return ""
+    # plain RoPE: inv_freq[j] = base ** (-2j / rotary_dim)
+    base = float(inv[1]) ** (-inv.numel())
+    return f", base ~{base:.4g}" if math.isfinite(base) else ""

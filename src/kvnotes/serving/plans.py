@@ -1,0 +1,140 @@
+"""The scheduler side of splicing: which requests get which pieces, written into which blocks.
+
+vLLM asks its connector three things about a waiting request, in this order, every time the
+request is admitted (a preempted request is admitted again, from zero computed tokens):
+
+1. ``get_num_new_matched_tokens`` -> :meth:`SplicePlanner.match`: how many tokens past the
+   local prefix-cache hit the pieces supply (a *plan*);
+2. ``update_state_after_alloc`` -> :meth:`SplicePlanner.allocated`: how many the scheduler took,
+   and the request's blocks (a *load*, recorded here and nowhere later);
+3. ``build_connector_meta`` -> :meth:`SplicePlanner.take`: the loads of every request scheduled
+   this step, wherever the scheduler lists it (new requests; resumed ones, which the V1 model
+   runner lists among the cached requests).
+
+A load is emitted once: the connector loads synchronously before the forward of the step that
+first schedules the request. Nothing here imports vLLM; requests are plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvnotes.serving.splice import (
+    PieceIndex,
+    Placement,
+    external_tokens,
+    leading_run,
+    slot_mapping,
+)
+
+log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Tokens ``[start, end)`` of one request, supplied by ``run``, written into ``block_ids``.
+
+    ``block_ids`` are all of the request's blocks (of its one KV cache group) at allocation;
+    ``tenant`` is the one its salt names (``None`` for the shared splice salt).
+    """
+
+    req_id: str
+    tenant: str | None
+    run: tuple[Placement, ...]
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+    block_size: int
+
+    def slots(self) -> torch.Tensor:
+        """LongTensor[end - start]: the paged-cache slot of each token written."""
+        return slot_mapping(self.block_ids, self.block_size, self.start, self.end)
+
+    @property
+    def written_blocks(self) -> tuple[int, ...]:
+        """The blocks this load writes into: the ones vLLM recomputes when it fails."""
+        bs = self.block_size
+        return self.block_ids[self.start // bs:-(-self.end // bs)]
+
+    def pieces(self) -> list[Placement]:
+        """The placements that overlap ``[start, end)`` (the local hit may cover the first)."""
+        return [p for p in self.run if p.end > self.start and p.start < self.end]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    tenant: str | None
+    run: tuple[Placement, ...]
+    start: int  # the block-aligned local hit vLLM asked with: the external run starts here
+
+
+class SplicePlanner:
+    """Plans and loads by request id, as the scheduler's three calls hand them over.
+
+    Example:
+        >>> from kvnotes.serving.splice import PieceInfo
+        >>> idx = PieceIndex(); idx.add(PieceInfo("k", "skill", tuple(range(40)), 0))
+        >>> planner = SplicePlanner(block_size=16)
+        >>> planner.match("r1", None, list(range(41)), 0, idx)
+        40
+        >>> planner.allocated("r1", [7, 3, 9], 40)
+        >>> [(s.start, s.end, s.written_blocks) for s in planner.take({"r1": 41})]
+        [(0, 40, (7, 3, 9))]
+    """
+
+    def __init__(self, *, block_size: int) -> None:
+        self.block_size = int(block_size)
+        self._plans: dict[str, _Plan] = {}
+        self._pending: dict[str, LoadSpec] = {}
+
+    def match(self, req_id: str, tenant: str | None, tokens: Sequence[int],
+              num_computed_tokens: int, index: PieceIndex) -> int:
+        """External tokens the pieces in ``index`` supply past ``num_computed_tokens``.
+
+        Called again on every admission attempt: the latest answer is the plan.
+        """
+        run = leading_run(tokens, index)
+        ext = external_tokens(run, len(tokens), num_computed_tokens)
+        if ext:
+            self._plans[req_id] = _Plan(tenant, tuple(run), num_computed_tokens)
+        else:
+            self._plans.pop(req_id, None)
+        return ext
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The scheduler took ``num_external_tokens`` (it may take fewer than planned, or none)
+        and gave the request ``block_ids``; the load starts where the plan's local hit ended."""
+        plan = self._plans.pop(req_id, None)
+        if plan is None or num_external_tokens <= 0:
+            self._pending.pop(req_id, None)
+            return
+        end = plan.start + int(num_external_tokens)
+        if not plan.run or end > plan.run[-1].end:
+            raise AssertionError(f"request {req_id}: vLLM took tokens up to {end}, past the "
+                                 f"planned run's end {plan.run[-1].end if plan.run else 0}")
+        self._pending[req_id] = LoadSpec(req_id, plan.tenant, plan.run, plan.start, end,
+                                         tuple(int(b) for b in block_ids), self.block_size)
+
+    def take(self, scheduled: Collection[str]) -> list[LoadSpec]:
+        """The loads of the requests in ``scheduled`` (ids of every request the step schedules:
+        vLLM's ``num_scheduled_tokens``), each once; state for this step is cleared."""
+        loads = [spec for req_id, spec in self._pending.items() if req_id in scheduled]
+        dropped = [req_id for req_id in self._pending if req_id not in scheduled]
+        if dropped:  # the sync contract schedules every allocated request in the same step
+            log.warning("kvnotes: loads planned for requests %s that this step does not "
+                        "schedule were dropped; they are planned again when admitted", dropped)
+        self._pending.clear()
+        self._plans.clear()  # plans not allocated this step are made again at the next admission
+        return loads
+
+    def finished(self, req_id: str) -> None:
+        self._plans.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,138 @@
+"""The launcher without a server: the configuration's checks and the command line it builds."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_engine
+from typer.testing import CliRunner
+
+import kvnotes
+from kvnotes.cli import app
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving import launch as launch_mod
+from kvnotes.serving.connector_path import SOURCE_ROOT
+from kvnotes.serving.launch import (
+    Launch,
+    LaunchConfig,
+    kv_transfer_config,
+    prepare,
+)
+from kvnotes.serving.server import VLLMServer, check_kv_cache_gib
+
+WHOLE_GIB = r"whole GiB .*e\.g\. --kv-cache-gib 1"
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return make_tiny_engine("llama", tokenizer)
+
+
+@pytest.fixture
+def exported(tmp_path, monkeypatch):
+    """A stand-in for the model export: a folder with a config, no weights converted."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    calls: list[tuple[str, str]] = []
+
+    def fake_export(model: str, dtype: str) -> Path:
+        calls.append((model, dtype))
+        return folder
+
+    monkeypatch.setattr(launch_mod, "export_hf_dir", fake_export)
+    return folder, calls
+
+
+# ---- kv cache size -------------------------------------------------------------------------------
+@pytest.mark.parametrize("gib", [0.1, 1.5, 0, -2, math.nan, math.inf, True, "2"])
+def test_kv_cache_gib_must_be_whole(gib):
+    with pytest.raises(InvalidArgumentError, match=WHOLE_GIB):
+        LaunchConfig(kv_cache_gib=gib)
+    with pytest.raises(InvalidArgumentError, match=WHOLE_GIB):
+        VLLMServer(Path("."), served_name="m", python=sys.executable, kv_cache_gib=gib)
+
+
+def test_whole_floats_become_ints():
+    assert check_kv_cache_gib(3.0) == 3 and LaunchConfig(kv_cache_gib=4.0).kv_cache_gib == 4
+    server = VLLMServer(Path("."), served_name="m", python=sys.executable, kv_cache_gib=3.0)
+    assert server.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_serve_refuses_a_fraction_before_loading_the_model(tmp_path, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(kvnotes, "load", no_load)
+    result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "skills"),
+                                      "--kv-cache-gib", "0.1"])
+    assert result.exit_code == 2, result.output
+    assert "kv_cache_gib 0.1" in result.output and "--kv-cache-gib 1" in result.output
+
+
+# ---- the command line ----------------------------------------------------------------------------
+def test_kv_transfer_config_recomputes_failed_loads(tmp_path):
+    cfg = kv_transfer_config(tmp_path, max_gib=1.5)
+    assert cfg == {"kv_connector": "KvnotesConnector",
+                   "kv_connector_module_path": "kvnotes.serving.connector",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"skills": str(tmp_path), "max_gib": 1.5}}
+
+
+def _arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_prepare_with_skills_loads_the_connector(engine, exported, tmp_path):
+    folder, calls = exported
+    config = LaunchConfig(model="tiny", dtype="float32", block_size=32, kv_cache_gib=3,
+                          max_model_len=None, port=5123, skills=tmp_path / "skills",
+                          connector_max_gib=0.5, extra_args=("--seed", "1"),
+                          log_path=tmp_path / "server.log", vllm_python=sys.executable)
+    launch = prepare(config, engine)
+    assert isinstance(launch, Launch) and launch.server.proc is None  # not started
+    assert calls == [("tiny", "float32")]
+    assert launch.skills is not None
+    assert launch.skills.folder == tmp_path / "skills" / engine.fingerprint.id
+    assert (launch.skills.folder / "serving.json").is_file()
+    cmd = launch.server.cmd
+    transfer = json.loads(_arg(cmd, "--kv-transfer-config"))
+    assert transfer == kv_transfer_config(launch.skills.folder, max_gib=0.5)
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert _arg(cmd, "--model") == str(folder) and _arg(cmd, "--served-model-name") == "tiny"
+    assert _arg(cmd, "--block-size") == "32" and _arg(cmd, "--seed") == "1"
+    assert _arg(cmd, "--max-model-len") == "2048" == str(launch.max_model_len)  # the model's
+    assert _arg(cmd, "--dtype") == "float32" and _arg(cmd, "--port") == "5123"
+    assert "--enable-prefix-caching" in cmd
+    assert launch.server.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert launch.server.env["PYTHONPATH"].split(":")[0] == str(SOURCE_ROOT)
+    assert launch.url == "http://127.0.0.1:5123"
+    record = launch.record().to_dict()
+    assert record["connector"] is True and record["command"] == cmd
+    assert record["pid"] is None and record["stopped"] is False and record["kv_cache_gib"] == 3
+
+
+def test_plain_prepare_has_no_connector(exported, tmp_path):
+    launch = prepare(LaunchConfig(model="tiny", dtype="bfloat16", max_model_len=1024,
+                                  vllm_python=sys.executable))
+    assert launch.skills is None and launch.record().connector is False
+    assert "--kv-transfer-config" not in launch.server.cmd
+    assert "--block-size" not in launch.server.cmd
+    assert _arg(launch.server.cmd, "--max-model-len") == "1024"
+
+
+def test_skills_need_the_engine(exported, tmp_path):
+    with pytest.raises(InvalidArgumentError, match=r"pass the model's engine too"):
+        prepare(LaunchConfig(model="tiny", skills=tmp_path, vllm_python=sys.executable))
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("dtype", "fp8", "use one of auto, float32"), ("block_size", 0, "positive number"),
+    ("max_model_len", -1, "positive number")])
+def test_bad_settings_are_refused(field, value, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        LaunchConfig(**{field: value})

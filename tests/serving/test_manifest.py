@@ -1,0 +1,142 @@
+"""The engine-free side of serving: the splice salt, the manifest, reading entries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_engine
+
+from kvnotes.core import files
+from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
+from kvnotes.core.notebook import FILE_FORMAT, FILE_VERSION
+from kvnotes.serving.compose_client import ComposeClient
+from kvnotes.serving.manifest import (
+    ENTRY_FORMAT,
+    ENTRY_VERSION,
+    MANIFEST_NAME,
+    SPLICE_SALT,
+    ServingManifest,
+    entry_paths,
+    is_splice_salt,
+    read_entry,
+    salt_tenant,
+    splice_salt,
+)
+from kvnotes.serving.skills import ServingSkills
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return make_tiny_engine("llama", tokenizer)
+
+
+# ---- the salt ------------------------------------------------------------------------------------
+def test_tenant_salts_are_splice_salts_with_their_tenant():
+    assert splice_salt() == SPLICE_SALT == "kvnotes-splice"
+    salt = splice_salt("acme-2.eu")
+    assert salt == "kvnotes-splice:acme-2.eu" and is_splice_salt(salt)
+    assert salt_tenant(salt) == "acme-2.eu"
+    assert salt_tenant(SPLICE_SALT) is None and salt_tenant("cold-1") is None
+    for other in (None, "", "cold-1", "kvnotes-splicex", "kvnotes-splice-7", "kvnotes-splice:",
+                  "kvnotes-splice:a b"):
+        assert not is_splice_salt(other) and salt_tenant(other) is None, other
+
+
+@pytest.mark.parametrize("tenant", ["", "a b", "x" * 65, "a:b", 7])
+def test_bad_tenant_is_refused_naming_the_rule(tenant):
+    with pytest.raises(InvalidArgumentError, match=r"1-64 letters, digits, '_', '\.' or '-'"):
+        splice_salt(tenant)
+
+
+def test_compose_client_sends_its_tenant_salt(tokenizer):
+    assert ComposeClient("http://127.0.0.1:1", "m", tokenizer).salt == SPLICE_SALT
+    client = ComposeClient("http://127.0.0.1:1", "m", tokenizer, tenant="acme")
+    assert client.salt == "kvnotes-splice:acme"
+    with pytest.raises(InvalidArgumentError, match="tenant 'a b'"):
+        ComposeClient("http://127.0.0.1:1", "m", tokenizer, tenant="a b")
+
+
+# ---- the manifest and entries --------------------------------------------------------------------
+def test_entries_are_notebook_files():
+    assert (ENTRY_FORMAT, ENTRY_VERSION) == (FILE_FORMAT, FILE_VERSION)
+
+
+def test_manifest_write_is_atomic_and_idempotent(engine, tmp_path):
+    skills = ServingSkills(tmp_path, engine)
+    path = skills.folder / MANIFEST_NAME
+    before = path.stat().st_mtime_ns
+    assert skills.manifest.write(skills.folder) == path
+    assert path.stat().st_mtime_ns == before  # the same manifest is not rewritten
+    assert ServingManifest.read(skills.folder) == skills.manifest
+    assert not [p for p in skills.folder.iterdir() if p.name.startswith(files.TMP_PREFIX)]
+
+
+def test_missing_or_foreign_manifest_says_how_to_fix(tmp_path):
+    with pytest.raises(NotebookFileError, match="kvnotes skills add --model M --skills DIR"):
+        ServingManifest.read(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format": "other", "version": 1}))
+    with pytest.raises(NotebookFileError, match="not a kvnotes serving manifest"):
+        ServingManifest.read(tmp_path)
+    (tmp_path / MANIFEST_NAME).write_text("[1, 2")
+    with pytest.raises(NotebookFileError, match="not a readable serving manifest"):
+        ServingManifest.read(tmp_path)
+
+
+def test_entry_paths_skip_publishes_in_progress(engine, tmp_path):
+    skills = ServingSkills(tmp_path, engine)
+    info = skills.add("Refunds: unworn items within 30 days.", name="refunds")
+    published = skills.folder / f"{info.key}.safetensors"
+    tmp = skills.folder / f"{files.TMP_PREFIX}123.abc.{'f' * 32}.safetensors"
+    tmp.write_bytes(published.read_bytes()[:100])  # a half-written entry
+    assert entry_paths(skills.folder) == [published]
+    assert [e.key for e in skills.entries()] == [info.key]
+
+
+def test_read_entry_gives_the_paged_layout(engine, tmp_path):
+    skills = ServingSkills(tmp_path, engine)
+    text = "Shipping: free above 50 euros."
+    info = skills.add(text, name="shipping")
+    piece, keys, values = read_entry(skills.folder / f"{info.key}.safetensors",
+                                     engine.fingerprint)
+    assert piece == info and piece.name == "shipping"
+    nb = engine.compile(text, anchor="none")
+    m = skills.manifest
+    assert keys.shape == values.shape == (m.num_layers, len(info), m.num_kv_heads, m.head_dim)
+    assert keys.dtype == torch.float32
+    torch.testing.assert_close(keys[0], nb.keys(0)[0].transpose(0, 1), atol=0, rtol=0)
+
+
+def test_damaged_entry_is_a_notebook_file_error(engine, tmp_path):
+    skills = ServingSkills(tmp_path, engine)
+    info = skills.add("Fees: none.", name="fees")
+    path = skills.folder / f"{info.key}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(NotebookFileError):
+        read_entry(path, engine.fingerprint)
+
+
+# ---- what the connector's side imports -----------------------------------------------------------
+def test_manifest_and_piece_store_import_no_engine():
+    """Their own closure (the package root, made lazy elsewhere, is stubbed out here)."""
+    code = (
+        "import sys, types, importlib\n"
+        f"pkg = types.ModuleType('kvnotes'); pkg.__path__ = [{str(SRC / 'kvnotes')!r}]\n"
+        "sys.modules['kvnotes'] = pkg\n"
+        "importlib.import_module('kvnotes.serving.manifest')\n"
+        "importlib.import_module('kvnotes.serving.piece_store')\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'transformers'\n"
+        "       or m == 'kvnotes.core.engine' or m.startswith('kvnotes.ops')\n"
+        "       or m == 'kvnotes.serving.skills']\n"
+        "print(sorted(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
