@@ -1,6 +1,7 @@
 """One TTFT CDF figure for the whole quiet matrix (block 32): every context, policy and
-concurrency, read from the runs' result.json files in docs/results/serve-bench/ (the rows were
-measured in several runs; see docs/serving.md). Writes docs/results/serve-bench/matrix-b32-cdf.png."""
+concurrency, read from the result.json files of erratum_rows.py's matrix-b32-* rows in
+docs/results/serve-bench/. `python benchmarks/serve_quiet/plot_matrix.py` (from the repository
+root) wrote docs/results/serve-bench/matrix-b32-cdf.png."""
 import json
 from pathlib import Path
 

@@ -43,6 +43,11 @@ sys.path.insert(0, str(TESTS))
 import _fake_vllm  # noqa: E402
 
 
+def _bench(client, config):
+    """A run's JSON form, as result.json holds it."""
+    return run_benchmark(client, config, log=lambda s: None).to_dict()
+
+
 def _session(**kw):
     args = dict(context_tokens=1000, depth=0.1, edits=4, count_tokens=whitespace_tokens)
     return make_session("t-s0", **{**args, **kw})
@@ -264,14 +269,6 @@ def test_wrong_url_is_a_clear_error():
                                           concurrency=(1,)), log=lambda s: None)
 
 
-@pytest.fixture()
-def fake_server():
-    httpd, state = _fake_vllm.serve(0, "smollm2-135m")
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
-    httpd.shutdown()
-    httpd.server_close()
-
-
 def test_model_not_served_lists_served_models(fake_server):
     url, _ = fake_server
     with pytest.raises(ServingError, match=r"does not serve 'other'.*smollm2-135m"):
@@ -295,7 +292,7 @@ def test_context_limit_checked_on_the_measured_prompts(fake_server, monkeypatch)
     config = _small(edits=4)
     longest = max(len(_fake_vllm.tokens(p)) for p in _all_prompts(url, config))
     state.max_model_len = longest + bench.TEMPLATE_MARGIN + config.max_tokens  # just fits
-    result = run_benchmark(Client(url), config, log=lambda s: None)
+    result = _bench(Client(url), config)
     assert result["summaries"][0]["ok"] == 4
     state.max_model_len -= 1
     with pytest.raises(ServingError, match=r"the longest prompt needs about"):
@@ -380,7 +377,7 @@ def test_benchmark_on_fake_server(fake_server, tmp_path):
     state.spt = 1e-4  # computing tokens costs clearly more than the client's own overhead
     config = BenchConfig(context_tokens=(300, 600), sessions=2, edits=3, concurrency=(1, 2),
                          field_depth=0.1)
-    result = run_benchmark(Client(url), config, log=lambda s: None)
+    result = _bench(Client(url), config)
     rows = {(s["context_tokens"], s["concurrency"], s["policy"]): s for s in result["summaries"]}
     assert len(rows) == 2 * 2 * 3
     for (_ctx, _conc, policy), s in rows.items():
@@ -444,7 +441,7 @@ def test_status_question_shows_whether_the_edit_was_read(fake_server):
     for reader, erratum_acc, erratum_old in (("last", 1.0, 0.0), ("none", 0.0, 1.0)):
         state.errata_reader = reader
         try:
-            result = run_benchmark(Client(url), config, log=lambda s: None)
+            result = _bench(Client(url), config)
         finally:
             state.errata_reader = "last"
         rows = {r["policy"]: r for r in result["summaries"]}
@@ -499,7 +496,7 @@ def test_first_correction_reader_misses_appended_edits_not_latest(fake_server):
         for form in ("append", "latest", "follow-up", "follow-up-latest"):
             config = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
                                  policies=("erratum",), question="status", errata=form)
-            result = run_benchmark(Client(url), config, log=lambda s: None)
+            result = _bench(Client(url), config)
             acc[form] = result["summaries"][0]["accuracy"]
             assert result["config"]["errata"] == form
     finally:
@@ -510,7 +507,7 @@ def test_first_correction_reader_misses_appended_edits_not_latest(fake_server):
                        ("follow-up-latest", "after the question, one correction from")):
         follow = BenchConfig(context_tokens=(300,), sessions=2, edits=3, concurrency=(1,),
                              policies=("erratum",), question="status", errata=form)
-        result = run_benchmark(Client(url), follow, log=lambda s: None)
+        result = _bench(Client(url), follow)
         assert result["summaries"][0]["accuracy"] == 1.0  # a reader of the last correction
         assert said in report_markdown(result)
 
@@ -525,8 +522,7 @@ def _small(**kw):
 def test_async_concurrency_is_honoured(fake_server, conc):
     url, state = fake_server
     state.min_delay = 0.05  # long enough for the streams to overlap
-    result = run_benchmark(Client(url), _small(sessions=4, concurrency=(conc,)),
-                           log=lambda s: None)
+    result = _bench(Client(url), _small(sessions=4, concurrency=(conc,)))
     (row,) = result["summaries"]
     assert row["ok"] == row["requests"] == 8
     assert state.max_inflight == conc  # never more in flight than asked, and exactly that many
@@ -558,7 +554,7 @@ def test_server_errors_counted_per_phase(fake_server, tmp_path):
     state.hang_s = 4.0
     config = _small(sessions=3, edits=3, policies=("in-place", "erratum", "cold"),
                     request_timeout_s=2.0)
-    result = run_benchmark(Client(url), config, log=lambda s: None)  # nothing raised
+    result = _bench(Client(url), config)  # nothing raised
     rows = {s["policy"]: s for s in result["summaries"]}
     assert rows["erratum"]["errors"] == {"connection": 2, "http_4xx": 1, "http_5xx": 2,
                                          "stream": 1, "timeout": 1}
@@ -592,7 +588,7 @@ def test_server_gone_mid_run_is_counted_not_raised(fake_server):
         def async_openai(self, *, timeout=None):
             return Client(f"http://127.0.0.1:{_closed_port()}").async_openai(timeout=timeout)
 
-    result = run_benchmark(Vanishing(url), _small(), log=lambda s: None)
+    result = _bench(Vanishing(url), _small())
     (row,) = result["summaries"]
     assert row["ok"] == 0 and row["errors"] == {"connection": 2}
     assert row["warmup_errors"] == {"connection": 1}
@@ -612,7 +608,7 @@ def test_block_size_recorded_from_server_metrics(tmp_path):
     httpd, _ = _fake_vllm.serve(0, "smollm2-135m", block_size=64)
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        result = run_benchmark(Client(url), _small(edits=1), log=lambda s: None)
+        result = _bench(Client(url), _small(edits=1))
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -621,35 +617,26 @@ def test_block_size_recorded_from_server_metrics(tmp_path):
     assert "KV block size 64 tokens" in write_outputs(result, tmp_path)["report"].read_text()
 
 
-def test_launch_passes_and_records_block_size(tmp_path, monkeypatch):
+def test_launch_passes_and_records_block_size(tmp_path, fake_launch):
     from typer.testing import CliRunner
 
-    import kvnotes.serving.export as export_mod
-    import kvnotes.serving.server as server_mod
     from kvnotes.cli import app
 
-    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
-    seen = {}
-
-    def fake_server(folder, *, served_name, extra_args=(), **kw):
-        seen.update(extra_args=list(extra_args), dtype=kw["dtype"])
-        return VLLMServer(folder, served_name=served_name, python=sys.executable,
-                          module="_fake_vllm", env={"PYTHONPATH": str(TESTS)},
-                          log_path=kw["log_path"], startup_timeout=60, extra_args=extra_args)
-
-    monkeypatch.setattr(server_mod, "VLLMServer", fake_server)
-    monkeypatch.setattr(export_mod, "export_hf_dir", lambda model, dtype: tmp_path)
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["serve-bench", "--launch", "--block-size", "64",
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--launch", "--block-size", "64",
                                    "--dtype", "float32", "--context-tokens", "200", "--sessions",
                                    "1", "--edits", "1", "--concurrency", "1", "--policies",
                                    "erratum", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert seen == {"extra_args": ["--block-size", "64"], "dtype": "float32"}
+    # the context length fitted to the longest prompt, at least 4096
+    assert fake_launch == [{"extra_args": ["--block-size", "64"], "dtype": "float32",
+                            "max_model_len": 4096}]
     data = json.loads((out / "result.json").read_text())
     assert data["server"]["block_size"] == 64 and data["launch"]["block_size"] == 64
     assert data["config"]["block_size"] == 64 and data["launch"]["stopped"]
+    assert data["launch"]["max_model_len"] == 4096 and not data["launch"]["connector"]
     assert "KV block size 64 tokens" in (out / "report.md").read_text()
+    assert (out / "server.log").is_file()
 
 
 def test_cli_block_size_errors():
@@ -657,9 +644,9 @@ def test_cli_block_size_errors():
 
     from kvnotes.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "--launch", "--block-size", "48"])
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--launch", "--block-size", "48"])
     assert res.exit_code == 2 and "multiple of 32" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:1",
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://127.0.0.1:1",
                                    "--block-size", "64"])
     assert res.exit_code == 2 and "read from its /metrics" in res.output
 
@@ -685,7 +672,7 @@ def test_loopback_guard_before_any_client(monkeypatch):
     monkeypatch.setattr(httpx2.AsyncClient, "__init__", record("httpx2.AsyncClient"))
     with pytest.raises(ServingError, match="only loopback servers"):
         Client("http://10.1.2.3:8000")
-    res = CliRunner().invoke(app, ["serve-bench", "--url", "http://10.1.2.3:8000",
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://10.1.2.3:8000",
                                    "--context-tokens", "100", "--concurrency", "1"])
     assert res.exit_code == 1 and "only loopback servers are allowed" in res.output
     assert made == []
@@ -706,7 +693,7 @@ def test_optional_context_runs_only_when_the_model_allows(fake_server):
     url, state = fake_server
     state.max_model_len = 700
     config = _small(edits=1, optional_contexts=(400, 5000), requests_per_row=3)
-    result = run_benchmark(Client(url), config, log=lambda s: None)
+    result = _bench(Client(url), config)
     assert result["contexts"] == [200, 400]
     assert result["contexts_skipped"] == [{"context_tokens": 5000,
                                            "reason": "the server's max model length is 700 "
@@ -722,7 +709,7 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     url, state = fake_server
     state.spt = 0.0
     out = tmp_path / "m"
-    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--matrix", "--context-tokens",
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--matrix", "--context-tokens",
                                    "150", "--concurrency", "4", "--policies", "erratum",
                                    "--edits", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -732,7 +719,7 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     assert data["config"]["question"] == "decision" and data["config"]["max_tokens"] == 8
     # --question status: room for a restated question before the status, unless told
     for extra, tokens in (([], 24), (["--max-tokens", "5", "--errata", "append"], 5)):
-        res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--context-tokens", "150",
+        res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--context-tokens", "150",
                                        "--concurrency", "1", "--policies", "erratum", "--edits",
                                        "1", "--sessions", "1", "--question", "status",
                                        "--out", str(out), *extra])
@@ -741,11 +728,11 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
         assert data["config"]["question"] == "status" and data["config"]["max_tokens"] == tokens
         assert data["config"]["errata"] == ("append" if extra else "follow-up-latest")
         assert data["summaries"][0]["accuracy"] == 1.0
-    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--question", "mood"])
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--question", "mood"])
     assert res.exit_code == 2 and "unknown question 'mood'" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--errata", "merge"])
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--errata", "merge"])
     assert res.exit_code == 2 and "unknown errata form 'merge'" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "--url", url, "--max-tokens", "0"])
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--max-tokens", "0"])
     assert res.exit_code == 2 and "--max-tokens must be at least 1, got 0" in res.output
 
 
@@ -753,7 +740,7 @@ def test_time_budget_skips_requests(fake_server):
     url, _ = fake_server
     config = BenchConfig(context_tokens=(200,), sessions=1, edits=2, concurrency=(1,),
                          time_budget_s=0.0)
-    result = run_benchmark(Client(url), config, log=lambda s: None)
+    result = _bench(Client(url), config)
     assert all(s["ok"] == 0 and s["skipped"] == s["requests"] for s in result["summaries"])
 
 
@@ -762,9 +749,9 @@ def test_cli_rejects_url_and_launch_together():
 
     from kvnotes.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "--url", "http://127.0.0.1:1", "--launch"])
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://127.0.0.1:1", "--launch"])
     assert res.exit_code != 0
-    res = CliRunner().invoke(app, ["serve-bench", "--url", f"http://127.0.0.1:{_closed_port()}",
+    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", f"http://127.0.0.1:{_closed_port()}",
                                    "--context-tokens", "100", "--sessions", "1", "--edits", "1",
                                    "--concurrency", "1"])
     # a server that cannot be reached is a runtime failure (exit 1), not a usage error (2)

@@ -1,20 +1,24 @@
-"""The skills workload of serve-bench without a server: prompts, summaries, report."""
+"""The skills workload of serve-bench without vLLM: prompts, summaries, report, and a whole run
+against the fake OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
+from kvnotes.bench.serving.kit import MachineRecord, PhaseSummary
 from kvnotes.bench.serving.skills import (
-    PhaseSummary,
+    Fidelity,
     SkillsBenchConfig,
+    SkillsResult,
     make_requests,
     markdown,
-    ratios,
+    run_skills_benchmark,
     skill_texts,
+    write_outputs,
 )
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.serving.compose_client import ComposeResult, prompt_ids
+from kvnotes.serving.compose_client import ComposeClient, ComposeResult, prompt_ids
 
 
 def test_requests_pick_k_distinct_skills_in_random_order():
@@ -55,25 +59,66 @@ def test_config_errors():
 
 
 def _summary(policy: str, conc: int, p90: float) -> PhaseSummary:
-    return PhaseSummary(policy, conc, 4, 4, 0, p90 / 2, p90, p90, 0.9 if policy == "compose"
-                        else 0.0, 1600.0, 1.0)
+    return PhaseSummary(policy=policy, concurrency=conc, requests=4, ok=4, failed=0, skipped=0,
+                        ttft_p50_s=p90 / 2, ttft_p90_s=p90, ttft_p99_s=p90, ttft_mean_s=p90 / 2,
+                        hit_rate=None, hit_rate_usage=0.9 if policy == "compose" else 0.0,
+                        queries_tokens=None, hits_tokens=None, requests_per_s=None, wall_s=1.0,
+                        mean_prompt_tokens=1600.0)
 
 
 def test_ratios_and_report():
     rows = [_summary("cold", 1, 6.0), _summary("prefix", 1, 5.0), _summary("compose", 1, 0.5)]
-    assert ratios(rows) == [{"concurrency": 1, "prefix_over_compose_p90": 10.0,
-                             "cold_over_compose_p90": 12.0}]
-    result = {"config": vars(SkillsBenchConfig()) | {"concurrency": [1]},
-              "machine": {"before": {"load_average": (0.1, 0.2, 0.3)},
-                          "after": {"load_average": (0.4, 0.5, 0.6)}},
-              "summaries": [vars(s) for s in rows], "ratios": ratios(rows),
-              "fidelity": {"samples": 2, "first_token_agreement": 1.0,
-                           "continuation_identity": 0.5, "continuation_tokens": 16,
-                           "top20_overlap_mean": 0.9},
-              "server": {"dtype": "float32", "block_size": 128}}
-    md = markdown(result)
+    result = SkillsResult(config=SkillsBenchConfig(concurrency=(1,)),
+                          machine=MachineRecord(2, "cpu", [], [0.1, 0.2, 0.3], [0.4, 0.5, 0.6]),
+                          server=None, phases=rows, requests=[],
+                          fidelity=Fidelity(samples=2, failed=0, first_token_agreement=1.0,
+                                            continuation_identity=0.5, continuation_tokens=16,
+                                            top20_overlap_mean=0.9, cases=[]))
+    data = result.to_dict()
+    assert data["ratios"] == [{"concurrency": 1, "prefix_over_compose_p90": 10.0,
+                               "cold_over_compose_p90": 12.0}]
+    assert "context_tokens" not in data["summaries"][0]  # the skills rows do not vary it
+    md = markdown(data)
     assert "| compose | 1 | 4/4 |" in md and "prefix / compose = 10.0x" in md
-    assert "first-token agreement: 100.0%" in md and "0.1/0.2/0.3" in md
+    assert "first-token agreement: 100.0%" in md and "0.1/0.2/0.3 / 0.4/0.5/0.6" in md
+
+
+def test_skills_benchmark_on_fake_server(fake_server, tokenizer, tmp_path):
+    """The whole workload on the shared kit: every phase measured, its /metrics read, the
+    concurrency honoured; the fake reuses only exact prefixes within one salt."""
+    url, state = fake_server
+    state.min_delay = 0.02
+    config = SkillsBenchConfig(requests=4, concurrency=(1, 2), fidelity_samples=2, warmup=1)
+    client = ComposeClient(url, "smollm2-135m", tokenizer)
+    data = run_skills_benchmark(client, config, log=lambda s: None).to_dict()
+    rows = {(s["policy"], s["concurrency"]): s for s in data["summaries"]}
+    assert set(rows) == {(p, c) for p in ("cold", "prefix", "compose") for c in (1, 2)}
+    for s in rows.values():
+        assert s["ok"] == s["requests"] == 4 and s["failed"] == 0 and s["errors"] == {}
+        assert s["breakdown"]["n"] == 4 and s["metrics_error"] is None
+        assert s["mean_prompt_tokens"] > 1000
+    assert rows[("cold", 1)]["hit_rate_usage"] == 0.0
+    assert state.max_inflight == 2
+    assert [r["concurrency"] for r in data["ratios"]] == [1, 2]
+    assert data["fidelity"]["samples"] == 2 and data["server"]["block_size"] == 128
+    assert data["machine"]["load_average_end"] is not None
+    paths = write_outputs(data, tmp_path)
+    assert "| compose | 2 | 4/4 |" in paths["report"].read_text()
+
+
+def test_cli_skills_options_checked_before_any_server():
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app
+
+    res = CliRunner().invoke(app, ["serve-bench", "skills", "--url", "http://127.0.0.1:1"])
+    assert res.exit_code == 2 and "--url needs --skills DIR" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--k", "0"])
+    assert res.exit_code == 2 and "--k must be between 1 and" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies", "warm"])
+    assert res.exit_code == 2 and "unknown policy 'warm'" in res.output
+    res = CliRunner().invoke(app, ["serve-bench", "--workload", "skills"])
+    assert res.exit_code == 2  # one subcommand per workload
 
 
 def test_reused_fraction():

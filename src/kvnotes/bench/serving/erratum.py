@@ -1,4 +1,4 @@
-"""serve-bench: erratum vs in-place vs cold on an OpenAI-compatible vLLM server.
+"""``kvnotes serve-bench erratum``: erratum vs in-place vs cold on an OpenAI-compatible vLLM server.
 
 For every context length and concurrency level, fresh sessions are generated (their ids carry a
 run tag, so no run finds another run's prompts in the prefix cache). Each cache-using policy
@@ -13,25 +13,26 @@ errors, dropped connections, timeouts) are counted per phase by kind, never rais
 
 from __future__ import annotations
 
-import asyncio
 import math
-import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.metrics import (
-    HISTOGRAMS,
-    PrefixCacheCounters,
-    agreement,
-    info_labels,
-    parse_prometheus,
-    percentile,
-    ttft_breakdown,
+from kvnotes.bench.serving import kit
+from kvnotes.bench.serving.kit import (
+    MachineRecord,
+    P90Ratio,
+    PhaseSummary,
+    ServerRecord,
+    failure_lines,
+    load_now,
+    p90_ratios,
+    phase_line,
+    summarize,
 )
-from kvnotes.bench.serving.report import _fmt, _pct, markdown_table, ratios, write_outputs
+from kvnotes.bench.serving.metrics import agreement
 from kvnotes.bench.serving.workload import (
     DEFAULT_ERRATA,
     ERRATA_FORMS,
@@ -41,12 +42,14 @@ from kvnotes.bench.serving.workload import (
     make_sessions,
 )
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
-from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.serving.client import Client, StreamResult, stream_chat
 
-__all__ = ["BenchConfig", "PhaseSummary", "RequestRecord", "machine_state", "markdown_table", "ratios",
-           "matrix_config", "run_benchmark", "validate_block_size", "write_outputs"]
+if TYPE_CHECKING:
+    from kvnotes.serving.launch import LaunchRecord
+
+__all__ = ["Answers", "BenchConfig", "ErratumPhase", "ErratumResult", "RequestRecord",
+           "matrix_config", "run_benchmark", "validate_block_size"]
 
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes block sizes in steps of 32
 MATRIX_CONTEXTS = (1000, 4000, 8000)
@@ -133,8 +136,8 @@ class BenchConfig:
 
 
 def matrix_config(**overrides: Any) -> BenchConfig:
-    """The full matrix of issue 15: contexts 1k/4k/8k (16k where the model allows it),
-    concurrency 1/4/16, in-place/erratum/cold, at least 16 measured requests per row."""
+    """The full matrix: contexts 1k/4k/8k (16k where the model allows it), concurrency 1/4/16,
+    in-place/erratum/cold, at least 16 measured requests per row; ``overrides`` win."""
     base: dict[str, Any] = dict(context_tokens=MATRIX_CONTEXTS,
                                 optional_contexts=MATRIX_OPTIONAL_CONTEXTS,
                                 concurrency=MATRIX_CONCURRENCY, policies=POLICIES,
@@ -165,44 +168,6 @@ class RequestRecord:
     stale: str | None = None  # the answer the session's original value gives
 
 
-@dataclass
-class PhaseSummary:
-    """Per (context, concurrency, policy): latency, cache, error and decision figures."""
-
-    context_tokens: int
-    concurrency: int
-    policy: str
-    requests: int
-    ok: int
-    failed: int  # measured requests the server failed (kinds in ``errors``)
-    skipped: int
-    ttft_p50_s: float | None
-    ttft_p90_s: float | None
-    ttft_p99_s: float | None
-    hit_rate: float | None  # from /metrics deltas
-    hit_rate_usage: float | None  # sum(cached_tokens) / sum(prompt_tokens) from the responses
-    queries_tokens: float | None
-    hits_tokens: float | None
-    requests_per_s: float | None
-    wall_s: float
-    mean_prompt_tokens: float | None
-    decisions: dict[str, int] = field(default_factory=dict)
-    accuracy: float | None = None  # decision == the right answer for the new value
-    # decision == the original value's answer, over the edits whose right answer differs
-    # from it (the edits were missed)
-    stale_rate: float | None = None
-    agreement_with_in_place: float | None = None
-    agreement_n: int = 0
-    ttft_mean_s: float | None = None
-    errors: dict[str, int] = field(default_factory=dict)  # measured failures by kind
-    warmup_failed: int = 0
-    warmup_errors: dict[str, int] = field(default_factory=dict)
-    breakdown: dict[str, Any] | None = None  # where the mean TTFT went (vLLM's histograms)
-    load_before: list[float] | None = None  # 1/5/15-minute load average around the phase
-    load_after: list[float] | None = None
-    metrics_error: str | None = None
-
-
 class _Deadline:
     def __init__(self, seconds: float | None) -> None:
         self.at = None if seconds is None else time.monotonic() + seconds
@@ -211,49 +176,102 @@ class _Deadline:
         return self.at is not None and time.monotonic() > self.at
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in load_average()]
+@dataclass
+class Answers:
+    """What one phase's answers say: parsed decisions, accuracy, stale answers, agreement."""
+
+    decisions: dict[str, int] = field(default_factory=dict)
+    accuracy: float | None = None  # decision == the right answer for the new value
+    # decision == the original value's answer, over the edits whose right answer differs
+    # from it (the edits were missed)
+    stale_rate: float | None = None
+    agreement_with_in_place: float | None = None
+    agreement_n: int = 0
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord]) -> Answers:
+        ok = [r for r in records if r.ok]
+        changed = [r for r in ok if r.stale is not None and r.stale != r.expected]
+        decisions: dict[str, int] = {}
+        for r in ok:
+            key = r.decision or "unparsed"
+            decisions[key] = decisions.get(key, 0) + 1
+        return cls(decisions=decisions,
+                   accuracy=sum(1 for r in ok if r.decision == r.expected) / len(ok)
+                   if ok else None,
+                   stale_rate=(sum(1 for r in changed if r.decision == r.stale) / len(changed)
+                               if changed else None))
 
 
-def machine_state() -> dict[str, Any]:
-    """CPUs, CPU model and SIMD flags of this machine (the server runs here too), load now."""
-    return {"cpus": os.cpu_count(), "cpu_model": cpu_model(), "cpu_flags": cpu_flags(),
-            "load_average": _load()}
+@dataclass
+class ErratumPhase:
+    """One row of the erratum benchmark: the shared figures and what the answers say."""
+
+    phase: PhaseSummary
+    answers: Answers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.phase.to_dict(), **asdict(self.answers)}
 
 
-def _snapshot(client: Client) -> tuple[dict[str, float] | None, str | None]:
-    try:
-        return parse_prometheus(client.metrics_text()), None
-    except ServingError as err:
-        return None, str(err)
+@dataclass
+class SkippedContext:
+    context_tokens: int
+    reason: str
 
 
-def _observed(before: dict[str, float] | None, after: dict[str, float] | None) -> float:
-    """Requests whose prefill time vLLM observed between two snapshots (inf: not exported)."""
-    name = f"{HISTOGRAMS['prefill_s']}_count"
-    if before is None or after is None or name not in after:
-        return math.inf
-    return after[name] - before.get(name, 0.0)
+@dataclass
+class ErratumResult:
+    """Everything one erratum run measured; :meth:`to_dict` is the ``result.json`` schema."""
+
+    config: BenchConfig
+    contexts: list[int]
+    contexts_skipped: list[SkippedContext]
+    server: ServerRecord
+    machine: MachineRecord
+    run_id: str
+    wall_s: float
+    phases: list[ErratumPhase]
+    sessions: list[dict[str, Any]]
+    requests: list[RequestRecord]
+    launch: LaunchRecord | None = None  # set when kvnotes started the server
+    how: str | None = None  # the command that ran it, when it was not `kvnotes serve-bench`
+
+    def ratios(self) -> list[P90Ratio]:
+        """p90 TTFT of in-place and cold over the erratum's, per (context, concurrency)."""
+        return p90_ratios([p.phase for p in self.phases], reference="erratum",
+                          others=("in-place", "cold"))
+
+    def errors(self) -> dict[str, int]:
+        """Failed requests and warm-ups of the whole run, by kind."""
+        out: dict[str, int] = {}
+        for p in self.phases:
+            for src in (p.phase.errors, p.phase.warmup_errors):
+                for k, v in src.items():
+                    out[k] = out.get(k, 0) + v
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"config": asdict(self.config), "contexts": self.contexts,
+               "contexts_skipped": [asdict(s) for s in self.contexts_skipped],
+               "server": self.server.to_dict(), "machine": self.machine.to_dict(),
+               "run_id": self.run_id, "wall_s": self.wall_s,
+               "summaries": [p.to_dict() for p in self.phases], "errors": self.errors(),
+               "ratios": [r.to_dict() for r in self.ratios()], "sessions": self.sessions,
+               "requests": [asdict(r) for r in self.requests]}
+        if self.launch is not None:
+            out["launch"] = self.launch.to_dict()
+        if self.how is not None:
+            out["how"] = self.how
+        return out
 
 
-async def _pool(items: Sequence[Any], concurrency: int,
-                job: Callable[[Any], Any]) -> None:
-    """``job(item)`` for every item, at most ``concurrency`` at a time (workers take the next
-    item when they finish one)."""
-    it = iter(items)
-
-    async def worker() -> None:
-        for item in it:  # one iterator shared by the workers (one thread: no lock needed)
-            await job(item)
-
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(items)))))
-
-
-async def _phase(client: Client, sessions: Sequence[Session], policy: str, *,
-                 config: BenchConfig, concurrency: int, context_tokens: int,
-                 deadline: _Deadline) -> tuple[list[RequestRecord], list[StreamResult], Any]:
-    records: list[RequestRecord] = []
-    warm: list[StreamResult] = []
+def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, config: BenchConfig,
+              concurrency: int, context_tokens: int, deadline: _Deadline,
+              log: Callable[[str], None] = lambda s: None) -> tuple[ErratumPhase,
+                                                                   list[RequestRecord]]:
+    """Warm-up (cache-using policies), then the measured edit streams of one policy: one worker
+    per concurrent stream, each sending one session's edits in order."""
     api = client.async_openai(timeout=config.request_timeout_s)
 
     async def send(prompt: str) -> StreamResult:
@@ -261,121 +279,38 @@ async def _phase(client: Client, sessions: Sequence[Session], policy: str, *,
         return await stream_chat(api, config.model, prompt, max_tokens=config.max_tokens,
                                  cache_salt=salt, timeout=config.request_timeout_s)
 
-    async def warm_up(s: Session) -> None:
-        if not deadline.passed():
-            warm.append(await send(s.warmup_prompt()))
+    async def warm_up(s: Session) -> StreamResult | None:
+        return None if deadline.passed() else await send(s.warmup_prompt())
 
-    async def stream(s: Session) -> None:
+    async def stream(s: Session) -> list[RequestRecord]:
+        out = []
         for turn in s.turns:
-            base = dict(context_tokens=context_tokens, concurrency=concurrency, policy=policy,
+            base: dict[str, Any] = dict(context_tokens=context_tokens, concurrency=concurrency, policy=policy,
                         session=s.session_id, turn=turn.index,
                         expected=s.expected(turn.index), stale=s.stale)
             if deadline.passed():
-                records.append(RequestRecord(**base, ok=False, ttft_s=None, total_s=None,
-                                             prompt_tokens=None, cached_tokens=None, text="",
-                                             decision=None, error="time budget exhausted",
-                                             skipped=True))
+                out.append(RequestRecord(**base, ok=False, ttft_s=None, total_s=None,
+                                         prompt_tokens=None, cached_tokens=None, text="",
+                                         decision=None, error="time budget exhausted",
+                                         skipped=True))
                 continue
             r = await send(s.prompt(policy, turn.index))
-            records.append(RequestRecord(
+            out.append(RequestRecord(
                 **base, ok=r.ok, ttft_s=r.ttft_s, total_s=r.total_s,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens, text=r.text,
                 decision=parse_answer(r.text, s.answers) if r.ok else None, error=r.error,
                 error_kind=r.error_kind))
+        return out
 
-    try:
-        if policy != "cold":
-            await _pool(sessions, concurrency, warm_up)
-        before = await asyncio.to_thread(_snapshot, client)
-        t0 = time.perf_counter()
-        await _pool(sessions, concurrency, stream)
-        wall = time.perf_counter() - t0
-        after = await asyncio.to_thread(_snapshot, client)
-        # vLLM observes a finished request's histograms just after its last chunk leaves: wait
-        # (briefly) until every answered request is counted, so the phase owns its deltas
-        answered = sum(1 for r in records if r.ttft_s is not None)
-        for _ in range(20):
-            if _observed(before[0], after[0]) >= answered:
-                break
-            await asyncio.sleep(0.05)
-            after = await asyncio.to_thread(_snapshot, client)
-    finally:
-        await api.close()
-    return records, warm, (before, after, wall)
-
-
-def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, config: BenchConfig,
-              concurrency: int, context_tokens: int, deadline: _Deadline,
-              log: Callable[[str], None] = lambda s: None) -> tuple[PhaseSummary,
-                                                                   list[RequestRecord]]:
-    """Warm-up (cache-using policies), then the measured edit streams of one policy."""
-    load_before = _load()
-    records, warm, ((m0, err0), (m1, err1), wall) = asyncio.run(_phase(
-        client, sessions, policy, config=config, concurrency=concurrency,
-        context_tokens=context_tokens, deadline=deadline))
-    records.sort(key=lambda r: (r.session, r.turn))
-    delta = None
-    if m0 is not None and m1 is not None:
-        try:
-            delta = PrefixCacheCounters.from_metrics(m1) - PrefixCacheCounters.from_metrics(m0)
-        except KeyError as err:
-            err0 = err0 or str(err.args[0])
-    summary = summarize(records, policy=policy, concurrency=concurrency,
-                        context_tokens=context_tokens, wall_s=wall, delta=delta)
-    if m0 is not None and m1 is not None:
-        summary.breakdown = ttft_breakdown(m0, m1, client_ttft_mean_s=summary.ttft_mean_s)
-    summary.metrics_error = err0 or err1
-    failed_warm = [r for r in warm if not r.ok]
-    summary.warmup_failed = len(failed_warm)
-    summary.warmup_errors = _count_kinds(failed_warm)
-    summary.load_before, summary.load_after = load_before, _load()
-    for r in failed_warm[:3]:
-        log(f"  warm-up failed ({r.error_kind}): {r.error}")
-    for r in [r for r in records if not r.ok and not r.skipped][:3]:
-        log(f"  request failed ({r.error_kind}): {r.error}")
-    return summary, records
-
-
-def _count_kinds(items: Sequence[Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for r in items:
-        key = r.error_kind or "other"
-        out[key] = out.get(key, 0) + 1
-    return dict(sorted(out.items()))
-
-
-def summarize(records: Sequence[RequestRecord], *, policy: str, concurrency: int,
-              context_tokens: int, wall_s: float,
-              delta: PrefixCacheCounters | None) -> PhaseSummary:
-    """The figures of one phase from its request records and its /metrics delta."""
-    ok = [r for r in records if r.ok]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    usage = [r for r in ok if r.prompt_tokens and r.cached_tokens is not None]
-    failed = [r for r in records if not r.ok and not r.skipped]
-    changed = [r for r in ok if r.stale is not None and r.stale != r.expected]
-    decisions: dict[str, int] = {}
-    for r in ok:
-        key = r.decision or "unparsed"
-        decisions[key] = decisions.get(key, 0) + 1
-    return PhaseSummary(
-        context_tokens=context_tokens, concurrency=concurrency, policy=policy,
-        requests=len(records), ok=len(ok), failed=len(failed),
-        skipped=sum(1 for r in records if r.skipped),
-        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
-        ttft_p99_s=percentile(ttfts, 99),
-        hit_rate=delta.hit_rate if delta else None,
-        hit_rate_usage=(sum(r.cached_tokens for r in usage) / sum(r.prompt_tokens for r in usage)
-                        if usage else None),
-        queries_tokens=delta.queries if delta else None, hits_tokens=delta.hits if delta else None,
-        requests_per_s=len(ok) / wall_s if wall_s > 0 and ok else None, wall_s=wall_s,
-        mean_prompt_tokens=(sum(r.prompt_tokens for r in ok if r.prompt_tokens) / len(ok)
-                            if ok and all(r.prompt_tokens for r in ok) else None),
-        decisions=decisions,
-        accuracy=sum(1 for r in ok if r.decision == r.expected) / len(ok) if ok else None,
-        stale_rate=(sum(1 for r in changed if r.decision == r.stale) / len(changed)
-                    if changed else None),
-        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else None,
-        errors=_count_kinds(failed))
+    run = kit.run_phase(sessions, concurrency, stream,
+                        warmup=None if policy == "cold" else warm_up,
+                        metrics_text=client.metrics_text, cleanup=api.close)
+    records = sorted(run.records, key=lambda r: (r.session, r.turn))
+    summary = summarize(records, policy=policy, concurrency=concurrency, wall_s=run.wall_s,
+                        run=run, context_tokens=context_tokens)
+    for line in failure_lines(run):
+        log(line)
+    return ErratumPhase(summary, Answers.of(records)), records
 
 
 TEMPLATE_MARGIN = 48  # chat-template tokens around the user message (SmolLM2's adds 30)
@@ -392,7 +327,7 @@ def _longest_prompt(sessions: Sequence[Session], config: BenchConfig,
 
 def _plan(config: BenchConfig, limit: int | None, run_id: str,
           count_tokens: Callable[[str], int]) -> tuple[list[tuple[int, dict[int, list[Session]]]],
-                                                      list[dict[str, Any]]]:
+                                                      list[SkippedContext]]:
     """The sessions of every (context, concurrency), built before anything is measured, and
     the optional contexts the server's context limit leaves out. A required context that does
     not fit raises, before any request is sent."""
@@ -420,14 +355,15 @@ def _plan(config: BenchConfig, limit: int | None, run_id: str,
                                f"{config.edits} edits (about {need} tokens): lower "
                                "--context-tokens or --edits, or start the server with a larger "
                                "--max-model-len")
-        skipped.append({"context_tokens": ctx, "reason": reason})
+        skipped.append(SkippedContext(ctx, reason))
     return plan, skipped
 
 
 def run_benchmark(client: Client, config: BenchConfig, *,
                   count_tokens: Callable[[str], int] | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every (context, concurrency, policy) phase; returns the JSON-ready result."""
+                  log: Callable[[str], None] = print) -> ErratumResult:
+    """Run every (context, concurrency, policy) phase of ``config`` on the server ``client``
+    talks to."""
     served = client.models()
     if config.model not in served:
         raise ServingError(f"the server at {client.url} does not serve {config.model!r}; it "
@@ -440,24 +376,16 @@ def run_benchmark(client: Client, config: BenchConfig, *,
                 memo[text] = client.count_tokens(config.model, text)
             return memo[text]
 
-    limit = client.max_model_len(config.model)
+    server = ServerRecord.read(client, config.model, block_size=config.block_size, log=log)
     run_id = secrets.token_hex(3)
-    plan, skipped_contexts = _plan(config, limit, run_id, count_tokens)
-    contexts = [ctx for ctx, _ in plan]
+    plan, skipped_contexts = _plan(config, server.max_model_len, run_id, count_tokens)
     for sk in skipped_contexts:
-        log(f"context {sk['context_tokens']} skipped: {sk['reason']}")
-    metrics_text = ""
-    try:
-        metrics_text = client.metrics_text()
-    except ServingError as err:
-        log(f"/metrics unreadable ({err}): hit rates and the TTFT breakdown will be missing")
-    cache_info = info_labels(metrics_text)
-    server_block = cache_info.get("block_size")
+        log(f"context {sk.context_tokens} skipped: {sk.reason}")
     deadline = _Deadline(config.time_budget_s)
-    summaries: list[PhaseSummary] = []
+    phases: list[ErratumPhase] = []
     records: list[RequestRecord] = []
     sessions_meta: list[dict[str, Any]] = []
-    machine = machine_state()
+    machine = MachineRecord.now()
     t_start = time.perf_counter()
     for ctx, rows in plan:
         for conc, sessions in rows.items():
@@ -468,50 +396,30 @@ def run_benchmark(client: Client, config: BenchConfig, *,
             by_policy: dict[str, list[RequestRecord]] = {}
             for policy in config.policies:
                 log(f"context {ctx}, concurrency {conc}, {policy}: {len(sessions)} sessions x "
-                    f"{config.edits} edits (load {_load()})")
-                summary, recs = run_phase(client, sessions, policy, config=config,
-                                          concurrency=conc, context_tokens=ctx,
-                                          deadline=deadline, log=log)
-                summaries.append(summary)
+                    f"{config.edits} edits (load {load_now()})")
+                phase, recs = run_phase(client, sessions, policy, config=config,
+                                        concurrency=conc, context_tokens=ctx,
+                                        deadline=deadline, log=log)
+                phases.append(phase)
                 records += recs
                 by_policy[policy] = recs
-                errs = ", ".join(f"{k} {v}" for k, v in summary.errors.items()) or "none"
-                log(f"  ok {summary.ok}/{summary.requests}  ttft p50 {_fmt(summary.ttft_p50_s)}"
-                    f"  p90 {_fmt(summary.ttft_p90_s)}  hit rate {_pct(summary.hit_rate)}"
-                    f"  errors: {errs}")
-            ref = {(r.session, r.turn): r.decision for r in by_policy.get("in-place", []) if r.ok}
-            for summary in summaries[-len(config.policies):]:
-                if summary.policy == "in-place" or not ref:
-                    continue
-                mine = {(r.session, r.turn): r.decision for r in by_policy[summary.policy]
-                        if r.ok}
-                same, n = agreement(mine, ref)
-                summary.agreement_with_in_place = same / n if n else None
-                summary.agreement_n = n
-    machine["load_average_end"] = _load()
-    return {
-        "config": asdict(config),
-        "contexts": contexts,
-        "contexts_skipped": skipped_contexts,
-        "server": {"url": client.url, "version": client.version(), "models": served,
-                   "max_model_len": limit,
-                   "block_size": int(server_block) if server_block else config.block_size,
-                   "cache_config": cache_info},
-        "machine": machine,
-        "run_id": run_id,
-        "wall_s": time.perf_counter() - t_start,
-        "summaries": [asdict(s) for s in summaries],
-        "errors": _total_errors(summaries),
-        "ratios": ratios(summaries),
-        "sessions": sessions_meta,
-        "requests": [asdict(r) for r in records],
-    }
+                log(phase_line(phase.phase))
+            _agree_with_in_place(phases[-len(config.policies):], by_policy)
+    machine.finish()
+    return ErratumResult(config=config, contexts=[ctx for ctx, _ in plan],
+                         contexts_skipped=skipped_contexts, server=server, machine=machine,
+                         run_id=run_id, wall_s=time.perf_counter() - t_start, phases=phases,
+                         sessions=sessions_meta, requests=records)
 
 
-def _total_errors(summaries: Sequence[PhaseSummary]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for s in summaries:
-        for src in (s.errors, s.warmup_errors):
-            for k, v in src.items():
-                out[k] = out.get(k, 0) + v
-    return dict(sorted(out.items()))
+def _agree_with_in_place(phases: Sequence[ErratumPhase],
+                         by_policy: dict[str, list[RequestRecord]]) -> None:
+    """Each policy's decisions against in-place's for the same session and edit."""
+    ref = {(r.session, r.turn): r.decision for r in by_policy.get("in-place", []) if r.ok}
+    for p in phases:
+        if p.phase.policy == "in-place" or not ref:
+            continue
+        mine = {(r.session, r.turn): r.decision for r in by_policy[p.phase.policy] if r.ok}
+        same, n = agreement(mine, ref)
+        p.answers.agreement_with_in_place = same / n if n else None
+        p.answers.agreement_n = n

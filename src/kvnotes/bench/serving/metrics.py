@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvnotes.core.errors import ServingError
+
+K = TypeVar("K")
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
@@ -158,7 +160,7 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def agreement(a: Mapping[object, str | None], b: Mapping[object, str | None]) -> tuple[int, int]:
+def agreement(a: Mapping[K, str | None], b: Mapping[K, str | None]) -> tuple[int, int]:
     """(agreeing, compared): keys present in both where both decisions parsed and are equal.
 
     Unparsed decisions (None) count as compared and disagreeing, unless both are None.

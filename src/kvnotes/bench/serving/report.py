@@ -1,54 +1,25 @@
-"""serve-bench's report: the Markdown tables, the TTFT CDF, and the bundle on disk."""
+"""The erratum benchmark's report: the Markdown tables, the TTFT CDF, and the bundle on disk.
+
+Every function here reads the JSON form of a result (``ErratumResult.to_dict()`` or a stored
+``result.json``), so a saved run can be rendered again without rerunning it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvnotes.bench.serving.kit import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
 from kvnotes.bench.serving.workload import ERRATA_FORMS
 from kvnotes.eval.reports import write_bundle
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}s"
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.0f} ms"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _kinds(d: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
-
-
-def _load(x: list[float] | None) -> str:
-    return "-" if not x else f"{x[0]:.1f}"
-
-
-def ratios(summaries: Sequence[Any]) -> list[dict[str, Any]]:
-    """p90 TTFT of in-place and cold over erratum, per (context, concurrency)."""
-    table: dict[tuple[int, int], dict[str, Any]] = {}
-    for s in summaries:
-        table.setdefault((s.context_tokens, s.concurrency), {})[s.policy] = s
-    out = []
-    for (ctx, conc), row in sorted(table.items()):
-        e = row.get("erratum")
-        entry: dict[str, Any] = {"context_tokens": ctx, "concurrency": conc}
-        for other in ("in-place", "cold"):
-            o = row.get(other)
-            ok = e and o and e.ttft_p90_s and o.ttft_p90_s
-            entry[f"{other}_over_erratum_p90"] = o.ttft_p90_s / e.ttft_p90_s if ok else None
-        out.append(entry)
-    return out
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.1f}x"
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    """The per policy and concurrency tables of a result, as Markdown."""
+    """The per policy and concurrency tables of a result (its JSON form), as Markdown."""
     lines = ["| context | conc | policy | ok/n | TTFT p50 | p90 | p99 | hit rate (metrics) | "
              "hit rate (usage) | req/s | errors | warm-up errors | load 1m before/after | "
              "agree w/ in-place | answers | acc | old answer |",
@@ -60,18 +31,18 @@ def markdown_table(result: dict[str, Any]) -> str:
         rps = "-" if s["requests_per_s"] is None else f"{s['requests_per_s']:.2f}"
         lines.append(
             f"| {s['context_tokens']} | {s['concurrency']} | {s['policy']} | "
-            f"{s['ok']}/{s['requests']} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p90_s'])} | "
-            f"{_fmt(s['ttft_p99_s'])} | {_pct(s['hit_rate'])} | {_pct(s['hit_rate_usage'])} | "
-            f"{rps} | {_kinds(s.get('errors') or {})} | {_kinds(s.get('warmup_errors') or {})} "
-            f"| {_load(s.get('load_before'))} / {_load(s.get('load_after'))} | {agree} | {dec} | "
+            f"{s['ok']}/{s['requests']} | {fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p90_s'])} | "
+            f"{fmt_s(s['ttft_p99_s'])} | {fmt_pct(s['hit_rate'])} | {fmt_pct(s['hit_rate_usage'])} | "
+            f"{rps} | {fmt_kinds(s.get('errors') or {})} | {fmt_kinds(s.get('warmup_errors') or {})} "
+            f"| {fmt_load(s.get('load_before'))} / {fmt_load(s.get('load_after'))} | {agree} | {dec} | "
             f"{'-' if s['accuracy'] is None else format(s['accuracy'], '.2f')} | "
             f"{'-' if s.get('stale_rate') is None else format(s['stale_rate'], '.2f')} |")
     lines += ["", "| context | conc | in-place / erratum p90 | cold / erratum p90 |",
               "|---:|---:|---:|---:|"]
     for r in result["ratios"]:
-        a, b = r["in-place_over_erratum_p90"], r["cold_over_erratum_p90"]
         lines.append(f"| {r['context_tokens']} | {r['concurrency']} | "
-                     f"{'-' if a is None else f'{a:.1f}x'} | {'-' if b is None else f'{b:.1f}x'} |")
+                     f"{_x(r.get('in-place_over_erratum_p90'))} | "
+                     f"{_x(r.get('cold_over_erratum_p90'))} |")
     return "\n".join(lines)
 
 
@@ -88,9 +59,9 @@ def breakdown_table(result: dict[str, Any]) -> str:
         prompt = "-" if b["prompt_tokens"] is None else f"{b['prompt_tokens']:.0f}"
         n = "-" if b["n"] is None else f"{b['n']:.0f}"
         lines.append(f"| {s['context_tokens']} | {s['concurrency']} | {s['policy']} | "
-                     f"{_ms(b['client_ttft_s'])} | {_ms(b['server_ttft_s'])} | "
-                     f"{_ms(b['queue_s'])} | {_ms(b['compute_s'])} | {_ms(b['first_step_s'])} "
-                     f"| {_ms(b['frontend_s'])} | {tok} | {prompt} | {n} |")
+                     f"{fmt_ms(b['client_ttft_s'])} | {fmt_ms(b['server_ttft_s'])} | "
+                     f"{fmt_ms(b['queue_s'])} | {fmt_ms(b['compute_s'])} | {fmt_ms(b['first_step_s'])} "
+                     f"| {fmt_ms(b['frontend_s'])} | {tok} | {prompt} | {n} |")
     return "\n".join(lines)
 
 
@@ -128,7 +99,7 @@ def report_markdown(result: dict[str, Any]) -> str:
         f"{cfg['max_tokens']} tokens",
         f"- requests measured: {sum(s['requests'] for s in result['summaries'])} "
         f"(failed {failed}, skipped by the time budget {skipped}; warm-ups failed "
-        f"{warm_failed}; errors by kind: {_kinds(result.get('errors') or {})}); wall "
+        f"{warm_failed}; errors by kind: {fmt_kinds(result.get('errors') or {})}); wall "
         f"{result['wall_s']:.0f} s",
         "- TTFT: client-side (openai AsyncOpenAI, streaming), time to the first chunk carrying "
         "generated text. Hit rate: delta of vllm:prefix_cache_hits_total over delta of "
@@ -139,7 +110,7 @@ def report_markdown(result: dict[str, Any]) -> str:
             "the order's current status (the field's value itself)"
             if cfg.get("question") == "status" else
             "the refund decision the policy implies for the order's status")
-        + ". Errata: " + ERRATA_FORMS[cfg.get("errata") or "append"]  # older runs: append
+        + ". Errata: " + ERRATA_FORMS[cfg.get("errata") or "append"]  # a result without the key used append
         + ". Agreement: answers equal to in-place's for the same session and edit; acc: the "
         "right answer for the new value; old answer: the answer the session's original value "
         "gives (what the cached context still says), over the edits whose right answer differs "

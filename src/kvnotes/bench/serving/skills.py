@@ -1,4 +1,4 @@
-"""``serve-bench --workload skills``: composition inside vLLM against prefix caching and cold.
+"""``kvnotes serve-bench skills``: composition inside vLLM against prefix caching and cold.
 
 Each request is ``[header][k skills, a random subset in random order][~100 tokens of user
 text]``, sent as token ids (kvnotes' per-part tokenization). Policies:
@@ -9,29 +9,48 @@ text]``, sent as token ids (kvnotes' per-part tokenization). Policies:
 - ``compose``: the splice salt, so the connector supplies the leading run of known pieces and
   prefix caching reuses repeats of the same spliced order.
 
-Hit rate counts what the server did not compute: ``cached_tokens / prompt_tokens`` summed over a
-phase (vLLM's ``cached_tokens`` includes connector-supplied tokens). Fidelity: for a sample of
+Phases run on the shared kit (:mod:`kvnotes.bench.serving.kit`). The reported hit rate counts
+what the server did not compute: ``cached_tokens / prompt_tokens`` summed over a phase (vLLM's
+``cached_tokens`` includes connector-supplied tokens; the kit's ``hit_rate`` from /metrics
+counts only its own prefix cache). Fidelity: for a sample of
 compose requests, the same prompt sent without the splice salt (exact prefill or exact prefix
 hits) is the reference for the first token, 16 greedy tokens and the top-20 logprob sets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_names, skill_text
-from kvnotes.bench.serving.metrics import percentile
+from kvnotes.bench.serving import kit
+from kvnotes.bench.serving.kit import (
+    MachineRecord,
+    P90Ratio,
+    PhaseSummary,
+    ServerRecord,
+    failure_lines,
+    fmt_pct,
+    fmt_s,
+    load_now,
+    p90_ratios,
+    phase_line,
+    summarize,
+)
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
+from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
+
+if TYPE_CHECKING:
+    from kvnotes.serving.launch import LaunchRecord
+    from kvnotes.serving.skills import ServingSkills
 
 SKILL_POLICIES = ("cold", "prefix", "compose")
 
@@ -68,6 +87,9 @@ def user_text(rng: random.Random) -> str:
 
 @dataclass(frozen=True)
 class SkillsBenchConfig:
+    """What one skills run measures: ``requests`` prompts per (concurrency, policy) row, each
+    with ``k`` skills, then ``fidelity_samples`` compose requests against exact ones."""
+
     model: str = "smollm2-135m"
     k: int = 4
     requests: int = 16
@@ -84,9 +106,15 @@ class SkillsBenchConfig:
         if unknown:
             raise UnknownNameError("policy", unknown[0], SKILL_POLICIES)
         if not 1 <= self.k <= len(skill_names()):
-            raise InvalidArgumentError(f"k must be between 1 and {len(skill_names())}")
-        if self.requests < 1 or any(c < 1 for c in self.concurrency):
-            raise InvalidArgumentError("requests and concurrency must be at least 1")
+            raise InvalidArgumentError(f"--k must be between 1 and {len(skill_names())} (the "
+                                       f"library's skills), got {self.k}")
+        if self.requests < 1:
+            raise InvalidArgumentError(f"--requests must be at least 1, got {self.requests}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise InvalidArgumentError("concurrency levels must be at least 1")
+        if self.fidelity_samples < 0:
+            raise InvalidArgumentError(f"--fidelity-samples must be 0 or more, got "
+                                       f"{self.fidelity_samples}")
 
 
 def make_requests(n: int, k: int, seed: int) -> list[list[str]]:
@@ -103,6 +131,8 @@ def make_requests(n: int, k: int, seed: int) -> list[list[str]]:
 
 @dataclass
 class Record:
+    """One measured request."""
+
     policy: str
     concurrency: int
     ok: bool
@@ -110,22 +140,8 @@ class Record:
     prompt_tokens: int | None
     cached_tokens: int | None
     error: str | None = None
-
-
-@dataclass
-class PhaseSummary:
-    policy: str
-    concurrency: int
-    requests: int
-    ok: int
-    failed: int
-    ttft_p50_s: float | None
-    ttft_p90_s: float | None
-    ttft_p99_s: float | None
-    hit_rate: float | None
-    prompt_tokens_mean: float | None
-    wall_s: float
-    errors: list[str] = field(default_factory=list)
+    error_kind: str | None = None  # "request" for every failure (the client does not classify)
+    skipped: bool = False
 
 
 def _send(client: ComposeClient, policy: str, parts: list[str], max_tokens: int) -> ComposeResult:
@@ -135,32 +151,52 @@ def _send(client: ComposeClient, policy: str, parts: list[str], max_tokens: int)
 
 
 def run_phase(client: ComposeClient, policy: str, concurrency: int, prompts: Sequence[list[str]],
-              max_tokens: int) -> tuple[PhaseSummary, list[Record]]:
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(lambda p: _send(client, policy, p, max_tokens), prompts))
-    wall = time.perf_counter() - t0
-    records = [Record(policy, concurrency, r.ok, r.ttft_s, r.prompt_tokens, r.cached_tokens,
-                      r.error) for r in results]
-    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
-    prompt = sum(r.prompt_tokens or 0 for r in records if r.ok)
-    cached = sum(r.cached_tokens or 0 for r in records if r.ok)
-    ok = [r for r in records if r.ok]
-    summary = PhaseSummary(
-        policy, concurrency, len(records), len(ok), len(records) - len(ok),
-        percentile(ttfts, 50), percentile(ttfts, 90), percentile(ttfts, 99),
-        cached / prompt if prompt else None,
-        prompt / len(ok) if ok else None, wall,
-        sorted({r.error for r in records if r.error})[:5])
-    return summary, records
+              max_tokens: int, *, metrics: Client | None = None,
+              log: Callable[[str], None] = lambda s: None) -> tuple[PhaseSummary, list[Record]]:
+    """Every prompt once under ``policy``, ``concurrency`` in flight (the blocking client runs in
+    a thread per worker)."""
+    threads = ThreadPoolExecutor(max_workers=concurrency)
+
+    async def send(parts: list[str]) -> list[Record]:
+        r = await asyncio.get_running_loop().run_in_executor(
+            threads, _send, client, policy, parts, max_tokens)
+        return [Record(policy, concurrency, r.ok, r.ttft_s, r.prompt_tokens, r.cached_tokens,
+                       r.error, None if r.ok else "request")]
+
+    async def shutdown() -> None:
+        threads.shutdown(wait=False)
+
+    run = kit.run_phase(prompts, concurrency, send, cleanup=shutdown,
+                        metrics_text=metrics.metrics_text if metrics is not None else None)
+    for line in failure_lines(run):
+        log(line)
+    return (summarize(run.records, policy=policy, concurrency=concurrency, wall_s=run.wall_s,
+                      run=run), run.records)
+
+
+@dataclass
+class Fidelity:
+    """Spliced answers against the same prompts sent exactly (no splice salt)."""
+
+    samples: int
+    failed: int
+    first_token_agreement: float | None
+    continuation_identity: float | None
+    continuation_tokens: int
+    top20_overlap_mean: float | None
+    cases: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def measure_fidelity(client: ComposeClient, prompts: Sequence[list[str]], tokens: int
-                     ) -> dict[str, Any]:
-    """Spliced answers against the same prompts sent exactly (no splice salt)."""
+                     ) -> Fidelity:
+    """Each prompt sent spliced and exactly: first token, ``tokens`` greedy tokens and the first
+    token's top-20 logprob set compared."""
     first = same = 0
     overlaps: list[float] = []
-    cases = []
+    cases: list[dict[str, Any]] = []
     for parts in prompts:
         spliced = client.complete(parts, max_tokens=tokens, splice=True, logprobs=20)
         exact = client.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
@@ -178,19 +214,62 @@ def measure_fidelity(client: ComposeClient, prompts: Sequence[list[str]], tokens
                       "spliced_cached": spliced.cached_tokens, "prompt_tokens":
                       spliced.prompt_tokens})
     n = sum(1 for c in cases if "error" not in c)
-    return {"samples": n, "failed": len(cases) - n,
-            "first_token_agreement": first / n if n else None,
-            "continuation_identity": same / n if n else None,
-            "continuation_tokens": tokens,
-            "top20_overlap_mean": sum(overlaps) / len(overlaps) if overlaps else None,
-            "cases": cases}
+    return Fidelity(samples=n, failed=len(cases) - n,
+                    first_token_agreement=first / n if n else None,
+                    continuation_identity=same / n if n else None, continuation_tokens=tokens,
+                    top20_overlap_mean=sum(overlaps) / len(overlaps) if overlaps else None,
+                    cases=cases)
+
+
+@dataclass
+class SkillsResult:
+    """Everything one skills run measured; :meth:`to_dict` is the ``results.json`` schema."""
+
+    config: SkillsBenchConfig
+    machine: MachineRecord
+    server: ServerRecord | None
+    phases: list[PhaseSummary]
+    fidelity: Fidelity | None
+    requests: list[Record]
+    anchor: str = "header"  # what the skills were compiled behind: "header" or "none"
+    launch: LaunchRecord | None = None
+
+    def ratios(self) -> list[P90Ratio]:
+        """p90 TTFT of prefix and cold over compose, per concurrency."""
+        return p90_ratios(self.phases, reference="compose", others=("prefix", "cold"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"workload": "skills", "config": asdict(self.config),
+               "machine": self.machine.to_dict(),
+               "server": None if self.server is None else self.server.to_dict(),
+               "skills_anchor": self.anchor,
+               "summaries": [s.to_dict() for s in self.phases],
+               "ratios": [r.to_dict() for r in self.ratios()],
+               "fidelity": None if self.fidelity is None else self.fidelity.to_dict(),
+               "requests": [asdict(r) for r in self.requests]}
+        if self.launch is not None:
+            out["launch"] = self.launch.to_dict()
+        return out
+
+
+def register_skills(skills: ServingSkills, *, anchor: bool = True,
+                    log: Callable[[str], None] = lambda s: None) -> None:
+    """Publish the benchmark's library: the system header as a piece, then every policy,
+    compiled behind the header every request starts with (``anchor``) or alone."""
+    skills.add(HEADER, name="header")
+    for name, text in skill_texts().items():
+        info = skills.add(text, name=name, after=HEADER if anchor else None)
+        log(f"skill {name}: {len(info)} tokens (first position {info.origin})")
 
 
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
-                         log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every policy x concurrency phase, then fidelity; a JSON-able result."""
-    machine_before = machine_info()  # threads, load average, CPU flags
-    summaries: list[PhaseSummary] = []
+                         anchor: bool = True,
+                         log: Callable[[str], None] = print) -> SkillsResult:
+    """Every policy x concurrency phase, then fidelity, on the server ``client`` talks to."""
+    metrics = Client(client.url)
+    server = ServerRecord.read(metrics, client.model, log=log)
+    machine = MachineRecord.now()
+    phases: list[PhaseSummary] = []
     records: list[Record] = []
     # warm-up: the first requests after start pay compilation; not measured
     for parts in make_requests(config.warmup, config.k, config.seed + 999):
@@ -199,85 +278,68 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
         for j, policy in enumerate(config.policies):
             # each phase gets its own random prompts: prefix caching sees no planted repeats
             prompts = make_requests(config.requests, config.k, config.seed + 100 * i + j)
-            summary, recs = run_phase(client, policy, conc, prompts, config.max_tokens)
-            summaries.append(summary)
+            log(f"{policy}, concurrency {conc}: {len(prompts)} requests (load {load_now()})")
+            summary, recs = run_phase(client, policy, conc, prompts, config.max_tokens,
+                                      metrics=metrics, log=log)
+            phases.append(summary)
             records += recs
-            log(f"{policy:8s} c={conc:<3d} p50 {_s(summary.ttft_p50_s)} p90 "
-                f"{_s(summary.ttft_p90_s)} hit {_pct(summary.hit_rate)} "
-                f"ok {summary.ok}/{summary.requests}")
+            log(phase_line(summary))
     fidelity = None
     if "compose" in config.policies and config.fidelity_samples:
         prompts = make_requests(config.fidelity_samples, config.k, config.seed + 7777)
         fidelity = measure_fidelity(client, prompts, config.fidelity_tokens)
-        log(f"fidelity: first token {_pct(fidelity['first_token_agreement'])}, "
+        log(f"fidelity: first token {fmt_pct(fidelity.first_token_agreement)}, "
             f"{config.fidelity_tokens}-token continuation "
-            f"{_pct(fidelity['continuation_identity'])}, top-20 overlap "
-            f"{_pct(fidelity['top20_overlap_mean'])} over {fidelity['samples']}")
-    return {"workload": "skills", "config": asdict(config),
-            "machine": {"before": machine_before, "after": machine_info()},
-            "summaries": [asdict(s) for s in summaries], "ratios": ratios(summaries),
-            "fidelity": fidelity, "requests": [asdict(r) for r in records]}
-
-
-def ratios(summaries: Sequence[PhaseSummary]) -> list[dict[str, Any]]:
-    """p90 TTFT of prefix and cold over compose, per concurrency."""
-    out = []
-    for conc in sorted({s.concurrency for s in summaries}):
-        row = {s.policy: s for s in summaries if s.concurrency == conc}
-        comp = row.get("compose")
-        if comp is None or not comp.ttft_p90_s:
-            continue
-        entry: dict[str, Any] = {"concurrency": conc}
-        for other in ("prefix", "cold"):
-            if other in row and row[other].ttft_p90_s:
-                entry[f"{other}_over_compose_p90"] = row[other].ttft_p90_s / comp.ttft_p90_s
-        out.append(entry)
-    return out
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}s"
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+            f"{fmt_pct(fidelity.continuation_identity)}, top-20 overlap "
+            f"{fmt_pct(fidelity.top20_overlap_mean)} over {fidelity.samples}")
+    machine.finish()
+    return SkillsResult(config=config, machine=machine, server=server, phases=phases,
+                        fidelity=fidelity, requests=records, anchor="header" if anchor else "none")
 
 
 def markdown(result: dict[str, Any]) -> str:
+    """The report of a result's JSON form (``SkillsResult.to_dict()`` or a stored file)."""
     cfg = result["config"]
-    lines = [f"# serve-bench --workload skills ({cfg['model']})", "",
+    server = result.get("server") or {}
+    launch = result.get("launch") or {}
+    machine = result["machine"]
+    anchored = result.get("skills_anchor") == "header"
+    lines = [f"# serve-bench skills ({cfg['model']})", "",
              f"{cfg['requests']} requests per row; each: header + {cfg['k']} of "
              f"{len(skill_names())} skills (random subset, random order) + ~100 tokens of user "
-             f"text; TTFT from the client (streaming, first token). Server: "
-             f"{result.get('server', {}).get('dtype', '?')}, block size "
-             f"{result.get('server', {}).get('block_size', '?')}; skills compiled "
-             f"{'behind the system header' if result.get('skills_anchor') == 'header' else 'alone'}"
-             f". Load average before/after: "
-             f"{_load(result['machine']['before'])} / {_load(result['machine']['after'])}.", "",
+             f"text; TTFT from the client (streaming, first token). Server: vLLM "
+             f"{server.get('version') or '?'}, {launch.get('dtype', '?')}, block size "
+             f"{server.get('block_size') or '?'}; skills compiled "
+             f"{'behind the system header' if anchored else 'alone'}. Hit rate: the responses' "
+             "cached_tokens over prompt_tokens (spliced tokens count as reused). Load average at "
+             f"start / end: {_loads(machine.get('load_average'))} / "
+             f"{_loads(machine.get('load_average_end'))}.", "",
              "| policy | concurrency | ok | p50 TTFT | p90 TTFT | p99 TTFT | hit rate | prompt tokens |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["summaries"]:
         lines.append(f"| {s['policy']} | {s['concurrency']} | {s['ok']}/{s['requests']} | "
-                     f"{_s(s['ttft_p50_s'])} | {_s(s['ttft_p90_s'])} | {_s(s['ttft_p99_s'])} | "
-                     f"{_pct(s['hit_rate'])} | {s['prompt_tokens_mean'] or 0:.0f} |")
+                     f"{fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p90_s'])} | "
+                     f"{fmt_s(s['ttft_p99_s'])} | {fmt_pct(s['hit_rate_usage'])} | "
+                     f"{s['mean_prompt_tokens'] or 0:.0f} |")
     for r in result["ratios"]:
         parts = [f"{k.split('_')[0]} / compose = {v:.1f}x" for k, v in r.items()
-                 if k != "concurrency"]
-        lines.append(f"\np90 TTFT at concurrency {r['concurrency']}: " + ", ".join(parts))
+                 if k != "concurrency" and v is not None]
+        if parts:
+            lines.append(f"\np90 TTFT at concurrency {r['concurrency']}: " + ", ".join(parts))
     fid = result.get("fidelity")
     if fid:
         lines += ["", f"Fidelity over {fid['samples']} compose requests against the same prompt "
                   "sent without the splice salt (exact):", "",
-                  f"- first-token agreement: {_pct(fid['first_token_agreement'])}",
+                  f"- first-token agreement: {fmt_pct(fid['first_token_agreement'])}",
                   f"- {fid['continuation_tokens']}-token greedy continuation identical: "
-                  f"{_pct(fid['continuation_identity'])}",
+                  f"{fmt_pct(fid['continuation_identity'])}",
                   f"- top-20 logprob set overlap at the first token: "
-                  f"{_pct(fid['top20_overlap_mean'])}"]
+                  f"{fmt_pct(fid['top20_overlap_mean'])}"]
     return "\n".join(lines) + "\n"
 
 
-def _load(m: dict[str, Any]) -> str:
-    return "/".join(f"{x:.1f}" for x in m["load_average"])
+def _loads(load: Sequence[float] | None) -> str:
+    return "-" if not load else "/".join(f"{x:.1f}" for x in load)
 
 
 def plot_ttft(result: dict[str, Any], path: Path) -> None:
@@ -310,5 +372,6 @@ def plot_ttft(result: dict[str, Any], path: Path) -> None:
 
 
 def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
+    """``results.json``, ``report.md`` and ``ttft.png`` in ``out``; returns their paths."""
     return write_bundle(out, result, report=markdown(result), json_name="results.json",
                         plot_name="ttft.png", plot=lambda p: plot_ttft(result, p))

@@ -66,8 +66,8 @@ ERRATA_FORMS: dict[str, str] = {
 }
 ONE_CORRECTION = frozenset({"latest", "follow-up-latest"})
 AFTER_QUESTION = frozenset({"follow-up", "follow-up-latest"})
-# the default since session 6: the fastest form and the only one SmolLM2 read right after every
-# edit (docs/serving.md, "Where the erratum goes"); runs before it used "append"
+# the default: the fastest form and the only one SmolLM2 read right after every edit
+# (docs/serving.md, "Where the erratum goes")
 DEFAULT_ERRATA = "follow-up-latest"
 REASK = "Answer again."
 # longest first: parse_answer breaks ties at one position by order ("delivered late" over

@@ -1,0 +1,150 @@
+"""A serving benchmark against a running server or one that kvnotes launches for it.
+
+:class:`Target` says where the requests go: ``url`` (a loopback server someone started) or
+``launch`` (a :class:`~kvnotes.serving.launch.LaunchConfig`: the one launcher starts it, the run
+goes against it, and it is stopped when the run ends). :func:`run_erratum` and
+:func:`run_skills` are what ``kvnotes serve-bench erratum`` / ``skills`` run;
+:func:`run_erratum_rows` measures several erratum configurations on one launched server (the
+benchmark scripts in ``benchmarks/serve_quiet/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvnotes.bench.serving.erratum import BenchConfig, ErratumResult, run_benchmark
+from kvnotes.bench.serving.report import markdown_table, write_outputs
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving import launch as launcher
+from kvnotes.serving.client import Client
+
+if TYPE_CHECKING:
+    from kvnotes.bench.serving.skills import SkillsBenchConfig, SkillsResult
+    from kvnotes.core.engine import Engine
+
+__all__ = ["Target", "erratum_launch", "run_erratum", "run_erratum_rows", "run_skills"]
+
+# the chat template, the question and each edit's correction around a context (tokens)
+PROMPT_ROOM = 120
+EDIT_ROOM = 30
+RESCAN_S = 1.0  # a running connector rescans its skill folder at most every 0.25 s
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a benchmark's requests go: exactly one of a running server's ``url`` and a
+    server to ``launch``; ``request_timeout_s`` bounds each request."""
+
+    url: str | None = None
+    launch: launcher.LaunchConfig | None = None
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if (self.url is None) == (self.launch is None):
+            raise InvalidArgumentError("pass exactly one of --url URL (a running server) or "
+                                       "--launch (kvnotes starts one)")
+        if self.request_timeout_s <= 0:
+            raise InvalidArgumentError(f"--request-timeout must be positive, got "
+                                       f"{self.request_timeout_s}")
+
+
+def erratum_launch(base: launcher.LaunchConfig, config: BenchConfig) -> launcher.LaunchConfig:
+    """``base`` with room for ``config``'s longest prompt: when ``base.max_model_len`` is None,
+    the longest context with its errata, question and answer, rounded up to 1024 (at least
+    4096), within the model's positions."""
+    if base.max_model_len is not None:
+        return base
+    needed = (max(config.context_tokens + config.optional_contexts) + PROMPT_ROOM
+              + EDIT_ROOM * config.edits + config.max_tokens)
+    positions = launcher.export_model(base.model, base.dtype).max_positions
+    return dataclasses.replace(base, max_model_len=min(max(4096, -(-needed // 1024) * 1024),
+                                                        positions))
+
+
+def run_erratum(config: BenchConfig, target: Target, *,
+                log: Callable[[str], None] = print) -> ErratumResult:
+    """The erratum benchmark on ``target`` (a launched server is stopped when it ends)."""
+    if target.url is not None:
+        return run_benchmark(Client(target.url, timeout=target.request_timeout_s), config,
+                             log=log)
+    assert target.launch is not None  # Target's invariant
+    launch = launcher.prepare(erratum_launch(target.launch, config))
+    config = dataclasses.replace(config, model=launch.server.served_name,
+                                 block_size=launch.config.block_size)
+    log(f"starting vLLM on {launch.model.folder} ({launch.model.dtype}, max-model-len "
+        f"{launch.max_model_len}, block size {launch.config.block_size or 'default'}); log: "
+        f"{launch.server.log_path}")
+    with launch:
+        log(f"server up at {launch.url} (pid {launch.server.pid}) after "
+            f"{launch.server.startup_s:.0f} s")
+        result = run_benchmark(Client(launch.url, timeout=target.request_timeout_s), config,
+                               log=log)
+    result.launch = launch.record()
+    log(f"server stopped (pid {launch.server.pid})")
+    return result
+
+
+def run_erratum_rows(rows: Sequence[tuple[str, BenchConfig]], launch: launcher.LaunchConfig, *,
+                     out: Path, how: str, request_timeout_s: float = 1800.0,
+                     log: Callable[[str], None] = print) -> None:
+    """Several erratum configurations, in order, on one launched server: each result is written
+    to ``out/<name>/`` as soon as it finishes; ``how`` (the command that ran them) goes into
+    every result."""
+    if not rows:
+        raise InvalidArgumentError("no rows to run: name at least one")
+    fitted = launch
+    for _, config in rows:  # room for the longest prompt of any row
+        fitted = dataclasses.replace(fitted, max_model_len=max(
+            fitted.max_model_len or 0, erratum_launch(launch, config).max_model_len or 0))
+    server = launcher.prepare(fitted)
+    with server:
+        log(f"[{time.strftime('%T')}] server up at {server.url} after "
+            f"{server.server.startup_s:.0f} s")
+        for name, config in rows:
+            config = dataclasses.replace(config, model=server.server.served_name,
+                                         block_size=fitted.block_size)
+            log(f"[{time.strftime('%T')}] {name}")
+            result = run_benchmark(Client(server.url, timeout=request_timeout_s), config, log=log)
+            result.launch, result.how = server.record(), how
+            data = result.to_dict()
+            write_outputs(data, out / name)
+            log(markdown_table(data))
+    log(f"[{time.strftime('%T')}] done")
+
+
+def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
+               skills_dir: Path, anchor: bool = True,
+               log: Callable[[str], None] = print) -> SkillsResult:
+    """The skills benchmark on ``target``: its library is published to ``skills_dir`` (with
+    ``url``: the folder that server was started with), then every phase and fidelity run."""
+    # the skills workload imports the agent's library: only loaded when it runs
+    from kvnotes.bench.serving.skills import register_skills, run_skills_benchmark
+    from kvnotes.serving.compose_client import ComposeClient
+
+    if target.url is not None:
+        from kvnotes.serving.skills import ServingSkills
+
+        register_skills(ServingSkills(skills_dir, engine), anchor=anchor, log=log)
+        time.sleep(RESCAN_S)
+        client = ComposeClient(target.url, config.model, engine.tokenizer,
+                               timeout=target.request_timeout_s)
+        return run_skills_benchmark(client, config, anchor=anchor, log=log)
+    assert target.launch is not None  # Target's invariant
+    launch = launcher.prepare(dataclasses.replace(target.launch, skills=skills_dir), engine)
+    assert launch.skills is not None  # the connector is on: prepare made the library
+    register_skills(launch.skills, anchor=anchor, log=log)
+    log(f"starting vLLM ({launch.model.dtype}) with the kvnotes connector; log: "
+        f"{launch.server.log_path}")
+    with launch:
+        log(f"server up at {launch.url} after {launch.server.startup_s:.0f} s")
+        client = ComposeClient(launch.url, launch.server.served_name, engine.tokenizer,
+                               timeout=target.request_timeout_s)
+        result = run_skills_benchmark(client, dataclasses.replace(
+            config, model=launch.server.served_name), anchor=anchor, log=log)
+    result.launch = launch.record()
+    return result
