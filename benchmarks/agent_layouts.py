@@ -16,31 +16,43 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import kvnotes
-from kvnotes.apps.agent.bench import fast_margin_errors, run_bench, write_outputs
+from kvnotes.apps.agent import AgentConfig
+from kvnotes.apps.agent.bench import BenchConfig, run_bench, write_outputs
+from kvnotes.apps.agent.config import ORDERS
+from kvnotes.apps.agent.summary import BenchSummary, fast_margin_errors
 from kvnotes.core.machine import load_note, set_threads
 
-ORDERS = ("request", "loaded", "appended")
 
-
-def summary(order: str, result: dict) -> dict:
-    comp, guard, lat = result["compute"], result["guard"], result["latency"]
+def summary(order: str, result: BenchSummary) -> dict[str, Any]:
+    """One layout's row of ``agent-layouts.json``."""
+    comp, guard = result.compute, result.guard
+    assert comp is not None and result.fast_margin_error is not None  # run_bench fills them in
     return {
-        "order": order, "decisions": result["decisions"], "identity": result["identity"],
-        "fast_flips": guard["would_flip_without"] if guard else result["flip_count"],
-        "guard_fired": guard["fired"] if guard else 0,
-        "guard_tokens": guard["tokens"] if guard else 0,
-        "latency_ratio": lat["ratio"], "fast_latency_ratio": comp["fast_latency_ratio"],
-        "flop_ratio": comp["flop_ratio"], "fast_flop_ratio": comp["fast_flop_ratio"],
-        "margin_error": result["fast_margin_error"],
-        "margin_errors": sorted(fast_margin_errors(result["records"])),
-        "machine": result["machine"],
+        "order": order, "decisions": result.decisions, "identity": result.identity,
+        "fast_flips": guard.would_flip_without if guard else result.flip_count,
+        "guard_fired": guard.fired if guard else 0,
+        "guard_tokens": guard.tokens if guard else 0,
+        "latency_ratio": result.latency.ratio, "fast_latency_ratio": comp.fast_latency_ratio,
+        "flop_ratio": comp.flop_ratio, "fast_flop_ratio": comp.fast_flop_ratio,
+        "margin_error": result.fast_margin_error.to_dict(),
+        "margin_errors": sorted(fast_margin_errors(result.records)),
+        "machine": result.machine,
     }
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def _prefixed(order: str) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        print(f"[{order}] {line}")
+
+    return say
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,14 +101,16 @@ def main() -> None:
     out = Path(args.out)
     rows = []
     for order in orders:
-        result = run_bench(engine, n_episodes=args.episodes, guard=args.guard, order=order,
-                           stale=False, progress=lambda line, o=order: print(f"[{o}] {line}"))
+        config = BenchConfig(agent=AgentConfig(order=order, guard=args.guard),
+                             n_episodes=args.episodes, stale=False)
+        result = run_bench(engine, config, progress=_prefixed(order))
         write_outputs(result, out / order)
         rows.append(summary(order, result))
-        print(f"{order}: identity {result['identity']:.1%}, fast flips {rows[-1]['fast_flips']}, "
+        machine = result.machine or {}  # run_bench records it
+        print(f"{order}: identity {result.identity:.1%}, fast flips {rows[-1]['fast_flips']}, "
               f"FLOPs {rows[-1]['fast_flop_ratio']:.1f}x fast / {rows[-1]['flop_ratio']:.1f}x "
               f"guarded, latency {rows[-1]['fast_latency_ratio']:.1f}x / "
-              f"{rows[-1]['latency_ratio']:.1f}x; {load_note(result['machine']['after'])}")
+              f"{rows[-1]['latency_ratio']:.1f}x; {load_note(machine['after'])}")
     data = {"model": engine.name, "episodes": args.episodes, "guard": args.guard, "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "agent-layouts.json").write_text(json.dumps(data, indent=1))

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from kvnotes.apps.agent import (
     FIELDS,
+    AgentConfig,
     Event,
     KvnotesAgent,
     RecomputeAgent,
@@ -27,9 +28,18 @@ from kvnotes.apps.agent import (
     scripted_episodes,
     skill_names,
 )
-from kvnotes.apps.agent.bench import report_markdown, run_bench, write_outputs
-from kvnotes.apps.agent.runtime import _common_prefix
-from kvnotes.core.errors import KvnotesError, UnknownFieldError, UnknownNameError
+from kvnotes.apps.agent.bench import BenchConfig, run_bench, write_outputs
+from kvnotes.apps.agent.layout import common_prefix
+from kvnotes.apps.agent.report import report_markdown
+from kvnotes.apps.agent.runtime import TurnResult
+from kvnotes.apps.agent.summary import BenchSummary, TurnRecord
+from kvnotes.core.errors import (
+    InvalidArgumentError,
+    KvnotesError,
+    UnknownFieldError,
+    UnknownNameError,
+)
+from kvnotes.ops.decisions import Decision, Guard
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +115,10 @@ def test_episode_end_to_end_reads_the_recompute_prompt_and_keeps_the_valid_prefi
         assert torch.equal(agent.notebook.token_ids, ref.notebook.token_ids)
         assert torch.equal(agent.notebook.positions, ref.notebook.positions)
         # what the agent says is exact, is: equal to a prefill of the same tokens
-        assert 0 < agent._exact <= len(agent.notebook)
-        assert _close_to_prefill(engine, agent.notebook, agent._exact)
+        assert 0 < agent.exact <= len(agent.notebook)
+        assert _close_to_prefill(engine, agent.notebook, agent.exact)
         if previous is not None:  # the kept prefix is the old notebook's, untouched
-            same = _common_prefix(previous.token_ids.tolist(), agent.notebook.token_ids.tolist())
+            same = common_prefix(previous.token_ids.tolist(), agent.notebook.token_ids.tolist())
             # a splice is kept whole or redone whole
             same = next((sp.start for sp in agent.notebook.spans
                          if sp.kind == "skill" and sp.start < same < sp.end), same)
@@ -154,12 +164,11 @@ def test_errata_and_ignore_ablations_keep_the_first_record(engine, book):
     episode = scripted_episode(0, 3)
     changed = sum(len(t.events) for t in episode.turns[1:])
     assert changed
-    errata = KvnotesAgent(engine, book, updates="errata")
+    errata = KvnotesAgent(engine, book, AgentConfig(updates="errata"))
     run_episode(errata, episode.state, episode.turns)
     spans = [s for s in errata.notebook.spans if s.kind == "erratum"]
     assert len(spans) == changed and all(".erratum." in s.name for s in spans)
-    stale = KvnotesAgent(engine, book, errata=False)  # the old spelling of updates="ignore"
-    assert stale.updates == "ignore"
+    stale = KvnotesAgent(engine, book, AgentConfig(updates="ignore"))
     run_episode(stale, episode.state, episode.turns)
     for agent in (errata, stale):
         record = agent.notebook.span("record")
@@ -167,22 +176,22 @@ def test_errata_and_ignore_ablations_keep_the_first_record(engine, book):
         assert text.startswith(episode.state.render())
     assert not [s for s in stale.notebook.spans if s.kind == "erratum"]
     with pytest.raises(UnknownNameError, match="unknown state update mode 'edit'"):
-        KvnotesAgent(engine, book, updates="edit")
+        KvnotesAgent(engine, book, AgentConfig(updates="edit"))
 
 
 def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, book):
     episode = scripted_episode(0, 3)
     for history, kept in ((0, 0), (1, 1), (None, 2)):
         for order in ("request", "loaded", "appended"):
-            a = KvnotesAgent(engine, book, history=history, order=order)
-            b = RecomputeAgent(engine, book, history=history, order=order)
+            a = KvnotesAgent(engine, book, AgentConfig(history=history, order=order))
+            b = RecomputeAgent(engine, book, AgentConfig(history=history, order=order))
             run_episode(a, episode.state, episode.turns)
             run_episode(b, episode.state, episode.turns)
             assert torch.equal(a.notebook.token_ids, b.notebook.token_ids)
             past = [s for s in a.notebook.spans if s.kind == "query"][:-1]
             assert len(past) == kept
     last = episode.turns[2].request
-    a = KvnotesAgent(engine, book, order="loaded")
+    a = KvnotesAgent(engine, book, AgentConfig(order="loaded"))
     run_episode(a, episode.state, episode.turns)
     names = [s.name for s in a.notebook.spans if s.kind == "skill"]
     assert names[:3] == ["header", "tools", episode.turns[0].request.skills[0]]
@@ -192,27 +201,29 @@ def test_history_and_skill_order_are_the_same_layout_for_both_agents(engine, boo
     assert names[2:2 + len(last.skills)] == list(last.skills)
     for bad in (-1, 1.5, True):
         with pytest.raises(KvnotesError, match="history must be a number of past exchanges"):
-            KvnotesAgent(engine, book, history=bad)
+            KvnotesAgent(engine, book, AgentConfig(history=bad))
     with pytest.raises(UnknownNameError, match="unknown skill order 'random'"):
-        RecomputeAgent(engine, book, order="random")
+        RecomputeAgent(engine, book, AgentConfig(order="random"))
 
 
 def test_repair_recomputes_the_first_tokens_of_inexact_splices(engine, book):
     episode = scripted_episode(0, 2)  # without variants every skill after the lead is inexact
-    plain = run_episode(KvnotesAgent(engine, book, variants=False), episode.state, episode.turns)
-    fixed = KvnotesAgent(engine, book, repair=4, variants=False)
+    plain = run_episode(KvnotesAgent(engine, book, AgentConfig(variants=False)), episode.state,
+                        episode.turns)
+    fixed = KvnotesAgent(engine, book, AgentConfig(repair=4, variants=False))
     repaired = run_episode(fixed, episode.state, episode.turns)
     inexact = [s for s in fixed.notebook.spans if s.kind == "skill"][3:]  # after the lead
     assert inexact, "turn 2 must splice a skill that is not exact"
     assert repaired[1].tokens_computed == plain[1].tokens_computed + 4 * len(inexact)
-    assert _close_to_prefill(engine, fixed.notebook, fixed._exact)
-    chosen = KvnotesAgent(engine, book, repair=0.01, select="kv_deviation", variants=False)
+    assert _close_to_prefill(engine, fixed.notebook, fixed.exact)
+    chosen = KvnotesAgent(engine, book,
+                          AgentConfig(repair=0.01, select="kv_deviation", variants=False))
     run_episode(chosen, episode.state, episode.turns)
-    assert _close_to_prefill(engine, chosen.notebook, chosen._exact)
+    assert _close_to_prefill(engine, chosen.notebook, chosen.exact)
     with pytest.raises(UnknownNameError, match="unknown repair selector"):
-        KvnotesAgent(engine, book, select="best")
+        KvnotesAgent(engine, book, AgentConfig(select="best"))
     with pytest.raises(KvnotesError, match="repair"):
-        KvnotesAgent(engine, book, repair=-1)
+        KvnotesAgent(engine, book, AgentConfig(repair=-1))
 
 
 def test_both_agents_read_the_same_tokens_and_decide_alike(engine, book):
@@ -271,7 +282,7 @@ def test_valid_tool_call_is_parsed():
 
 def test_malformed_tool_call_from_the_model_is_reported_not_raised(engine, book):
     state = scripted_episode(2).state
-    agent = KvnotesAgent(engine, book, tool_calls=True, max_tool_tokens=8)
+    agent = KvnotesAgent(engine, book, AgentConfig(tool_calls=True, max_tool_tokens=8))
     agent.start(state)
     result = agent.turn(request("add_bag", state))  # both options act: a call is always made
     assert result.tool_call is not None
@@ -300,14 +311,31 @@ def test_unknown_state_field_and_skill_are_clear_errors(engine, book):
 
 
 def test_bench_writes_json_report_and_plot(engine, book, skill_root, tmp_path):
-    result = run_bench(engine, scripted_episodes(1, 2), skill_root=skill_root)
-    assert result["decisions"] == 2 and 0.0 <= result["identity"] <= 1.0
-    assert "identity_after_state_change" in result["stale"]
-    assert result["tokens"]["kvnotes_computed"] < result["tokens"]["recompute_computed"]
-    assert len(result["per_turn"]) == 2 and result["skills"]["compiled_now"] == 0
+    result = run_bench(engine, BenchConfig(skill_root=skill_root),
+                       episodes=scripted_episodes(1, 2))
+    assert result.decisions == 2 and 0.0 <= result.identity <= 1.0
+    assert result.stale is not None and result.stale.decisions_after_state_change >= 0
+    assert result.tokens.kvnotes_computed < result.tokens.recompute_computed
+    assert len(result.per_turn) == 2 and result.skills.compiled_now == 0
+    assert all(p.stale_identity is not None for p in result.per_turn)
     paths = write_outputs(result, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert data["flip_count"] == len(data["flips"])
+    assert list(data) == ["settings", "model", "episodes", "turns_per_episode", "decisions",
+                          "identity", "flip_count", "flips", "per_turn", "latency", "tokens",
+                          "compute", "recompute_margin_median", "guard", "fast_margin_error",
+                          "guard_sweep", "skills", "tool_calls", "records", "stale", "machine"]
+    assert set(data["records"][0]) == {"episode", "turn", "kind", "request", "events_so_far",
+                                       "kvnotes", "recompute", "stale"}
+    assert "stale_identity" in data["per_turn"][0] and "under_0.001" in data["fast_margin_error"]
+    again = BenchSummary.from_dict(data)  # the figures read back, typed
+    assert again.to_dict(records=False) == {k: v for k, v in data.items() if k != "records"}
+    assert again.records == () and again.flip_count == data["flip_count"]
+    lean = {k: v for k, v in data.items() if k not in ("settings", "compute", "fast_margin_error")}
+    read = BenchSummary.from_dict(lean)  # a summary without them still reads and reports
+    assert read.settings is None and read.compute is None and read.fast_margin_error is None
+    report = report_markdown(read)
+    assert "decision identity with recompute" in report and "arithmetic" not in report
     assert "decision identity with recompute" in paths["report"].read_text()
     assert paths["plot"].read_bytes()[:4] == b"\x89PNG"
 
@@ -345,25 +373,26 @@ def test_agent_skills_are_compiled_behind_their_true_prefix(engine, book):
     from kvnotes.apps.agent.prompt import Piece
 
     agent = KvnotesAgent(engine, book)
-    head = engine.encode(agent.after)
-    tools, anchor = agent._notes(Piece("skill", "tools", "tools"))
-    assert anchor == head and int(tools.positions[0]) == len(head)  # right behind the header
-    refunds, anchor = agent._notes(Piece("skill", "refunds", "refunds"))
-    assert anchor == head + book.token_ids("tools")  # behind the header and the fixed skill
-    assert int(refunds.positions[0]) == len(anchor)
-    plain = KvnotesAgent(engine, book, anchored=False)
-    assert plain.after is None and int(book.notes("refunds").positions[0]) == 0
+    head = engine.encode(agent.anchors.after)
+    tools = agent.anchors.notes(Piece("skill", "tools", "tools"))
+    assert tools.anchor == head and int(tools.notes.positions[0]) == len(head)  # behind the header
+    assert not tools.compiled  # the book fixture compiled it
+    refunds = agent.anchors.notes(Piece("skill", "refunds", "refunds"))
+    assert refunds.anchor == head + book.token_ids("tools")  # behind the header and tools
+    assert int(refunds.notes.positions[0]) == len(refunds.anchor)
+    plain = KvnotesAgent(engine, book, AgentConfig(anchored=False))
+    assert plain.anchors.after is None and int(book.notes("refunds").positions[0]) == 0
     # the lead (header, tools, the request's own skills) is spliced exactly where compiled:
     # nothing in turn 0 needs recomputing
     state = scripted_episode(0).state
     first = agent.turn(request("cancel", state)) if agent.start(state) is None else None
-    assert agent._exact == first.notebook_len
+    assert agent.exact == first.notebook_len
     assert first.tokens_computed == len(agent.notebook) - agent.notebook.span("record").start
 
 
 def test_guard_fires_only_on_inexact_notes_and_then_equals_recompute(engine, book):
     episode = scripted_episode(0, 3)
-    agent = KvnotesAgent(engine, book, guard=1e9)  # every margin is below: fires when it can
+    agent = KvnotesAgent(engine, book, AgentConfig(guard=1e9))  # every margin is below it
     ref = RecomputeAgent(engine, book)
     results = run_episode(agent, episode.state, episode.turns)
     reference = run_episode(ref, episode.state, episode.turns)
@@ -380,30 +409,30 @@ def test_guard_fires_only_on_inexact_notes_and_then_equals_recompute(engine, boo
         assert r.decision.answer == x.decision.answer
         for option, score in x.decision.scores.items():
             assert r.decision.scores[option] == pytest.approx(score, abs=1e-3)
-    assert agent._exact == len(agent.notebook)
+    assert agent.exact == len(agent.notebook)
     assert _close_to_prefill(engine, agent.notebook, len(agent.notebook))
-    quiet = KvnotesAgent(engine, book, guard=0.0)  # no margin is below 0: never fires
+    quiet = KvnotesAgent(engine, book, AgentConfig(guard=0.0))  # no margin is below 0: never fires
     run_episode(quiet, episode.state, episode.turns)
     assert not any(t.decision.guard.fired or t.decision.guard.tokens for t in quiet.turns)
 
 
 def test_bench_reports_the_guard(engine, book, skill_root):
-    result = run_bench(engine, scripted_episodes(1, 3), skill_root=skill_root, guard=1e9,
-                       stale=False)
-    g = result["guard"]
-    fired = [r["turn"] for r in result["records"] if r["kvnotes"]["guard"]["fired"]]
-    assert g["decisions"] == 3 and g["fired"] == len(fired) >= 1 and g["tokens"] > 0
+    config = BenchConfig(agent=AgentConfig(guard=1e9), stale=False, skill_root=skill_root)
+    result = run_bench(engine, config, episodes=scripted_episodes(1, 3))
+    g = result.guard
+    fired = [r.turn for r in result.records if r.kvnotes.decision.guard.fired]
+    assert g.decisions == 3 and g.fired == len(fired) >= 1 and g.tokens > 0
     assert 0 not in fired  # turn 0's notes are exact: nothing to redo
-    assert result["identity"] == 1.0  # every inexact decision re-taken on exact notes
-    comp = result["compute"]
-    assert 0 < comp["guard_flops"] < comp["kvnotes_flops"] < comp["recompute_flops"]
-    assert comp["fast_flop_ratio"] > comp["flop_ratio"] > 1
-    assert sum(r["kvnotes"]["guard_flops"] > 0 for r in result["records"]) == len(fired)
+    assert result.identity == 1.0  # every inexact decision re-taken on exact notes
+    comp = result.compute
+    assert 0 < comp.guard_flops < comp.kvnotes_flops < comp.recompute_flops
+    assert comp.fast_flop_ratio > comp.flop_ratio > 1
+    assert sum(r.kvnotes.guard_flops > 0 for r in result.records) == len(fired)
     report = report_markdown(result)
     assert "arithmetic, recompute / kvnotes" in report
     assert "## Lower guard thresholds, read off this run" in report
-    assert result["guard_sweep"][0]["tau"] == 1.0  # nothing above 1e9 is in the default sweep
-    assert result["fast_margin_error"]["under_0.001"] >= 1  # turn 0 is exact
+    assert result.guard_sweep[0].tau == 1.0  # nothing above 1e9 is in the default sweep
+    assert result.fast_margin_error.under_0_001 >= 1  # turn 0 is exact
     assert f"decision guard (tau = 1000000000.0) fired | {len(fired)} of 3" in \
         report_markdown(result)
 
@@ -412,7 +441,7 @@ def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
     """With order="loaded" turn 0 opens with the same lead as "request" order (header, tools,
     the request's skills): prepare compiles it, so no turn compiles and turn 0 is exact."""
     book = SkillBook(engine, tmp_path)
-    agent = KvnotesAgent(engine, book, order="loaded")
+    agent = KvnotesAgent(engine, book, AgentConfig(order="loaded"))
     calls = []
     compiled = agent.prepare(progress=lambda *call: calls.append(call))
     misses = book.library.misses
@@ -423,7 +452,7 @@ def test_prepare_covers_the_loaded_order_too(engine, tmp_path):
     agent.start(state)
     first = agent.turn(request("cancel", state))
     assert book.library.misses == misses
-    assert agent._exact == first.notebook_len
+    assert agent.exact == first.notebook_len
 
 
 def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
@@ -431,11 +460,11 @@ def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
     loaded later come after it (compiled behind everything that opens the block) and the block
     closes last. Loading a skill then re-prefills nothing: only the close and the request."""
     book = SkillBook(engine, tmp_path)
-    agent = KvnotesAgent(engine, book, order="appended")
+    agent = KvnotesAgent(engine, book, AgentConfig(order="appended"))
     agent.prepare()
     misses = book.library.misses
-    ref = RecomputeAgent(engine, book, order="appended")
-    guarded_agent = KvnotesAgent(engine, book, order="appended", guard=1e9)
+    ref = RecomputeAgent(engine, book, AgentConfig(order="appended"))
+    guarded_agent = KvnotesAgent(engine, book, AgentConfig(order="appended", guard=1e9))
     state = scripted_episode(1).state
     turns = [Turn(request(k, state)) for k in ("cancel", "add_bag", "compensation")]
     for a in (agent, ref, guarded_agent):
@@ -457,8 +486,8 @@ def test_appended_layout_loads_skills_after_the_record(engine, tmp_path):
     opening = nb.token_ids[:nb.span("record").start].tolist()
     later = book.notes("compensation", after=opening)  # what was spliced: compiled behind that
     assert book.library.misses == misses and int(later.positions[0]) == len(opening)
-    assert agent._exact == nb.span("baggage").start  # exact up to the first later skill
-    assert _close_to_prefill(engine, nb, agent._exact)
+    assert agent.exact == nb.span("baggage").start  # exact up to the first later skill
+    assert _close_to_prefill(engine, nb, agent.exact)
     assert _close_to_prefill(engine, guarded_agent.notebook, len(guarded_agent.notebook))
 
 
@@ -467,7 +496,8 @@ def test_other_skills_are_compiled_behind_the_lead_of_the_request_layout(engine,
     with variants every other skill is compiled behind that lead, so the first one splices
     exactly too and a second misses only the first. variants=False: behind header and tools."""
     book = SkillBook(engine, tmp_path)
-    agent, plain = KvnotesAgent(engine, book), KvnotesAgent(engine, book, variants=False)
+    agent = KvnotesAgent(engine, book)
+    plain = KvnotesAgent(engine, book, AgentConfig(variants=False))
     assert agent.prepare() > plain.prepare() == 0  # plain's entries are a subset
     misses = book.library.misses
     ref = RecomputeAgent(engine, book)
@@ -483,11 +513,11 @@ def test_other_skills_are_compiled_behind_the_lead_of_the_request_layout(engine,
     names = [s.name for s in nb.spans if s.kind == "skill"]
     assert names == ["header", "tools", "baggage", "cancellation", "refunds"]
     lead = nb.token_ids[:nb.span("cancellation").start].tolist()  # header, tools, baggage
-    assert agent._exact == nb.span("refunds").start  # cancellation sits where it was compiled
-    assert _close_to_prefill(engine, nb, agent._exact)
+    assert agent.exact == nb.span("refunds").start  # cancellation sits where it was compiled
+    assert _close_to_prefill(engine, nb, agent.exact)
     refunds = book.notes("refunds", after=lead)
     assert book.library.misses == misses and int(refunds.positions[0]) == len(lead)
-    assert plain._exact == plain.notebook.span("cancellation").start
+    assert plain.exact == plain.notebook.span("cancellation").start
 
 
 def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path):
@@ -496,10 +526,10 @@ def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path
     first one splices exactly and only a second one misses the first."""
     book = SkillBook(engine, tmp_path)
     # the record prefilled again behind the new skill, so every note can be exact
-    agent = KvnotesAgent(engine, book, order="loaded", carry_record=False)
+    agent = KvnotesAgent(engine, book, AgentConfig(order="loaded", carry_record=False))
     agent.prepare()
     misses = book.library.misses
-    ref = RecomputeAgent(engine, book, order="loaded")
+    ref = RecomputeAgent(engine, book, AgentConfig(order="loaded"))
     state = scripted_episode(1).state
     turns = [Turn(request(k, state)) for k in ("cancel", "add_bag", "compensation")]
     for a in (agent, ref):
@@ -508,7 +538,7 @@ def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path
         fast, slow = agent.turn(t.request), ref.turn(t.request)
         assert torch.equal(agent.notebook.token_ids, ref.notebook.token_ids)
         if i < 2:  # turn 0's skills, then one later skill right behind them: all exact
-            assert agent._exact == len(agent.notebook)
+            assert agent.exact == len(agent.notebook)
             for option, score in slow.decision.scores.items():
                 assert fast.decision.scores[option] == pytest.approx(score, abs=1e-3)
     assert book.library.misses == misses  # prepare compiled every later skill's anchor
@@ -519,37 +549,39 @@ def test_loaded_layout_compiles_later_skills_behind_the_opening(engine, tmp_path
     opening = nb.token_ids[:nb.span("baggage").start].tolist()
     later = book.notes("compensation", after=opening)  # the second later skill: behind the opening
     assert book.library.misses == misses and int(later.positions[0]) == len(opening)
-    assert agent._exact == nb.span("compensation").start
-    assert _close_to_prefill(engine, nb, agent._exact)
+    assert agent.exact == nb.span("compensation").start
+    assert _close_to_prefill(engine, nb, agent.exact)
 
 
 def _record(fast, fast_margin, choice, margin, fired, seconds=0.0, guard_flops=0.0):
-    guard = {"tau": 1.0, "fired": fired, "fast_answer": fast, "fast_margin": fast_margin,
-             "seconds": seconds}
-    return {"kvnotes": {"choice": choice if fired else fast, "margin": margin, "guard": guard,
-                        "latency_s": 1.0 + seconds, "flops": 10.0 + guard_flops,
-                        "guard_flops": guard_flops},
-            "recompute": {"choice": choice, "margin": margin, "latency_s": 8.0, "flops": 80.0}}
+    """A turn record whose kvnotes decision was guarded at tau 1.0 (re-decided when fired)."""
+    guard = Guard(1.0, fired, fast, fast_margin, choice if fired else None, seconds=seconds)
+    kvnotes = TurnResult(0, "cancel", Decision(choice if fired else fast, {}, margin, guard=guard),
+                         None, 1.0 + seconds, 10, 0, 10, flops=10.0 + guard_flops,
+                         guard_flops=guard_flops)
+    recompute = TurnResult(0, "cancel", Decision(choice, {}, margin), None, 8.0, 80, 0, 80,
+                           flops=80.0)
+    return TurnRecord("ep000", 0, "cancel", "", (), kvnotes, recompute)
 
 
 def test_margin_errors_and_the_guard_sweep_read_off_records():
-    from kvnotes.apps.agent.bench import fast_margin_errors, guard_sweep, margin_error_stats
+    from kvnotes.apps.agent.summary import fast_margin_errors, guard_sweep, margin_error_stats
 
     records = [_record("a", 2.0, "a", 2.0, False),              # exact notes: no error
                _record("a", 0.6, "a", 0.9, True, 3.0, 30.0),    # a fire that changed nothing
                _record("b", 0.2, "a", 0.1, True, 1.0, 10.0)]    # a fire that caught a flip
     assert fast_margin_errors(records) == pytest.approx([0.0, 0.3, 0.3])
     stats = margin_error_stats(records)
-    assert stats["max"] == pytest.approx(0.3) and stats["under_0.001"] == 1
-    sweep = {row["tau"]: row for row in guard_sweep(records, (2.0, 1.0, 0.5, 0.1))}
+    assert stats.max == pytest.approx(0.3) and stats.under_0_001 == 1
+    sweep = {row.tau: row for row in guard_sweep(records, (2.0, 1.0, 0.5, 0.1))}
     assert 2.0 not in sweep  # above the run's own tau: its extra fires never ran
-    assert (sweep[1.0]["fired"], sweep[1.0]["missed_flips"]) == (2, 0)
-    assert sweep[1.0]["latency_ratio"] == pytest.approx(24 / 7)
-    assert (sweep[0.5]["fired"], sweep[0.5]["missed_flips"]) == (1, 0)
-    assert sweep[0.5]["latency_ratio"] == pytest.approx(24 / 4)
-    assert sweep[0.5]["flop_ratio"] == pytest.approx(240 / 40)
-    assert (sweep[0.1]["fired"], sweep[0.1]["missed_flips"]) == (0, 1)
-    assert sweep[0.1]["latency_ratio"] == pytest.approx(24 / 3)
+    assert (sweep[1.0].fired, sweep[1.0].missed_flips) == (2, 0)
+    assert sweep[1.0].latency_ratio == pytest.approx(24 / 7)
+    assert (sweep[0.5].fired, sweep[0.5].missed_flips) == (1, 0)
+    assert sweep[0.5].latency_ratio == pytest.approx(24 / 4)
+    assert sweep[0.5].flop_ratio == pytest.approx(240 / 40)
+    assert (sweep[0.1].fired, sweep[0.1].missed_flips) == (0, 1)
+    assert sweep[0.1].latency_ratio == pytest.approx(24 / 3)
 
 
 def test_agent_bench_command_prints_the_arithmetic(engine, skill_root, tmp_path, monkeypatch):
@@ -574,7 +606,7 @@ def test_carry_record_splices_the_last_turns_record_notes(engine, book):
     state = scripted_episode(1).state
     asks = [request(k, state) for k in ("cancel", "add_bag")]  # add_bag reorders the skills
     carry = KvnotesAgent(engine, book)  # carry_record is the default
-    plain = KvnotesAgent(engine, book, carry_record=False)
+    plain = KvnotesAgent(engine, book, AgentConfig(carry_record=False))
     ref = RecomputeAgent(engine, book)
     for a in (carry, plain, ref):
         a.start(state)
@@ -596,7 +628,7 @@ def test_carry_record_splices_the_last_turns_record_notes(engine, book):
     for l in range(nb.num_layers):  # spliced: the very values, keys re-rotated to the new place
         assert torch.equal(nb.values(l)[..., new.start:new.end, :],
                            old_nb.values(l)[..., old.start:old.end, :])
-    assert carry._exact <= new.start and _close_to_prefill(engine, nb, carry._exact)
+    assert carry.exact <= new.start and _close_to_prefill(engine, nb, carry.exact)
     moved = old_nb.slice(old.start, old.end).shifted(new.start - old.start)
     assert all(torch.allclose(nb.keys(l)[..., new.start:new.end, :], moved.keys(l), atol=1e-5)
                for l in range(nb.num_layers))
@@ -612,7 +644,7 @@ def test_carry_record_splices_the_last_turns_record_notes(engine, book):
 
 def test_carry_record_with_the_guard_still_decides_as_recompute(engine, book):
     episode = scripted_episode(0, 3)
-    agent = KvnotesAgent(engine, book, guard=1e9, carry_record=True)
+    agent = KvnotesAgent(engine, book, AgentConfig(guard=1e9, carry_record=True))
     results = run_episode(agent, episode.state, episode.turns)
     reference = run_episode(RecomputeAgent(engine, book), episode.state, episode.turns)
     assert any(r.decision.guard.fired for r in results[1:])
@@ -620,20 +652,39 @@ def test_carry_record_with_the_guard_still_decides_as_recompute(engine, book):
         assert r.decision.answer == x.decision.answer
         for option, score in x.decision.scores.items():
             assert r.decision.scores[option] == pytest.approx(score, abs=1e-3)
-    assert agent._exact == len(agent.notebook)
+    assert agent.exact == len(agent.notebook)
     assert _close_to_prefill(engine, agent.notebook, len(agent.notebook))
     with pytest.raises(KvnotesError, match="carry_record must be True or False"):
-        KvnotesAgent(engine, book, carry_record="record")
+        KvnotesAgent(engine, book, AgentConfig(carry_record="record"))
 
 
 def test_bench_records_its_settings_and_runs_a_held_out_range(engine, book, skill_root):
-    result = run_bench(engine, n_episodes=1, turns=2, first_episode=7, skill_root=skill_root,
-                       stale=False, carry_record=True, guard=0.5)
-    s = result["settings"]
-    assert s["episodes"] == ["ep007"] and s["carry_record"] is True and s["guard"] == 0.5
-    assert {r["episode"] for r in result["records"]} == {"ep007"}
+    config = BenchConfig(agent=AgentConfig(carry_record=True, guard=0.5), n_episodes=1,
+                         turns=2, first_episode=7, skill_root=skill_root, stale=False)
+    result = run_bench(engine, config)
+    s = result.settings
+    assert s.episodes == ("ep007",) and s.carry_record is True and s.guard == 0.5
+    assert {r.episode for r in result.records} == {"ep007"}
     assert "Episodes ep007; order request, history 0, variants True, guard 0.5, repair 0, " \
            "carry_record True." in report_markdown(result)
     assert [e.episode_id for e in scripted_episodes(2, 1, first=5)] == ["ep005", "ep006"]
     with pytest.raises(KvnotesError, match="first must be an episode index"):
         scripted_episodes(2, first=-1)
+
+
+def test_agent_config_checks_every_field(engine, book):
+    assert AgentConfig().uses_variants and not AgentConfig(anchored=False).uses_variants
+    with pytest.raises(InvalidArgumentError, match=r"^guard must be a margin >= 0 \(log-prob\)"):
+        AgentConfig(guard=-1.0)
+    with pytest.raises(InvalidArgumentError, match="^max_tool_tokens must be >= 1, got 0$"):
+        AgentConfig(max_tool_tokens=0)
+    with pytest.raises(KvnotesError, match="^tool_calls must be True or False, got 'yes'$"):
+        AgentConfig(tool_calls="yes")
+    with pytest.raises(UnknownNameError, match="^unknown erratum template 'nonsense'"):
+        AgentConfig(erratum_template="nonsense")
+    with pytest.raises(InvalidArgumentError, match="^select_layer must be >= 0, got -1$"):
+        AgentConfig(select_layer=-1)
+    with pytest.raises(KvnotesError, match="^config must be an AgentConfig, got dict"):
+        KvnotesAgent(engine, book, {"guard": 1.0})
+    with pytest.raises(InvalidArgumentError, match="^n_episodes must be >= 1, got 0$"):
+        BenchConfig(n_episodes=0)

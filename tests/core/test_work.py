@@ -9,7 +9,7 @@ import pytest
 from conftest import make_tiny_engine
 from torch.utils.flop_counter import FlopCounterMode
 
-from kvnotes.core.work import CostModel, keys_attended
+from kvnotes.core.work import CostModel, Work, WorkCounter, keys_attended
 
 
 @pytest.mark.parametrize("n_new,past,window", list(itertools.product(
@@ -29,11 +29,11 @@ def test_matmul_flops_match_torch_counter(tiny_llama):
         mark = engine.work.snapshot()
         with FlopCounterMode(display=False) as counter:
             engine.forward(nb, list(range(30, 30 + n)))
-        calls, tokens, flops = engine.work.since(mark)
-        assert (calls, tokens) == (1, n)
+        done = engine.work.since(mark)
+        assert (done.calls, done.tokens) == (1, n)
         attention = 4 * cost.attention_width * sum(keys_attended(n, len(nb), w)
                                                    for w in cost.windows)
-        assert flops - attention == counter.get_total_flops()
+        assert done.flops - attention == counter.get_total_flops()
 
 
 def test_attention_flops_match_torch_counter_in_eager_attention(tokenizer):
@@ -44,7 +44,7 @@ def test_attention_flops_match_torch_counter_in_eager_attention(tokenizer):
     mark = engine.work.snapshot()
     with FlopCounterMode(display=False) as counter:
         engine.forward(nb, [50])
-    assert engine.work.since(mark)[2] == counter.get_total_flops()
+    assert engine.work.since(mark).flops == counter.get_total_flops()
 
 
 def test_cost_model_reads_sliding_windows(tokenizer):
@@ -71,7 +71,18 @@ def test_prefill_and_batch_are_counted(tiny_llama):
     engine = tiny_llama
     mark = engine.work.snapshot()
     nb = engine.prefill(list(range(5, 15)), bos=False)
-    assert engine.work.since(mark) == (1, 10, engine.cost.flops(10, 0))
+    assert engine.work.since(mark) == Work(1, 10, engine.cost.flops(10, 0))
     mark = engine.work.snapshot()
     engine.forward_batch([nb, nb, nb], [20, 21])
-    assert engine.work.since(mark) == (1, 6, engine.cost.flops(2, 10, rows=3))
+    assert engine.work.since(mark) == Work(1, 6, engine.cost.flops(2, 10, rows=3))
+
+
+def test_work_since_a_snapshot_is_the_difference():
+    counter = WorkCounter()
+    counter.add(3, 1.5)
+    mark = counter.snapshot()
+    counter.add(4, 2.0)
+    counter.add(1, 0.5)
+    assert mark == Work(1, 3, 1.5)  # a frozen copy: later work does not change it
+    assert counter.since(mark) == Work(calls=2, tokens=5, flops=2.5)
+    assert counter.snapshot() - mark == counter.since(mark)

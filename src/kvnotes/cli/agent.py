@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -13,8 +13,12 @@ from kvnotes.cli.app import app, emit_json, fail, folder_option
 from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
 
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
-def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "float32"):
+
+def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "float32"
+          ) -> Engine:
     from kvnotes.core.machine import set_threads
 
     set_threads(threads)  # None: physical cores
@@ -90,47 +94,50 @@ def agent_bench(
     Writes agent-bench.json, report.md and latency.png into --out (after every episode, so an
     interrupted run keeps what it measured).
     """
-    from kvnotes.apps.agent.bench import run_bench, write_outputs
+    from kvnotes.apps.agent import AgentConfig
+    from kvnotes.apps.agent.bench import BenchConfig, run_bench, write_outputs
 
     try:
         folder_option(out, "--out")
+        config = BenchConfig(
+            agent=AgentConfig(order=order, history=None if history < 0 else history,
+                              tool_calls=tool_calls, anchored=anchored, variants=variants,
+                              guard=guard, repair=repair if 0 < repair < 1 else int(repair),
+                              carry_record=carry_record),
+            n_episodes=episodes, turns=turns, first_episode=first, stale=stale,
+            skill_root=skills_dir)
         engine = _load(model, threads, device, dtype)
-        result = run_bench(
-            engine, n_episodes=episodes, turns=turns, first_episode=first,
-            carry_record=carry_record, tool_calls=tool_calls, stale=stale,
-            skill_root=skills_dir, guard=guard, anchored=anchored, variants=variants,
-            history=None if history < 0 else history, order=order,
-            repair=repair if 0 < repair < 1 else int(repair),
-            progress=lambda line: typer.echo(line, err=True),
-            on_episode=lambda partial: write_outputs(partial, out), on_skill=_compiling,
-        )
-        paths = write_outputs(result, out)
+        summary = run_bench(engine, config, progress=lambda line: typer.echo(line, err=True),
+                            on_episode=lambda partial: write_outputs(partial, out),
+                            on_skill=_compiling)
+        paths = write_outputs(summary, out)
     except KvnotesError as err:
         fail(err)
         return
     if as_json:
-        emit_json({k: v for k, v in result.items() if k != "records"})
+        emit_json(summary.to_dict(records=False))
         return
-    lat = result["latency"]
-    typer.echo(f"decision identity: {result['identity']:.1%} "
-               f"({result['decisions'] - result['flip_count']}/{result['decisions']}), "
-               f"flips: {result['flip_count']}")
-    for f in result["flips"]:
-        typer.echo(f"  flip {f['episode']} turn {f['turn'] + 1} {f['kind']}: kvnotes "
-                   f"{f['kvnotes']!r} vs recompute {f['recompute']!r} "
-                   f"(recompute margin {f['recompute_margin']:.3f})")
-    if result.get("guard"):
-        g = result["guard"]
-        typer.echo(f"guard (tau {g['tau']}): fired {g['fired']}/{g['decisions']}, changed "
-                   f"{g['changed']}, cost {g['tokens']} tokens / {g['seconds']:.2f}s")
-    typer.echo(f"total latency: recompute {lat['recompute_total_s']:.2f}s, kvnotes "
-               f"{lat['kvnotes_total_s']:.2f}s, ratio {lat['ratio']:.2f}x")
-    tok = result["tokens"]
-    typer.echo(f"tokens computed: recompute {tok['recompute_computed']}, kvnotes "
-               f"{tok['kvnotes_computed']} (reused {tok['kvnotes_reused']})")
-    comp = result["compute"]
-    typer.echo(f"arithmetic: recompute / kvnotes {comp['flop_ratio']:.1f}x FLOPs (fast path "
-               f"{comp['fast_flop_ratio']:.1f}x FLOPs, {comp['fast_latency_ratio']:.1f}x latency)")
+    lat = summary.latency
+    typer.echo(f"decision identity: {summary.identity:.1%} "
+               f"({summary.decisions - summary.flip_count}/{summary.decisions}), "
+               f"flips: {summary.flip_count}")
+    for f in summary.flips:
+        typer.echo(f"  flip {f.episode} turn {f.turn + 1} {f.kind}: kvnotes "
+                   f"{f.kvnotes!r} vs recompute {f.recompute!r} "
+                   f"(recompute margin {f.recompute_margin:.3f})")
+    g = summary.guard
+    if g is not None:
+        typer.echo(f"guard (tau {g.tau}): fired {g.fired}/{g.decisions}, changed "
+                   f"{g.changed}, cost {g.tokens} tokens / {g.seconds:.2f}s")
+    typer.echo(f"total latency: recompute {lat.recompute_total_s:.2f}s, kvnotes "
+               f"{lat.kvnotes_total_s:.2f}s, ratio {lat.ratio:.2f}x")
+    tok = summary.tokens
+    typer.echo(f"tokens computed: recompute {tok.recompute_computed}, kvnotes "
+               f"{tok.kvnotes_computed} (reused {tok.kvnotes_reused})")
+    comp = summary.compute
+    if comp is not None:
+        typer.echo(f"arithmetic: recompute / kvnotes {comp.flop_ratio:.1f}x FLOPs (fast path "
+                   f"{comp.fast_flop_ratio:.1f}x FLOPs, {comp.fast_latency_ratio:.1f}x latency)")
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
 
 
@@ -155,13 +162,22 @@ def agent_interactive(
     carry_record: bool = _carry_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
-    from kvnotes.apps.agent import FIELDS, Event, KvnotesAgent, SkillBook, route, scripted_episode
+    from kvnotes.apps.agent import (
+        FIELDS,
+        AgentConfig,
+        Event,
+        KvnotesAgent,
+        SkillBook,
+        route,
+        scripted_episode,
+    )
 
     try:
+        config = AgentConfig(order=order, tool_calls=tool_calls, guard=guard, variants=variants,
+                             carry_record=carry_record)
         engine = _load(model, threads, device, dtype)
         book = SkillBook(engine, skills_dir)
-        agent = KvnotesAgent(engine, book, tool_calls=tool_calls, guard=guard, order=order,
-                             variants=variants, carry_record=carry_record)
+        agent = KvnotesAgent(engine, book, config)
         agent.prepare(progress=_compiling)  # all it splices, ready before the first request
         agent.start(scripted_episode(episode, 1).state)
     except KvnotesError as err:

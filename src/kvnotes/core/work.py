@@ -18,7 +18,9 @@ small forwards are bound by memory and launches instead, and FLOPs say less.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +36,18 @@ def keys_attended(n_new: int, past: int, window: int | None = None) -> int:
     return (uncapped * past + uncapped * (uncapped + 1) // 2) + (n_new - uncapped) * window
 
 
+class CausalLM(Protocol):
+    """What :meth:`CostModel.of` reads of a transformers causal LM."""
+
+    config: Any  # a transformers PretrainedConfig
+
+    def get_input_embeddings(self) -> Any: ...
+
+    def get_output_embeddings(self) -> Any: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """The FLOPs of a forward for one model's shapes (see the module docstring)."""
@@ -44,7 +58,7 @@ class CostModel:
     windows: tuple[int | None, ...]  # per layer: the sliding window, or None (full attention)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, blocks: torch.nn.ModuleList | None = None) -> CostModel:
+    def of(cls, model: CausalLM, blocks: torch.nn.ModuleList | None = None) -> CostModel:
         """The shapes of ``model``; ``blocks``: its decoder blocks (when not given, every 2-D
         weight but the embeddings counts as the body)."""
         config = model.config.get_text_config(decoder=True)
@@ -82,11 +96,31 @@ class CostModel:
         return (total - self.flops(n_new, 0)) / total
 
 
+@dataclass(frozen=True, slots=True)
+class Work:
+    """An amount of work: model calls, tokens fed and FLOPs (:class:`CostModel`)."""
+
+    calls: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def __sub__(self, other: Work) -> Work:
+        return Work(self.calls - other.calls, self.tokens - other.tokens,
+                    self.flops - other.flops)
+
+
 @dataclass(slots=True)
 class WorkCounter:
     """Work done through one engine: model calls, tokens fed and FLOPs (:class:`CostModel`).
 
-    Read it before and after a piece of work; the difference is that work's cost.
+    Take a :meth:`snapshot` before a piece of work; :meth:`since` it is that work's cost.
+
+    Example:
+        >>> counter = WorkCounter()
+        >>> mark = counter.snapshot()
+        >>> counter.add(tokens=10, flops=2e9)
+        >>> counter.since(mark)
+        Work(calls=1, tokens=10, flops=2000000000.0)
     """
 
     calls: int = 0
@@ -98,9 +132,10 @@ class WorkCounter:
         self.tokens += tokens
         self.flops += flops
 
-    def snapshot(self) -> tuple[int, int, float]:
-        return (self.calls, self.tokens, self.flops)
+    def snapshot(self) -> Work:
+        """The work counted so far (a frozen copy)."""
+        return Work(self.calls, self.tokens, self.flops)
 
-    def since(self, mark: tuple[int, int, float]) -> tuple[int, int, float]:
-        """(calls, tokens, FLOPs) done since ``mark`` (a :meth:`snapshot`)."""
-        return (self.calls - mark[0], self.tokens - mark[1], self.flops - mark[2])
+    def since(self, mark: Work) -> Work:
+        """The work done since ``mark`` (a :meth:`snapshot`)."""
+        return self.snapshot() - mark

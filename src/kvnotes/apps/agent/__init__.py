@@ -3,13 +3,17 @@ rewrites the record from the changed field on), decisions guarded by their margi
 recompute agent it is measured against, reading the same prompt.
 
 Example:
-    >>> from kvnotes.apps.agent import KvnotesAgent, SkillBook, scripted_episode, run_episode
+    >>> from kvnotes.apps.agent import (AgentConfig, KvnotesAgent, SkillBook, run_episode,
+    ...                                 scripted_episode)
     >>> engine = kvnotes.load("smollm2-135m")                                 # doctest: +SKIP
-    >>> episode = scripted_episode(0)
-    >>> results = run_episode(KvnotesAgent(engine, SkillBook(engine)),        # doctest: +SKIP
-    ...                       episode.state, episode.turns)
+    >>> episode = scripted_episode(0, turns=2)
+    >>> agent = KvnotesAgent(engine, SkillBook(engine), AgentConfig(guard=0.25))  # doctest: +SKIP
+    >>> results = run_episode(agent, episode.state, episode.turns)            # doctest: +SKIP
+
+    (:class:`KvnotesAgent` shows the same on a throwaway skill folder, run as a test.)
 """
 
+from kvnotes.apps.agent.config import AgentConfig
 from kvnotes.apps.agent.episodes import (
     Episode,
     Request,
@@ -21,7 +25,7 @@ from kvnotes.apps.agent.episodes import (
 )
 from kvnotes.apps.agent.prompt import Prompt
 from kvnotes.apps.agent.runtime import (
-    Decision,
+    Agent,
     KvnotesAgent,
     RecomputeAgent,
     TurnResult,
@@ -33,11 +37,13 @@ from kvnotes.apps.agent.state import FIELDS, Event, State
 from kvnotes.apps.agent.toolcall import TOOLS, ToolCall, parse_tool_call
 from kvnotes.core.chat import ChatFormat
 from kvnotes.core.errors import UnknownSkillError
+from kvnotes.ops.decisions import Decision
 
 __all__ = [
     "Episode", "Request", "Turn", "request", "route", "scripted_episode", "scripted_episodes",
     "ChatFormat", "Prompt",
-    "Decision", "KvnotesAgent", "RecomputeAgent", "TurnResult", "choose", "run_episode",
+    "AgentConfig", "Agent", "Decision", "KvnotesAgent", "RecomputeAgent", "TurnResult", "choose",
+    "run_episode",
     "SkillBook", "UnknownSkillError", "skill_names", "skill_text",
     "FIELDS", "Event", "State", "TOOLS", "ToolCall", "parse_tool_call",
 ]

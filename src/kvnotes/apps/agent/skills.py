@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def default_skill_root() -> Path:
     return kvnotes_home() / "skills"
 
 
+@dataclass(frozen=True, slots=True)
+class SkillNotes:
+    """A skill's compiled notes, and whether getting them compiled it (it was neither in the
+    library nor already read by this book)."""
+
+    notes: Notebook
+    compiled: bool
+
+
 class SkillBook:
     """The bundled skills for one engine: texts, token ids, and compiled notes.
 
@@ -42,8 +52,12 @@ class SkillBook:
     skill is read once and kept.
 
     Example:
-        >>> book = SkillBook(engine)                  # doctest: +SKIP
-        >>> book.notes("refunds")                     # compiled (or loaded), then kept
+        >>> import tempfile
+        >>> book = SkillBook(engine, tempfile.mkdtemp())  # default folder: the kvnotes home's
+        >>> book.entry("refunds").compiled                # compiled and stored in the library
+        True
+        >>> book.entry("refunds").compiled                # then kept
+        False
     """
 
     def __init__(self, engine: Engine, root: str | os.PathLike[str] | None = None) -> None:
@@ -72,6 +86,10 @@ class SkillBook:
         """The compiled skill (a library hit when compiled before for this model); ``after``:
         compiled behind that prefix (text, such as the agent's header, or token ids taken as
         given), its own library entry."""
+        return self.entry(name, after=after).notes
+
+    def entry(self, name: str, *, after: str | Sequence[int] | None = None) -> SkillNotes:
+        """:meth:`notes`, saying whether this call compiled them."""
         if after is None:
             key = name
         elif isinstance(after, str):
@@ -83,15 +101,21 @@ class SkillBook:
 
     def header(self, text: str) -> Notebook:
         """The agent's fixed header, compiled like a skill (it opens every notebook)."""
+        return self.header_entry(text).notes
+
+    def header_entry(self, text: str) -> SkillNotes:
+        """:meth:`header`, saying whether this call compiled it."""
         return self._compiled(f"header:{text}", text, name="header")
 
     def _compiled(self, key: str, text: str, name: str | None = None,
-                  after: str | Sequence[int] | None = None) -> Notebook:
-        if key not in self._notes:
-            t0 = time.perf_counter()
-            self._notes[key] = self.library.get(text, name=name or key, after=after)
-            self.compile_s += time.perf_counter() - t0
-        return self._notes[key]
+                  after: str | Sequence[int] | None = None) -> SkillNotes:
+        if key in self._notes:
+            return SkillNotes(self._notes[key], compiled=False)
+        t0 = time.perf_counter()
+        misses = self.library.misses  # the library tells a compile from a load by this count
+        self._notes[key] = self.library.get(text, name=name or key, after=after)
+        self.compile_s += time.perf_counter() - t0
+        return SkillNotes(self._notes[key], compiled=self.library.misses > misses)
 
     def prepare(self, names: list[str] | None = None, *,
                 after: str | Sequence[int] | None = None) -> None:
