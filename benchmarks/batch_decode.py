@@ -22,7 +22,8 @@ import torch
 
 import kvnotes
 from kvnotes.core.machine import load_note, machine_info, set_threads
-from kvnotes.eval.edit_suite import DEFAULT_STRATEGIES, case_prompt, parse_strategy
+from kvnotes.eval.edit_suite.cases import case_prompt
+from kvnotes.eval.edit_suite.strategies import DEFAULT_STRATEGIES, parse_strategy
 from kvnotes.eval.tasks import load_suite
 
 
@@ -35,7 +36,7 @@ def case_notebooks(engine: kvnotes.Engine, family: str) -> tuple[list, list[int]
     notebooks = [old]
     for spec in DEFAULT_STRATEGIES:
         name, options = parse_strategy(spec)
-        notebooks.append(engine.edit(old, case.field, case.new_value, strategy=name,
+        notebooks.append(kvnotes.edit(engine, old, case.field, case.new_value, strategy=name,
                                      **options)[0])
     return notebooks, engine.encode(query)
 

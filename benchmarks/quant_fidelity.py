@@ -22,12 +22,14 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import kvnotes
-from kvnotes.core.metrics import compare_logits
+from kvnotes.core.metrics import LogitComparison, compare_logits
 from kvnotes.core.notebook import Notebook
 from kvnotes.ops.quant import quantize
 
@@ -53,10 +55,71 @@ CONTEXTS = {
 QUERY = "\nCustomer: can I get my money back? Answer yes or no.\nAgent:"
 
 
-def run(model: str, max_new_tokens: int) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One variant of a skill's notes, composed into one context."""
+
+    vs_recompute: LogitComparison
+    vs_fp32_compose: LogitComparison  # what int8 costs on top of composition
+    continuation_identical_to_recompute: bool
+    continuation: str
+    ttft_compose_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vs_recompute": self.vs_recompute.to_dict(),
+                "vs_fp32_compose": self.vs_fp32_compose.to_dict(),
+                "continuation_identical_to_recompute": self.continuation_identical_to_recompute,
+                "continuation": self.continuation, "ttft_compose_s": self.ttft_compose_s}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantCase:
+    case: str
+    tokens: int
+    skill_tokens: int
+    recompute_continuation: str
+    variants: dict[str, Variant]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "tokens": self.tokens, "skill_tokens": self.skill_tokens,
+                "recompute_continuation": self.recompute_continuation,
+                "variants": {k: v.to_dict() for k, v in self.variants.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class VariantSummary:
+    """One variant over every case."""
+
+    cosine_vs_recompute_median: float
+    cosine_vs_recompute_min: float
+    kl_vs_recompute_median: float
+    top1_vs_recompute: float
+    cosine_vs_fp32_compose_min: float
+    kl_vs_fp32_compose_max: float
+    top1_vs_fp32_compose: float
+    continuation_identical: float
+
+
+@dataclass(frozen=True, slots=True)
+class QuantRun:
+    model: str
+    scheme: str
+    max_new_tokens: int
+    sizes_bytes: dict[str, dict[str, int]]  # skill -> {"tokens", "fp32", "int8-token", ...}
+    cases: tuple[QuantCase, ...]
+    summary: dict[str, VariantSummary]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "scheme": self.scheme, "query": QUERY,
+                "max_new_tokens": self.max_new_tokens, "sizes_bytes": self.sizes_bytes,
+                "cases": [c.to_dict() for c in self.cases],
+                "summary": {k: asdict(v) for k, v in self.summary.items()}}
+
+
+def run(model: str, max_new_tokens: int) -> QuantRun:
     torch.set_num_threads(2)
     engine = kvnotes.load(model)
-    cases = []
+    cases: list[QuantCase] = []
     sizes: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for skill_name, skill_text in SKILLS.items():
@@ -69,18 +132,18 @@ def run(model: str, max_new_tokens: int) -> dict[str, object]:
                 "int8-channel": q_ch.save(Path(tmp) / f"{skill_name}.c.q8").stat().st_size,
             }
             for ctx_name, ctx in CONTEXTS.items():
-                cases.append(_case(engine, skill, q_tok, q_ch, ctx, f"{skill_name}+{ctx_name}",
-                                   max_new_tokens))
-                print(json.dumps({k: cases[-1][k] for k in ("case", "tokens")}),
-                      {v: round(r["vs_recompute"]["cosine"], 5)
-                       for v, r in cases[-1]["variants"].items()}, flush=True)
-    return {"model": engine.name, "scheme": engine.adapter.name, "query": QUERY,
-            "max_new_tokens": max_new_tokens, "sizes_bytes": sizes, "cases": cases,
-            "summary": _summary(cases)}
+                case = _case(engine, skill, q_tok, q_ch, ctx, f"{skill_name}+{ctx_name}",
+                             max_new_tokens)
+                cases.append(case)
+                print(json.dumps({"case": case.case, "tokens": case.tokens}),
+                      {v: round(r.vs_recompute.cosine, 5) for v, r in case.variants.items()},
+                      flush=True)
+    return QuantRun(engine.name, engine.adapter.name, max_new_tokens, sizes, tuple(cases),
+                    _summary(cases))
 
 
 def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: str,
-          max_new_tokens: int) -> dict[str, object]:
+          max_new_tokens: int) -> QuantCase:
     base = engine.compose([ctx, skill])
     offset = int(base.positions[base.span(skill.spans[0].name).start])
     reference = engine.prefill(base.token_ids, start=base.start_position)
@@ -92,7 +155,7 @@ def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: 
         "int8-channel": q_ch.dequantize(),
         "int8-token-requant": q_tok.shifted(offset - q_tok.positions[0].item()).dequantize(),
     }
-    out: dict[str, dict[str, object]] = {}
+    out: dict[str, Variant] = {}
     fp32_logits = None
     for label, notes in variants.items():
         t0 = time.perf_counter()
@@ -101,33 +164,28 @@ def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: 
         elapsed = time.perf_counter() - t0
         fp32_logits = logits if label == "fp32" else fp32_logits
         text = engine.generate(nb, QUERY, max_new_tokens)
-        out[label] = {
-            "vs_recompute": compare_logits(ref_logits, logits).to_dict(),
-            "vs_fp32_compose": compare_logits(fp32_logits, logits).to_dict(),
-            "continuation_identical_to_recompute": text == ref_text,
-            "continuation": text, "ttft_compose_s": elapsed,
-        }
-    return {"case": name, "tokens": len(base), "skill_tokens": len(skill),
-            "recompute_continuation": ref_text, "variants": out}
+        out[label] = Variant(vs_recompute=compare_logits(ref_logits, logits),
+                             vs_fp32_compose=compare_logits(fp32_logits, logits),
+                             continuation_identical_to_recompute=text == ref_text,
+                             continuation=text, ttft_compose_s=elapsed)
+    return QuantCase(name, len(base), len(skill), ref_text, out)
 
 
-def _summary(cases: list[dict]) -> dict[str, dict[str, float]]:
+def _summary(cases: list[QuantCase]) -> dict[str, VariantSummary]:
     summary = {}
-    for label in cases[0]["variants"]:
-        rows = [c["variants"][label] for c in cases]
-        summary[label] = {
-            "cosine_vs_recompute_median": statistics.median(r["vs_recompute"]["cosine"]
-                                                            for r in rows),
-            "cosine_vs_recompute_min": min(r["vs_recompute"]["cosine"] for r in rows),
-            "kl_vs_recompute_median": statistics.median(r["vs_recompute"]["kl"] for r in rows),
-            "top1_vs_recompute": sum(r["vs_recompute"]["top1_agree"] for r in rows) / len(rows),
-            "cosine_vs_fp32_compose_min": min(r["vs_fp32_compose"]["cosine"] for r in rows),
-            "kl_vs_fp32_compose_max": max(r["vs_fp32_compose"]["kl"] for r in rows),
-            "top1_vs_fp32_compose": sum(r["vs_fp32_compose"]["top1_agree"] for r in rows)
+    for label in cases[0].variants:
+        rows = [c.variants[label] for c in cases]
+        summary[label] = VariantSummary(
+            cosine_vs_recompute_median=statistics.median(r.vs_recompute.cosine for r in rows),
+            cosine_vs_recompute_min=min(r.vs_recompute.cosine for r in rows),
+            kl_vs_recompute_median=statistics.median(r.vs_recompute.kl for r in rows),
+            top1_vs_recompute=sum(r.vs_recompute.top1_agree for r in rows) / len(rows),
+            cosine_vs_fp32_compose_min=min(r.vs_fp32_compose.cosine for r in rows),
+            kl_vs_fp32_compose_max=max(r.vs_fp32_compose.kl for r in rows),
+            top1_vs_fp32_compose=sum(r.vs_fp32_compose.top1_agree for r in rows) / len(rows),
+            continuation_identical=sum(r.continuation_identical_to_recompute for r in rows)
             / len(rows),
-            "continuation_identical": sum(r["continuation_identical_to_recompute"] for r in rows)
-            / len(rows),
-        }
+        )
     return summary
 
 
@@ -137,7 +195,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out/quant"))
     parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args()
-    result = run(args.model, args.max_new_tokens)
+    result = run(args.model, args.max_new_tokens).to_dict()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant_fidelity_{args.model.replace('/', '_')}.json"
     path.write_text(json.dumps(result, indent=2))

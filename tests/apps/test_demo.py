@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvnotes.apps.demo import demo_data, run_compose_demo, write_report
+from kvnotes.apps.demo import ComposeDemoResult, demo_data, run_compose_demo, write_report
 
 pytestmark = pytest.mark.real
 
@@ -19,12 +19,15 @@ def test_demo_data_is_bundled():
 
 def test_compose_demo_end_to_end(smollm2, tmp_path):
     result = run_compose_demo(smollm2, max_new_tokens=4)
-    assert len(result["cases"]) == len(demo_data()[1])
-    for row in result["cases"]:
-        assert row["tokens_reused"] + row["tokens_computed"] == row["tokens_total"]
-        assert row["tokens_reused"] > row["tokens_computed"]  # the skills dominate each context
-        assert row["logit_cosine"] > 0.95, row
+    assert len(result.cases) == len(demo_data()[1])
+    for case in result.cases:
+        row = case.fidelity
+        assert row.tokens_reused + row.tokens_computed == row.tokens_total
+        assert row.tokens_reused > row.tokens_computed  # the skills dominate each context
+        assert row.logit_cosine > 0.95, case
     path = write_report(result, tmp_path)
     assert "| late-return |" in path.read_text()
     assert (tmp_path / "compose.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "results.json").read_text())["model"] == "smollm2-135m"
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["model"] == "smollm2-135m" and data["cases"][0]["logit_cosine"] > 0.95
+    assert ComposeDemoResult.from_dict(data).to_dict() == data

@@ -7,7 +7,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -62,13 +62,97 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledSkill:
+    """One skill of the demo as compiled: its length and the median compile time."""
+
+    tokens: int
+    compile_s: float
+    anchor: str | None  # how it was compiled (e.g. behind the system header)
+    after_tokens: int  # tokens of the text it was compiled behind (its notes dropped)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "compile_s": self.compile_s, "anchor": self.anchor,
+                "after_tokens": self.after_tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledSkill:
+        return cls(d["tokens"], d["compile_s"], d.get("anchor"), d.get("after_tokens", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class ComposeCase:
+    """One context composed from the skills, against full recompute.
+
+    ``fidelity``'s TTFT fields hold the medians of warm runs, not its own single timing.
+    """
+
+    case: str
+    skills: tuple[str, ...]
+    fidelity: FidelityReport
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"case": self.case, "skills": list(self.skills), **self.fidelity.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ComposeCase:
+        report = FidelityReport(**{f.name: d[f.name] for f in fields(FidelityReport)})
+        return cls(d["case"], tuple(d["skills"]), report)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoTiming:
+    """How the demo's times were taken, and the machine's load around them."""
+
+    repeats: int
+    warmup: int
+    statistic: str
+    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records, as they are
+    machine_after: dict[str, Any]
+    busy: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DemoTiming:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class ComposeDemoResult:
+    """The compose demo on one model: the compiled skills and every composed context."""
+
+    model: str
+    skills: dict[str, CompiledSkill]
+    repair: float | int
+    cases: tuple[ComposeCase, ...]
+    max_new_tokens: int
+    timing: DemoTiming | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "skills": {n: s.to_dict() for n, s in self.skills.items()},
+                "repair": self.repair, "cases": [c.to_dict() for c in self.cases],
+                "max_new_tokens": self.max_new_tokens,
+                "timing": self.timing.to_dict() if self.timing else None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ComposeDemoResult:
+        """Read back :meth:`to_dict` (the demo's ``results.json`` or a repro stage)."""
+        return cls(d["model"], {n: CompiledSkill.from_dict(s) for n, s in d["skills"].items()},
+                   d.get("repair", 0), tuple(ComposeCase.from_dict(c) for c in d["cases"]),
+                   d["max_new_tokens"],
+                   DemoTiming.from_dict(d["timing"]) if d.get("timing") else None)
+
+
 def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int = 3,
-                     repair: float | int = 0, progress: Any = None) -> dict[str, Any]:
+                     repair: float | int = 0,
+                     progress: Callable[[str], None] | None = None) -> ComposeDemoResult:
     """Compile every skill once, then compose each case and compare with full recompute.
 
     Policies are compiled behind the system header (``after=``), the text that precedes them
     in every case; ``repair`` recomputes that share of the spliced tokens in context
-    (:meth:`Engine.compose`).
+    (:meth:`Engine.compose`). ``progress`` is called with each case's name when it is done.
 
     Timings are medians of ``repeats`` runs after one warm-up run (a single cold run on a busy
     machine can be off by an order of magnitude); the result records the machine's load.
@@ -87,11 +171,10 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         compiled[name] = engine.compile(text, name=name, after=after)  # also the warm-up
         compile_s[name] = median_seconds(
             lambda t=text, n=name, a=after: engine.compile(t, name=n, after=a), repeats)
-    rows: list[dict[str, Any]] = []
+    rows: list[ComposeCase] = []
     for case in cases:
         parts, query = case_parts(engine, case, compiled)
-        report: FidelityReport = fidelity(engine, parts, query, max_new_tokens=max_new_tokens,
-                                          repair=repair)
+        report = fidelity(engine, parts, query, max_new_tokens=max_new_tokens, repair=repair)
         # TTFT as medians of warm runs: recompute = one forward over every token id; compose =
         # splice the skills, then one forward over the request
         query_ids = engine.tokens_of(query, bos=False)[0]
@@ -101,92 +184,88 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         compose = median_seconds(
             lambda p=parts, q=query_ids: engine.next_logits(engine.compose(p, repair=repair), q),
             repeats)
-        row = {"case": case.name, "skills": case.skills, **report.to_dict()}
-        row.update(ttft_recompute_s=recompute, ttft_compose_s=compose, speedup=recompute / compose)
-        rows.append(row)
+        rows.append(ComposeCase(case.name, tuple(case.skills), replace(
+            report, ttft_recompute_s=recompute, ttft_compose_s=compose)))
         if progress is not None:
             progress(case.name)
     after = machine_info(since=before)
-    return {
-        "model": engine.name,
-        "skills": {n: {"tokens": len(nb), "compile_s": compile_s[n],
-                       "anchor": nb.meta.get("anchor"),
-                       "after_tokens": nb.meta.get("after_tokens", 0)}
-                   for n, nb in compiled.items()},
-        "repair": repair,
-        "cases": rows,
-        "max_new_tokens": max_new_tokens,
-        "timing": {"repeats": repeats, "warmup": 1, "statistic": "median",
-                   "machine_before": before, "machine_after": after,
-                   "busy": before["busy"] or after["busy"]},
-    }
+    return ComposeDemoResult(
+        model=engine.name,
+        skills={n: CompiledSkill(len(nb), compile_s[n], nb.meta.get("anchor"),
+                                 nb.meta.get("after_tokens", 0))
+                for n, nb in compiled.items()},
+        repair=repair, cases=tuple(rows), max_new_tokens=max_new_tokens,
+        timing=DemoTiming(repeats=repeats, warmup=1, statistic="median", machine_before=before,
+                          machine_after=after, busy=before["busy"] or after["busy"]))
 
 
-def render_table(result: dict[str, Any]) -> str:
+def render_table(result: ComposeDemoResult) -> str:
     """Markdown table of the compose results."""
     lines = [
         "| case | tokens | reused | computed | TTFT recompute (ms) | TTFT compose (ms) | speedup"
         " | logit cosine | KL | top-1 | top-2 margin recompute / compose | continuation |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|:---:|",
     ]
-    for r in result["cases"]:
+    for c in result.cases:
+        r = c.fidelity
         lines.append(
-            f"| {r['case']} | {r['tokens_total']} | {r['tokens_reused']} | {r['tokens_computed']}"
-            f" | {r['ttft_recompute_s'] * 1e3:.0f} | {r['ttft_compose_s'] * 1e3:.0f}"
-            f" | {r['speedup']:.1f}x | {r['logit_cosine']:.4f} | {r['kl']:.4f}"
-            f" | {'same' if r['top1_agree'] else 'DIFF'}"
-            f" | {r['top2_margin']:.2f} / {r.get('composed_margin', float('nan')):.2f}"
-            f" | {'identical' if r['continuation_identical'] else 'differs'} |")
+            f"| {c.case} | {r.tokens_total} | {r.tokens_reused} | {r.tokens_computed}"
+            f" | {r.ttft_recompute_s * 1e3:.0f} | {r.ttft_compose_s * 1e3:.0f}"
+            f" | {r.speedup:.1f}x | {r.logit_cosine:.4f} | {r.kl:.4f}"
+            f" | {'same' if r.top1_agree else 'DIFF'}"
+            f" | {r.top2_margin:.2f} / {r.composed_margin:.2f}"
+            f" | {'identical' if r.continuation_identical else 'differs'} |")
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> Path:
+def plot(result: ComposeDemoResult, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["cases"]
-    names = [r["case"] for r in rows]
+    rows = [c.fidelity for c in result.cases]
+    names = [c.case for c in result.cases]
     x = range(len(rows))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.bar([i - 0.2 for i in x], [r["ttft_recompute_s"] * 1e3 for r in rows], 0.4,
+    ax1.bar([i - 0.2 for i in x], [r.ttft_recompute_s * 1e3 for r in rows], 0.4,
             label="full recompute")
-    ax1.bar([i + 0.2 for i in x], [r["ttft_compose_s"] * 1e3 for r in rows], 0.4,
+    ax1.bar([i + 0.2 for i in x], [r.ttft_compose_s * 1e3 for r in rows], 0.4,
             label="compose (splice skills)")
     ax1.set_xticks(list(x), names, rotation=20)
     ax1.set_ylabel("time to first token (ms)")
     ax1.set_title("Time to first token")
     ax1.legend(fontsize=8, framealpha=0.9)
-    ax2.bar(list(x), [1 - r["logit_cosine"] for r in rows], color="tab:green")
+    ax2.bar(list(x), [1 - r.logit_cosine for r in rows], color="tab:green")
     ax2.set_yscale("log")
     ax2.set_xticks(list(x), names, rotation=20)
     ax2.set_ylabel("1 - logit cosine (lower is closer)")
     ax2.set_title("Distance from full recompute")
-    fig.suptitle(f"kvnotes compose demo: {result['model']}")
+    fig.suptitle(f"kvnotes compose demo: {result.model}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
-def write_report(result: dict[str, Any], out: Path, extra_sections: list[str] = ()) -> Path:
+def write_report(result: ComposeDemoResult, out: Path,
+                 extra_sections: Sequence[str] = ()) -> Path:
     """``results.json``, ``report.md`` and ``compose.png`` in ``out``; returns the report's path."""
     report = report_markdown(result, extra_sections)
-    return write_bundle(out, result, report=report, json_name="results.json",
+    return write_bundle(out, result.to_dict(), report=report, json_name="results.json",
                         plot_name="compose.png", plot=lambda path: plot(result, path))["report"]
 
 
-def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) -> str:
+def report_markdown(result: ComposeDemoResult, extra_sections: Sequence[str] = ()) -> str:
     """The demo's markdown report (``extra_sections``: more markdown lines at the end)."""
-    timing = result.get("timing")
-    skills = "\n".join(f"- `{n}`: {s['tokens']} tokens, compiled once in {s['compile_s']*1e3:.0f} ms"
-                       f" (anchor: {s['anchor']}"
-                       + (f" + the {s['after_tokens']}-token system header)"
-                          if s.get("after_tokens") else ")")
-                       for n, s in result["skills"].items())
+    timing = result.timing
+    skills = "\n".join(f"- `{n}`: {s.tokens} tokens, compiled once in {s.compile_s * 1e3:.0f} ms"
+                       f" (anchor: {s.anchor}"
+                       + (f" + the {s.after_tokens}-token system header)"
+                          if s.after_tokens else ")")
+                       for n, s in result.skills.items())
     body = [
-        f"# kvnotes demo — {result['model']}",
+        f"# kvnotes demo — {result.model}",
         "",
         "The system header and the policies are skills, prefilled once (each policy behind the "
         "system header it follows in every prompt, whose notes are then dropped), then "
@@ -195,10 +274,10 @@ def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) 
         "and the question) is computed, in one forward. The reference is a full prefill of the "
         "very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
         "at the first answer token; 'continuation' compares "
-        f"{result['max_new_tokens']} greedy tokens.",
+        f"{result.max_new_tokens} greedy tokens.",
         "",
-        f"Times are medians of {timing.get('repeats', 1)} runs after a warm-up; "
-        f"{load_note(timing['machine_after'])}." if timing else "",
+        f"Times are medians of {timing.repeats} runs after a warm-up; "
+        f"{load_note(timing.machine_after)}." if timing else "",
         "",
         "## Skills",
         skills,
@@ -209,7 +288,7 @@ def report_markdown(result: dict[str, Any], extra_sections: Sequence[str] = ()) 
         "![compose](compose.png)",
         "",
         "## Answers (compose)",
-        *[f"- **{r['case']}**: {r['composed_text'].strip()!r}" for r in result["cases"]],
+        *[f"- **{c.case}**: {c.fidelity.composed_text.strip()!r}" for c in result.cases],
         *extra_sections,
     ]
     return "\n".join(body) + "\n"

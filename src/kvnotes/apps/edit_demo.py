@@ -9,7 +9,7 @@ from kvnotes.core.engine import Engine
 
 def edit_section(engine: Engine, console: Any = None, case_id: str = "refund-000") -> list[str]:
     """Run every edit strategy on one bundled case; print a table; return markdown lines."""
-    from kvnotes.eval.edit_suite import compare_strategies
+    from kvnotes.eval.edit_suite.evaluate import compare_strategies
     from kvnotes.eval.tasks import load_suite
 
     case = next(c for c in load_suite(["refund"]) if c.case_id == case_id)

@@ -8,11 +8,11 @@ For each model, five stages run in order, each reusing a suite that already exis
 - ``trace``: field-vs-notes causal patching with bootstrap CIs (:mod:`kvnotes.eval.trace_suite`);
 - ``agent``: the kvnotes agent against the recompute agent (:mod:`kvnotes.apps.agent.bench`).
 
-Each finished stage is written to ``OUT/<model>/<stage>.json`` at once, so an interrupted run
-resumes where it stopped (a stage file written with other settings is run again). The paper's
-figures come from ``apps/data/paper_claims.json`` (each with its source);
-:func:`kvnotes.apps.claims.judge` turns a claim and our numbers into a verdict and
-:mod:`kvnotes.apps.repro_report` writes the report. Timings carry the load average they ran under.
+Each stage gives a typed result; it is written to ``OUT/<model>/<stage>.json`` at once (as a
+:class:`StageRecord`), so an interrupted run resumes where it stopped (a stage file written with
+other settings, or unreadable, is run again). :func:`run_repro` returns the records
+(:class:`ReproRun`); :mod:`kvnotes.apps.repro_report` judges them against the paper's figures
+(:mod:`kvnotes.apps.claims`) and writes the report. Timings carry the load average they ran under.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.repro_report import write_report
+from kvnotes.apps.agent.summary import BenchSummary
+from kvnotes.apps.demo import ComposeDemoResult
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.machine import machine_info
+from kvnotes.eval.edit_suite.results import SuiteResult
+from kvnotes.eval.trace_suite import TraceSuiteResult
 
 STAGES: tuple[str, ...] = ("compose", "edit", "edit_cot", "trace", "agent")
 DEFAULT_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
@@ -63,23 +66,106 @@ FULL = Sizes(compose_new_tokens=24, compose_repeats=3, edit_per_family=6, edit_s
              trace_by_layer=True, trace_boot=2000, agent_episodes=10, agent_turns=5)
 
 
-# ---------------------------------------------------------------------------------------------
-# stages
-
-
 def slug(model: str) -> str:
     """A folder name for a model alias, path or hub id."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name if os.sep in model else model)
 
 
-def load_now() -> dict[str, Any]:
-    """The 1-minute load average and the CPU count (timings on a busy machine are marked)."""
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What a run measures with; a stage file made with other settings is run again."""
+
+    device: str
+    dtype: str
+    quick: bool
+    sizes: Sizes
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a stage file records it (JSON values: lists, not tuples)."""
+        return json.loads(json.dumps({"device": self.device, "dtype": self.dtype,
+                                      "quick": self.quick, "sizes": asdict(self.sizes)}))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """The machine's load at one moment (timings on a busy machine are marked)."""
+
+    load_1min: float
+    cpus: int
+    busy: bool
+    cpu_flags: str = ""  # the SIMD flags, space-separated
+    torch_threads: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"load_1min": self.load_1min, "cpus": self.cpus, "busy": self.busy,
+                "cpu_flags": self.cpu_flags, "torch_threads": self.torch_threads}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoadSample:
+        return cls(d["load_1min"], d["cpus"], bool(d["busy"]), d.get("cpu_flags") or "",
+                   d.get("torch_threads"))
+
+
+def load_now() -> LoadSample:
+    """The 1-minute load average, the CPU count and flags, and torch's threads, now."""
     info = machine_info()
-    return {"load_1min": info["load_average"][0], "cpus": info["cpus"], "busy": info["busy"],
-            "cpu_flags": " ".join(info["cpu_flags"]), "torch_threads": info["torch_threads"]}
+    return LoadSample(load_1min=info["load_average"][0], cpus=info["cpus"], busy=info["busy"],
+                      cpu_flags=" ".join(info["cpu_flags"]), torch_threads=info["torch_threads"])
 
 
-def _stage_compose(engine: Any, sizes: Sizes, tick: Callable[[int, int], None]) -> dict[str, Any]:
+StageResult = ComposeDemoResult | SuiteResult | TraceSuiteResult | BenchSummary
+
+# how each stage's result is read back from its file
+READERS: dict[str, Callable[[dict[str, Any]], StageResult]] = {
+    "compose": ComposeDemoResult.from_dict, "edit": SuiteResult.from_dict,
+    "edit_cot": SuiteResult.from_dict, "trace": TraceSuiteResult.from_dict,
+    "agent": BenchSummary.from_dict,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StageRecord:
+    """One finished stage: its result, how long it took and the load around it."""
+
+    settings: RunSettings
+    seconds: float
+    load_before: LoadSample
+    load_after: LoadSample
+    result: StageResult
+
+    @property
+    def busy(self) -> bool:
+        return self.load_before.busy or self.load_after.busy
+
+    def to_dict(self) -> dict[str, Any]:
+        result = (self.result.to_dict(records=False) if isinstance(self.result, BenchSummary)
+                  else self.result.to_dict())
+        return {"settings": self.settings.to_dict(), "seconds": self.seconds,
+                "load_before": self.load_before.to_dict(),
+                "load_after": self.load_after.to_dict(), "result": result}
+
+    @classmethod
+    def from_dict(cls, stage: str, d: dict[str, Any], settings: RunSettings) -> StageRecord:
+        return cls(settings, d["seconds"], LoadSample.from_dict(d["load_before"]),
+                   LoadSample.from_dict(d["load_after"]), READERS[stage](d["result"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ReproRun:
+    """Every model's finished stages (a stage not run is missing)."""
+
+    settings: RunSettings
+    models: dict[str, dict[str, StageRecord]]
+
+
+# ---------------------------------------------------------------------------------------------
+# stages
+
+
+Tick = Callable[[int, int], None]
+
+
+def _stage_compose(engine: Any, sizes: Sizes, tick: Tick) -> ComposeDemoResult:
     from kvnotes.apps.demo import demo_data, run_compose_demo
 
     total = len(demo_data()[1])
@@ -94,38 +180,28 @@ def _stage_compose(engine: Any, sizes: Sizes, tick: Callable[[int, int], None]) 
                             repeats=sizes.compose_repeats, progress=progress)
 
 
-def _edit(engine: Any, sizes: Sizes, tick: Callable[[int, int], None], *, cot: bool,
-          ) -> dict[str, Any]:
-    from kvnotes.eval.edit_suite import DEFAULT_STRATEGIES, run_suite, spread
+def _edit(engine: Any, sizes: Sizes, tick: Tick, *, cot: bool) -> SuiteResult:
+    from kvnotes.eval.edit_suite.cases import spread
+    from kvnotes.eval.edit_suite.results import SuiteSettings
+    from kvnotes.eval.edit_suite.strategies import DEFAULT_STRATEGIES
+    from kvnotes.eval.edit_suite.suite import run_suite
     from kvnotes.eval.tasks import load_suite
 
     per_family = sizes.cot_per_family if cot else sizes.edit_per_family
     chosen = (sizes.cot_strategies if cot else sizes.edit_strategies) or DEFAULT_STRATEGIES
     cases = spread(load_suite(), per_family)
     tick(0, len(cases))
-    return run_suite(engine, cases, list(chosen), cot=cot, budget=sizes.cot_budget,
+    return run_suite(engine, cases, SuiteSettings(tuple(chosen), cot=cot, budget=sizes.cot_budget),
                      progress=tick)
 
 
-def trace_picks(engine: Any, cases: Sequence[Any], per_family: int) -> list[Any]:
-    """Up to ``per_family`` cases of each family, spread out, among those whose old and new
-    values have equal token lengths (patching needs them)."""
-    picked = []
-    for fam in dict.fromkeys(c.family for c in cases):
-        equal = [c for c in cases if c.family == fam
-                 and len(engine.encode(c.old_value)) == len(engine.encode(c.new_value))]
-        k = min(per_family, len(equal))
-        picked += [equal[i * len(equal) // k] for i in range(k)] if k else []
-    return picked
-
-
-def _stage_trace(engine: Any, sizes: Sizes, tick: Callable[[int, int], None]) -> dict[str, Any]:
+def _stage_trace(engine: Any, sizes: Sizes, tick: Tick) -> TraceSuiteResult:
     from kvnotes.eval.tasks import load_suite
-    from kvnotes.eval.trace_suite import summarize, trace_cases
+    from kvnotes.eval.trace_suite import pick_cases, summarize, trace_cases
     from kvnotes.ops.trace import TraceOptions
 
     suite = load_suite()
-    picked = trace_picks(engine, suite, sizes.trace_cases)
+    picked = pick_cases(engine, suite, sizes.trace_cases).cases
     families = list(dict.fromkeys(c.family for c in suite))
     options = TraceOptions(by_layer=sizes.trace_by_layer, position_bins=4,
                            detail_when_insensitive=False)
@@ -138,17 +214,11 @@ def _stage_trace(engine: Any, sizes: Sizes, tick: Callable[[int, int], None]) ->
     tick(0, len(picked))
     traces = trace_cases(engine, picked, options, progress=progress)
     rows = summarize(traces, n_boot=sizes.trace_boot, families=families)
-    return {"model": engine.name, "families": [r.to_dict() for r in rows],
-            "cases": [{"case_id": t.case_id, "family": t.family, "status": t.status,
-                       "reason": t.reason[:120],
-                       **({"denominator": t.result.denominator, "sensitive": t.result.sensitive,
-                           "field": t.result.field_effect, "notes": t.result.notes_effect}
-                          if t.result is not None else {})} for t in traces]}
+    return TraceSuiteResult.of(engine.name, traces, rows)
 
 
-def _stage_agent(engine: Any, sizes: Sizes, tick: Callable[[int, int], None], *,
-                 skill_root: Path) -> dict[str, Any]:
-    from kvnotes.apps.agent.bench import run_bench
+def _stage_agent(engine: Any, sizes: Sizes, tick: Tick, *, skill_root: Path) -> BenchSummary:
+    from kvnotes.apps.agent.bench import BenchConfig, run_bench
 
     done = [0]
 
@@ -157,13 +227,12 @@ def _stage_agent(engine: Any, sizes: Sizes, tick: Callable[[int, int], None], *,
         tick(done[0], sizes.agent_episodes)
 
     tick(0, sizes.agent_episodes)
-    result = run_bench(engine, n_episodes=sizes.agent_episodes, turns=sizes.agent_turns,
-                       stale=False, skill_root=skill_root, progress=progress)
-    return {k: v for k, v in result.items() if k != "records"}
+    config = BenchConfig(n_episodes=sizes.agent_episodes, turns=sizes.agent_turns, stale=False,
+                         skill_root=skill_root)
+    return replace(run_bench(engine, config, progress=progress), records=())
 
 
-def _run_stage(stage: str, engine: Any, sizes: Sizes, tick: Callable[[int, int], None],
-               folder: Path) -> dict[str, Any]:
+def _run_stage(stage: str, engine: Any, sizes: Sizes, tick: Tick, folder: Path) -> StageResult:
     if stage == "compose":
         return _stage_compose(engine, sizes, tick)
     if stage in ("edit", "edit_cot"):
@@ -180,13 +249,13 @@ def _run_stage(stage: str, engine: Any, sizes: Sizes, tick: Callable[[int, int],
 def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
               dtype: str = "float32", quick: bool = True, stages: Sequence[str] = STAGES,
               load: Callable[..., Any] | None = None, progress: Progress | None = None,
-              command: str = "", report_only: bool = False) -> dict[str, Path]:
-    """Run every stage for every model (resuming finished ones) and write the report.
+              report_only: bool = False) -> ReproRun:
+    """Run every stage for every model, resuming finished ones; the records of every stage.
 
     ``load(model, device=..., dtype=...)`` makes an engine (default :func:`kvnotes.load`); it
-    is only called for a model with a stage left to run. ``report_only`` runs nothing: the
-    report is written from the finished stages (the others read ``not run``). Returns the
-    written paths.
+    is only called for a model with a stage left to run. ``report_only`` runs nothing: only
+    the finished stages are returned. Write the report with
+    :func:`kvnotes.apps.repro_report.write_report`.
     """
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
@@ -195,19 +264,17 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
         raise InvalidArgumentError("give at least one model (--models A,B)")
     if load is None:
         from kvnotes.core.models import load
-    sizes = QUICK if quick else FULL
-    settings = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
-                "quick": quick, "sizes": asdict(sizes)}
-    settings = json.loads(json.dumps(settings))  # as a checkpoint reads it back (lists, not tuples)
+    settings = RunSettings(device=str(device), dtype=str(dtype).removeprefix("torch."),
+                           quick=quick, sizes=QUICK if quick else FULL)
     out = Path(out)
-    per_model: dict[str, dict[str, Any]] = {}
+    per_model: dict[str, dict[str, StageRecord]] = {}
     for model in models:
         folder = out / slug(model)
         engine = None
         per_model[model] = {}
         for stage in stages:
             path = folder / f"{stage}.json"
-            saved = _read_stage(path, settings)
+            saved = _read_stage(path, stage, settings)
             if saved is not None:
                 per_model[model][stage] = saved
                 if progress:
@@ -223,21 +290,22 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
                     progress(m, s, done, total)
 
             before, t0 = load_now(), time.perf_counter()
-            result = _run_stage(stage, engine, sizes, tick, folder)
-            record = {"settings": settings, "seconds": time.perf_counter() - t0,
-                      "load_before": before, "load_after": load_now(), "result": result}
-            _write_json(path, record)
+            result = _run_stage(stage, engine, settings.sizes, tick, folder)
+            record = StageRecord(settings, time.perf_counter() - t0, before, load_now(), result)
+            _write_json(path, record.to_dict())
             per_model[model][stage] = record
-    return write_report(out, per_model, settings, command=command)
+    return ReproRun(settings, per_model)
 
 
-def _read_stage(path: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+def _read_stage(path: Path, stage: str, settings: RunSettings) -> StageRecord | None:
     """A finished stage's record, or None when missing, unreadable or made with other settings."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("settings") != settings.to_dict():
+            return None
+        return StageRecord.from_dict(stage, data, settings)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return record if record.get("settings") == settings else None
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -52,6 +52,7 @@ def demo(
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     from kvnotes.apps.demo import run_compose_demo, write_report
+    from kvnotes.apps.edit_demo import edit_section
     from kvnotes.core.machine import set_threads
 
     set_threads(threads)
@@ -69,26 +70,17 @@ def demo(
     for col in ("case", "tokens", "reused", "computed", "TTFT full", "TTFT compose", "speedup",
                 "logit cos", "KL", "top-1", "continuation"):
         table.add_column(col, justify="right" if col not in ("case",) else "left")
-    for r in result["cases"]:
-        table.add_row(r["case"], str(r["tokens_total"]), str(r["tokens_reused"]),
-                      str(r["tokens_computed"]), f"{r['ttft_recompute_s']*1e3:.0f} ms",
-                      f"{r['ttft_compose_s']*1e3:.0f} ms", f"{r['speedup']:.1f}x",
-                      f"{r['logit_cosine']:.4f}", f"{r['kl']:.4f}",
-                      "same" if r["top1_agree"] else "DIFF",
-                      "identical" if r["continuation_identical"] else "differs")
+    for c in result.cases:
+        r = c.fidelity
+        table.add_row(c.case, str(r.tokens_total), str(r.tokens_reused),
+                      str(r.tokens_computed), f"{r.ttft_recompute_s * 1e3:.0f} ms",
+                      f"{r.ttft_compose_s * 1e3:.0f} ms", f"{r.speedup:.1f}x",
+                      f"{r.logit_cosine:.4f}", f"{r.kl:.4f}",
+                      "same" if r.top1_agree else "DIFF",
+                      "identical" if r.continuation_identical else "differs")
     console.print(table)
-    extra = _edit_section(engine)
-    path = write_report(result, out, extra)
+    path = write_report(result, out, edit_section(engine, console))
     console.print(f"wrote {path} and {out / 'compose.png'}")
-
-
-def _edit_section(engine) -> list[str]:
-    """The edit part of the demo, when the edit capability is installed."""
-    try:
-        from kvnotes.apps.edit_demo import edit_section
-    except ImportError:
-        return []
-    return edit_section(engine, console)
 
 
 @app.command()

@@ -9,6 +9,9 @@ Examples::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -16,35 +19,57 @@ from rich.table import Table
 from kvnotes.cli.app import app, emit_json, fail
 from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
+from kvnotes.core.positions.capabilities import Operation, ShiftCheck
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 console = Console()
 
 _STYLE = {"exact": "green", "approximate": "yellow", "unsupported": "red"}
 
 
-def diagnose(engine: object, *, check: bool = False) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
     """The doctor's findings for an engine: scheme, adapter summary, operations, live check."""
+
+    model: str
+    model_type: str | None
+    scheme: str
+    adapter: dict[str, object]  # the adapter's own describe(), as it reports itself
+    layers: int
+    max_positions: int | None
+    operations: tuple[Operation, ...]
+    check: ShiftCheck | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {
+            "model": self.model, "model_type": self.model_type, "scheme": self.scheme,
+            "adapter": self.adapter, "layers": self.layers, "max_positions": self.max_positions,
+            "operations": [op.to_dict() for op in self.operations]}
+        if self.check is not None:
+            d["check"] = self.check.to_dict()
+        return d
+
+
+def diagnose(engine: Engine, *, check: bool = False) -> Diagnosis:
+    """What ``kvnotes doctor`` reports; ``check`` also prefills, shifts and measures the error."""
     from kvnotes.core.positions.capabilities import capabilities, check_shift
 
-    adapter = engine.adapter  # type: ignore[attr-defined]
-    config = adapter.config
-    report: dict[str, object] = {
-        "model": engine.name,  # type: ignore[attr-defined]
-        "model_type": getattr(engine.model.config, "model_type", None),  # type: ignore[attr-defined]
-        "scheme": adapter.name,
-        "adapter": adapter.describe(),
-        "layers": adapter.num_layers,
-        "max_positions": adapter.max_positions,
-        "operations": [op.to_dict() for op in capabilities(adapter)],
-    }
+    adapter = engine.adapter
+    shift = None
     if check:
-        vocab = int(getattr(config, "vocab_size", 256) or 256)
+        vocab = int(getattr(adapter.config, "vocab_size", 256) or 256)
         ids = [(17 * i + 3) % min(vocab, 256) for i in range(24)]
-        report["check"] = check_shift(engine, ids).to_dict()
-    return report
+        shift = check_shift(engine, ids)
+    return Diagnosis(
+        model=engine.name, model_type=getattr(engine.model.config, "model_type", None),
+        scheme=adapter.name, adapter=adapter.describe(), layers=adapter.num_layers,
+        max_positions=adapter.max_positions, operations=tuple(capabilities(adapter)),
+        check=shift)
 
 
-def _tiny_engine(arch: str, device: str = "cpu", dtype: str = "float32") -> object:
+def _tiny_engine(arch: str, device: str = "cpu", dtype: str = "float32") -> Engine:
     import torch
 
     import kvnotes
@@ -84,27 +109,26 @@ def doctor(
         fail(err)
         return
     if as_json:
-        emit_json(report)
+        emit_json(report.to_dict())
         return
-    adapter = report["adapter"]
-    console.print(f"[bold]{report['model']}[/bold]  model_type={report['model_type']}  "
-                  f"layers={report['layers']}  max positions={report['max_positions']}")
-    console.print(f"position scheme: [bold]{report['scheme']}[/bold]  "
-                  + "  ".join(f"{k}={v}" for k, v in adapter.items()  # type: ignore[union-attr]
+    console.print(f"[bold]{report.model}[/bold]  model_type={report.model_type}  "
+                  f"layers={report.layers}  max positions={report.max_positions}")
+    console.print(f"position scheme: [bold]{report.scheme}[/bold]  "
+                  + "  ".join(f"{k}={v}" for k, v in report.adapter.items()
                               if k not in ("scheme", "reason") and v is not None))
     table = Table(show_lines=False)
     table.add_column("operation")
     table.add_column("status")
     table.add_column("why", overflow="fold")
-    for op in report["operations"]:  # type: ignore[union-attr]
-        style = _STYLE[op["status"]]
-        table.add_row(op["name"], f"[{style}]{op['status']}[/{style}]", op["reason"])
+    for op in report.operations:
+        style = _STYLE[op.status]
+        table.add_row(op.name, f"[{style}]{op.status}[/{style}]", op.reason)
     console.print(table)
-    if check:
-        c = report["check"]
-        if c["error"]:  # type: ignore[index]
-            console.print(f"check (shift by {c['delta']}): raised {c['error']}")  # type: ignore[index]
-        else:
-            console.print(f"check (shift by {c['delta']}): max |KV error| "  # type: ignore[index]
-                          f"{c['max_kv_error']:.2e}, max |logit error| "  # type: ignore[index]
-                          f"{c['max_logit_error']:.2e}")  # type: ignore[index]
+    c = report.check
+    if c is None:
+        return
+    if c.error:
+        console.print(f"check (shift by {c.delta}): raised {c.error}")
+    else:
+        console.print(f"check (shift by {c.delta}): max |KV error| {c.max_kv_error:.2e}, "
+                      f"max |logit error| {c.max_logit_error:.2e}")

@@ -62,16 +62,12 @@ def edit_eval(
     from functools import partial
 
     from kvnotes.core.models import load
-    from kvnotes.eval.edit_suite import (
-        DEFAULT_STRATEGIES,
-        ERRATUM_WORDINGS,
-        load_results,
-        run_suite,
-        spread,
-        strategy_table,
-        take_shard,
-        write_outputs,
-    )
+    from kvnotes.eval.edit_suite.cases import spread, take_shard
+    from kvnotes.eval.edit_suite.checkpoint import load_results
+    from kvnotes.eval.edit_suite.report import strategy_table, write_outputs
+    from kvnotes.eval.edit_suite.results import SuiteSettings
+    from kvnotes.eval.edit_suite.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
+    from kvnotes.eval.edit_suite.suite import run_suite
     from kvnotes.eval.tasks import load_suite
 
     chosen = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else list(
@@ -80,6 +76,7 @@ def edit_eval(
         chosen += [w for w in ERRATUM_WORDINGS if w not in chosen]
     folder = out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}"
     try:
+        settings = SuiteSettings(tuple(chosen), cot=cot, budget=budget, batch=batch)
         cases = load_suite([f.strip() for f in families.split(",")] if families else None)
         # round-robin across families either way, so a run stopped early covers every family
         cases = spread(cases, per_family or len(cases))
@@ -96,7 +93,7 @@ def edit_eval(
             sources.append(target)
         done = []
         for source in sources:
-            found = load_results(source, engine, chosen, cot=cot, budget=budget)
+            found = load_results(source, engine, settings)
             if source.resolve() == target.resolve():
                 # the checkpoints overwrite that file: never lose the cases measured there
                 planned = {c.case_id for c in cases}
@@ -116,8 +113,7 @@ def edit_eval(
                 if not console.is_terminal:
                     console.print(f"case {i}/{n}")
 
-            result = run_suite(engine, cases, chosen, cot=cot, budget=budget, progress=progress,
-                               batch=batch, done=done,
+            result = run_suite(engine, cases, settings, progress=progress, done=done,
                                checkpoint=lambda part: write_outputs(part, folder),
                                workers=workers, threads=threads,
                                loader=partial(load, model, device=device, dtype=dtype))
@@ -125,8 +121,8 @@ def edit_eval(
         fail(err)
     paths = write_outputs(result, folder)
     if as_json:
-        emit_json({k: v for k, v in result.items() if k != "cases"})
+        emit_json(result.to_dict(cases=False))
         return
-    typer.echo("\n".join(strategy_table(result["per_strategy"])))
-    typer.echo(f"{result['n_cases']} cases, {result['n_sensitive']} sensitive; "
+    typer.echo("\n".join(strategy_table(result.per_strategy)))
+    typer.echo(f"{result.n_cases} cases, {result.n_sensitive} sensitive; "
                f"wrote {paths['report']}, {paths['json']}, {paths['plot']}")

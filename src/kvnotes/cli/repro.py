@@ -35,6 +35,7 @@ def repro(
     """Composition, edit (with and without CoT), trace and agent per model; one report with a
     table per claim of the paper: its figure, ours, and a verdict."""
     from kvnotes.apps.repro import DEFAULT_MODELS, STAGES, run_repro
+    from kvnotes.apps.repro_report import write_report
 
     if threads:
         import torch
@@ -59,10 +60,10 @@ def repro(
                 if not bars.console.is_terminal:
                     typer.echo(f"{model} {stage}: {done}/{total}", err=True)
 
-            paths = run_repro(names, out, device=device, dtype=dtype, quick=quick,
-                              stages=chosen, load=load_engine, progress=progress,
-                              command=" ".join(["kvnotes", *sys.argv[1:]]),
-                              report_only=report_only)
+            run = run_repro(names, out, device=device, dtype=dtype, quick=quick,
+                            stages=chosen, load=load_engine, progress=progress,
+                            report_only=report_only)
+        paths = write_report(out, run, command=" ".join(["kvnotes", *sys.argv[1:]]))
     except KvnotesError as err:
         fail(err)
         return

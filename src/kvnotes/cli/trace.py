@@ -13,7 +13,7 @@ import typer
 from kvnotes.cli.app import app, fail
 from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
-from kvnotes.eval.trace_suite import CaseTrace, FamilySummary, summarize, trace_cases
+from kvnotes.eval.trace_suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 from kvnotes.ops.trace import TraceOptions
 
 
@@ -37,10 +37,7 @@ def trace_command(
     dtype: str = dtype_option(),
 ) -> None:
     """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
-    from kvnotes.eval.tasks import (
-        load_suite,
-        recall,  # noqa: F401  (registers capital_recall)
-    )
+    from kvnotes.eval.tasks import load_suite
 
     if threads:
         import torch
@@ -53,16 +50,8 @@ def trace_command(
         fail(err)
         return
     families = list(dict.fromkeys(c.family for c in suite))
-    picked, pool = [], {}
-    for fam in families:
-        mine = [c for c in suite if c.family == fam]
-        # patching needs old/new values of equal token length: pick among those, count the rest
-        equal = [c for c in mine
-                 if len(engine.encode(c.old_value)) == len(engine.encode(c.new_value))]
-        pool[fam] = (len(equal), len(mine))
-        k = min(cases, len(equal))
-        picked += [equal[i * len(equal) // k] for i in range(k)] if k else []
-    pool["all"] = (sum(p[0] for p in pool.values()), sum(p[1] for p in pool.values()))
+    picks = pick_cases(engine, suite, cases)
+    picked, pool = list(picks.cases), picks.pool
     options = TraceOptions(
         by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
         grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,

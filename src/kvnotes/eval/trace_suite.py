@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,11 @@ class Estimate:
         if self.n == 0:
             return "n/a"
         return f"{self.mean:.2f} [{self.lo:.2f}, {self.hi:.2f}]"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Estimate:
+        """Read back ``asdict`` as JSON holds it (non-finite values written as null)."""
+        return cls(*(_nan(d.get(k)) for k in ("mean", "lo", "hi")), int(d.get("n") or 0))
 
 
 def bootstrap_mean(values: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
@@ -94,6 +99,30 @@ def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[st
 
 def _sentence(answer: str) -> str:
     return answer[:1].upper() + answer[1:]
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """The cases a trace run takes, and each family's equal-length pool they came from."""
+
+    cases: tuple[EditCase, ...]
+    pool: dict[str, tuple[int, int]]  # family (and "all") -> (equal-length cases, all cases)
+
+
+def pick_cases(engine: Engine, cases: Sequence[EditCase], per_family: int) -> Picked:
+    """Up to ``per_family`` cases of each family, spread out, among those whose old and new
+    values have equal token lengths with this tokenizer (patching needs them)."""
+    picked: list[EditCase] = []
+    pool: dict[str, tuple[int, int]] = {}
+    for fam in dict.fromkeys(c.family for c in cases):
+        mine = [c for c in cases if c.family == fam]
+        equal = [c for c in mine
+                 if len(engine.encode(c.old_value)) == len(engine.encode(c.new_value))]
+        pool[fam] = (len(equal), len(mine))
+        k = min(per_family, len(equal))
+        picked += [equal[i * len(equal) // k] for i in range(k)] if k else []
+    pool["all"] = (sum(p[0] for p in pool.values()), sum(p[1] for p in pool.values()))
+    return Picked(tuple(picked), pool)
 
 
 def trace_cases(engine: Engine, cases: Sequence[EditCase], options: TraceOptions | None = None,
@@ -144,6 +173,93 @@ class FamilySummary:
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FamilySummary:
+        """Read back :meth:`to_dict` (null for a non-finite number)."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            if f.name in _ESTIMATES:
+                v = Estimate.from_dict(v or {})
+            elif f.name == "median_abs_denominator":
+                v = _nan(v)
+            values[f.name] = v
+        return cls(**values)
+
+
+_ESTIMATES = ("field", "notes", "noising_field", "noising_notes")
+
+
+def _nan(x: float | None) -> float:
+    return float("nan") if x is None else float(x)
+
+
+@dataclass(frozen=True, slots=True)
+class CaseOutcome:
+    """One traced (or skipped) case in brief: the effects without the per-layer detail."""
+
+    case_id: str
+    family: str
+    status: str  # "traced" | "skipped"
+    reason: str
+    denominator: float | None = None  # m_new - m_old (None: skipped)
+    sensitive: bool | None = None
+    field: float | None = None  # normalized effect of the field's KV
+    notes: float | None = None  # normalized effect of the notes
+
+    @classmethod
+    def of(cls, t: CaseTrace) -> CaseOutcome:
+        r = t.result
+        if r is None:
+            return cls(t.case_id, t.family, t.status, t.reason[:120])
+        return cls(t.case_id, t.family, t.status, t.reason[:120], denominator=r.denominator,
+                   sensitive=r.sensitive, field=r.field_effect, notes=r.notes_effect)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"case_id": self.case_id, "family": self.family, "status": self.status,
+             "reason": self.reason}
+        if self.sensitive is not None:
+            d.update(denominator=self.denominator, sensitive=self.sensitive, field=self.field,
+                     notes=self.notes)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CaseOutcome:
+        return cls(d["case_id"], d["family"], d["status"], d.get("reason", ""),
+                   denominator=d.get("denominator"), sensitive=d.get("sensitive"),
+                   field=d.get("field"), notes=d.get("notes"))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSuiteResult:
+    """A traced suite in brief: one :class:`FamilySummary` per family (then ``all``) and one
+    :class:`CaseOutcome` per case."""
+
+    model: str
+    families: tuple[FamilySummary, ...]
+    cases: tuple[CaseOutcome, ...]
+
+    @classmethod
+    def of(cls, model: str, traces: Sequence[CaseTrace],
+           rows: Sequence[FamilySummary]) -> TraceSuiteResult:
+        return cls(model, tuple(rows), tuple(CaseOutcome.of(t) for t in traces))
+
+    def overall(self) -> FamilySummary | None:
+        """The summary over every traced family (``all``, or the only family)."""
+        return next((r for r in self.families if r.family == "all"),
+                    self.families[-1] if self.families else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "families": [r.to_dict() for r in self.families],
+                "cases": [c.to_dict() for c in self.cases]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TraceSuiteResult:
+        return cls(d.get("model", ""), tuple(FamilySummary.from_dict(r) for r in d["families"]),
+                   tuple(CaseOutcome.from_dict(c) for c in d["cases"]))
 
 
 def summarize(traces: Sequence[CaseTrace], *, min_denominator: float = 1.0, n_boot: int = 2000,

@@ -2,8 +2,8 @@
 
 Field = ``country`` in a short travel record; the question asks for that country's capital. Unlike
 the policy families, no rule downstream turns the field into a decision: the model has to look
-the country up when it reads the question. DESIGN.md ("Measured here") found on Gemma-3-270M
-that here the field's own KV carries the answer, the opposite of the paper's policy finding;
+the country up when it reads the question. On Gemma-3-270M (docs/design.md, "Recall lives in
+the field") here the field's own KV carries the answer, the opposite of the paper's policy finding;
 this family lets :mod:`kvnotes.ops.trace` show that outcome.
 
 Countries are chosen so that each is one token (tokenized alone) in both bundled tokenizers,
