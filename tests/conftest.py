@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
 
-# per-architecture extras for a tiny random model (see RECIPES.md)
+# per-architecture extras a tiny random model of that architecture needs to build
 TINY_EXTRAS: dict[str, dict] = {
     "llama": {},
     "qwen2": {},

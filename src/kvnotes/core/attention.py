@@ -17,13 +17,16 @@ own ``sdpa`` unchanged. GPU models keep plain ``sdpa``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.utils.import_utils import is_torch_greater_or_equal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAME = "kvnotes_sdpa"
 
@@ -64,5 +67,5 @@ def use_grouped_sdpa(model: torch.nn.Module, device: torch.device) -> bool:
     if not is_torch_greater_or_equal("2.5"):
         return False
     _register()
-    model.set_attn_implementation(NAME)
+    cast("PreTrainedModel", model).set_attn_implementation(NAME)
     return True

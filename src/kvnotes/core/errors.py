@@ -67,7 +67,7 @@ class UnknownNameError(KvnotesError, ValueError):
     def __str__(self) -> str:  # a KeyError subclass would repr() the message
         return str(self.args[0]) if self.args else ""
 
-    def __reduce__(self):  # picklable although __init__ takes other arguments than args
+    def __reduce__(self) -> tuple[object, ...]:  # picklable although __init__ takes other arguments than args
         return (type(self), (self.kind, self.name, self.valid, self.hint))
 
 
@@ -77,7 +77,7 @@ class UnknownSkillError(UnknownNameError, KeyError):
     def __init__(self, name: object, valid: Iterable[object]) -> None:
         super().__init__("skill", name, valid)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.name, self.valid))
 
 

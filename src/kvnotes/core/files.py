@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from safetensors import SafetensorError
@@ -275,7 +275,7 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
     return meta if isinstance(meta, dict) else {}
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -290,7 +290,7 @@ def check_header(path: Path, header: dict[str, Any], tensors: Mapping[str, torch
         return NotebookFileError(f"{path}: malformed header: {problem}")
 
     try:
-        saved = ModelFingerprint.from_dict(header.get("fingerprint"))  # type: ignore[arg-type]
+        saved = ModelFingerprint.from_dict(header.get("fingerprint"))
     except (TypeError, ValueError) as err:
         raise bad(f"fingerprint: {err}") from err
     if not isinstance(header.get("scheme"), str):

@@ -5,8 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # config keys that change between saves of the same model and say nothing about its maths
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype",
@@ -16,6 +20,12 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torc
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+class Vocabulary(Protocol):
+    """What a fingerprint reads of a tokenizer (any transformers tokenizer has it)."""
+
+    def get_vocab(self) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +49,7 @@ class ModelFingerprint:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> ModelFingerprint:
+    def from_dict(cls, data: object) -> ModelFingerprint:
         """The fingerprint a header recorded; ``ValueError`` naming the field for a malformed one
         (headers come from files, so nothing is trusted)."""
         if not isinstance(data, dict):
@@ -48,22 +58,24 @@ class ModelFingerprint:
         if sorted(data) != sorted(names):
             raise ValueError(f"fingerprint fields {sorted(data)} are not {sorted(names)}")
         for name in names:
-            value, want = data[name], int if name == "num_layers" else str
-            if type(value) is not want or (want is int and value < 0):  # type: ignore[operator]
-                kind = "an int >= 0" if want is int else "a string"
-                raise ValueError(f"fingerprint field {name} must be {kind}, got {value!r}")
-        return cls(**data)  # type: ignore[arg-type]
+            value = data[name]
+            if name == "num_layers":
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"fingerprint field {name} must be an int >= 0, got {value!r}")
+            elif type(value) is not str:
+                raise ValueError(f"fingerprint field {name} must be a string, got {value!r}")
+        return cls(**cast("dict[str, Any]", data))  # every field checked just above
 
     def differences(self, other: ModelFingerprint) -> list[str]:
         """Names of the fields that differ (for error messages)."""
         return [k for k, v in self.to_dict().items() if other.to_dict()[k] != v]
 
     @classmethod
-    def of(cls, model: torch.nn.Module, tokenizer: object) -> ModelFingerprint:
-        config = model.config
+    def of(cls, model: torch.nn.Module, tokenizer: Vocabulary) -> ModelFingerprint:
+        config = cast("PretrainedConfig", model.config)
         cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
         config_sha = _sha(json.dumps(cfg, sort_keys=True, default=str).encode())[:16]
-        vocab = sorted(tokenizer.get_vocab().items())  # type: ignore[attr-defined]
+        vocab = sorted(tokenizer.get_vocab().items())
         special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
         tokenizer_sha = _sha(json.dumps([vocab, special]).encode())[:16]
         # A sample of the weights tells two checkpoints of one config apart (random seeds,

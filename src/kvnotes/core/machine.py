@@ -125,10 +125,15 @@ def cpu_use(before: dict[str, float | None], after: dict[str, float | None], cpu
     ``cpus`` x wall seconds available. None without ``/proc/stat``."""
     if before.get("busy_s") is None or after.get("busy_s") is None:
         return None
-    wall = max(after["wall_s"] - before["wall_s"], 1e-9)  # type: ignore[operator]
-    own = after["own_s"] - before["own_s"]  # type: ignore[operator]
-    other = max(0.0, after["busy_s"] - before["busy_s"] - own)  # type: ignore[operator]
-    steal = after["steal_s"] - before["steal_s"]  # type: ignore[operator]
+
+    def delta(key: str) -> float:
+        start, end = before.get(key), after.get(key)
+        return 0.0 if start is None or end is None else end - start
+
+    wall = max(delta("wall_s"), 1e-9)
+    own = delta("own_s")
+    other = max(0.0, delta("busy_s") - own)
+    steal = delta("steal_s")
     return {"wall_s": round(wall, 3), "own_cpu_s": round(own, 3), "other_cpu_s": round(other, 3),
             "steal_s": round(steal, 3), "other_share": round(other / (wall * cpus), 4),
             "steal_share": round(steal / (wall * cpus), 4)}

@@ -1,6 +1,6 @@
 """Comparisons at the decision position: logit cosine, KL, top-1 agreement.
 
-Definitions (DESIGN.md): cosine of the full next-token logit vectors; KL(reference ‖ method)
+Definitions (docs/design.md, Conventions): cosine of the full next-token logit vectors; KL(reference ‖ method)
 over the softmax distributions; top-1 agreement of the argmax tokens.
 """
 

@@ -132,7 +132,9 @@ def load_folder(folder: Path | str, *, dtype: torch.dtype | str = torch.float32,
             f"could not load {folder!r}: {err}. A hub id needs network access; offline, use a "
             f"bundled alias ({', '.join(BUNDLED)}), a local folder or a .gguf file"
         ) from err
-    return Engine(model.to(device), tokenizer, name=name or str(folder))
+    # transformers types its `to` wrapper as taking the model again; it is nn.Module.to
+    module: torch.nn.Module = model
+    return Engine(module.to(device), tokenizer, name=name or str(folder))
 
 
 def _file_digest(path: Path) -> str:

@@ -117,7 +117,10 @@ def token_ids(ids: object, name: str, vocab: int) -> list[int]:
             raise ArgumentTypeError(f"{name} must be an integer tensor of token ids, got {ids.dtype}")
         values = ids.reshape(-1).tolist()
     else:
-        values = list(ids)  # type: ignore[call-overload]
+        if not isinstance(ids, Iterable) or isinstance(ids, str | bytes):
+            raise ArgumentTypeError(f"{name} must be a list or tensor of token ids, got "
+                                    f"{type(ids).__name__}")
+        values = list(ids)
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral):
                 raise ArgumentTypeError(f"{name}[{i}] must be an integer token id, got {v!r} "
@@ -171,7 +174,7 @@ def not_bare_string(parts: object, name: str, example: str) -> None:
 
 
 # ---- documents ----------------------------------------------------------------------------
-def document_parts(parts: object, field_type: type) -> tuple[Any, ...]:
+def document_parts(parts: object, field_type: type[Any]) -> tuple[Any, ...]:
     """The parts of a Document as a tuple: str or ``field_type``, field names and values str."""
     not_bare_string(parts, "Document parts", "Document([text])")
     if parts is None or not isinstance(parts, Iterable):
@@ -273,7 +276,7 @@ def answer(engine: Any, value: object, name: str) -> None:
         text(value, name)
     elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
         vocab = vocab_size(engine)
-        if not 0 <= value < vocab:  # a negative id would silently read logits[-1]
+        if not 0 <= int(value) < vocab:  # a negative id would silently read logits[-1]
             raise InvalidArgumentError(f"{name}={value} is not a token id of this model (valid: "
                                        f"0 to {vocab - 1})")
     else:

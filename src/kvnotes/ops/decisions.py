@@ -174,12 +174,12 @@ def decide(engine: Engine, nb: Notebook, query: str, answers: Sequence[str], *,
     scores = {a: float(logits[i]) for a, i in zip(answers, ids, strict=True)}
     margin = margin_of(list(scores.values()))
     if not cot:
-        answer = max(answers, key=lambda a: scores[a])
-        return Decision(answer, scores, margin, logits, "", first_seconds, first_seconds)
+        best = max(answers, key=lambda a: scores[a])
+        return Decision(best, scores, margin, logits, "", first_seconds, first_seconds)
     first = logits
     text = engine.continue_greedy(step.notebook, logits, budget).text
-    answer = (parse or (lambda t: parse_answer(t, answers)))(text)
-    return Decision(answer, scores, margin, first, text, first_seconds,
+    parsed = (parse or (lambda t: parse_answer(t, answers)))(text)
+    return Decision(parsed, scores, margin, first, text, first_seconds,
                     time.perf_counter() - t0)
 
 

@@ -19,9 +19,13 @@ The int8 files are about a quarter of the fp32 ones. The fidelity cost for compo
 measured in ``benchmarks/quant_fidelity.py``.
 
 Example:
-    >>> qnb = quantize(engine.compile("Refund policy: ..."), axis="token")  # doctest: +SKIP
-    >>> qnb.save("skill.q8.safetensors")                                   # doctest: +SKIP
-    >>> skill = QuantizedNotebook.load("skill.q8.safetensors", engine)  # doctest: +SKIP
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "skill.q8.safetensors")
+    >>> qnb = quantize(engine.compile("Refund policy: ..."), axis="token")
+    >>> _ = qnb.save(path)
+    >>> skill = QuantizedNotebook.load(path, engine)
+    >>> len(skill) == len(qnb), skill.axis
+    (True, 'token')
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvnotes.core import validate
 from kvnotes.core.engine import Engine
@@ -28,6 +29,9 @@ from kvnotes.core.errors import (
     UnsafePathError,
 )
 from kvnotes.core.notebook import Notebook, Span
+
+if TYPE_CHECKING:
+    from kvnotes.ops.quant import QuantizedNotebook
 
 
 def skill_key(fingerprint_id: str, scheme: str, anchor: str, token_ids: list[int],
@@ -45,8 +49,11 @@ class SkillLibrary:
     """Compiled skills on disk, keyed by content; ``get`` compiles on a miss.
 
     Example:
-        >>> lib = SkillLibrary("skills/", engine)                 # doctest: +SKIP
+        >>> import tempfile
+        >>> lib = SkillLibrary(tempfile.mkdtemp(), engine)
         >>> skill = lib.get("Refund policy: ...", name="refunds")  # compiled once, then loaded
+        >>> lib.get("Refund policy: ...", name="refunds").token_ids.tolist() == skill.token_ids.tolist()
+        True
     """
 
     def __init__(self, root: str | os.PathLike[str], engine: Engine, *, anchor: str = "auto",
@@ -126,10 +133,10 @@ class SkillLibrary:
             _discard(path, before)
             return None
 
-    def _publish(self, stored: object, path: Path) -> None:
+    def _publish(self, stored: Notebook | QuantizedNotebook, path: Path) -> None:
         """Store an entry atomically; a library that cannot be written costs reuse, not the call."""
         try:
-            stored.save(path)  # type: ignore[attr-defined]  # files.write: temp, fsync, rename
+            stored.save(path)  # files.write: temp, fsync, rename
         except OSError as err:
             warnings.warn(f"skill library {self.root} is not writable ({err.strerror or err}); "
                           "the skill was compiled but not stored", RuntimeWarning, stacklevel=3)

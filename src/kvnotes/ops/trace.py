@@ -24,7 +24,7 @@ layer x position grid. Tokens before the field are identical in both runs (causa
 and are never patched.
 
 A normalized effect is only meaningful when the field moves the decision: every result carries
-its denominator ``d`` and ``sensitive = |d| >= min_denominator`` (DESIGN.md: about one logit);
+its denominator ``d`` and ``sensitive = |d| >= min_denominator`` (docs/design.md: about one logit);
 :func:`summarize` keeps insensitive cases out of the aggregates and counts them.
 
 One generic patch loop (:func:`splice`, :func:`patched_metric`) with thin named analyses over
@@ -33,10 +33,11 @@ it, in the TransformerLens manner; the case-suite runner lives in :mod:`kvnotes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -104,17 +105,17 @@ class DirectionEffects:
     field: float
     notes: float
     full: float
-    field_by_layer: list[float] = field(default_factory=list)
-    notes_by_layer: list[float] = field(default_factory=list)
-    notes_by_position: list[float] = field(default_factory=list)
-    grid: list[list[float]] = field(default_factory=list)
+    field_by_layer: list[float] = dataclasses.field(default_factory=list)
+    notes_by_layer: list[float] = dataclasses.field(default_factory=list)
+    notes_by_position: list[float] = dataclasses.field(default_factory=list)
+    grid: list[list[float]] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class TraceResult:
     """Where one field-conditioned decision lives: field KV vs downstream notes.
 
-    ``field_effect`` and ``notes_effect`` are the denoising effects (the DESIGN.md contract):
+    ``field_effect`` and ``notes_effect`` are the denoising effects (docs/design.md, Metrics):
     new field KV in the old notebook (an in-place overwrite), and new notes with the old field.
     Every effect shares the denominator ``m_new - m_old`` reported here.
     """
@@ -136,7 +137,7 @@ class TraceResult:
     noising: DirectionEffects | None
     top_old: str  # the old run's top-1 next token at the decision position
     top_new: str
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def denominator(self) -> float:
@@ -280,10 +281,11 @@ def trace(engine: Engine, doc: Document, *, field: str, new_value: str,
             token (:mod:`kvnotes.core.errors`); KvnotesError: an empty query.
 
     Example:
-        >>> doc = kvnotes.Document(["Status: ", kvnotes.Field("status", "pending"), ".\\n"])  # doctest: +SKIP
-        >>> r = kvnotes.trace(engine, doc, field="status", new_value="shipped",  # doctest: +SKIP
+        >>> doc = kvnotes.Document(["Status: ", kvnotes.Field("status", "pending"), ".\\n"])
+        >>> r = kvnotes.trace(engine, doc, field="status", new_value="closed",  # one token each
         ...                   query="Refundable? Answer:", answers=("no", "yes"))
-        >>> r.field_effect, r.notes_effect, r.denominator                    # doctest: +SKIP
+        >>> r.denominator == r.m_new - r.m_old, r.sensitive == (abs(r.denominator) >= 1.0)
+        (True, True)
     """
     validate.trace_args(engine, doc, field, new_value, query, answers, (options or TraceOptions()).batch_size)
     opts = options or TraceOptions()

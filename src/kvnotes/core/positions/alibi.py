@@ -13,14 +13,14 @@ from typing import ClassVar
 
 import torch
 
-from kvnotes.core.positions.base import PositionAdapter, register_adapter
+from kvnotes.core.positions.base import PositionAdapter, register_adapter, text_config
 from kvnotes.core.positions.rope import find_rotary_module
 
 
 def _uses_alibi(model: torch.nn.Module) -> bool:
     if find_rotary_module(model) is not None:
         return False
-    config = model.config.get_text_config(decoder=True)
+    config = text_config(model)
     attn_config = getattr(config, "attn_config", None)
     if getattr(config, "alibi", False) or getattr(attn_config, "alibi", False):
         return True

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
 from kvnotes.core.errors import PositionError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def text_config(model: torch.nn.Module) -> PretrainedConfig:
+    """The decoder's config of a transformers model (the text part of a multimodal one)."""
+    # nn.Module types its attributes as Tensor | Module; a transformers model's is its config
+    return cast("PretrainedConfig", model.config).get_text_config(decoder=True)
 
 
 class PositionAdapter:
@@ -27,7 +36,7 @@ class PositionAdapter:
     approximate: bool = False
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.config = model.config.get_text_config(decoder=True)
+        self.config = text_config(model)
         self.num_layers: int = self.config.num_hidden_layers
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
         self.approximate_reason: str | None = None

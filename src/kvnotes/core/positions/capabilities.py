@@ -4,14 +4,17 @@
 against a prefill at the target position.
 
 Example:
-    >>> from kvnotes.core.positions.capabilities import capabilities       # doctest: +SKIP
-    >>> [(op.name, op.status) for op in capabilities(engine.adapter)]  # doctest: +SKIP
-    [('prefill', 'exact'), ('shift', 'exact'), ...]
+    >>> from kvnotes.core.positions.capabilities import capabilities
+    >>> [(op.name, op.status) for op in capabilities(engine.adapter)][:2]  # a RoPE model
+    [('prefill / extend / decode', 'exact'), ('shift (move notes by d positions)', 'exact')]
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
 
 from kvnotes.core.positions.base import PositionAdapter
 
@@ -103,17 +106,26 @@ class ShiftCheck:
         return asdict(self)
 
 
-def check_shift(engine: object, token_ids: list[int], delta: int = 37) -> ShiftCheck:
-    """Measure ``prefill(ids, 0).shifted(delta)`` against ``prefill(ids, delta)`` on ``engine``."""
-    import torch
+class ShiftEngine(Protocol):
+    """What :func:`check_shift` uses of an engine (positions sit below the engine, so they name
+    it by what it does)."""
 
+    adapter: PositionAdapter
+
+    def prefill(self, x: list[int], start: int = 0) -> Any: ...
+
+    def next_logits(self, nb: Any, query: list[int]) -> torch.Tensor: ...
+
+
+def check_shift(engine: ShiftEngine, token_ids: list[int], delta: int = 37) -> ShiftCheck:
+    """Measure ``prefill(ids, 0).shifted(delta)`` against ``prefill(ids, delta)`` on ``engine``."""
     from kvnotes.core.errors import KvnotesError
 
-    adapter: PositionAdapter = engine.adapter  # type: ignore[attr-defined]
+    adapter = engine.adapter
     status, _ = shift_status(adapter)
     ids, probe = token_ids[:-1], token_ids[-1:]
-    at_zero = engine.prefill(ids, 0)  # type: ignore[attr-defined]
-    at_delta = engine.prefill(ids, delta)  # type: ignore[attr-defined]
+    at_zero = engine.prefill(ids, 0)
+    at_delta = engine.prefill(ids, delta)
     try:
         moved = at_zero.shifted(delta, allow_approximate=True)
     except KvnotesError as err:
@@ -122,6 +134,6 @@ def check_shift(engine: object, token_ids: list[int], delta: int = 37) -> ShiftC
                  float((moved.values(i) - at_delta.values(i)).abs().max()))
              for i in range(len(moved.layers)))
     with torch.inference_mode():
-        logits = float((engine.next_logits(moved, probe)  # type: ignore[attr-defined]
-                        - engine.next_logits(at_delta, probe)).abs().max())  # type: ignore[attr-defined]
+        logits = float((engine.next_logits(moved, probe)
+                        - engine.next_logits(at_delta, probe)).abs().max())
     return ShiftCheck(delta, status, kv, logits)

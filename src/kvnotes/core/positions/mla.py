@@ -18,13 +18,13 @@ from typing import ClassVar
 
 import torch
 
-from kvnotes.core.positions.base import register_adapter
+from kvnotes.core.positions.base import register_adapter, text_config
 from kvnotes.core.positions.interleaved import rotary_layout, rotate_pairs
 from kvnotes.core.positions.rope import RopeAdapter, find_rotary_module, rotate_keys
 
 
 def _is_mla(model: torch.nn.Module) -> bool:
-    config = model.config.get_text_config(decoder=True)
+    config = text_config(model)
     return (getattr(config, "kv_lora_rank", None) is not None
             and getattr(config, "qk_rope_head_dim", None) is not None
             and find_rotary_module(model) is not None)

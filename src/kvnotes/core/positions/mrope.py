@@ -15,7 +15,7 @@ shift-invariant, so no notebook operation needs the three axes themselves.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,8 +37,8 @@ class MropeAdapter(RopeAdapter):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        rotary = find_rotary_module(model)
-        self.mrope_section: list[int] = list(rotary.mrope_section)  # type: ignore[union-attr]
+        rotary: Any = find_rotary_module(model)  # transformers' M-RoPE module
+        self.mrope_section: list[int] = list(rotary.mrope_section)
 
     def describe(self) -> dict[str, object]:
         info = super().describe()
@@ -54,14 +54,15 @@ def mrope_axes(model: torch.nn.Module, input_ids: torch.Tensor, *,
     ``input_ids`` is LongTensor[n]; image tokens are those equal to ``config.image_token_id``
     unless ``mm_token_type_ids`` (0 text, 1 image, 2 video) says otherwise.
     """
-    inner = getattr(model, "model", model)
+    inner: Any = getattr(model, "model", model)  # the VL model that has get_rope_index
     if not hasattr(inner, "get_rope_index"):
         raise UnsupportedModelError(f"{type(model).__name__} has no multimodal rope index")
     ids = input_ids.reshape(1, -1)
     if image_grid_thw is None:
         return torch.arange(start, start + ids.shape[1], device=ids.device).expand(3, -1).clone()
     if mm_token_type_ids is None:
-        mm_token_type_ids = (ids == model.config.image_token_id).int()
+        config: Any = model.config  # a transformers VL config (image_token_id)
+        mm_token_type_ids = torch.eq(ids, config.image_token_id).int()
     axes, _ = inner.get_rope_index(ids, mm_token_type_ids=mm_token_type_ids.reshape(1, -1),
                                    image_grid_thw=image_grid_thw)
     return axes[:, 0, :].long() + start  # [3, n]

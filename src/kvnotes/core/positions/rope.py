@@ -11,7 +11,7 @@ short/long switch) are exact only inside one regime; the adapter is then flagged
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -96,7 +96,8 @@ class RopeAdapter(PositionAdapter):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        rotary = find_rotary_module(model)
+        # a transformers rotary module: its buffers and rope_type differ per model class
+        rotary: Any = find_rotary_module(model)
         assert rotary is not None
         layer_types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers
         per_type = hasattr(rotary, "layer_types") and not hasattr(rotary, "inv_freq")
