@@ -1,0 +1,139 @@
+"""``kvnotes bench``: benchmarks on public data; ``bench tools`` is tool-choice fidelity on BFCL."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from kvnotes.cli.app import app, emit_json, folder_option
+from kvnotes.cli.options import device_option, dtype_option, load_engine
+
+bench_app = typer.Typer(help="Benchmarks on public data (BFCL v4 tool choice).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("tools")
+def tools(
+    model: str = typer.Option(..., "--model", help="model alias, HF folder or .gguf file"),
+    set_name: str = typer.Option("live_multiple", "--set",
+                                 help="development set: live_multiple or multi_turn"),
+    cases: int = typer.Option(40, "--cases", help="cases spread over the set (0: all)"),
+    strategies: str = typer.Option(
+        None, "--strategies", help="comma-separated: exact, splice, first:F, kvdev:F, anchor, "
+                                   "anchor+first:F, guard:BASE[@TAU] (default: "
+                                   "kvnotes.eval.tools.DEFAULT_STRATEGIES)"),
+    greedy: int = typer.Option(0, "--greedy", help="also compare N greedy tokens after the "
+                                                   "call opening (16 in the issue; costs a "
+                                                   "decode per strategy and case)"),
+    max_context: int = typer.Option(None, "--max-context",
+                                    help="skip (and count) cases longer than this many tokens "
+                                         "(default: the model's maximum positions)"),
+    guard_target: float = typer.Option(1.0, "--guard-target",
+                                       help="calibrated guards match exact on this share of "
+                                            "the calibration half"),
+    out: Path = typer.Option(None, "--out", help="folder for results.json, report.md, "
+                                                 "identity.png (default: out/bench-tools-"
+                                                 "<model>-<set>)"),
+    data: Path = typer.Option(None, "--data", help="a folder in BFCL's data layout (default: "
+                                                   "the installed bfcl-eval package's data)"),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
+    threads: int | None = typer.Option(None, "--threads", help="torch CPU threads (default: "
+                                       "physical cores; 1 is faster on a crowded machine)"),
+    as_json: bool = typer.Option(False, "--json", help="print the summaries as JSON"),
+) -> None:
+    """Tool choice after ``{"name": "`` with composed tool skills vs the exact prompt."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvnotes.core.machine import set_threads
+    from kvnotes.eval.tools import DEFAULT_STRATEGIES, BenchConfig, run_bench
+    from kvnotes.eval.tools.data import check_set
+    from kvnotes.eval.tools.report import render, write_outputs
+    from kvnotes.eval.tools.strategies import parse_strategies
+
+    chosen = tuple(s.strip() for s in strategies.split(",")) if strategies else DEFAULT_STRATEGIES
+    check_set(set_name)  # a held-out or unknown set fails before the model loads
+    parse_strategies(list(chosen))
+    folder = folder_option(out or Path(f"out/bench-tools-{Path(model).name}-{set_name}"),
+                           "--out")
+    set_threads(threads)
+    command = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    config = BenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
+                         max_context=max_context, guard_target=guard_target, data_root=data,
+                         settings={"date": datetime.datetime.now(datetime.UTC).strftime(
+                             "%Y-%m-%d %H:%M UTC"), "command": command, "device": device,
+                             "dtype": dtype})
+    engine = load_engine(model, device, dtype)
+    console = Console(stderr=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / "cases.jsonl"  # a stopped run keeps what it measured
+    partial.write_text("", encoding="utf-8")
+    from kvnotes.core.machine import machine_info
+
+    (folder / "run.json").write_text(json.dumps(
+        {"model": model, "set": set_name, "strategies": list(chosen),
+         "settings": {**config.settings, "cases_asked": cases, "greedy_tokens": greedy,
+                      "guard_target": guard_target,
+                      "context_limit": max_context or engine.adapter.max_positions},
+         "machine_at_start": machine_info()}, indent=1, default=str) + "\n", encoding="utf-8")
+
+    def keep(case) -> None:  # noqa: ANN001
+        with partial.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(case.to_dict(), default=str) + "\n")
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bars:
+        task = bars.add_task(f"{set_name} cases", total=None)
+
+        def progress(done: int, total: int, case_id: str) -> None:
+            bars.update(task, completed=done, total=total,
+                        description=f"{set_name} {case_id}".strip())
+
+        result = run_bench(engine, config, model=model, progress=progress, on_case=keep)
+    paths = write_outputs(result, folder, command)
+    if as_json:
+        emit_json([s.to_dict() for s in result.summaries])
+    else:
+        console.print(render(result, command).split("## Flipped")[0])
+        console.print(f"wrote {paths['report']}, {paths['json']}, {paths['plot']}")
+
+
+@bench_app.command("tools-report")
+def tools_report(
+    folder: Path = typer.Argument(..., help="a `bench tools` output folder (run.json and "
+                                            "cases.jsonl), e.g. of a stopped run"),
+) -> None:
+    """Rebuild report.md, results.json and identity.png from the cases a run measured."""
+    from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes.eval.tools.report import write_outputs
+    from kvnotes.eval.tools.results import CaseResult
+    from kvnotes.eval.tools.runner import assemble, calibrate_tau
+    from kvnotes.eval.tools.strategies import parse_strategies
+
+    run_file, cases_file = folder / "run.json", folder / "cases.jsonl"
+    if not run_file.is_file() or not cases_file.is_file():
+        raise InvalidArgumentError(f"{folder} has no run.json and cases.jsonl; give the --out "
+                                   "folder of a `kvnotes bench tools` run")
+    run = json.loads(run_file.read_text(encoding="utf-8"))
+    results = [CaseResult.from_dict(json.loads(line))
+               for line in cases_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    strategies = parse_strategies(run["strategies"])
+    calibrated = [r for r in results if r.half == "calibrate"]
+    target = float(run["settings"].get("guard_target", 1.0))
+    taus = {s.name: calibrate_tau(calibrated, s.base, target)
+            for s in strategies if s.kind == "guard" and s.tau is None}
+    measured = sum(r.half == "evaluate" for r in results)
+    settings = {**run["settings"], "rebuilt_from_cases": len(results),
+                "evaluation_cases": measured}
+    result = assemble(results, strategies, model=run["model"], set_name=run["set"], taus=taus,
+                      machine=run["machine_at_start"], settings=settings)
+    paths = write_outputs(result, folder, str(run["settings"].get("command", "")))
+    typer.echo(f"rebuilt from {len(results)} cases: {paths['report']}")

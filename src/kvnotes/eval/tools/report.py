@@ -1,0 +1,118 @@
+"""The tool benchmark's report: a markdown table per run and the identity-vs-compute chart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvnotes.core.machine import load_note
+from kvnotes.eval.reports import write_bundle
+from kvnotes.eval.tools.results import BenchResult, StrategySummary
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{n}/{d} ({100 * n / d:.0f}%)" if d else "-"
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def summary_table(summaries: tuple[StrategySummary, ...]) -> list[str]:
+    lines = ["| strategy | cases | choice identical to exact | right tool: exact / this | "
+             "first token agrees | KL median | largest exact margin flipped | greedy identical | "
+             "compute fraction | recompute of spliced | TTFT ratio (median) | guard fires (tau) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in summaries:
+        guard = f"{s.guard_fires} ({_num(s.guard_tau, 2)})" if s.strategy.startswith("guard") \
+            else "-"
+        greedy = _pct(s.greedy_identical, s.greedy_cases) if s.greedy_cases else "-"
+        lines.append(
+            f"| {s.strategy} | {s.cases} | {_pct(s.identical, s.cases)} | "
+            f"{s.exact_correct}/{s.cases} / {s.correct}/{s.cases} | "
+            f"{_pct(s.first_token_agree, s.cases)} | {_num(s.kl_median, 4)} | "
+            f"{_num(s.flip_margin_max, 2)} | {greedy} | {_num(s.compute_fraction)} | "
+            f"{_num(s.recompute_share)} | {_num(s.ttft_ratio_median, 2)}x | {guard} |")
+    return lines
+
+
+def render(result: BenchResult, command: str = "") -> str:
+    settings = result.settings
+    tokens = [c.tokens for c in result.cases]
+    lines = [f"# Tool-choice fidelity: {result.model} on BFCL v4 `{result.set}`", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [
+        f"Date: {settings.get('date', '-')}. {load_note(result.machine)}. The machine was "
+        "shared with other jobs: accuracy and identity are exact figures, timings are not.",
+        "",
+        f"Decision: {result.decision}. Cases: {len(result.cases)} run"
+        + (f" ({min(tokens)}-{max(tokens)} tokens each)" if tokens else "")
+        + f", {len(result.skipped)} skipped (do not fit the context limit of "
+        f"{settings.get('context_limit')}).",
+        "",
+        "Guards without a fixed threshold are calibrated on the calibration half of the cases "
+        "and reported on the evaluation half only (their row's case count); every other row "
+        "covers all cases. Compute fraction: tokens run through the model (text parts, the "
+        "call opening, repaired tokens, the KV-deviation pass, a fired guard's recompute) over "
+        "all tokens of the prompt; recompute of spliced: the work on spliced tokens as a share "
+        "of them. TTFT ratio: the exact prompt's time to the decision's logits over this "
+        "strategy's (compiled skills are ready; compiling is not counted).",
+        "",
+        *summary_table(result.summaries),
+        "",
+    ]
+    if result.taus:
+        lines += ["Calibrated thresholds: " + ", ".join(f"`{k}` tau={v:.3f}"
+                                                      for k, v in result.taus.items()), ""]
+    flips = [(c.id, o) for c in result.cases for o in c.outcomes if not o.identical]
+    if flips:
+        lines += ["## Flipped decisions", "",
+                  "| case | strategy | exact chose | this chose | this margin | right |",
+                  "|---|---|---|---|---:|---|"]
+        lines += [f"| {cid} | {o.strategy} | `{o.exact_choice}` | `{o.choice}` | "
+                  f"{_num(o.margin, 2)} | {'yes' if o.correct else 'no'} |"
+                  for cid, o in flips[:60]]
+        lines.append("")
+    if result.skipped:
+        lines += ["## Skipped", ""] + [f"- {s.id}: {s.reason}" for s in result.skipped[:20]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: BenchResult, path: Path) -> None:
+    """Decision identity with the exact prompt against compute fraction, one point per
+    strategy, and each guard's curve over its threshold."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, s in enumerate(result.summaries):
+        if not s.cases:
+            continue
+        ax.scatter(s.compute_fraction, 100 * s.identical / s.cases, zorder=3)
+        # staggered labels: strategies often share an identity level
+        ax.annotate(f"{s.strategy} (n={s.cases})", (s.compute_fraction,
+                                                    100 * s.identical / s.cases),
+                    fontsize=7, xytext=(4, 3 + 9 * (i % 3)), textcoords="offset points")
+    for base in dict.fromkeys(p.base for p in result.guard_curve):
+        pts = [p for p in result.guard_curve if p.base == base and p.cases]
+        ax.plot([p.compute_fraction for p in pts], [100 * p.identical / p.cases for p in pts],
+                lw=1, alpha=0.6, label=f"guard on {base} (tau swept, all cases)")
+    ax.set_xlabel("compute fraction (tokens run through the model / prompt tokens)")
+    ax.set_ylabel("tool choice identical to exact (%)")
+    ax.set_title(f"{result.model}, BFCL v4 {result.set}: identity vs compute", fontsize=9)
+    ax.grid(alpha=0.3)
+    if result.guard_curve:
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: BenchResult, out: str | Path, command: str = "") -> dict[str, Path]:
+    return write_bundle(out, result.to_dict(), report=render(result, command),
+                        json_name="results.json", plot_name="identity.png",
+                        plot=lambda p: plot(result, p))

@@ -1,0 +1,206 @@
+"""What the tool benchmark measures, as typed results (``to_dict()`` only at the JSON edge)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One strategy on one case, against the exact prompt and against BFCL's answer.
+
+    Token counts cover the prompt and the call opening fed after it (``tokens_total``):
+    ``reused`` were spliced and kept, ``computed`` prefilled (text parts, the opening, the
+    exact prompt), ``repaired`` spliced then recomputed; ``select_tokens`` (the KV-deviation
+    pass) and ``guard_tokens`` (a fired guard's recompute) are extra work in token-equivalents.
+    """
+
+    strategy: str
+    choice: str
+    exact_choice: str
+    correct: bool
+    margin: float  # the decision's margin (min gap over the steps that had a choice)
+    first_token_agree: bool  # argmax of the next-token logits equals the exact prompt's
+    kl: float  # KL(exact || this) at the decision position, nats
+    cosine: float
+    exact_top2_margin: float  # the exact prompt's gap between its two best tokens
+    tokens_total: int
+    reused: int
+    computed: int
+    repaired: int
+    select_tokens: float
+    guard_tokens: int
+    spliced: int  # tokens that came from compiled skills (reused + repaired)
+    ttft_s: float  # building the notes + feeding the opening (contended machine: see load)
+    greedy_text: str | None = None
+    greedy_identical: bool | None = None
+    guard_fired: bool | None = None
+    guard_tau: float | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.choice == self.exact_choice
+
+    @property
+    def compute_fraction(self) -> float:
+        work = self.computed + self.repaired + self.select_tokens + self.guard_tokens
+        return work / max(1, self.tokens_total)
+
+    @property
+    def recompute_share(self) -> float:
+        """Work spent on spliced tokens (repair, selection, guard) as a share of them."""
+        return (self.repaired + self.select_tokens + self.guard_tokens) / max(1, self.spliced)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        names = cls.__dataclass_fields__  # derived keys (identical, ...) are recomputed
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "identical": self.identical,
+                "compute_fraction": self.compute_fraction,
+                "recompute_share": self.recompute_share}
+
+
+@dataclass(frozen=True, slots=True)
+class CaseResult:
+    """One case: its size, which half it belongs to, and every strategy's outcome."""
+
+    id: str
+    half: str  # "calibrate" | "evaluate" (guards are calibrated on one, reported on the other)
+    candidates: int
+    skills: int
+    tokens: int
+    exact_prefix: int  # leading tokens whose notes are exact in every strategy (BOS, header)
+    answers: tuple[str, ...]
+    outcomes: tuple[Outcome, ...]
+
+    def outcome(self, strategy: str) -> Outcome | None:
+        return next((o for o in self.outcomes if o.strategy == strategy), None)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaseResult:
+        return cls(data["id"], data["half"], int(data["candidates"]), int(data["skills"]),
+                   int(data["tokens"]), int(data["exact_prefix"]), tuple(data["answers"]),
+                   tuple(Outcome.from_dict(o) for o in data["outcomes"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "half": self.half, "candidates": self.candidates,
+                "skills": self.skills, "tokens": self.tokens,
+                "exact_prefix": self.exact_prefix, "answers": list(self.answers),
+                "outcomes": [o.to_dict() for o in self.outcomes]}
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    id: str
+    reason: str
+    tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class StrategySummary:
+    """One strategy over the cases it ran on."""
+
+    strategy: str
+    cases: int
+    identical: int
+    correct: int
+    exact_correct: int  # the exact prompt's accuracy on the same cases
+    first_token_agree: int
+    kl_median: float
+    kl_mean: float
+    flip_margin_max: float  # the largest exact-prompt decision margin among flipped cases
+    greedy_cases: int
+    greedy_identical: int
+    compute_fraction: float  # mean over cases
+    recompute_share: float  # mean share of spliced tokens recomputed (repair + select + guard)
+    ttft_ratio_median: float  # exact's TTFT / this one's, per case (contended: see load)
+    guard_fires: int
+    guard_tau: float | None
+
+    @classmethod
+    def of(cls, strategy: str, cases: Sequence[CaseResult]) -> StrategySummary:
+        pairs = [(c, c.outcome(strategy), c.outcome("exact")) for c in cases]
+        pairs = [(c, o, e) for c, o, e in pairs if o is not None and e is not None]
+        outs = [o for _, o, _ in pairs]
+        greedy = [o for o in outs if o.greedy_identical is not None]
+        flips = [e.margin for _, o, e in pairs if not o.identical]
+        taus = {o.guard_tau for o in outs if o.guard_tau is not None}
+        return cls(
+            strategy=strategy, cases=len(outs), identical=sum(o.identical for o in outs),
+            correct=sum(o.correct for o in outs),
+            exact_correct=sum(e.correct for _, _, e in pairs),
+            first_token_agree=sum(o.first_token_agree for o in outs),
+            kl_median=_median([o.kl for o in outs]), kl_mean=_mean([o.kl for o in outs]),
+            flip_margin_max=max((m for m in flips if not math.isnan(m)), default=math.nan),
+            greedy_cases=len(greedy), greedy_identical=sum(bool(o.greedy_identical)
+                                                           for o in greedy),
+            compute_fraction=_mean([o.compute_fraction for o in outs]),
+            recompute_share=_mean([o.recompute_share for o in outs]),
+            ttft_ratio_median=_median([e.ttft_s / o.ttft_s for _, o, e in pairs if o.ttft_s]),
+            guard_fires=sum(bool(o.guard_fired) for o in outs),
+            guard_tau=taus.pop() if len(taus) == 1 else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class GuardPoint:
+    """The guard at one threshold, read offline from a base strategy's margins: a fired guard
+    decides on notes recomputed exactly (the exact prompt's decision, up to float error)."""
+
+    base: str
+    tau: float
+    cases: int
+    identical: int
+    fires: int
+    compute_fraction: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchResult:
+    """A whole run: settings, machine, every case, the skipped ones, per-strategy summaries."""
+
+    model: str
+    set: str
+    strategies: tuple[str, ...]
+    decision: str
+    cases: tuple[CaseResult, ...]
+    skipped: tuple[Skipped, ...]
+    summaries: tuple[StrategySummary, ...]
+    guard_curve: tuple[GuardPoint, ...]
+    taus: dict[str, float]
+    machine: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "set": self.set, "strategies": list(self.strategies),
+                "decision": self.decision, "settings": self.settings, "taus": self.taus,
+                "machine": self.machine,
+                "summaries": [s.to_dict() for s in self.summaries],
+                "guard_curve": [g.to_dict() for g in self.guard_curve],
+                "skipped": [s.to_dict() for s in self.skipped],
+                "cases": [c.to_dict() for c in self.cases]}
