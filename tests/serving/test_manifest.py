@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,18 +123,3 @@ def test_damaged_entry_is_a_notebook_file_error(engine, tmp_path):
 
 
 # ---- what the connector's side imports -----------------------------------------------------------
-def test_manifest_and_piece_store_import_no_engine():
-    """Their own closure (the package root, made lazy elsewhere, is stubbed out here)."""
-    code = (
-        "import sys, types, importlib\n"
-        f"pkg = types.ModuleType('kvnotes'); pkg.__path__ = [{str(SRC / 'kvnotes')!r}]\n"
-        "sys.modules['kvnotes'] = pkg\n"
-        "importlib.import_module('kvnotes.serving.manifest')\n"
-        "importlib.import_module('kvnotes.serving.piece_store')\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] == 'transformers'\n"
-        "       or m == 'kvnotes.core.engine' or m.startswith('kvnotes.ops')\n"
-        "       or m == 'kvnotes.serving.skills']\n"
-        "print(sorted(bad))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "[]", out.stdout

@@ -11,14 +11,6 @@ from kvnotes.cli.app import app, folder_option, read_text_file
 from kvnotes.core.errors import ServingError
 
 
-def _max_pos(folder: Path) -> int:
-    """The model's position limit (read by cli/serve_bench.py until it uses export_model)."""
-    import json
-
-    cfg = json.loads((folder / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or 1 << 30)
-
-
 # ---- composition inside vLLM ---------------------------------------------------------------------
 def _skill_files(paths: list[Path] | None) -> list[tuple[str, str]]:
     return [(p.stem, read_text_file(p, "--skill")) for p in (paths or [])]

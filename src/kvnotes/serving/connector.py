@@ -57,7 +57,7 @@ from kvnotes.serving.connector_checks import (
     check_served,
 )
 from kvnotes.serving.kv_writer import KvWriter, WorkerShare, rank_heads
-from kvnotes.serving.manifest import SPLICE_SALT, ServingManifest, salt_tenant
+from kvnotes.serving.manifest import ServingManifest, is_splice_salt, salt_tenant
 from kvnotes.serving.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
 from kvnotes.serving.plans import LoadSpec, SplicePlanner
 
@@ -80,10 +80,7 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
 def splice_tenant(salt: str | None) -> tuple[bool, str | None]:
     """``(spliced, tenant)`` for a request's salt: only ``kvnotes-splice`` and
     ``kvnotes-splice:<tenant>`` are spliced."""
-    if salt == SPLICE_SALT:
-        return True, None
-    tenant = salt_tenant(salt)
-    return tenant is not None, tenant
+    return is_splice_salt(salt), salt_tenant(salt)
 
 
 def tensor_parallel() -> tuple[int, int]:
