@@ -273,3 +273,13 @@ def test_real_smollm2_cases(smollm2) -> None:
         for o in case.outcomes:
             assert o.reused + o.computed + o.repaired == o.tokens_total
             assert o.choice in candidates[case.id]
+
+
+@pytest.mark.parametrize("field, value", [("cases", -1), ("greedy_tokens", -2), ("max_context", 0),
+                                          ("guard_target", 0.0), ("cases", True)])
+def test_bench_config_refuses_bad_settings(field, value):
+    from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes.eval.tools import BenchConfig
+
+    with pytest.raises(InvalidArgumentError, match=field):
+        BenchConfig(**{field: value})

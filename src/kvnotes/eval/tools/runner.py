@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import machine_info
 from kvnotes.core.metrics import compare_logits
 from kvnotes.core.notebook import Notebook
@@ -58,6 +59,21 @@ class BenchConfig:
     guard_target: float = 1.0  # calibrated guards match exact on this share of the half
     data_root: Path | None = None  # default: the installed bfcl-eval package
     settings: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # checked when the config is made, so a bad option fails before any model loads
+        for name, value in (("cases", self.cases), ("greedy_tokens", self.greedy_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgumentError(f"{name} must be a whole number >= 0 (0: "
+                                           f"{'all cases' if name == 'cases' else 'off'}), "
+                                           f"got {value!r}")
+        if self.max_context is not None and (isinstance(self.max_context, bool)
+                                             or not isinstance(self.max_context, int)
+                                             or self.max_context < 1):
+            raise InvalidArgumentError(f"max_context must be a positive number of tokens, got "
+                                       f"{self.max_context!r}")
+        if not 0 < self.guard_target <= 1:
+            raise InvalidArgumentError(f"guard_target must be in (0, 1], got {self.guard_target!r}")
 
 
 @dataclass(slots=True)
