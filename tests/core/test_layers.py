@@ -30,6 +30,7 @@ CORE_RANKS = {
     "kvnotes.core.validate": 1,
     "kvnotes.core.metrics": 1,
     "kvnotes.core.work": 1,
+    "kvnotes.core.repair": 1,
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
