@@ -35,6 +35,7 @@ from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import selectors_for
 from kvnotes.core.machine import machine_info, set_threads
 from kvnotes.core.metrics import LogitComparison, compare_logits
+from kvnotes.core.repair import Repair
 
 BUDGETS = (0, 0.025, 0.05, 0.10)
 SELECTORS = selectors_for("compose")
@@ -135,7 +136,7 @@ def run_model(name: str, progress: bool = True, fresh: int = len(FRESH)) -> Mode
     for case in cases:
         query = middle + case.context + "\n\n" + case.question + tail
         parts0 = [header, *(compiled["start"][s] for s in case.skills)]
-        ids = engine.compose(parts0).token_ids
+        ids = engine.compose(parts0, repair=0).token_ids
         reference = engine.next_logits(engine.prefill(ids), query)
         for anchor in ANCHORS:
             parts = [header, *(compiled[anchor][s] for s in case.skills)]
@@ -146,7 +147,8 @@ def run_model(name: str, progress: bool = True, fresh: int = len(FRESH)) -> Mode
                     if select == "kv_deviation" and (anchor not in DEVIATION["anchors"]
                                                      or budget not in DEVIATION["budgets"]):
                         continue
-                    nb = engine.compose(parts, repair=budget, select=select)
+                    nb = engine.compose(parts, repair=Repair(first=0, skip_exact=False, budget=budget,
+                                                          select=select))
                     assert nb.token_ids.tolist() == ids.tolist()
                     stats = nb.meta["compose"]
                     rows.append(RepairRow(

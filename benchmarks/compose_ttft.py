@@ -5,8 +5,9 @@ customer message and question) is the only new text. Both the header and the pol
 compiled skills; a request is answered by splicing them and feeding the request once.
 
 - recompute: one forward over every token (header + skill + request): what a cache miss costs
-- compose:   splice header and skill (re-rotate into the notebook), then one forward over the
-             request: the time to first token of a composed request
+- compose:   splice header and skill (re-rotate into the notebook; a bare splice,
+             ``repair=0``), then one forward over the request: the time to first token of a
+             composed request
 - alone:     the request's own forward on a near-empty notebook (the header only): what the
              request costs by itself
 - over_context: the request's forward on top of the already composed notebook: what it costs
@@ -121,18 +122,18 @@ def main() -> None:
     request = (middle + "Order N-55812: backpack delivered 41 days ago, unused. Card refund "
                "allowed? Answer yes or no." + tail)
     request_ids = engine.encode(request)
-    near_empty = engine.compose([header])
+    near_empty = engine.compose([header], repair=0)
     rows = []
     for n in tqdm(lengths, desc="skill lengths"):
         skill = engine.compile(skill_text(engine, n), name="policy")
         parts = [header, skill]
-        composed = engine.compose(parts)  # the token ids recompute uses
+        composed = engine.compose(parts, repair=0)  # the token ids recompute uses
         ids = composed.token_ids.tolist() + request_ids
         prefix = composed.slice(0, len(composed) - len(skill))
         rec, rec_raw = median_time(lambda ids=ids: engine.next_logits(engine.empty(0), ids),
                                    args.reps)
         comp, comp_raw = median_time(
-            lambda p=parts: engine.next_logits(engine.compose(p), request_ids), args.reps)
+            lambda p=parts: engine.next_logits(engine.compose(p, repair=0), request_ids), args.reps)
         alone, alone_raw = median_time(lambda: engine.next_logits(near_empty, request_ids),
                                        args.reps)
         over, over_raw = median_time(lambda c=composed: engine.next_logits(c, request_ids),

@@ -144,7 +144,7 @@ def run(model: str, max_new_tokens: int) -> QuantRun:
 
 def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: str,
           max_new_tokens: int) -> QuantCase:
-    base = engine.compose([ctx, skill])
+    base = engine.compose([ctx, skill], repair=0)  # the quantization error alone
     offset = int(base.positions[base.span(skill.spans[0].name).start])
     reference = engine.prefill(base.token_ids, start=base.start_position)
     ref_logits = engine.next_logits(reference, QUERY)
@@ -159,7 +159,7 @@ def _case(engine: kvnotes.Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: 
     fp32_logits = None
     for label, notes in variants.items():
         t0 = time.perf_counter()
-        nb = engine.compose([ctx, notes])
+        nb = engine.compose([ctx, notes], repair=0)
         logits = engine.next_logits(nb, QUERY)
         elapsed = time.perf_counter() - t0
         fp32_logits = logits if label == "fp32" else fp32_logits

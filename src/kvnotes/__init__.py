@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "Notebook": "kvnotes.core.notebook",
     "Span": "kvnotes.core.notebook",
     "LayerKV": "kvnotes.core.notebook",
+    "Repair": "kvnotes.core.repair",
+    "NO_REPAIR": "kvnotes.core.repair",
     "SkillLibrary": "kvnotes.ops.store",
     "FidelityReport": "kvnotes.eval.fidelity",
     "fidelity": "kvnotes.eval.fidelity",
@@ -42,8 +44,9 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
-    "Document", "Field", "Engine", "Generation", "Notebook", "Span", "LayerKV", "SkillLibrary",
-    "FidelityReport", "fidelity", "load", "edit", "EditReport", "trace", "TraceResult",
+    "Document", "Field", "Engine", "Generation", "Notebook", "Span", "LayerKV", "Repair",
+    "NO_REPAIR", "SkillLibrary", "FidelityReport", "fidelity", "load", "edit", "EditReport",
+    "trace", "TraceResult",
     "KvnotesError", "EmptyInputError", "NotebookFileError", "NotebookMismatchError",
     "PositionError", "UnknownFieldError", "UnknownModelError", "UnsupportedModelError",
 ]  # the same names as _EXPORTS (a literal, so linters and type checkers read it)
@@ -63,6 +66,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     )
     from kvnotes.core.models import load
     from kvnotes.core.notebook import LayerKV, Notebook, Span
+    from kvnotes.core.repair import NO_REPAIR, Repair
     from kvnotes.eval.fidelity import FidelityReport, fidelity
     from kvnotes.ops.edit import EditReport, edit
     from kvnotes.ops.store import SkillLibrary

@@ -12,6 +12,7 @@ import kvnotes
 from kvnotes import Document, Field
 from kvnotes.core.engine import REPAIR_SELECTORS, repair_selector, selectors_for
 from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
+from kvnotes.core.repair import NO_REPAIR, Repair
 
 POLICY = "Refunds are issued within five days. Final-sale items cannot be returned."
 
@@ -35,18 +36,18 @@ def test_compose_single_text_part_equals_prefill(tiny_llama):
         assert torch.allclose(composed.keys(l), plain.keys(l), atol=1e-6)
 
 
-def test_compose_with_skill_matches_recompute_on_tiny_model(tiny_llama):
+def test_bare_splice_with_skill_matches_recompute_on_tiny_model(tiny_llama):
     skill = tiny_llama.compile(POLICY, name="refunds")
     assert skill.positions[0] == 0 and skill.meta["anchor"] == "none"
-    nb = tiny_llama.compose(["Customer asks about a refund. ", skill, " Answer:"])
+    nb = tiny_llama.compose(["Customer asks about a refund. ", skill, " Answer:"], repair=0)
     stats = nb.meta["compose"]
     assert (stats["reused"], stats["computed"], stats["repaired"]) == (
         len(skill), len(nb) - len(skill), 0)
     assert nb.positions.tolist() == list(range(len(nb)))
     assert nb.span("refunds").end - nb.span("refunds").start == len(skill)
     report = kvnotes.fidelity(tiny_llama, ["Customer asks about a refund. ", skill, " Answer:"],
-                              " yes", max_new_tokens=4)
-    assert report.tokens_reused == len(skill)
+                              " yes", max_new_tokens=4, repair=0)
+    assert report.tokens_reused == len(skill) and report.tokens_repaired == 0
     # The spliced skill never saw the context: close to, but not exactly, recompute.
     assert report.logit_cosine > 0.9
 
@@ -167,6 +168,10 @@ def test_anchored_skill_right_after_its_header_composes_exactly(tiny):
     parts = [tiny.compile(HEADER), tiny.compile(POLICY, after=HEADER), " Answer:"]
     composed = tiny.compose(parts)
     _close(composed, tiny.prefill(composed.token_ids))
+    # both skills sit where they were compiled, behind the very prefix: spliced as they are
+    stats = composed.meta["compose"]
+    assert stats["exact"] == [0, 1] and stats["regions"] == [] and stats["repaired"] == 0
+    assert stats["reused"] == len(parts[0]) + len(parts[1])
 
 
 def test_anchor_ids_with_token_ids_refuse_an_anchor(tiny):
@@ -177,7 +182,7 @@ def test_anchor_ids_with_token_ids_refuse_an_anchor(tiny):
 @pytest.mark.parametrize("select", ["first", "kv_deviation"])
 def test_compose_repair_all_equals_full_prefill(tiny, select):
     parts = ["Customer asks. ", tiny.compile(POLICY), " Then: ", tiny.compile(SECOND), " Answer:"]
-    nb = tiny.compose(parts, repair=1.0, select=select)
+    nb = tiny.compose(parts, repair=Repair(first=0, budget=1.0, select=select))
     _close(nb, tiny.prefill(nb.token_ids))
     stats = nb.meta["compose"]
     assert stats["reused"] == 0 and stats["repaired"] == len(parts[1]) + len(parts[3])
@@ -186,12 +191,18 @@ def test_compose_repair_all_equals_full_prefill(tiny, select):
     assert torch.allclose(tiny.next_logits(nb, " yes"), ref, atol=1e-4)
 
 
-def test_compose_repair_zero_is_plain_compose(tiny):
-    parts = ["Customer asks. ", tiny.compile(POLICY), " Answer:"]
-    plain, zero = tiny.compose(parts), tiny.compose(parts, repair=0)
-    _close(plain, zero, atol=0)
-    assert zero.meta["compose"]["repaired"] == 0
-    assert zero.meta["compose"]["reused"] == len(parts[1])
+def test_compose_repair_zero_is_the_bare_splice_bit_for_bit(tiny):
+    skill = tiny.compile(POLICY)
+    parts = ["Customer asks. ", skill, " Answer:"]
+    # the bare splice by hand: text prefilled, the skill re-rotated and appended, text on top
+    bare = tiny.forward(tiny.empty(0), tiny.encode("Customer asks. ")).notebook.splice(skill)
+    bare = tiny.forward(bare, tiny.encode(" Answer:")).notebook
+    for repair in (0, 0.0, NO_REPAIR, Repair(first=0)):
+        zero = tiny.compose(parts, repair=repair)
+        _close(zero, bare, atol=0)
+        stats = zero.meta["compose"]
+        assert (stats["repaired"], stats["reused"], stats["regions"]) == (0, len(skill), [])
+        assert stats["repair"] == "f0a1"
 
 
 def test_compose_repair_budgets_int_and_float(tiny):
@@ -221,8 +232,9 @@ def test_split_budget_is_proportional_and_capped():
     (-1, InvalidArgumentError, r"repair=-1 is a negative token count"),
     (1.5, InvalidArgumentError, r"repair=1\.5 is not a fraction in \(0, 1\]"),
     (float("nan"), InvalidArgumentError, r"repair=nan is not a fraction"),
-    ("0.1", ArgumentTypeError, r"repair must be a fraction .* got '0.1' \(str\)"),
-    (True, ArgumentTypeError, r"repair must be a fraction .* got True \(bool\)"),
+    ("0.1", ArgumentTypeError, r"repair must be a Repair, a fraction .* got '0.1' \(str\)"),
+    (True, ArgumentTypeError, r"repair must be a Repair, a fraction .* got True \(bool\)"),
+    (Repair(budget=-2), InvalidArgumentError, r"repair=-2 is a negative token count"),
 ])
 def test_compose_bad_repair_budgets_raise(tiny_llama, bad, error, message):
     skill = tiny_llama.compile(POLICY)
@@ -232,11 +244,11 @@ def test_compose_bad_repair_budgets_raise(tiny_llama, bad, error, message):
 
 def test_compose_unknown_selector_lists_the_valid_ones(tiny_llama):
     with pytest.raises(UnknownNameError) as err:
-        tiny_llama.compose(["Q. "], repair=0.5, select="random")
+        tiny_llama.compose(["Q. "], repair=Repair(budget=0.5, select="random"))
     assert str(err.value) == ("unknown repair selector 'random'; valid repair selectors: first, "
                               "kv_deviation (attention applies to edit only)")
     with pytest.raises(UnknownNameError, match=r"'attention'; .*\(attention applies to edit only\)"):
-        tiny_llama.compose(["Q. "], repair=0.5, select="attention")
+        tiny_llama.compose(["Q. "], repair=Repair(select="attention"))
 
 
 def test_one_repair_selector_vocabulary():

@@ -101,9 +101,14 @@ def test_compose_end_to_end(arch, tokenizer):
         # a skill that already sits where it is spliced needs no move
         nb = engine.compose([skill, "\nAgent:"])
     else:
-        nb = engine.compose(parts)
+        nb = engine.compose(parts, repair=0)  # the bare splice: re-rotation alone
         assert nb.meta["compose"]["reused"] == len(skill)
         assert torch.equal(nb.positions, torch.arange(len(nb)))
+        # the default recomputes the skill's first tokens in context; all of them is a prefill
+        repaired = engine.compose(parts).meta["compose"]
+        assert repaired["repaired"] == min(32, len(skill)) and len(repaired["regions"]) == 1
+        full = engine.compose(parts, repair=1.0)
+        assert max_kv_error(full, engine.prefill(full.token_ids)) <= TOL
     logits = engine.next_logits(nb, " Yes")
     assert logits.shape == (len(tokenizer),) and torch.isfinite(logits).all()
 
@@ -196,6 +201,8 @@ def test_image_skill_spliced_at_another_offset_matches_prefill_there(arch, token
     skill = prefill_multimodal(engine, ids, start=0, kind="skill", name="photo", **image)
     context = "Customer: my parcel arrived.\n"
     nb = engine.compose([context, skill])
+    # its image tokens' notes need the pixels: the default repair splices it as it is
+    assert nb.meta["compose"]["regions"] == [] and nb.meta["compose"]["reused"] == len(skill)
     offset = len(nb) - len(skill)
     there = prefill_multimodal(engine, ids, start=int(nb.positions[offset]), **image)
     assert max_kv_error(nb.slice(offset), there) <= TOL

@@ -7,6 +7,7 @@ import torch
 
 import kvnotes
 from kvnotes.core.chat import chat_frame
+from kvnotes.core.repair import DEFAULT_FIRST
 
 pytestmark = pytest.mark.real
 
@@ -33,7 +34,9 @@ def test_composed_matches_recompute(real_engine, case):
     context, question = CONTEXTS[case]
     parts, tail = parts_for(real_engine, skill, context)
     report = kvnotes.fidelity(real_engine, parts, "\n" + question + tail, max_new_tokens=8)
-    assert report.tokens_reused == len(skill)
+    # compiled alone and placed after the header: its first tokens are recomputed in context
+    assert report.tokens_repaired == DEFAULT_FIRST
+    assert report.tokens_reused == len(skill) - DEFAULT_FIRST
     assert report.logit_cosine >= 0.99, report
     assert report.top1_agree, report
 
@@ -75,6 +78,28 @@ def test_anchored_skill_and_full_repair_match_recompute(real_engine):
     exact = kvnotes.fidelity(real_engine, [real_engine.compile(header), skill], query,
                              max_new_tokens=1)
     assert exact.kl < 1e-4 and exact.top1_agree, exact
+    assert exact.tokens_repaired == 0  # exactly placed: spliced as it is
     repaired = kvnotes.fidelity(real_engine, [header, "Read carefully.\n", skill], query,
                                 max_new_tokens=1, repair=1.0)
     assert repaired.tokens_repaired == len(skill) and repaired.kl < 1e-4, repaired
+
+
+SHIPPING = ("SHIPPING: Orders ship within two business days. Standard delivery takes three to five "
+            "days and is free above 50.00; express delivery takes one day and costs 9.90, "
+            "refunded when the parcel arrives late. Lost parcels are replaced once after a "
+            "carrier claim.")
+
+
+def test_default_repair_is_closer_to_the_exact_prompt_than_the_bare_splice(smollm2):
+    """A header and two policies compiled behind it: the first sits where it was compiled
+    (kept), the second's first tokens are recomputed in context by default."""
+    head, middle, tail = chat_frame(smollm2.tokenizer)
+    header = head + "You are a support agent. Policies:\n"
+    skills = [smollm2.compile(t, after=header) for t in (SHIPPING, SKILL)]
+    context, question = CONTEXTS[0]
+    parts = [smollm2.compile(header), *skills, middle + context]
+    query = "\n" + question + tail
+    repaired = kvnotes.fidelity(smollm2, parts, query, max_new_tokens=1)
+    bare = kvnotes.fidelity(smollm2, parts, query, max_new_tokens=1, repair=0)
+    assert repaired.tokens_repaired == DEFAULT_FIRST and bare.tokens_repaired == 0
+    assert repaired.top1_agree and repaired.kl < bare.kl, (repaired, bare)

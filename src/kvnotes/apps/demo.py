@@ -16,6 +16,7 @@ from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import load_note, machine_info
 from kvnotes.core.notebook import Notebook
+from kvnotes.core.repair import DEFAULT_REPAIR, Repair, as_repair
 from kvnotes.eval.fidelity import FidelityReport, fidelity
 from kvnotes.eval.reports import write_bundle
 
@@ -125,7 +126,7 @@ class ComposeDemoResult:
 
     model: str
     skills: dict[str, CompiledSkill]
-    repair: float | int
+    repair: str  # the compose repair's Repair.tag()
     cases: tuple[ComposeCase, ...]
     max_new_tokens: int
     timing: DemoTiming | None
@@ -139,20 +140,24 @@ class ComposeDemoResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ComposeDemoResult:
         """Read back :meth:`to_dict` (the demo's ``results.json`` or a repro stage)."""
+        repair = d.get("repair", 0)  # a number: a shared budget (as_repair), 0 the bare splice
         return cls(d["model"], {n: CompiledSkill.from_dict(s) for n, s in d["skills"].items()},
-                   d.get("repair", 0), tuple(ComposeCase.from_dict(c) for c in d["cases"]),
+                   repair if isinstance(repair, str) else as_repair(repair).tag(),
+                   tuple(ComposeCase.from_dict(c) for c in d["cases"]),
                    d["max_new_tokens"],
                    DemoTiming.from_dict(d["timing"]) if d.get("timing") else None)
 
 
 def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int = 3,
-                     repair: float | int = 0,
+                     repair: Repair | float | int = DEFAULT_REPAIR,
                      progress: Callable[[str], None] | None = None) -> ComposeDemoResult:
     """Compile every skill once, then compose each case and compare with full recompute.
 
     Policies are compiled behind the system header (``after=``), the text that precedes them
-    in every case; ``repair`` recomputes that share of the spliced tokens in context
-    (:meth:`Engine.compose`). ``progress`` is called with each case's name when it is done.
+    in every case: the first policy sits exactly where it was compiled and is spliced as it
+    is; ``repair`` (:meth:`Engine.compose`'s: by default the first 32 tokens of each other
+    policy recomputed in context; 0 the bare splice) says what else is recomputed.
+    ``progress`` is called with each case's name when it is done.
 
     Timings are medians of ``repeats`` runs after one warm-up run (a single cold run on a busy
     machine can be off by an order of magnitude); the result records the machine's load.
@@ -178,7 +183,7 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         # TTFT as medians of warm runs: recompute = one forward over every token id; compose =
         # splice the skills, then one forward over the request
         query_ids = engine.tokens_of(query, bos=False)[0]
-        all_ids = engine.compose(parts).token_ids.tolist() + query_ids
+        all_ids = engine.compose(parts, repair=0).token_ids.tolist() + query_ids  # ids only
         recompute = median_seconds(lambda i=all_ids: engine.next_logits(engine.empty(0), i),
                                    repeats)
         compose = median_seconds(
@@ -194,7 +199,7 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         skills={n: CompiledSkill(len(nb), compile_s[n], nb.meta.get("anchor"),
                                  nb.meta.get("after_tokens", 0))
                 for n, nb in compiled.items()},
-        repair=repair, cases=tuple(rows), max_new_tokens=max_new_tokens,
+        repair=as_repair(repair).tag(), cases=tuple(rows), max_new_tokens=max_new_tokens,
         timing=DemoTiming(repeats=repeats, warmup=1, statistic="median", machine_before=before,
                           machine_after=after, busy=before["busy"] or after["busy"]))
 
@@ -269,9 +274,11 @@ def report_markdown(result: ComposeDemoResult, extra_sections: Sequence[str] = (
         "",
         "The system header and the policies are skills, prefilled once (each policy behind the "
         "system header it follows in every prompt, whose notes are then dropped), then "
-        "re-rotated to their place in each prompt and spliced in; only the request (the "
-        "customer's context "
-        "and the question) is computed, in one forward. The reference is a full prefill of the "
+        "re-rotated to their place in each prompt and spliced in; a policy not right behind "
+        "the header it was compiled behind has its first tokens recomputed in context "
+        f"(compose repair `{result.repair}`: `f<tokens>a<alignment>`, `f0a1` is the bare "
+        "splice); then the request (the customer's context and the question) is computed, in "
+        "one forward. The reference is a full prefill of the "
         "very same token ids. Logit cosine and KL(recompute ‖ compose) are taken "
         "at the first answer token; 'continuation' compares "
         f"{result.max_new_tokens} greedy tokens.",

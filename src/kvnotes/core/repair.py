@@ -16,7 +16,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError
 
 # The first tokens of each spliced skill recomputed by default: on BFCL live_multiple (38 cases
 # per bundled model) this kept the tool choice identical to the exact prompt in 92% (SmolLM2)
@@ -36,8 +36,13 @@ class Repair:
     - ``skip_exact``: a skill placed at the very position it was compiled at, right after the
       very prefix it was compiled behind, holds exactly the notes a prefill writes there and is
       not repaired (a server that cannot see the compile prefix sets this False).
-    - ``budget``: a further budget shared by all spliced tokens, chosen by ``select``: a float
-      in (0, 1] is a fraction of them, an int a token count (0: none).
+    - ``budget``: a further budget of spliced tokens recomputed after those first tokens, chosen
+      by ``select`` (``"first"``: the tokens right after each skill's first ``first``;
+      ``"kv_deviation"``: those whose notes deviate most, CacheBlend's choice) among the tokens
+      not yet repaired (exact placements excluded) and shared among the skills in proportion to
+      them: a float in (0, 1] is a fraction of those tokens (rounded up), an int a token count
+      (0: none). Its range and selector are checked by :meth:`Engine.compose`, which owns the
+      selector vocabulary.
 
     Example:
         >>> Repair().first, Repair(first=0).is_noop, Repair(first=32, align=16).tag()
@@ -51,14 +56,26 @@ class Repair:
     select: str = "first"
 
     def __post_init__(self) -> None:
-        if isinstance(self.first, bool) or not isinstance(self.first, numbers.Integral) \
-                or self.first < 0:
+        for name in ("first", "align"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ArgumentTypeError(f"Repair({name}={value!r}): give an int token count, got "
+                                        f"{type(value).__name__}")
+        if self.first < 0:
             raise InvalidArgumentError(f"Repair(first={self.first!r}): give a token count >= 0 "
                                        "(0 repairs no skill's first tokens)")
-        if isinstance(self.align, bool) or not isinstance(self.align, numbers.Integral) \
-                or self.align < 1:
+        if self.align < 1:
             raise InvalidArgumentError(f"Repair(align={self.align!r}): give a positive token "
                                        "count (1: no alignment; a server's block size)")
+        if not isinstance(self.skip_exact, bool):
+            raise ArgumentTypeError(f"Repair(skip_exact={self.skip_exact!r}): give True or False")
+        if isinstance(self.budget, bool) or not isinstance(self.budget, numbers.Real):
+            raise ArgumentTypeError(
+                f"Repair(budget={self.budget!r}): give a fraction of the spliced tokens (a float "
+                f"in (0, 1]) or a token count (an int), got {type(self.budget).__name__}")
+        if not isinstance(self.select, str):
+            raise ArgumentTypeError(f"Repair(select={self.select!r}): give a selector name such "
+                                    "as 'first' or 'kv_deviation'")
 
     @property
     def is_noop(self) -> bool:
@@ -89,7 +106,7 @@ def as_repair(value: Repair | float | int) -> Repair:
     if isinstance(value, Repair):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(
+        raise ArgumentTypeError(
             f"repair must be a Repair, a fraction of the spliced tokens (a float in (0, 1]) or "
             f"a token count (an int), got {value!r} ({type(value).__name__})")
     return NO_REPAIR if value == 0 else Repair(first=0, budget=value)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 from kvnotes.core.engine import Engine, Part, TokenInput
 from kvnotes.core.metrics import compare_logits
+from kvnotes.core.repair import DEFAULT_REPAIR, Repair
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,7 @@ class FidelityReport:
     tokens_total: int  # every token up to the decision: composed parts + query
     tokens_reused: int  # spliced from compiled skills
     tokens_computed: int  # prefilled at request time: text parts + repaired tokens + query
-    tokens_repaired: int  # spliced, then recomputed in context (``repair=``)
+    tokens_repaired: int  # spliced, then recomputed in context (compose's ``repair``)
     compute_fraction: float  # tokens_computed (+ repair selection) / tokens_total
     ttft_recompute_s: float  # full prefill of context + query
     ttft_compose_s: float  # compose (splice + prefill of the rest) + query
@@ -39,18 +40,19 @@ class FidelityReport:
 
 
 def fidelity(engine: Engine, parts: Sequence[Part], query: TokenInput, *,
-             max_new_tokens: int = 16, repair: float | int = 0,
-             select: str = "first") -> FidelityReport:
+             max_new_tokens: int = 16,
+             repair: Repair | float | int = DEFAULT_REPAIR) -> FidelityReport:
     """Compose ``parts``, recompute the same token ids from scratch, compare at ``query``.
 
     Skills among ``parts`` must already be compiled (compile time is not part of TTFT: a skill
-    is compiled once and reused). ``repair``/``select`` go to :meth:`Engine.compose`. Both
+    is compiled once and reused). ``repair`` goes to :meth:`Engine.compose` (its default
+    recomputes each spliced skill's first tokens; ``repair=0`` measures the bare splice). Both
     sides then decode ``max_new_tokens`` greedily, as one batch (:meth:`Engine.greedy_batch`:
     equal to decoding each alone up to float error). Both sides' top-2 margins are reported, so
     a top-1 flip on a near-tie shows as one.
     """
     t0 = time.perf_counter()
-    composed = engine.compose(parts, start=0, repair=repair, select=select)
+    composed = engine.compose(parts, start=0, repair=repair)
     composed_logits = engine.next_logits(composed, query)
     ttft_compose = time.perf_counter() - t0
 
