@@ -24,6 +24,7 @@ from kvnotes.apps.claims import (
     INCONCLUSIVE,
     NOT_MEASURABLE,
     NOT_RUN,
+    TOOLS_CLAIM,
     Claim,
     StageResults,
     judge,
@@ -35,6 +36,8 @@ from kvnotes.apps.repro_report import write_report
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.eval.edit_suite.results import ExpectedMatches, StrategySummary, SuiteResult
 from kvnotes.eval.fidelity import FidelityReport
+from kvnotes.eval.tools.results import StrategySummary as ToolsSummary
+from kvnotes.eval.tools.results import stored_runs
 from kvnotes.eval.trace_suite import CaseOutcome, Estimate, FamilySummary, TraceSuiteResult
 
 
@@ -259,3 +262,62 @@ def test_report_only_runs_nothing_and_marks_missing_stages(monkeypatch, tmp_path
     data = json.loads(paths["json"].read_text())
     got = {v["id"]: v["models"]["a"]["verdict"] for v in data["verdicts"]}
     assert got["composition_cosine"] == HOLDS and got["field_kv_share"] == NOT_RUN
+
+
+def tools_summary(strategy: str, identical: int, share: float, *, cases: int = 38,
+                  correct: int = 18, exact_correct: int = 18) -> dict:
+    return ToolsSummary(strategy=strategy, cases=cases, identical=identical, correct=correct,
+                        exact_correct=exact_correct, first_token_agree=identical,
+                        kl_median=0.01, kl_mean=0.02, flip_margin_max=0.5, greedy_cases=0,
+                        greedy_identical=0, compute_fraction=0.2, recompute_share=share,
+                        ttft_ratio_median=2.0, guard_fires=0, guard_tau=None).to_dict()
+
+
+def write_tools_run(root, folder: str, rows: list[dict], *, model: str = "a",
+                    set_name: str = "live_multiple") -> None:
+    path = root / folder / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"model": model, "set": set_name,
+                                "settings": {"date": "2026-12-02 00:00 UTC", "command": "c"},
+                                "machine": {"load_average": [3.0, 2.0, 1.0]},
+                                "summaries": [tools_summary("exact", 38, 0.0), *rows]}))
+
+
+def test_tool_claim_is_read_from_stored_results_and_follows_the_numbers(tmp_path):
+    def verdict(rows, **kw):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        write_tools_run(root, "run", rows, **kw)
+        return judge(TOOLS_CLAIM, StageResults(tools=tuple(stored_runs(root, "a"))))
+
+    assert judge(TOOLS_CLAIM, StageResults()).verdict == NOT_RUN
+    short = verdict([tools_summary("splice", 26, 0.0), tools_summary("epic:32", 36, 0.12)])
+    assert short.verdict == FAILS
+    assert short.why == "not reproduced: live_multiple: 95% identical at <= 15% recompute"
+    assert "epic:32 36/38 (95%) identical at 12.0% recompute" in short.ours
+    held = verdict([tools_summary("epic:32", 38, 0.12)])
+    assert held.verdict == HOLDS
+    # identical enough only above the budget: the row within it is judged (the splice here)
+    costly = verdict([tools_summary("splice", 26, 0.0), tools_summary("epic:64", 38, 0.3)])
+    assert costly.verdict == FAILS and "68% identical" in costly.why
+    assert "best at any cost epic:64 38/38" in costly.ours
+    # accuracy against the ground truth must stay within a point of the exact prompt's
+    off = verdict([tools_summary("epic:32", 38, 0.12, correct=17)])
+    assert off.verdict == FAILS and "accuracy off by 1/38" in off.why
+    # another model's runs are not read
+    assert verdict([tools_summary("epic:32", 38, 0.12)], model="b").verdict == NOT_RUN
+
+
+def test_tool_claim_row_in_the_report_uses_the_largest_run_per_set(tmp_path):
+    root = tmp_path / "tools"
+    write_tools_run(root, "small", [tools_summary("epic:32", 5, 0.1, cases=5)])
+    rows = [tools_summary("epic:32", 35, 0.14)]
+    write_tools_run(root, "big", rows)
+    run = repro.ReproRun(repro.RunSettings("cpu", "float32", True, repro.QUICK), {"a": {}})
+    paths = write_report(tmp_path / "out", run, tools_results=root)
+    data = json.loads(paths["json"].read_text())
+    row = next(v for v in data["verdicts"] if v["id"] == TOOLS_CLAIM.id)
+    assert row["project"] and row["models"]["a"]["verdict"] == FAILS
+    assert "`big`" in row["models"]["a"]["ours"] and "`small`" not in row["models"]["a"]["ours"]
+    report = paths["report"].read_text()
+    assert "## Composition on public tool documentation" in report
+    assert "Claim (kvnotes (docs/tools-fidelity.md)" in report and "92% identical" in report

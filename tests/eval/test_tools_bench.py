@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import DEFAULT_REPAIR
 from kvnotes.eval.tools import BenchConfig, HeldOutDataError, load_cases, run_bench
 from kvnotes.eval.tools.choice import choose, name_trie
 from kvnotes.eval.tools.data import category_file, first_call_name, spread
@@ -24,6 +26,7 @@ from kvnotes.eval.tools.strategies import (
     exact_ids,
     parse_strategies,
     parse_strategy,
+    spliced_temperature,
 )
 
 HELD_OUT = ("multiple", "parallel_multiple", "simple_python", "simple_java", "live_simple",
@@ -137,12 +140,27 @@ def test_strategy_names_parse_and_bad_ones_say_the_forms() -> None:
         parse_strategy("guard:exact")
 
 
+def test_ape_and_default_strategies_parse() -> None:
+    a = parse_strategy("ape:1.2+epic:32")
+    assert (a.kind, a.temperature, a.first_k, a.repair) == ("compose", 1.2, 32, 0.0)
+    b = parse_strategy("ape:0.9")
+    assert (b.name, b.temperature, b.first_k) == ("ape:0.9", 0.9, 0)
+    assert parse_strategy("guard:ape:1.1+epic:16").base == "ape:1.1+epic:16"
+    d = parse_strategy("default")
+    assert (d.kind, d.engine_default) == ("compose", True)
+    with pytest.raises(InvalidArgumentError, match="ape:T or ape:T\\+epic:K"):
+        parse_strategy("ape:1.2+first:0.1")
+    with pytest.raises(InvalidArgumentError, match="in \\[0.05, 20\\]"):
+        parse_strategy("ape:0")
+
+
 def test_composed_prompt_has_the_exact_prompts_token_ids(tiny_llama, bfcl_root: Path) -> None:
     case = load_cases("live_multiple", bfcl_root)[1]
     prompt = case_prompt(tiny_llama.tokenizer, case)
     ids, prefix = exact_ids(tiny_llama, prompt)
     skills = SkillCache(tiny_llama)
-    for name in ("splice", "anchor+first:0.2", "kvdev:0.3", "epic:4"):
+    for name in ("splice", "anchor+first:0.2", "kvdev:0.3", "epic:4", "ape:1.5+epic:4",
+                 "default"):
         nb = build(tiny_llama, prompt, parse_strategy(name), skills)
         assert nb.token_ids.tolist() == ids
     assert ids[:prefix] == tiny_llama.encode(prompt.header)
@@ -178,16 +196,65 @@ def test_exact_is_identical_to_itself_and_fractions_add_up(tiny_llama, bfcl_root
         assert o.spliced == o.reused + o.repaired
     splice, full = r.outcome("splice"), r.outcome("first:1.0")
     assert splice.repaired == 0 and splice.compute_fraction < 1.0
-    assert full.reused == 0 and full.identical and full.kl < 1e-6
+    # every spliced token recomputed but the first tool's, which is exact where it lies
+    assert full.reused == len(tiny_llama.encode(prompt.skills[0]))
+    assert full.identical and full.kl < 1e-6
     kvdev = r.outcome("kvdev:0.25")
     assert kvdev.select_tokens > 0 and kvdev.compute_fraction > r.outcome("first:0.25").compute_fraction
-    assert r.outcome("epic:4").repaired == 4 * r.skills
-    assert r.outcome("anchor+epic:2").repaired == 2 * r.skills
+    # the first tool sits right after the header it was compiled behind: not repaired
+    assert r.outcome("epic:4").repaired == 4 * (r.skills - 1)
+    assert r.outcome("anchor+epic:2").repaired == 2 * r.skills  # compiled behind a stand-in
     guard = r.outcome("guard:splice@1000")  # a huge threshold always fires: exact notes
     assert guard.guard_fired and guard.identical and guard.kl < 1e-6
     assert guard.guard_tokens == r.tokens - r.exact_prefix
     assert guard.compute_fraction == pytest.approx(
         (guard.computed + guard.guard_tokens) / r.tokens)
+
+
+def test_ape_temperature_scales_only_the_kept_spliced_keys(tiny_llama, bfcl_root: Path) -> None:
+    case = load_cases("live_multiple", bfcl_root)[1]
+    prompt = case_prompt(tiny_llama.tokenizer, case)
+    skills = SkillCache(tiny_llama)
+    compiled = [skills.get(t, prompt.header, anchor=False) for t in prompt.skills]
+    nb = tiny_llama.compose([prompt.header, *compiled], repair=0)
+    spliced = list(range(len(nb) - sum(len(c) for c in compiled), len(nb)))
+    same = spliced_temperature(nb, spliced, 1.0)
+    sharp = spliced_temperature(nb, spliced, 0.2)  # a tiny random model's scores are small
+    for layer in range(nb.num_layers):
+        assert torch.equal(same.keys(layer), nb.keys(layer))
+        assert torch.allclose(sharp.keys(layer)[..., spliced, :], nb.keys(layer)[..., spliced, :]
+                              / 0.2)
+        assert torch.equal(sharp.keys(layer)[..., :spliced[0], :],
+                           nb.keys(layer)[..., :spliced[0], :])
+        assert torch.equal(sharp.values(layer), nb.values(layer))
+    q = prompt.question + prompt.query
+    plain = tiny_llama.next_logits(nb, q)
+    assert torch.allclose(tiny_llama.next_logits(same, q), plain, atol=1e-5)
+    assert (tiny_llama.next_logits(sharp, q) - plain).abs().max() > 1e-3
+
+    # as a strategy: the same token ids, the question attends to the scaled keys, and
+    # epic's repaired tokens keep theirs
+    ape = build(tiny_llama, prompt, parse_strategy("ape:0.2+epic:4"), skills)
+    epic = build(tiny_llama, prompt, parse_strategy("epic:4"), skills)
+    assert ape.token_ids.tolist() == epic.token_ids.tolist()
+    assert ape.meta["compose"]["repaired"] == epic.meta["compose"]["repaired"]
+    a, b = epic.meta["compose"]["regions"][0]
+    assert torch.allclose(ape.keys(0)[..., a:b, :], epic.keys(0)[..., a:b, :], atol=1e-5)
+    assert not torch.allclose(ape.keys(0)[..., b:b + 1, :], epic.keys(0)[..., b:b + 1, :])
+    assert not torch.allclose(tiny_llama.next_logits(ape, prompt.query),
+                              tiny_llama.next_logits(epic, prompt.query), atol=1e-3)
+
+
+def test_default_strategy_is_the_engines_default_repair(tiny_llama, bfcl_root: Path) -> None:
+    case = load_cases("live_multiple", bfcl_root)[1]
+    prompt = case_prompt(tiny_llama.tokenizer, case)
+    skills = SkillCache(tiny_llama)
+    nb = build(tiny_llama, prompt, parse_strategy("default"), skills)
+    assert nb.meta["compose"]["repair"] == DEFAULT_REPAIR.tag()
+    same = build(tiny_llama, prompt, parse_strategy(f"epic:{DEFAULT_REPAIR.first}"), skills)
+    assert nb.meta["compose"]["regions"] == same.meta["compose"]["regions"]
+    assert torch.allclose(tiny_llama.next_logits(nb, prompt.query),
+                          tiny_llama.next_logits(same, prompt.query), atol=1e-5)
 
 
 def _outcome(strategy: str, *, same: bool, margin: float) -> Outcome:

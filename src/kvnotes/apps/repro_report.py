@@ -7,12 +7,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvnotes.apps.claims import Claim, Claims, StageResults, Verdict, judge, load_claims
+from kvnotes.apps.claims import (
+    TOOLS_CLAIM,
+    Claim,
+    Claims,
+    StageResults,
+    Verdict,
+    judge,
+    load_claims,
+)
 from kvnotes.apps.repro import ReproRun, StageRecord
 from kvnotes.eval.edit_suite.report import strategy_table
 from kvnotes.eval.reports import write_bundle
+from kvnotes.eval.tools.results import stored_runs
 
 PerModel = dict[str, dict[str, StageRecord]]
+
+# where a source checkout keeps the `kvnotes bench tools` results the tool claim reads
+TOOLS_RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "tools"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,17 +38,25 @@ class ClaimVerdicts:
         return {**self.claim.to_dict(), "models": {m: v.to_dict() for m, v in self.models.items()}}
 
 
-def stage_results(stages: dict[str, StageRecord]) -> StageResults:
-    """One model's records as the typed results the verdicts read."""
-    return StageResults(**{stage: record.result for stage, record in stages.items()})
+def stage_results(stages: dict[str, StageRecord], model: str | None = None,
+                  tools_results: Path | None = None) -> StageResults:
+    """One model's records as the typed results the verdicts read, with ``model``'s stored
+    `kvnotes bench tools` runs under ``tools_results`` when both are given."""
+    tools = tuple(stored_runs(tools_results, model)) if model and tools_results else ()
+    return StageResults(**{stage: record.result for stage, record in stages.items()},
+                        tools=tools)
 
 
-def verdicts(per_model: PerModel, claims: Claims | None = None) -> list[ClaimVerdicts]:
-    """One entry per claim: the paper's figure and, per model, ours and the verdict."""
+def verdicts(per_model: PerModel, claims: Claims | None = None,
+             tools_results: Path | None = TOOLS_RESULTS) -> list[ClaimVerdicts]:
+    """One entry per claim: the paper's figure (then kvnotes' tool claim, read from the stored
+    results under ``tools_results``) and, per model, ours and the verdict."""
     claims = claims or load_claims()
+    results = {model: stage_results(stages, model, tools_results)
+               for model, stages in per_model.items()}
     return [ClaimVerdicts(claim, {
-        model: judge(claim, stage_results(stages), busy=any(r.busy for r in stages.values()))
-        for model, stages in per_model.items()}) for claim in claims.claims]
+        model: judge(claim, results[model], busy=any(r.busy for r in stages.values()))
+        for model, stages in per_model.items()}) for claim in (*claims.claims, TOOLS_CLAIM)]
 
 
 def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
@@ -71,7 +91,8 @@ def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
     for row in table:
         claim = row.claim
         md += [f"## {claim.title}", "",
-               f"Paper ({claim.source}; {claim.scale}): {claim.paper}.", "",
+               f"{'Claim' if claim.project else 'Paper'} ({claim.source}; {claim.scale}): "
+               f"{claim.paper}.", "",
                f"Check: {claim.check}.", "",
                "| model | ours | verdict | why |", "|---|---|---|---|"]
         for model, v in row.models.items():
@@ -167,10 +188,12 @@ def plot(per_model: PerModel, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(out: str | Path, run: ReproRun, *, command: str = "") -> dict[str, Path]:
-    """Judge every claim on every model and write report.md, repro.json and repro.png."""
+def write_report(out: str | Path, run: ReproRun, *, command: str = "",
+                 tools_results: Path | None = TOOLS_RESULTS) -> dict[str, Path]:
+    """Judge every claim on every model and write report.md, repro.json and repro.png (the
+    tool claim from the stored results under ``tools_results``)."""
     claims = load_claims()
-    table = verdicts(run.models, claims)
+    table = verdicts(run.models, claims, tools_results)
     md = report_markdown(run, table, claims, command)
     result = {"settings": run.settings.to_dict(), "claims_source": claims.source.to_dict(),
               "verdicts": [row.to_dict() for row in table],

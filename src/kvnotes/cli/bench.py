@@ -25,8 +25,9 @@ def tools(
                                  help="development set: live_multiple or multi_turn"),
     cases: int = typer.Option(40, "--cases", help="cases spread over the set (0: all)"),
     strategies: str = typer.Option(
-        None, "--strategies", help="comma-separated: exact, splice, first:F, kvdev:F, anchor, "
-                                   "anchor+first:F, guard:BASE[@TAU] (default: "
+        None, "--strategies", help="comma-separated: exact, default, splice, first:F, kvdev:F, "
+                                   "epic:K, anchor, anchor+first:F, ape:T, ape:T+epic:K, "
+                                   "guard:BASE[@TAU] (default: "
                                    "kvnotes.eval.tools.DEFAULT_STRATEGIES)"),
     greedy: int = typer.Option(0, "--greedy", help="also compare N greedy tokens after the "
                                                    "call opening (16 in the issue; costs a "
@@ -133,7 +134,13 @@ def tools_report(
     measured = sum(r.half == "evaluate" for r in results)
     settings = {**run["settings"], "rebuilt_from_cases": len(results),
                 "evaluation_cases": measured}
+    machine = dict(run["machine_at_start"])
+    samples = folder / "load.jsonl"  # the load sampled while the run went, when it was
+    if samples.is_file():
+        machine["load_samples"] = [json.loads(line) for line in
+                                   samples.read_text(encoding="utf-8").splitlines()
+                                   if line.strip()]
     result = assemble(results, strategies, model=run["model"], set_name=run["set"], taus=taus,
-                      machine=run["machine_at_start"], settings=settings)
+                      machine=machine, settings=settings)
     paths = write_outputs(result, folder, str(run["settings"].get("command", "")))
     typer.echo(f"rebuilt from {len(results)} cases: {paths['report']}")

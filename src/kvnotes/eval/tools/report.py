@@ -36,6 +36,15 @@ def summary_table(summaries: tuple[StrategySummary, ...]) -> list[str]:
     return lines
 
 
+def _load_samples(machine: dict[str, object]) -> list[str]:
+    samples = machine.get("load_samples")
+    if not isinstance(samples, list) or not samples:
+        return []
+    ones = sorted(float(x["load_average"][0]) for x in samples)
+    return [f"Load average (1 min) sampled {len(ones)} times during the run: "
+            f"{ones[0]:.1f}-{ones[-1]:.1f}, median {ones[len(ones) // 2]:.1f}.", ""]
+
+
 def render(result: BenchResult, command: str = "") -> str:
     settings = result.settings
     tokens = [c.tokens for c in result.cases]
@@ -46,6 +55,7 @@ def render(result: BenchResult, command: str = "") -> str:
         f"Date: {settings.get('date', '-')}. {load_note(result.machine)}. The machine was "
         "shared with other jobs: accuracy and identity are exact figures, timings are not.",
         "",
+        *_load_samples(result.machine),
         f"Decision: {result.decision}. Cases: {len(result.cases)} run"
         + (f" ({min(tokens)}-{max(tokens)} tokens each)" if tokens else "")
         + f", {len(result.skipped)} skipped (do not fit the context limit of "
@@ -80,33 +90,50 @@ def render(result: BenchResult, command: str = "") -> str:
     return "\n".join(lines)
 
 
+# the goal the chart marks: identity with the exact prompt at a recompute budget
+GOAL_IDENTITY, GOAL_RECOMPUTE = 99.0, 0.15
+
+
 def plot(result: BenchResult, path: Path) -> None:
-    """Decision identity with the exact prompt against compute fraction, one point per
-    strategy, and each guard's curve over its threshold."""
+    """Decision identity with the exact prompt against compute, one point per strategy and each
+    guard's curve over its threshold: against the compute fraction of the whole prompt (left)
+    and against the share of the spliced tokens recomputed, guard fires included (right, with
+    the goal's corner)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, s in enumerate(result.summaries):
-        if not s.cases:
-            continue
-        ax.scatter(s.compute_fraction, 100 * s.identical / s.cases, zorder=3)
-        # staggered labels: strategies often share an identity level
-        ax.annotate(f"{s.strategy} (n={s.cases})", (s.compute_fraction,
-                                                    100 * s.identical / s.cases),
-                    fontsize=7, xytext=(4, 3 + 9 * (i % 3)), textcoords="offset points")
-    for base in dict.fromkeys(p.base for p in result.guard_curve):
-        pts = [p for p in result.guard_curve if p.base == base and p.cases]
-        ax.plot([p.compute_fraction for p in pts], [100 * p.identical / p.cases for p in pts],
-                lw=1, alpha=0.6, label=f"guard on {base} (tau swept, all cases)")
-    ax.set_xlabel("compute fraction (tokens run through the model / prompt tokens)")
-    ax.set_ylabel("tool choice identical to exact (%)")
-    ax.set_title(f"{result.model}, BFCL v4 {result.set}: identity vs compute", fontsize=9)
-    ax.grid(alpha=0.3)
-    if result.guard_curve:
-        ax.legend(fontsize=7, loc="lower right")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, x_of, label in (
+            (axes[0], lambda s: s.compute_fraction,
+             "compute fraction (tokens run through the model / prompt tokens)"),
+            (axes[1], lambda s: s.recompute_share,
+             "recompute of spliced tokens (repair + selection + guard fires)")):
+        for i, s in enumerate(result.summaries):
+            if not s.cases or (ax is axes[1] and s.strategy == "exact"):
+                continue
+            y = 100 * s.identical / s.cases
+            ax.scatter(x_of(s), y, zorder=3, color=f"C{i % 10}")  # one colour per strategy
+            # staggered labels: strategies often share an identity level
+            ax.annotate(f"{s.strategy} (n={s.cases})", (x_of(s), y), fontsize=7,
+                        xytext=(4, 3 + 9 * (i % 3)), textcoords="offset points")
+        for base in dict.fromkeys(p.base for p in result.guard_curve):
+            pts = [p for p in result.guard_curve if p.base == base and p.cases]
+            xs = [p.compute_fraction if ax is axes[0] else p.recompute_share for p in pts]
+            ax.plot(xs, [100 * p.identical / p.cases for p in pts], lw=1, alpha=0.6,
+                    label=f"guard on {base} (tau swept, all cases)")
+        ax.set_xlabel(label, fontsize=8)
+        ax.set_ylabel("tool choice identical to exact (%)")
+        ax.grid(alpha=0.3)
+        if result.guard_curve:
+            ax.legend(fontsize=7, loc="lower right")
+    axes[1].axhline(GOAL_IDENTITY, color="gray", ls="--", lw=0.8)
+    axes[1].axvline(GOAL_RECOMPUTE, color="gray", ls="--", lw=0.8)
+    axes[1].set_xlim(left=0, right=max(0.5, min(1.2, axes[1].get_xlim()[1])))
+    fig.suptitle(f"{result.model}, BFCL v4 {result.set}: identity vs compute "
+                 f"(goal: >= {GOAL_IDENTITY:g}% at <= {GOAL_RECOMPUTE:.0%} recompute)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -175,6 +177,7 @@ class GuardPoint:
     identical: int
     fires: int
     compute_fraction: float
+    recompute_share: float = math.nan  # work on spliced tokens (a fire: all of them) / them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,3 +207,44 @@ class BenchResult:
                 "guard_curve": [g.to_dict() for g in self.guard_curve],
                 "skipped": [s.to_dict() for s in self.skipped],
                 "cases": [c.to_dict() for c in self.cases]}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """A finished run's summaries read back from its ``results.json`` (what a report that
+    cites the stored results needs: model, set, when, how, the load, each strategy's row)."""
+
+    folder: str  # the bundle's folder name
+    model: str
+    set: str
+    date: str
+    command: str
+    load_1min: float
+    summaries: tuple[StrategySummary, ...]
+
+    @property
+    def cases(self) -> int:
+        """The cases the run measured (its exact row's)."""
+        return max((s.cases for s in self.summaries), default=0)
+
+    @classmethod
+    def from_dict(cls, folder: str, data: dict[str, Any]) -> StoredRun:
+        settings, machine = data.get("settings", {}), data.get("machine", {})
+        load = machine.get("load_average") or [math.nan]
+        return cls(folder, str(data["model"]), str(data["set"]), str(settings.get("date", "")),
+                   str(settings.get("command", "")), float(load[0]),
+                   tuple(StrategySummary(**s) for s in data["summaries"]))
+
+
+def stored_runs(root: Path, model: str) -> list[StoredRun]:
+    """Every run of ``model`` stored under ``root`` (one ``<folder>/results.json`` each);
+    none when ``root`` is missing. An unreadable file is skipped."""
+    runs = []
+    for path in sorted(root.glob("*/results.json")) if root.is_dir() else []:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("model") == model:
+                runs.append(StoredRun.from_dict(path.parent.name, data))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return runs

@@ -197,15 +197,17 @@ def guard_curve(cases: Sequence[CaseResult], base: str, taus: Sequence[float]
     rows = [(c, o) for c in cases if (o := c.outcome(base)) is not None]
     for tau in taus:
         same = fires = 0
-        fractions = []
+        fractions, shares = [], []
         for c, o in rows:
             fired = not math.isnan(o.margin) and o.margin < tau
             fires += fired
             same += fired or o.identical
             extra = (c.tokens - c.exact_prefix) if fired else 0
             fractions.append((o.computed + o.repaired + o.select_tokens + extra) / c.tokens)
+            shares.append((o.repaired + o.select_tokens + extra) / max(1, o.spliced))
         points.append(GuardPoint(base, tau, len(rows), same, fires,
-                                 sum(fractions) / max(1, len(fractions))))
+                                 sum(fractions) / max(1, len(fractions)),
+                                 sum(shares) / max(1, len(shares))))
     return points
 
 

@@ -10,27 +10,42 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
   neutral stand-in tool (:data:`~kvnotes.eval.tools.prompt.STAND_IN`, its notes dropped), so no
   spliced skill is compiled as the first one listed;
 - ``epic:K`` / ``anchor+epic:K``: a fixed first ``K`` tokens of every skill recomputed in
-  context (EPIC's choice), whatever the skill's length, before the question is prefilled;
+  context (EPIC's choice), whatever the skill's length, before the question is prefilled
+  (``Repair(first=K)``);
+- ``ape:T`` / ``ape:T+epic:K``: the splice (or ``epic:K``) with APE's temperature on the spliced
+  keys: before the question is prefilled, the keys of every spliced token that was not
+  recomputed are divided by ``T`` in every layer (a copy of the notes; values untouched), so
+  every later query scores them ``q.k / T`` (``T > 1`` flattens the attention they get,
+  ``T < 1`` sharpens it; ``T = 1`` is the plain strategy);
+- ``default``: ``engine.compose([header, *skills, question])`` with the engine's default repair;
 - ``guard:BASE`` / ``guard:BASE@TAU``: BASE's decision, re-decided on notes recomputed exactly
   when its margin is under TAU (``decide``'s guard, :func:`kvnotes.ops.decisions.guarded`);
   without ``@TAU`` it is calibrated on the calibration half of the cases.
+
+The engine does not repair a skill spliced exactly where it was compiled (the first tool right
+after the header it was compiled behind, without ``anchor``): its notes are already the exact
+prompt's, so ``epic:K`` recomputes ``K`` tokens of every tool but that one.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.notebook import Notebook
+from kvnotes.core.notebook import LayerKV, Notebook
+from kvnotes.core.repair import Repair
 from kvnotes.eval.tools.prompt import STAND_IN, CasePrompt, skill_text
 
 DEFAULT_STRATEGIES = ("exact", "splice", "first:0.1", "first:0.3", "kvdev:0.1", "anchor",
                       "anchor+first:0.1", "guard:splice", "guard:first:0.1")
 _COMPOSE = re.compile(r"^(anchor)?(?:\+?(first|kvdev):([0-9.]+))?$")
 _EPIC = re.compile(r"^(anchor\+)?epic:([0-9]+)$")
+_APE = re.compile(r"^ape:([0-9]*\.?[0-9]+)(?:\+(.+))?$")
 _SELECT = {"first": "first", "kvdev": "kv_deviation"}
 
 
@@ -46,6 +61,8 @@ class Strategy:
     anchor: bool = False
     base: str = ""  # guard: the strategy whose decision is guarded
     tau: float | None = None  # guard: fixed threshold (None: calibrated)
+    temperature: float = 1.0  # APE: spliced, not recomputed keys divided by this
+    engine_default: bool = False  # ``default``: compose's own default repair
 
 
 def parse_strategy(spec: str) -> Strategy:
@@ -53,6 +70,8 @@ def parse_strategy(spec: str) -> Strategy:
     spec = spec.strip()
     if spec == "exact":
         return Strategy("exact", "exact")
+    if spec == "default":
+        return Strategy("default", "compose", engine_default=True)
     if spec.startswith("guard:"):
         rest = spec.removeprefix("guard:")
         base, _, tau = rest.partition("@")
@@ -67,6 +86,17 @@ def parse_strategy(spec: str) -> Strategy:
             raise InvalidArgumentError(f"strategy {spec!r}: TAU after @ must be a number, "
                                        "e.g. guard:splice@0.5") from err
         return Strategy(spec, "guard", base=inner.name, tau=fixed)
+    ape = _APE.match(spec)
+    if ape:
+        inner = parse_strategy(ape.group(2) or "splice")
+        temperature = float(ape.group(1))
+        if not (inner.first_k or inner.name == "splice") or inner.anchor:
+            raise InvalidArgumentError(f"strategy {spec!r}: APE's temperature goes on the "
+                                       "splice or on epic:K (ape:T or ape:T+epic:K)")
+        if not 0.05 <= temperature <= 20:
+            raise InvalidArgumentError(f"strategy {spec!r}: the temperature T must be in "
+                                       "[0.05, 20], e.g. ape:1.2")
+        return replace(inner, name=spec, temperature=temperature)
     if spec == "splice":
         return Strategy("splice", "compose")
     epic = _EPIC.match(spec)
@@ -81,9 +111,10 @@ def parse_strategy(spec: str) -> Strategy:
         return Strategy(spec, "compose", repair, _SELECT[m.group(2) or "first"],
                         anchor=bool(m.group(1)))
     raise InvalidArgumentError(
-        f"unknown strategy {spec!r}; use exact, splice, first:F, kvdev:F, epic:K, anchor, "
-        "anchor+first:F, anchor+kvdev:F, anchor+epic:K, guard:BASE or guard:BASE@TAU (F a "
-        "fraction in [0, 1], K a token count)")
+        f"unknown strategy {spec!r}; use exact, default, splice, first:F, kvdev:F, epic:K, "
+        "anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, ape:T, ape:T+epic:K, "
+        "guard:BASE or guard:BASE@TAU (F a fraction in [0, 1], K a token count, T a "
+        "temperature)")
 
 
 def parse_strategies(specs: list[str]) -> list[Strategy]:
@@ -143,28 +174,50 @@ def build(engine: Engine, prompt: CasePrompt, strategy: Strategy, skills: SkillC
     if strategy.kind != "compose":
         raise InvalidArgumentError(f"build() makes exact or composed notes, not {strategy.kind}")
     compiled = [skills.get(text, prompt.header, anchor=strategy.anchor) for text in prompt.skills]
-    if strategy.first_k:
-        return _first_k_per_skill(engine, prompt, compiled, strategy.first_k)
-    repair: float | int = strategy.repair if strategy.repair else 0
-    return engine.compose([prompt.header, *compiled, prompt.question], repair=repair,
-                          select=strategy.select)
+    if strategy.engine_default:
+        return engine.compose([prompt.header, *compiled, prompt.question])
+    plan = repair_of(strategy)
+    if strategy.temperature == 1.0:
+        return engine.compose([prompt.header, *compiled, prompt.question], repair=plan)
+    # APE: the temperature goes on the skills' notes before the question reads them
+    nb = engine.compose([prompt.header, *compiled], repair=plan)
+    nb = spliced_temperature(nb, _kept(nb, compiled), strategy.temperature)
+    return _with_question(engine, nb, prompt.question, strategy.temperature)
 
 
-def _first_k_per_skill(engine: Engine, prompt: CasePrompt, compiled: list[Notebook], k: int
-                       ) -> Notebook:
-    """EPIC's plan with the public API: splice the skills, recompute each one's first ``k``
-    tokens in context (in order, each run on top of the repaired notes before it), then
-    prefill the question on top of the repaired notes."""
-    nb = engine.compose([prompt.header, *compiled], repair=0)
-    at = len(nb) - sum(len(c) for c in compiled)
-    chosen: list[int] = []
-    for c in compiled:
-        chosen += range(at, at + min(k, len(c)))
-        at += len(c)
-    nb = engine.recompute(nb, chosen)
+def repair_of(strategy: Strategy) -> Repair:
+    """The engine's repair plan of a composed strategy: ``epic:K`` recomputes each skill's
+    first K tokens (``Repair(first=K)``, exact placements skipped), ``first:F`` / ``kvdev:F``
+    a shared budget F chosen by ``select``, ``splice`` nothing."""
+    return Repair(first=strategy.first_k, budget=strategy.repair or 0, select=strategy.select)
+
+
+def _kept(nb: Notebook, compiled: list[Notebook]) -> list[int]:
+    """Indices of the spliced tokens compose did not recompute (the skills end ``nb``)."""
+    start = len(nb) - sum(len(c) for c in compiled)
+    done = {i for a, b in nb.meta.get("compose", {}).get("regions", []) for i in range(a, b)}
+    return [i for i in range(start, len(nb)) if i not in done]
+
+
+def spliced_temperature(nb: Notebook, indices: list[int], temperature: float) -> Notebook:
+    """A copy of ``nb`` whose keys at ``indices`` are divided by ``temperature`` in every layer
+    (values untouched): every later query scores those tokens ``q.k / temperature``, APE's
+    temperature on parallel-encoded context. ``temperature=1`` copies the notes unchanged."""
+    scale = torch.ones(len(nb), dtype=torch.float32)
+    scale[torch.as_tensor(indices, dtype=torch.long)] = 1.0 / temperature
+    layers = []
+    for layer in nb.layers:
+        s = scale.to(device=layer.keys.device, dtype=layer.keys.dtype)
+        layers.append(LayerKV(layer.keys * s[None, None, :, None], layer.values.clone()))
+    return nb.with_layers(layers)
+
+
+def _with_question(engine: Engine, nb: Notebook, question: str, temperature: float
+                   ) -> Notebook:
+    """``question`` prefilled on top of the composed skills, counted as computed."""
     stats = dict(nb.meta.get("compose", {}))
-    computed = int(stats.get("computed", 0)) + len(engine.encode(prompt.question))
-    nb = engine.extend(nb, prompt.question)
-    return nb.with_meta(compose={**stats, "reused": int(stats.get("reused", 0)) - len(chosen),
-                                 "repaired": len(chosen), "computed": computed,
-                                 "select": f"first {k} per skill"})
+    computed = int(stats.get("computed", 0)) + len(engine.encode(question))
+    nb = engine.extend(nb, question)
+    return nb.with_meta(compose={**stats, "computed": computed,
+                                 "select": f"{stats.get('select', 'first')}, spliced keys / "
+                                           f"{temperature:g}"})
