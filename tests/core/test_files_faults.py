@@ -96,11 +96,11 @@ def test_a_failing_save_leaves_no_temporary(tmp_path, monkeypatch):
 
 
 def test_live_temporaries_are_not_swept(tmp_path):
-    mine = tmp_path / f"{files.TMP_PREFIX}{os.getpid()}.abc.nb.safetensors"
+    mine = tmp_path / f"{files.temp_prefix()}abc.nb.safetensors"
     mine.write_bytes(b"in flight")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    theirs = tmp_path / f"{files.TMP_PREFIX}{dead}.abc.nb.safetensors"
+    theirs = tmp_path / f"{files.TMP_PREFIX}{files.HOST}.{dead}.abc.nb.safetensors"
     theirs.write_bytes(b"orphan")
     unrelated = tmp_path / "tmpq1w2.tmp"  # not ours: never touched
     unrelated.write_bytes(b"x")

@@ -1,4 +1,7 @@
-"""What the connector refuses at server start, each with the message that names the fix."""
+"""What the connector refuses at server start, each with the message that names the fix.
+
+The weights check reads model folders written here (safetensors shards) and the part of vLLM's
+config it needs (``model_config.model``), no vLLM."""
 
 from __future__ import annotations
 
@@ -7,16 +10,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
+import kvnotes.serving.weights as weights_mod
 from kvnotes.core.errors import ServingError
 from kvnotes.serving.connector_checks import (
     ServedModel,
     check_layers,
     check_rope,
     check_served,
+    check_weights,
     layer_index,
 )
 from kvnotes.serving.manifest import ServingManifest
+from kvnotes.serving.weights import SAMPLES, weights_digest
 
 HEAD_DIM = 16
 
@@ -139,3 +146,109 @@ def test_a_changed_rope_is_refused(embedding):
 def test_no_rotary_embedding_found_is_reported_not_refused():
     assert check_rope(MANIFEST, []) == 0
     assert check_rope(MANIFEST, [SimpleNamespace(cos_sin_cache=None)]) == 0
+
+
+# ---- the served weights -------------------------------------------------------------------------
+def weights_folder(path, tensors: dict[str, torch.Tensor]):
+    """A model folder as vLLM reads one: two safetensors shards and a config."""
+    path.mkdir(parents=True)
+    names = sorted(tensors)
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({n: tensors[n].contiguous() for n in part},
+                  str(path / f"model-0000{i + 1}-of-00002.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def source_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"model.embed_tokens.weight": torch.randn(300, 16, generator=g),
+            "model.layers.0.self_attn.k_proj.weight": torch.randn(64, 16, generator=g),
+            "model.layers.1.self_attn.v_proj.weight": torch.randn(64, 16, generator=g),
+            "model.norm.weight": torch.randn(16, generator=g)}
+
+
+def cast(tensors, dtype):  # what kvnotes.serving.export does to every floating tensor
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+
+
+def served_config(folder):
+    """The part of vLLM's config the weights check reads."""
+    return SimpleNamespace(model_config=SimpleNamespace(model=str(folder)))
+
+
+@pytest.fixture
+def compiled(tmp_path):
+    src = weights_folder(tmp_path / "source", source_tensors())
+    return replace(MANIFEST, weights=weights_digest(src).to_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cast_copy_of_the_compiled_weights_is_served(compiled, tmp_path, dtype):
+    copy = weights_folder(tmp_path / "served", cast(source_tensors(), dtype))
+    name = str(dtype).removeprefix("torch.")
+    cfg = served_config(copy)
+    assert check_weights(compiled, cfg.model_config.model, "skills/") == compiled.weights[
+        "sha256"][name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fine_tune_of_the_same_shape_is_refused(compiled, tmp_path, dtype):
+    tuned = source_tensors()
+    tuned["model.layers.1.self_attn.v_proj.weight"] += 0.05  # one matrix moved: an adapter merged
+    folder = weights_folder(tmp_path / "tuned", cast(tuned, dtype))
+    with pytest.raises(ServingError, match=r"kvnotes skills in skills/ were compiled with other "
+                                           r"weights than the ones served from .*tuned \(same "
+                                           r"shape, different values: a fine-tune"):
+        check_weights(compiled, served_config(folder).model_config.model, "skills/")
+
+
+def test_a_manifest_without_a_weights_digest_is_refused(tmp_path):
+    folder = weights_folder(tmp_path / "served", source_tensors())
+    with pytest.raises(ServingError, match=r"serving.json records no digest of the weights .* "
+                                           r"Re-export the skills with this kvnotes"):
+        check_weights(MANIFEST, served_config(folder).model_config.model, "skills/")
+
+
+def test_weights_the_connector_cannot_fingerprint_are_refused(compiled, tmp_path):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in (gguf, "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        with pytest.raises(ServingError, match="is not a local folder of .safetensors weights"):
+            check_weights(compiled, served_config(model).model_config.model, "skills/")
+    wide = weights_folder(tmp_path / "f64", cast(source_tensors(), torch.float64))
+    with pytest.raises(ServingError, match=r"are float64; the skills' manifest has digests for "
+                                           r"\['bfloat16', 'float16', 'float32'\]"):
+        check_weights(compiled, str(wide), "skills/")
+    mixed = cast(source_tensors(), torch.bfloat16)
+    mixed["model.norm.weight"] = mixed["model.norm.weight"].float()
+    with pytest.raises(ServingError, match=r"float tensors of \['bfloat16', 'float32'\] dtype"):
+        check_weights(compiled, str(weights_folder(tmp_path / "mixed", mixed)), "skills/")
+
+
+def test_the_digest_reads_headers_and_samples_not_the_weights(tmp_path, monkeypatch):
+    tensors = source_tensors()
+    folder = weights_folder(tmp_path / "source", tensors)
+    read = []
+    real = weights_mod.os.pread
+    monkeypatch.setattr(weights_mod.os, "pread", lambda fd, n, off: read.append(n) or
+                        real(fd, n, off))
+    digest = weights_digest(folder)
+    assert digest.tensors == len(tensors)
+    # SAMPLES elements of each tensor (all 16 of the norm), 4 bytes each, and nothing else
+    assert sum(read) == 4 * SAMPLES * len(tensors)
+    assert sum(read) < sum(t.numel() * 4 for t in tensors.values()) / 50
+
+
+def test_published_skills_record_the_weights_their_engine_was_loaded_from(tiny_folder, tmp_path):
+    """The real path: skills published from a model folder, served from its bfloat16 export."""
+    import kvnotes
+    from kvnotes.serving.export import export_hf_dir
+    from kvnotes.serving.skills import ServingSkills
+
+    skills = ServingSkills(tmp_path / "skills", kvnotes.load(str(tiny_folder)))
+    manifest = ServingManifest.read(skills.folder)
+    assert manifest.weights == weights_digest(tiny_folder).to_dict()
+    served = export_hf_dir(str(tiny_folder), tmp_path / "export", dtype="bfloat16")
+    assert check_weights(manifest, served_config(served).model_config.model, skills.folder) == \
+        manifest.weights["sha256"]["bfloat16"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from kvnotes.serving.plans import SplicePlanner
 from kvnotes.serving.splice import PieceIndex, PieceInfo
 
@@ -89,3 +91,93 @@ def test_unmatched_prompts_plan_nothing():
     assert planner.match("s", None, prompt, 48, idx) == 0  # the local hit covers the run
     planner.allocated("r", [1], 0)
     assert planner.take({"r": 1, "s": 1}) == []
+
+
+# ---- splice ranges (kv_transfer_params["kvnotes_splice"]) ---------------------------------------
+def ranged(planner: SplicePlanner, req: str, prompt: list[int], hit: int, idx: PieceIndex,
+           ranges: object, blocks: int = 8) -> tuple[int, list]:
+    """The external tokens offered at ``hit`` and the load when vLLM takes them all."""
+    ext = planner.match(req, None, prompt, hit, idx, ranges)
+    planner.allocated(req, list(range(blocks)), ext)
+    return ext, planner.take({req: len(prompt)})
+
+
+def test_a_hit_at_a_range_start_supplies_that_range_and_the_ranges_contiguous_after_it():
+    idx, prompt = index(40, 40, 40)  # pieces at 0, 40, 80; the second repaired to 48
+    ranges = [[0, 0, 40], [40, 48, 80], [80, 80, 120]]
+    planner = SplicePlanner(block_size=BLOCK)
+    ext, (load,) = ranged(planner, "r", prompt, 48, idx, ranges)
+    assert ext == 72 and (load.start, load.end) == (48, 120)
+    # the repaired piece is placed at its own start: its tokens from the offset on are written
+    assert [(p.piece.name, p.start) for p in load.pieces()] == [("s1040", 40), ("s1080", 80)]
+    # at token 0 only the first range: the next one leaves out its piece's first tokens
+    ext, (load,) = ranged(planner, "s", prompt, 0, idx, ranges)
+    assert ext == 40 and [p.piece.name for p in load.pieces()] == ["s1000"]
+
+
+def test_a_hit_inside_a_range_supplies_from_the_hit_on():
+    idx, prompt = index(40, 80)
+    planner = SplicePlanner(block_size=BLOCK)
+    ext, (load,) = ranged(planner, "r", prompt, 64, idx, [[0, 0, 40], [40, 48, 120]])
+    assert ext == 56 and (load.start, load.end) == (64, 120)
+    assert load.written_blocks == (4, 5, 6, 7)
+
+
+def test_a_hit_in_no_range_supplies_nothing():
+    idx, prompt = index(40, 80)
+    planner = SplicePlanner(block_size=BLOCK)
+    # 16: inside the first piece's recomputed tokens [0, 32); 40: the second's [40, 48)
+    assert planner.match("r", None, prompt, 16, idx, [[0, 32, 40], [40, 48, 120]]) == 0
+    assert planner.match("r", None, prompt, 40, idx, [[0, 0, 40], [40, 48, 120]]) == 0
+    assert planner.match("r", None, prompt, 0, idx, []) == 0  # no range at all: nothing
+    planner.allocated("r", [1], 0)
+    assert planner.take({"r": 1}) == []
+
+
+def test_the_last_prompt_token_is_left_to_compute():
+    idx, prompt = index(40, 40)
+    prompt = prompt[:80]  # the prompt ends with the last piece
+    planner = SplicePlanner(block_size=BLOCK)
+    assert planner.match("r", None, prompt, 48, idx, [[0, 0, 40], [40, 48, 80]]) == 31
+
+
+@pytest.mark.parametrize("bad, kept", [
+    ([[0, 0, 40], [40, 48, 79]], 1),        # the piece ends at 80, not 79
+    ([[0, 0, 40], [41, 48, 80]], 1),        # no piece starts at 41
+    ([[0, 0, 40], [40, 48, 300]], 1),       # past the prompt
+    ([[0, 0, 40], [40, 30, 80]], 1),        # start before piece_start
+    ([[0, 0, 40], [0, 0, 40], [40, 40, 80]], 1),  # overlaps the range before it
+    ([[0, 0, 40], "x", [40, 40, 80]], 1),   # not three integers
+    ([[0, 0, 40], [40, True, 80]], 1),
+    ([[0, 0, 41]], 0),
+    ("0,0,40", 0),                          # not a list
+])
+def test_an_invalid_range_and_every_range_after_it_are_dropped_and_logged(caplog, bad, kept):
+    idx, prompt = index(40, 40)
+    planner = SplicePlanner(block_size=BLOCK)
+    with caplog.at_level(logging.WARNING, logger="vllm.kvnotes"):
+        got = planner.match("r", None, prompt, 0, idx, bad)
+        planner.match("r", None, prompt, 0, idx, bad)  # admitted again: logged once
+    assert got == (40 if kept else 0)
+    assert caplog.text.count("splice ranges dropped") == 1 and "request r" in caplog.text
+    # the later, valid-looking range is never used: a hit there supplies nothing
+    assert planner.match("q", None, prompt, 40, idx, bad) == 0
+
+
+def test_without_ranges_the_leading_run_is_supplied():
+    idx, prompt = index(40, 40)
+    planner = SplicePlanner(block_size=BLOCK)
+    assert planner.match("r", None, prompt, 0, idx) == 80
+    assert planner.match("r", None, prompt, 0, idx, None) == 80
+    # a range list that names only the first piece limits the splice to it
+    assert planner.match("r", None, prompt, 0, idx, [[0, 0, 40]]) == 40
+
+
+def test_a_piece_compiled_behind_a_prefix_is_chosen_by_its_placement():
+    """Two pieces with the same tokens: the range takes the one compiled where it is placed."""
+    idx, prompt = index(40, 40)
+    idx.add(PieceInfo("moved", "s1040-alone", tuple(prompt[40:80]), 0))
+    idx.add(PieceInfo("here", "s1040-here", tuple(prompt[40:80]), 40))
+    planner = SplicePlanner(block_size=BLOCK)
+    ext, (load,) = ranged(planner, "r", prompt, 48, idx, [[0, 0, 40], [40, 48, 80]])
+    assert ext == 32 and [p.piece.key for p in load.pieces()] == ["here"]

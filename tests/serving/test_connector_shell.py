@@ -94,7 +94,8 @@ def engine(tokenizer):
 
 @pytest.fixture
 def library(engine, tmp_path):
-    skills = ServingSkills(tmp_path, engine)
+    engine.model.save_pretrained(tmp_path / "model")  # the weights the server "serves"
+    skills = ServingSkills(tmp_path / "skills", engine, weights=tmp_path / "model")
     infos = [skills.add(t, name=n) for n, t in (("header", "System: answer briefly.\n"),
                                                 ("refunds", "Refunds within 30 days.\n"),
                                                 ("fees", "No fees on changes.\n"))]
@@ -124,6 +125,7 @@ def vllm_config(folder, *, layers=None, tp=1, policy="recompute", spec=None, lor
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"skills": str(folder)},
                                            kv_load_failure_policy=policy),
         model_config=SimpleNamespace(
+            model=str(Path(folder).parent.parent / "model"),  # the library fixture's weights
             hf_text_config=SimpleNamespace(num_hidden_layers=2, num_attention_heads=4,
                                            num_key_value_heads=4, head_dim=16, hidden_size=64),
             dtype=torch.float32, use_mla=False),

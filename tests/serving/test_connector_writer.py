@@ -9,6 +9,8 @@ like vLLM's CPU backend into a ``[blocks, kv_heads, block_size, 2 * head_dim]`` 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,15 @@ import torch
 from conftest import make_tiny_engine
 
 import kvnotes.serving.kv_writer as kv_writer
-from kvnotes.serving.kv_writer import KvWriter, PieceCache, WorkerShare, rank_heads
+import kvnotes.serving.piece_store as piece_store
+from kvnotes.core import files
+from kvnotes.serving.kv_writer import (
+    KvWriter,
+    PieceCache,
+    PieceUnavailable,
+    WorkerShare,
+    rank_heads,
+)
 from kvnotes.serving.piece_store import PieceStore
 from kvnotes.serving.plans import LoadSpec
 from kvnotes.serving.skills import ServingSkills
@@ -218,3 +228,62 @@ def test_piece_cache_is_bounded():
     assert cache.get(("t", 0)) is None and cache.get(("t", 9)) is not None
     cache.put(("t", "huge"), (torch.zeros(1000),))  # over the whole budget: not kept
     assert cache.get(("t", "huge")) is None and len(cache) == 5
+
+
+def test_indexing_reads_headers_and_token_ids_not_tensors(library, monkeypatch):
+    """The scheduler's index reads each entry's JSON header and its two int64 rows; the keys
+    and values are read (and the whole file checksummed) only by a worker's load."""
+    skills, infos = library
+    read: list[int] = []
+    real_read_at = files._read_at
+    monkeypatch.setattr(files, "_read_at", lambda fd, off, n: read.append(n) or
+                        real_read_at(fd, off, n))
+
+    def no_tensors(*a, **k):
+        raise AssertionError("the index parsed an entry's tensors")
+
+    monkeypatch.setattr(files, "safetensors_load", no_tensors)
+    monkeypatch.setattr(files, "checksum", no_tensors)
+    store = PieceStore(skills.folder)
+    assert {store.index.get(i.key) for i in infos.values()} == set(infos.values())
+    want = 0
+    for info in infos.values():
+        data = (skills.folder / f"{info.key}.safetensors").read_bytes()
+        header_len = int.from_bytes(data[:8], "little")
+        want += 8 + header_len + 2 * 8 * len(info)  # length, JSON, token ids and positions
+    assert sum(read) == want
+    assert sum(read) < sum((skills.folder / f"{i.key}.safetensors").stat().st_size
+                           for i in infos.values()) / 4
+
+
+def test_an_entry_damaged_in_its_tensors_is_indexed_and_fails_its_load(library):
+    skills, infos = library
+    path = skills.folder / f"{infos['a'].key}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF  # one byte of the last tensor: the header still reads
+    path.write_bytes(bytes(data))
+    store = PieceStore(skills.folder)
+    assert store.index.get(infos["a"].key) == infos["a"]
+    writer = KvWriter(skills.folder, store.manifest, share(store.manifest))
+    with pytest.raises(PieceUnavailable, match="checksum mismatch"):
+        writer.piece(None, infos["a"])
+
+
+def test_an_entry_published_within_the_listings_clock_tick_is_found(library, monkeypatch):
+    """A folder's mtime ticks coarsely: an entry renamed in right after a listing can leave it
+    unchanged. A recent mtime is not trusted; an old unchanged one is (no listing)."""
+    skills, infos = library
+    store = PieceStore(skills.folder, rescan_s=0.0)
+    before = skills.folder.stat().st_mtime_ns
+    info = skills.add("Policy C: exchanges within 14 days.\n", name="c")
+    os.utime(skills.folder, ns=(before, before))  # the publish landed in the same tick
+    assert store.refresh() == len(infos) + 1 and store.index.get(info.key) == info
+    listings: list[int] = []
+    real = piece_store.entry_paths
+    monkeypatch.setattr(piece_store, "entry_paths", lambda f: listings.append(1) or real(f))
+    old = time.time_ns() - 2 * piece_store.RACY_NS
+    os.utime(skills.folder, ns=(old, old))
+    store.refresh()  # changed: listed, at a time well past the mtime
+    store.refresh()
+    store.refresh()
+    assert listings == [1]

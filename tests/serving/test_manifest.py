@@ -22,6 +22,7 @@ from kvnotes.serving.manifest import (
     entry_paths,
     is_splice_salt,
     read_entry,
+    salt_tag,
     salt_tenant,
     splice_salt,
 )
@@ -45,6 +46,25 @@ def test_tenant_salts_are_splice_salts_with_their_tenant():
     for other in (None, "", "cold-1", "kvnotes-splicex", "kvnotes-splice-7", "kvnotes-splice:",
                   "kvnotes-splice:a b"):
         assert not is_splice_salt(other) and salt_tenant(other) is None, other
+
+
+def test_repair_tags_namespace_the_salt_and_leave_the_tenant_alone():
+    cases = {(None, "f32a16"): "kvnotes-splice+f32a16",
+             ("acme", "f32a128"): "kvnotes-splice:acme+f32a128",
+             ("acme", None): "kvnotes-splice:acme"}
+    for (tenant, tag), want in cases.items():
+        salt = splice_salt(tenant, tag=tag)
+        assert salt == want and is_splice_salt(salt)
+        assert (salt_tenant(salt), salt_tag(salt)) == (tenant, tag)
+        # vLLM 0.32 refuses salts with '@', '/', '\\' or NUL, and over 128 characters
+        assert not set(salt) & set("@/\\\x00") and len(salt) <= 128
+    longest = splice_salt("t" * 64, tag="f" * 40)
+    assert len(longest) <= 128 and salt_tenant(longest) == "t" * 64
+    for other in ("kvnotes-splice+", "kvnotes-splice:acme+", "kvnotes-splice+a+b",
+                  "kvnotes-splice@f32a16", "kvnotes-splice+f32 a16", "kvnotes-splice:+f32"):
+        assert not is_splice_salt(other) and salt_tag(other) is None, other
+    with pytest.raises(InvalidArgumentError, match="salt tag"):
+        splice_salt("acme", tag="a@b")
 
 
 @pytest.mark.parametrize("tenant", ["", "a b", "x" * 65, "a:b", 7])

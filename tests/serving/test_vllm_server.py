@@ -12,13 +12,16 @@ skip only when that environment is absent.
 from __future__ import annotations
 
 import math
+import uuid
 
 import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
 from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
+from kvnotes.bench.serving.kit import ServerRecord
 from kvnotes.core.errors import ServingError
+from kvnotes.core.repair import Repair
 from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.launch import LaunchConfig, prepare
@@ -92,7 +95,8 @@ def test_spliced_output_equals_engine_compose(serving, client, smollm2, order):
     assert got.ok, got.error
     n_known = sum(len(smollm2.encode(t)) for t in (HEADER, *texts))
     assert got.cached_tokens == n_known  # header + both skills spliced, the user text computed
-    nb = smollm2.compose([smollm2.compile(t, anchor="none") for t in (HEADER, *texts)] + [USER])
+    nb = smollm2.compose([smollm2.compile(t, anchor="none") for t in (HEADER, *texts)] + [USER],
+                         repair=0)  # the server's bare splice
     want = smollm2.greedy(nb, None, 16)
     assert got.text == want.text
     first = want.first_logits.log_softmax(-1)
@@ -114,7 +118,7 @@ def test_anchored_skills_spliced_equal_engine_compose(serving, client, smollm2):
     assert got.ok, got.error
     assert got.cached_tokens == sum(len(smollm2.encode(t)) for t in (HEADER, *texts))
     nb = smollm2.compose([smollm2.compile(HEADER), *(smollm2.compile(t, after=HEADER)
-                                                     for t in texts[::-1]), USER])
+                                                     for t in texts[::-1]), USER], repair=0)
     assert got.text == smollm2.greedy(nb, None, 16).text
 
 
@@ -157,3 +161,91 @@ def test_skill_registered_while_running_is_used(serving, client, smollm2):
     time.sleep(1.0)  # the connector rescans its folder at most every 0.25 s
     got = client.complete([HEADER, text, USER], max_tokens=1)
     assert got.ok and got.cached_tokens == len(smollm2.encode(HEADER)) + len(smollm2.encode(text))
+
+
+# ---- phased prefill: skills' first tokens computed in context by vLLM ----------------------------
+PHASED = ("account_changes", "tools", "membership")
+
+
+@pytest.fixture(scope="module")
+def phased(serving, smollm2):
+    """``(client, block size, parts)``: a client that plans repaired requests from the
+    server's skills folder, and a prompt of the header and three skills compiled behind it."""
+    server, skills = serving
+    block = ServerRecord.read(Client(server.url), server.served_name).block_size
+    assert block, "the server reports no block size"
+    texts = [skill_text(n) for n in PHASED]
+    for name, text in zip(PHASED, texts, strict=True):
+        skills.add(text, name=name, after=HEADER)
+    client = ComposeClient(server.url, server.served_name, smollm2.tokenizer,
+                           skills=skills.folder, block_size=block)
+    return client, block, [HEADER, *texts, USER]
+
+
+def tenant_client(client: ComposeClient, tokenizer) -> ComposeClient:
+    """The same server and skills under a tenant of its own: a prefix cache nothing shares."""
+    assert client.store is not None
+    return ComposeClient(client.url, client.model, tokenizer, tenant=f"t{uuid.uuid4().hex[:12]}",
+                         skills=client.store.folder, block_size=client.block_size)
+
+
+def test_a_phased_request_equals_engine_compose_with_the_same_repair(phased, smollm2):
+    client, block, parts = phased
+    got = tenant_client(client, smollm2.tokenizer).complete(parts, max_tokens=16,
+                                                            repair=Repair(first=32))
+    assert got.ok, got.error
+    plan = got.plan
+    assert plan is not None and plan["repair"] == f"f32a{block}"
+    # the header and the first skill (at their origins) are spliced whole; the other two skills'
+    # first tokens are computed, each region ending on a block boundary, one phase each
+    assert got.phases == 2 and got.phase_errors == 0
+    assert all(r % block == 0 for r in plan["phase_ends"])
+    chain_end = plan["ranges"][1][2]
+    assert got.phase_cached_tokens[0] == chain_end  # the first phase: the chain, spliced
+    n_known = sum(len(smollm2.encode(t)) for t in parts[:-1])
+    assert got.cached_tokens == n_known  # phases' blocks + the rest of the last skill
+    nb = smollm2.compose([smollm2.compile(HEADER),
+                          *(smollm2.compile(t, after=HEADER) for t in parts[1:-1]), USER],
+                         repair=Repair(first=32, align=block))
+    assert [list(r) for r in nb.meta["compose"]["regions"]] == plan["regions"]
+    assert got.text == smollm2.greedy(nb, None, 16).text
+
+
+def test_repeats_reuse_their_phases(phased):
+    client, _, parts = phased
+    first = client.complete(parts, max_tokens=4, repair=Repair(first=32))
+    again = client.complete(parts, max_tokens=4, repair=Repair(first=32))
+    assert first.ok and again.ok, (first.error, again.error)
+    assert again.text == first.text
+    # each repeated phase is a local hit over its whole region (only its one extra token is
+    # computed); the real request hits the first one's blocks, user text included
+    assert again.phase_cached_tokens == (again.plan or {})["phase_ends"]
+    assert again.cached_tokens is not None and first.cached_tokens is not None
+    assert again.prompt_tokens is not None and client.block_size is not None
+    assert again.cached_tokens >= max(first.cached_tokens, again.prompt_tokens - client.block_size)
+
+
+def test_a_request_whose_phases_are_missing_is_computed_correctly(phased, smollm2):
+    """A tenant that never sent the phases: the connector finds no range at the later local
+    hits and supplies only the chain from token 0; vLLM computes the rest in context."""
+    client, _, parts = phased
+    fresh = tenant_client(client, smollm2.tokenizer)
+    ids, plan = fresh.plan(parts, Repair(first=32))
+    got = fresh.send(plan.real_body(ids, fresh.model, max_tokens=16))
+    assert got.ok, got.error
+    assert got.cached_tokens == plan.ranges[1].end  # header + the first skill only
+    # what the server did: the chain spliced exactly placed, the later skills computed as text
+    nb = smollm2.compose([smollm2.compile(HEADER), smollm2.compile(parts[1], after=HEADER),
+                          *parts[2:]], repair=0)
+    assert got.text == smollm2.greedy(nb, None, 16).text
+
+
+def test_the_guard_answers_a_close_call_exactly(phased):
+    client, _, parts = phased
+    exact = client.complete(parts, max_tokens=8, splice=False)
+    never = client.complete(parts, max_tokens=8, repair=Repair(first=32), guard=0.0)
+    always = client.complete(parts, max_tokens=8, repair=Repair(first=32), guard=1e6)
+    assert exact.ok and never.ok and always.ok
+    assert never.guard_fired is False and never.margin is not None and never.margin >= 0
+    assert always.guard_fired is True and always.spliced_tokens == 0
+    assert always.text == exact.text  # the answer came from the exact request

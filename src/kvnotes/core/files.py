@@ -8,9 +8,11 @@ and any header field of the wrong type or out of range; a file written by a diff
 :class:`NotebookMismatchError`. Nothing is ever unpickled.
 
 Writing never leaves a partial file or folder: data goes to a temporary beside the target
-(``.kvnotes-tmp.<pid>.<random>.<name>``), is flushed to disk, and is renamed over the target in
-one step. A temporary whose process died (killed mid-save) is swept at the next write into that
-folder. See ``docs/reliability.md``.
+(``.kvnotes-tmp.<host>.<pid>.<random>.<name>``), is flushed to disk, and is renamed over the
+target in one step. A temporary whose process died (killed mid-save) is swept at the next write
+into that folder by a writer on the same host: a folder shared between machines (several servers
+reading one skills library) holds other hosts' temporaries, whose pids mean nothing here, so they
+are never swept from another host. See ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -43,6 +48,25 @@ TMP_PREFIX = ".kvnotes-tmp."
 OLD_PREFIX = ".kvnotes-old."
 # A temporary older than this is swept even when its pid is alive again (pid reuse).
 STALE_AGE_S = 24 * 3600
+
+
+def host_tag(hostname: str) -> str:
+    """``hostname`` as one dot-free field of a temporary's name (other characters become ``-``).
+
+    Example:
+        >>> host_tag("node-3.cluster.local"), host_tag("")
+        ('node-3-cluster-local', 'localhost')
+    """
+    return re.sub(r"[^A-Za-z0-9-]", "-", hostname)[:64] or "localhost"
+
+
+# This machine's field in the temporaries it writes; the sweep removes only temporaries with it.
+HOST = host_tag(socket.gethostname())
+
+
+def temp_prefix(kind: str = TMP_PREFIX) -> str:
+    """The name start of this process's temporaries: ``<kind><host>.<pid>.``."""
+    return f"{kind}{HOST}.{os.getpid()}."
 # equal to kvnotes.core.notebook.SPAN_KINDS (a test checks; notebook imports this module)
 SPAN_KINDS = ("text", "field", "skill", "erratum", "query")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -114,7 +138,8 @@ def _remove(path: Path) -> None:
 
 
 def sweep(folder: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporaries that dead processes left in ``folder``; returns what was swept.
+    """Remove the temporaries that dead processes of this host left in ``folder``; returns what
+    was swept. Another host's temporaries are left alone: its pids cannot be checked from here.
 
     A folder set aside by an interrupted replacement (``.kvnotes-old.*``) is moved back when
     its target is missing, so a kill between the two renames loses nothing.
@@ -132,7 +157,10 @@ def sweep(folder: str | os.PathLike[str]) -> list[Path]:
             OLD_PREFIX if name.startswith(OLD_PREFIX) else None)
         if prefix is None:
             continue
-        pid_text, _, rest = name[len(prefix):].partition(".")
+        host, _, tail = name[len(prefix):].partition(".")
+        if host != HOST:
+            continue
+        pid_text, _, rest = tail.partition(".")
         try:
             pid = int(pid_text)
             age = now - entry.lstat().st_mtime
@@ -182,7 +210,7 @@ def write(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
     header["checksum"] = checksum(tensors, header)
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep(path.parent)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{os.getpid()}.",
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(),
                                 suffix=f".{path.name}")
     os.close(fd)
     tmp = Path(name)
@@ -234,6 +262,16 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
         raise NotebookFileError(
             f"{path} is not a readable kvnotes {what} (truncated or corrupted?): {err}"
         ) from err
+    _check_kind(path, header, file_format, version, what, wrong_format_hint)
+    if checksum(tensors, header) != header.get("checksum"):
+        raise NotebookFileError(f"{path}: checksum mismatch over the header and tensors; the "
+                                "file was modified or damaged")
+    _check_writer(path, check_header(path, header, tensors, layer_tensors), fingerprint)
+    return header, tensors
+
+
+def _check_kind(path: Path, header: object, file_format: str, version: int, what: str,
+                wrong_format_hint: str) -> None:
     if not isinstance(header, dict):
         raise NotebookFileError(f"{path}: the kvnotes header is not a JSON object")
     if header.get("format") != file_format or header.get("version") != version:
@@ -248,10 +286,9 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
     if header["container"] != CONTAINER:
         raise NotebookFileError(f"{path}: unsupported kvnotes file layout "
                                 f"{header['container']!r} (this version reads {CONTAINER})")
-    if checksum(tensors, header) != header.get("checksum"):
-        raise NotebookFileError(f"{path}: checksum mismatch over the header and tensors; the "
-                                "file was modified or damaged")
-    saved = check_header(path, header, tensors, layer_tensors)
+
+
+def _check_writer(path: Path, saved: ModelFingerprint, fingerprint: ModelFingerprint) -> None:
     if saved != fingerprint:
         diff = ", ".join(saved.differences(fingerprint))
         raise NotebookMismatchError(
@@ -260,7 +297,94 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
             f"{fingerprint.model_type}, {fingerprint.dtype}); differing: {diff}. "
             "Load it with the model that wrote it, or prefill again."
         )
-    return header, tensors
+
+
+@dataclass(frozen=True, slots=True)
+class FileHead:
+    """A kvnotes file's header and tensor table, with only a few small tensors read.
+
+    ``table``: every tensor's safetensors dtype (``"F32"``, ``"I64"``, ...) and shape, from the
+    file's JSON header; ``tensors``: the int64 tensors asked for. Nothing here is checksummed
+    (that needs every byte): a reader that uses the data goes through :func:`read`.
+    """
+
+    header: dict[str, Any]
+    table: dict[str, tuple[str, tuple[int, ...]]]
+    tensors: dict[str, torch.Tensor]
+    size: int  # bytes on disk
+
+
+# the most a safetensors JSON header may take before the file is called damaged
+MAX_HEAD_BYTES = 64 << 20
+
+
+def _read_at(fd: int, offset: int, n: int) -> bytes:
+    """``n`` bytes at ``offset`` of an open file (every byte the head reader takes comes here)."""
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise ValueError(f"{n} bytes at offset {offset} run past the end of the file")
+    return data
+
+
+def read_head(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_format: str,
+              version: int, what: str, int_tensors: tuple[str, ...] = ("token_ids", "positions"),
+              ) -> FileHead:
+    """The header of a file written by :func:`write` and its small ``int_tensors`` (int64, 1-D),
+    without reading any other tensor's bytes: what an index needs (the tensors are checked,
+    checksum included, by :func:`read` when they are used).
+
+    One open file gives every byte, so a file replaced meanwhile is read whole from one version.
+
+    Raises:
+        NotebookFileError: missing, truncated header, another format, or a malformed table.
+        NotebookMismatchError: written by a model other than ``fingerprint``'s.
+    """
+    path = as_path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        raise NotebookFileError(f"no {what} file at {path} ({err.strerror})") from err
+    try:
+        size = os.fstat(fd).st_size
+        n = int.from_bytes(_read_at(fd, 0, 8), "little")
+        if n > min(size - 8, MAX_HEAD_BYTES):
+            raise ValueError(f"header of {n} bytes does not fit a file of {size}")
+        table_raw = json.loads(_read_at(fd, 8, n))
+        meta = table_raw.pop("__metadata__", None) if isinstance(table_raw, dict) else None
+        raw = meta.get("kvnotes") if isinstance(meta, dict) else None
+        if raw is None:
+            raise NotebookFileError(f"{path} is a safetensors file but not a kvnotes {what}")
+        header = json.loads(raw)
+        table: dict[str, tuple[str, tuple[int, ...]]] = {}
+        spans: dict[str, tuple[int, int]] = {}
+        for name, info in table_raw.items():
+            lo, hi = (int(x) for x in info["data_offsets"])
+            table[name] = (str(info["dtype"]), tuple(int(d) for d in info["shape"]))
+            spans[name] = (lo, hi)
+        _check_kind(path, header, file_format, version, what, "")
+        tensors: dict[str, torch.Tensor] = {}
+        for name in int_tensors:
+            dtype, shape = table[name]
+            lo, hi = spans[name]
+            if dtype != "I64" or len(shape) != 1 or hi - lo != 8 * shape[0] or 8 + n + hi > size:
+                raise ValueError(f"tensor {name} is {dtype} {shape} at bytes [{lo}, {hi}), not "
+                                 "int64 of one dimension inside the file")
+            data = _read_at(fd, 8 + n + lo, hi - lo) if hi > lo else b""
+            tensors[name] = torch.frombuffer(bytearray(data), dtype=torch.int64) if data \
+                else torch.zeros(0, dtype=torch.int64)
+    except NotebookFileError:
+        raise
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, OSError) as err:
+        raise NotebookFileError(
+            f"{path} is not a readable kvnotes {what} (truncated or corrupted?): {err}") from err
+    finally:
+        os.close(fd)
+    try:
+        saved = ModelFingerprint.from_dict(header.get("fingerprint"))
+    except (TypeError, ValueError) as err:
+        raise NotebookFileError(f"{path}: malformed header: fingerprint: {err}") from err
+    _check_writer(path, saved, fingerprint)
+    return FileHead(header, table, tensors, size)
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:
@@ -419,7 +543,7 @@ def staged_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     target = check_plain_child(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     sweep(target.parent)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{TMP_PREFIX}{os.getpid()}.",
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temp_prefix(),
                                 suffix=f".{target.name}"))
     try:
         yield tmp
@@ -430,7 +554,7 @@ def staged_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
         elif _exchange(tmp, target):
             shutil.rmtree(tmp, ignore_errors=True)  # now holds the old folder
         else:
-            aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{OLD_PREFIX}{os.getpid()}.",
+            aside = Path(tempfile.mkdtemp(dir=target.parent, prefix=temp_prefix(OLD_PREFIX),
                                           suffix=f".{target.name}"))
             os.replace(target, aside)  # onto the empty folder just made
             fault_point("staged_dir_aside")

@@ -7,17 +7,21 @@ Loaded by vLLM out of tree (``kvnotes serve`` passes these flags)::
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"skills": "ROOT/<fingerprint>"}}'
 
-Which requests: those whose ``cache_salt`` is ``kvnotes-splice`` or ``kvnotes-splice:<tenant>``.
-The salt keeps their prefix-cache entries apart from exact requests' (spliced KV is close to,
-not equal to, a prefill) and a tenant's apart from other tenants'; the worker's tensor cache is
-namespaced by tenant too. Every other request is served exactly as without kvnotes.
+Which requests: those whose ``cache_salt`` is ``kvnotes-splice[:<tenant>][+<tag>]``. The salt
+keeps their prefix-cache entries apart from exact requests' (spliced KV is close to, not equal
+to, a prefill), a tenant's apart from other tenants' and one repair plan's (the tag) apart from
+another's; the worker's tensor cache is namespaced by tenant. Every other request is served
+exactly as without kvnotes.
 
-Scheduler side (:mod:`kvnotes.serving.plans`): match the prompt from token 0 against the
-registered pieces and report the part of that run past vLLM's local prefix hit as external
-tokens (vLLM takes one contiguous external run per request, right after its local hit, and
-leaves at least one token to compute); record the load with the request's blocks when vLLM
-allocates them, and hand it to the workers in the step that schedules the request: a new one,
-or one resumed after preemption (which the V1 model runner lists among its cached requests).
+Scheduler side (:mod:`kvnotes.serving.plans`): a request that names splice ranges
+(``kv_transfer_params={"kvnotes_splice": [[piece_start, start, end], ...]}``, sent by
+:mod:`kvnotes.serving.phases`' plans) is supplied only inside those ranges, from vLLM's local
+prefix hit on; any other spliced request gets the prompt's leading run of registered pieces
+past the local hit. Either way the external tokens are one contiguous run right after the
+local hit (all vLLM takes), leaving at least one token to compute. The load is recorded with
+the request's blocks when vLLM allocates them and handed to the workers in the step that
+schedules the request: a new one, or one resumed after preemption (which the V1 model runner
+lists among its cached requests).
 
 Worker side (:mod:`kvnotes.serving.kv_writer`): before the forward, build each load's keys (re-
 rotated from where each piece was compiled to its place in the prompt) and values on the cache's
@@ -55,11 +59,13 @@ from kvnotes.serving.connector_checks import (
     check_layers,
     check_rope,
     check_served,
+    check_weights,
 )
 from kvnotes.serving.kv_writer import KvWriter, WorkerShare, rank_heads
 from kvnotes.serving.manifest import ServingManifest, is_splice_salt, salt_tenant
 from kvnotes.serving.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
 from kvnotes.serving.plans import LoadSpec, SplicePlanner
+from kvnotes.serving.splice import SPLICE_PARAMS_KEY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,9 +84,18 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
 
 
 def splice_tenant(salt: str | None) -> tuple[bool, str | None]:
-    """``(spliced, tenant)`` for a request's salt: only ``kvnotes-splice`` and
-    ``kvnotes-splice:<tenant>`` are spliced."""
+    """``(spliced, tenant)`` for a request's salt: only ``kvnotes-splice[:<tenant>][+<tag>]``
+    salts are spliced; the tag does not change the tenant (the worker's cache key)."""
     return is_splice_salt(salt), salt_tenant(salt)
+
+
+def splice_ranges(request: Any) -> object:
+    """The request's ``kvnotes_splice`` value (its splice ranges, unchecked), or None when its
+    ``kv_transfer_params`` carry none."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return None
+    return params.get(SPLICE_PARAMS_KEY)
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -121,7 +136,7 @@ def served_model(vllm_config: VllmConfig) -> ServedModel:
 
 
 class KvnotesConnector(KVConnectorBase_V1):
-    """Splices kvnotes serving skills into requests salted ``kvnotes-splice[:<tenant>]``."""
+    """Splices kvnotes serving skills into requests salted ``kvnotes-splice[:<tenant>][+<tag>]``."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -138,6 +153,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         self.manifest = ServingManifest.read(self.folder)
         served = served_model(vllm_config)
         check_served(self.manifest, served, self.folder)
+        check_weights(self.manifest, vllm_config.model_config.model, self.folder)
         try:
             rank_heads(served.num_kv_heads, served.tensor_parallel, 0)
         except InvalidArgumentError as err:
@@ -173,7 +189,7 @@ class KvnotesConnector(KVConnectorBase_V1):
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
         return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
-                                  self.store.index), False
+                                  self.store.index, splice_ranges(request)), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

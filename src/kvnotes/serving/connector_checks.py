@@ -9,6 +9,9 @@ connector checks, before the first request:
   with draft layers (their KV for spliced tokens would be missing), LoRA (an adapter on the
   key/value projections makes other KV than the base model's skills hold), MLA (a latent cache,
   another write), decode/prefill context parallel (slots interleaved across ranks);
+- :func:`check_weights` (both processes, from the model path vLLM serves): the served weights
+  are the ones the skills were compiled with (digests of sampled elements,
+  :mod:`kvnotes.serving.weights`): a fine-tune of the same shape passes every other check;
 - :func:`check_layers` (each worker, with its cache tensors): every attention layer maps to a
   manifest layer, is not a KV-sharing layer, has the backend's ``(layer, key, value, kv_cache,
   slot_mapping)`` write, and holds exactly the KV heads and head size this rank writes;
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,8 +34,9 @@ from typing import Any
 
 import torch
 
-from kvnotes.core.errors import ServingError
+from kvnotes.core.errors import KvnotesError, ServingError
 from kvnotes.serving.manifest import ServingManifest
+from kvnotes.serving.weights import WeightsDigest, served_digest
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 WRITE_PARAMS = ("layer", "key", "value", "kv_cache", "slot_mapping")
@@ -91,6 +96,50 @@ def check_served(manifest: ServingManifest, served: ServedModel, folder: object)
             f"{served.decode_context_parallel}, prefill {served.prefill_context_parallel}) "
             f"interleaves a request's slots across ranks. {_FIX} set "
             "--decode-context-parallel-size 1 and --prefill-context-parallel-size 1.")
+
+
+def check_weights(manifest: ServingManifest, model: str | os.PathLike[str], folder: object
+                  ) -> str:
+    """Refuse unless the weights vLLM serves from ``model`` (``vllm_config.model_config.model``)
+    are the ones the skills in ``folder`` were compiled with; returns the digest compared.
+
+    The served folder's float dtype picks which of the manifest's digests must match, so a
+    float32 or bfloat16 copy of the compiled weights passes and a fine-tune does not.
+    """
+    if manifest.weights is None:
+        raise ServingError(
+            f"kvnotes skills in {folder}: serving.json records no digest of the weights they "
+            f"were compiled with, so the server cannot tell {manifest.model} from a fine-tune "
+            "of the same shape. Re-export the skills with this kvnotes (`kvnotes skills add "
+            "--model M --skills DIR ...` or `kvnotes serve` rewrites the manifest).")
+    try:
+        want = WeightsDigest.from_dict(manifest.weights)
+    except TypeError as err:
+        raise ServingError(f"kvnotes skills in {folder}: serving.json's weights digest is "
+                           f"malformed ({err}); re-export the skills") from err
+    path = os.fspath(model)
+    if not os.path.isdir(path):
+        raise ServingError(
+            f"kvnotes connector: the served model {path!r} is not a local folder of "
+            ".safetensors weights, so its weights cannot be compared with the skills'. "
+            f"{_FIX} serve the folder `kvnotes serve` exports.")
+    try:
+        dtype, got = served_digest(path)
+    except KvnotesError as err:
+        raise ServingError(f"kvnotes connector: cannot fingerprint the served weights: {err}. "
+                           f"{_FIX} serve the folder `kvnotes serve` exports.") from err
+    if dtype not in want.sha256:
+        raise ServingError(f"kvnotes connector: the served weights in {path} are {dtype}; the "
+                           f"skills' manifest has digests for {sorted(want.sha256)}. Serve one "
+                           "of those dtypes (--dtype).")
+    if got != want.sha256[dtype]:
+        raise ServingError(
+            f"kvnotes skills in {folder} were compiled with other weights than the ones served "
+            f"from {path} (same shape, different values: a fine-tune or another checkpoint of "
+            f"{manifest.model}; {dtype} digest {got[:12]} is not {want.sha256[dtype][:12]}). "
+            "Compile the skills with the served model (kvnotes skills add --model <it>), or "
+            "serve the model they were compiled with.")
+    return got
 
 
 def check_layers(manifest: ServingManifest, layers: Mapping[str, Any],

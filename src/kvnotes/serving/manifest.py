@@ -31,55 +31,77 @@ from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.serving.splice import PieceInfo
 
 # ---- the splice salt ---------------------------------------------------------------------------
-# Requests whose cache_salt is ``kvnotes-splice`` or ``kvnotes-splice:<tenant>`` are the ones the
-# connector splices; any other request (no salt, or another salt) is served exactly as vLLM
-# would without kvnotes.
+# Requests whose cache_salt is ``kvnotes-splice[:<tenant>][+<tag>]`` are the ones the connector
+# splices; any other request (no salt, or another salt) is served exactly as vLLM would without
+# kvnotes. The tenant keeps one tenant's prefix-cache entries apart from another's; the tag (a
+# repair plan's name, :meth:`kvnotes.core.repair.Repair.tag`) keeps blocks written under one
+# repair plan from serving another. vLLM refuses salts holding '@', '/', '\\' or NUL, or longer
+# than 128 characters, so the tag follows a '+'.
 SPLICE_SALT_PREFIX = "kvnotes-splice"
 SPLICE_SALT = SPLICE_SALT_PREFIX  # the salt of untenanted spliced requests: repeats share cache
+TAG_SEPARATOR = "+"
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TAG = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+_SALT = re.compile(rf"{SPLICE_SALT_PREFIX}(?::(?P<tenant>[A-Za-z0-9_.-]{{1,64}}))?"
+                   rf"(?:\{TAG_SEPARATOR}(?P<tag>[A-Za-z0-9_.-]{{1,40}}))?")
+
+
+def _parse(salt: str | None) -> re.Match[str] | None:
+    return _SALT.fullmatch(salt) if isinstance(salt, str) else None
 
 
 def salt_tenant(salt: str | None) -> str | None:
     """The tenant of a tenant's splice salt; None for any other salt (the untenanted one too).
 
     Example:
-        >>> salt_tenant("kvnotes-splice:acme"), salt_tenant("kvnotes-splice"), salt_tenant("x")
+        >>> salt_tenant("kvnotes-splice:acme+f32a16"), salt_tenant("kvnotes-splice"), salt_tenant("x")
         ('acme', None, None)
     """
-    head = SPLICE_SALT_PREFIX + ":"
-    if not isinstance(salt, str) or not salt.startswith(head):
-        return None
-    tenant = salt[len(head):]
-    return tenant if _TENANT.fullmatch(tenant) else None
+    m = _parse(salt)
+    return None if m is None else m.group("tenant")
+
+
+def salt_tag(salt: str | None) -> str | None:
+    """The repair tag of a splice salt; None for a salt without one (or not a splice salt).
+
+    Example:
+        >>> salt_tag("kvnotes-splice:acme+f32a16"), salt_tag("kvnotes-splice:acme")
+        ('f32a16', None)
+    """
+    m = _parse(salt)
+    return None if m is None else m.group("tag")
 
 
 def is_splice_salt(salt: str | None) -> bool:
-    """True for a salt the connector splices: ``kvnotes-splice`` or ``kvnotes-splice:<tenant>``.
+    """True for a salt the connector splices: ``kvnotes-splice[:<tenant>][+<tag>]``.
 
     Example:
-        >>> is_splice_salt("kvnotes-splice:acme"), is_splice_salt("kvnotes-splicex")
+        >>> is_splice_salt("kvnotes-splice:acme+f32a16"), is_splice_salt("kvnotes-splicex")
         (True, False)
     """
-    return salt == SPLICE_SALT or salt_tenant(salt) is not None
+    return _parse(salt) is not None
 
 
-def splice_salt(tenant: str | None = None) -> str:
-    """The salt of a spliced request: ``kvnotes-splice``, or ``kvnotes-splice:<tenant>``.
+def splice_salt(tenant: str | None = None, tag: str | None = None) -> str:
+    """The salt of a spliced request: ``kvnotes-splice``, ``kvnotes-splice:<tenant>``,
+    ``kvnotes-splice+<tag>`` or ``kvnotes-splice:<tenant>+<tag>``.
 
     A tenant's salt keeps its requests' prefix-cache entries (and their splice plans) apart
-    from other tenants'.
+    from other tenants'; a repair tag keeps the blocks of one repair plan apart from another's.
 
     Example:
-        >>> splice_salt(), splice_salt("acme")
-        ('kvnotes-splice', 'kvnotes-splice:acme')
+        >>> splice_salt(), splice_salt("acme"), splice_salt("acme", tag="f32a16")
+        ('kvnotes-splice', 'kvnotes-splice:acme', 'kvnotes-splice:acme+f32a16')
     """
-    if tenant is None:
-        return SPLICE_SALT
-    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+    if tenant is not None and (not isinstance(tenant, str) or not _TENANT.fullmatch(tenant)):
         raise InvalidArgumentError(
             f"tenant {tenant!r}: use 1-64 letters, digits, '_', '.' or '-' (it becomes part of "
             "the request's cache_salt)")
-    return f"{SPLICE_SALT}:{tenant}"
+    if tag is not None and (not isinstance(tag, str) or not _TAG.fullmatch(tag)):
+        raise InvalidArgumentError(
+            f"salt tag {tag!r}: use 1-40 letters, digits, '_', '.' or '-' (a Repair.tag())")
+    salt = SPLICE_SALT if tenant is None else f"{SPLICE_SALT}:{tenant}"
+    return salt if tag is None else f"{salt}{TAG_SEPARATOR}{tag}"
 
 
 # ---- the manifest ------------------------------------------------------------------------------
@@ -106,6 +128,9 @@ class ServingManifest:
     vocab_size: int
     bos_id: int | None
     inv_freqs: list[list[float]]  # per layer: RoPE inverse frequencies (float64 values)
+    # digests of the weights the skills were compiled with (kvnotes.serving.weights.WeightsDigest
+    # .to_dict()); None in a manifest written before they were recorded: the connector refuses it
+    weights: dict[str, Any] | None = None
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
 
@@ -125,7 +150,7 @@ class ServingManifest:
         path = Path(folder) / MANIFEST_NAME
         text = self.to_json()
         if not path.is_file() or path.read_text("utf-8") != text:
-            tmp = path.with_name(f"{files.TMP_PREFIX}{os.getpid()}.{MANIFEST_NAME}")
+            tmp = path.with_name(f"{files.temp_prefix()}{MANIFEST_NAME}")
             tmp.write_text(text, "utf-8")
             os.replace(tmp, path)
         return path

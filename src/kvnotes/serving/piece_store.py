@@ -1,10 +1,14 @@
 """The scheduler's view of a serving-skills folder: an index of the pieces that follows the folder.
 
-The scheduler matches prompts against this index (token ids, origins and keys only; the
-tensors are read by each worker when it loads, :mod:`kvnotes.serving.kv_writer`). Imports
+The scheduler matches prompts against this index (token ids, origins and keys only). Indexing an
+entry reads its JSON header and its token ids and positions, never its keys and values: those
+are read, and the whole file checksummed, by each worker when it loads
+(:mod:`kvnotes.serving.kv_writer`), so an entry damaged in its tensors is indexed and then fails
+its load (recomputed by vLLM). Imports
 nothing from vLLM or the engine, so it is tested without either. Entries published while the
 server runs are picked up at the next match (the folder is rescanned when its modification time
-changes, at most every ``rescan_s`` seconds). What is never indexed: a publish still in progress
+changes, or while it is recent enough that a listing in the same clock tick could have missed an
+entry, at most every ``rescan_s`` seconds). What is never indexed: a publish still in progress
 (hidden ``.kvnotes-tmp.*`` files), a damaged or foreign file (warned about once), and an entry
 larger than ``max_entry_bytes`` on disk (checked before it is read).
 """
@@ -16,13 +20,25 @@ import os
 import time
 from pathlib import Path
 
+from kvnotes.core import files
 from kvnotes.core.errors import KvnotesError, NotebookFileError
-from kvnotes.serving.manifest import ServingManifest, entry_paths, read_entry
-from kvnotes.serving.splice import PieceIndex
+from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.serving.manifest import (
+    ENTRY_FORMAT,
+    ENTRY_VERSION,
+    ServingManifest,
+    entry_paths,
+)
+from kvnotes.serving.splice import PieceIndex, PieceInfo
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 
 DEFAULT_MAX_ENTRY_BYTES = 1 << 30
+FLOAT_TENSORS = {"F32", "F16", "BF16", "F64"}  # safetensors' names of the dtypes entries hold
+# A folder's mtime ticks coarsely (a few ms locally, seconds on some network file systems): an
+# entry renamed in within the tick of a listing leaves the mtime as the listing saw it. So an
+# unchanged mtime is trusted only once a listing started this long after it.
+RACY_NS = 2_000_000_000
 
 
 class PieceStore:
@@ -45,6 +61,7 @@ class PieceStore:
         self._paths: dict[str, Path] = {}
         self._skipped: set[tuple[str, int]] = set()  # (name, mtime) already warned about
         self._mtime: int | None = None
+        self._listed_ns = 0  # wall clock when the folder was last listed
         self._checked = 0.0
         self.refresh(force=True)
 
@@ -58,9 +75,9 @@ class PieceStore:
             mtime = self.folder.stat().st_mtime_ns
         except OSError:
             return len(self.index)
-        if not force and mtime == self._mtime:
+        if not force and mtime == self._mtime and self._listed_ns - mtime > RACY_NS:
             return len(self.index)
-        self._mtime = mtime
+        self._mtime, self._listed_ns = mtime, time.time_ns()
         present = {p.stem: p for p in entry_paths(self.folder)}
         for key in [k for k in self._paths if k not in present]:
             self.index.remove(key)
@@ -84,10 +101,9 @@ class PieceStore:
                 raise NotebookFileError(f"{st.st_size} bytes, over the entry cap of "
                                         f"{self.max_entry_bytes} (kv_connector_extra_config "
                                         "max_entry_mib)")
-            piece, keys, _ = read_entry(path, self.fingerprint)
+            piece, got = index_entry(path, self.fingerprint)
             m = self.manifest
             want = (m.num_layers, m.num_kv_heads, m.head_dim)
-            got = (keys.shape[0], keys.shape[2], keys.shape[3])
             if got != want:
                 raise NotebookFileError(f"shape (layers, kv heads, head dim) {got} does not "
                                         f"match the manifest's {want}")
@@ -100,3 +116,33 @@ class PieceStore:
         self._paths[key] = path
         log.info("kvnotes: skill %r (%d tokens, origin %d) registered", piece.name, len(piece),
                  piece.origin)
+
+
+def index_entry(path: Path, fingerprint: ModelFingerprint) -> tuple[PieceInfo, tuple[int, int, int]]:
+    """``(piece, (layers, kv heads, head dim))`` of one entry, from its header and token ids
+    only (:func:`kvnotes.core.files.read_head`); :class:`NotebookFileError` when the header
+    does not describe a skill the server can splice."""
+    head = files.read_head(path, fingerprint, file_format=ENTRY_FORMAT, version=ENTRY_VERSION,
+                           what="skill")
+    ids = tuple(int(t) for t in head.tensors["token_ids"].tolist())
+    positions = head.tensors["positions"]
+    try:
+        num_layers = int(head.header["num_layers"])
+        spans = head.header.get("spans") or []
+        name = str(spans[0][0]) if spans else path.stem
+        layer_tensors = [head.table[f"layers.{l}.{kind}"] for l in range(num_layers)
+                         for kind in ("keys", "values")]
+        shapes = {shape for _, shape in layer_tensors}
+        dtypes = {dtype for dtype, _ in layer_tensors}
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+        raise NotebookFileError(f"{path}: not a skill the server can splice ({err})") from err
+    # stored as the HF cache holds them: [1, kv_heads, n, head_dim] per layer
+    if not dtypes <= FLOAT_TENSORS:
+        raise NotebookFileError(f"{path}: layer tensors of {sorted(dtypes)}, not floats")
+    if not ids or positions.numel() != len(ids) or len(shapes) != 1:
+        raise NotebookFileError(f"{path}: {len(ids)} tokens, {positions.numel()} positions and "
+                                f"layer shapes {sorted(shapes)} do not describe one skill")
+    (shape,) = shapes
+    if len(shape) != 4 or shape[0] != 1 or shape[2] != len(ids):
+        raise NotebookFileError(f"{path}: layer tensors {shape} do not fit {len(ids)} tokens")
+    return PieceInfo(path.stem, name, ids, int(positions[0])), (num_layers, shape[1], shape[3])

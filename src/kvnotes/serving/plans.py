@@ -4,7 +4,9 @@ vLLM asks its connector three things about a waiting request, in this order, eve
 request is admitted (a preempted request is admitted again, from zero computed tokens):
 
 1. ``get_num_new_matched_tokens`` -> :meth:`SplicePlanner.match`: how many tokens past the
-   local prefix-cache hit the pieces supply (a *plan*);
+   local prefix-cache hit the pieces supply (a *plan*): the leading run of known pieces, or,
+   when the request names splice ranges (``kv_transfer_params["kvnotes_splice"]``), the ranges
+   that hold the local hit, from the hit on;
 2. ``update_state_after_alloc`` -> :meth:`SplicePlanner.allocated`: how many the scheduler took,
    and the request's blocks (a *load*, recorded here and nowhere later);
 3. ``build_connector_meta`` -> :meth:`SplicePlanner.take`: the loads of every request scheduled
@@ -26,8 +28,10 @@ import torch
 from kvnotes.serving.splice import (
     PieceIndex,
     Placement,
+    check_ranges,
     external_tokens,
     leading_run,
+    range_run,
     slot_mapping,
 )
 
@@ -90,15 +94,31 @@ class SplicePlanner:
         self.block_size = int(block_size)
         self._plans: dict[str, _Plan] = {}
         self._pending: dict[str, LoadSpec] = {}
+        self._warned: set[str] = set()  # requests whose dropped ranges were logged
 
     def match(self, req_id: str, tenant: str | None, tokens: Sequence[int],
-              num_computed_tokens: int, index: PieceIndex) -> int:
+              num_computed_tokens: int, index: PieceIndex, ranges: object = None) -> int:
         """External tokens the pieces in ``index`` supply past ``num_computed_tokens``.
+
+        ``ranges``: the request's ``kvnotes_splice`` value, or None when it sent none. With
+        ranges, only tokens inside them are supplied: those of the range holding the local
+        hit (and the ranges contiguous after it), from the hit on; nothing when no range holds
+        it. The first invalid range and every range after it are dropped, logged once per
+        request. Without ranges, the prompt's leading run of known pieces.
 
         Called again on every admission attempt: the latest answer is the plan.
         """
-        run = leading_run(tokens, index)
-        ext = external_tokens(run, len(tokens), num_computed_tokens)
+        if ranges is None:
+            run = leading_run(tokens, index)
+            ext = external_tokens(run, len(tokens), num_computed_tokens)
+        else:
+            checked = check_ranges(tokens, index, ranges)
+            if checked.reason is not None and req_id not in self._warned:
+                self._warned.add(req_id)
+                log.warning("kvnotes: request %s: %d of its splice ranges dropped (%s); their "
+                            "tokens are computed", req_id, checked.dropped, checked.reason)
+            run, end = range_run(checked, num_computed_tokens)
+            ext = external_tokens(run, len(tokens), num_computed_tokens, end)
         if ext:
             self._plans[req_id] = _Plan(tenant, tuple(run), num_computed_tokens)
         else:
@@ -132,6 +152,7 @@ class SplicePlanner:
         return loads
 
     def finished(self, req_id: str) -> None:
+        self._warned.discard(req_id)
         self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
 

@@ -13,11 +13,16 @@ prompt's leading run starts at token 0.
 
 Library entries are published atomically and are content-addressed, so a server that rescans
 the folder sees a skill completely or not at all.
+
+The manifest records the digests of the weights the engine was loaded from
+(:mod:`kvnotes.serving.weights`), so a server running other weights of the same shape (a
+fine-tune) is refused at start.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import ArgumentTypeError, NotebookFileError, UnsupportedModelError
@@ -25,6 +30,7 @@ from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
 from kvnotes.serving.manifest import ServingManifest, entry_paths, read_entry
 from kvnotes.serving.splice import PieceInfo
+from kvnotes.serving.weights import weight_files, weights_digest
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
 
@@ -44,9 +50,24 @@ def check_servable(engine: Engine) -> RopeAdapter:
     return adapter
 
 
-def manifest_for(engine: Engine) -> ServingManifest:
-    """The manifest a server of ``engine``'s model checks against (refuses what it cannot splice)."""
+def weights_folder(engine: Engine) -> Path | None:
+    """The folder of safetensors files ``engine``'s model was loaded from, if it has one (a
+    model built in memory, ``Engine.from_model`` of a fresh config, has none)."""
+    source = str(getattr(engine.model.config, "_name_or_path", "") or "")
+    folder = Path(source) if source else None
+    return folder if folder is not None and folder.is_dir() and weight_files(folder) else None
+
+
+def manifest_for(engine: Engine, weights: str | os.PathLike[str] | None = None
+                 ) -> ServingManifest:
+    """The manifest a server of ``engine``'s model checks against (refuses what it cannot splice).
+
+    ``weights``: the folder of the weights ``engine`` runs (default: the one it was loaded
+    from); its digests go into the manifest. Without one the manifest records none, and a
+    server refuses it.
+    """
     adapter = check_servable(engine)
+    folder = Path(weights) if weights is not None else weights_folder(engine)
     cfg = adapter.config
     # the cache's own shapes, whatever the config calls them: one token prefilled
     k = engine.prefill(engine.encode(".")[:1], bos=False).keys(0)  # [1, kv_heads, 1, head_dim]
@@ -54,20 +75,26 @@ def manifest_for(engine: Engine) -> ServingManifest:
         fingerprint=engine.fingerprint.to_dict(), model=engine.name, scheme=adapter.name,
         num_layers=adapter.num_layers, num_kv_heads=int(k.shape[1]), head_dim=int(k.shape[-1]),
         vocab_size=int(getattr(cfg, "vocab_size", 0) or len(engine.tokenizer)),
-        bos_id=engine.bos_id, inv_freqs=[f.tolist() for f in adapter.inv_freqs])
+        bos_id=engine.bos_id, inv_freqs=[f.tolist() for f in adapter.inv_freqs],
+        weights=weights_digest(folder).to_dict() if folder is not None else None)
 
 
 class ServingSkills:
     """One model's skills as a server uses them: a skill library plus the serving manifest.
+
+    ``weights``: the folder of ``*.safetensors`` files ``engine`` runs, whose digests the
+    manifest records (default: the folder the engine was loaded from).
 
     Example:
         >>> skills = ServingSkills("skills/", engine)                       # doctest: +SKIP
         >>> skills.add("REFUNDS: unworn items within 30 days ...", name="refunds")  # doctest: +SKIP
     """
 
-    def __init__(self, root: str | os.PathLike[str], engine: Engine) -> None:
+    def __init__(self, root: str | os.PathLike[str], engine: Engine, *,
+                 weights: str | os.PathLike[str] | None = None) -> None:
         self.engine = engine
-        self.manifest = manifest_for(engine)  # refuses a model the connector cannot splice
+        # refuses a model the connector cannot splice; records the weights' digests
+        self.manifest = manifest_for(engine, weights)
         # BOS models: skills prefilled behind a BOS (dropped), so they keep positions 1..L
         self.library = SkillLibrary(root, engine, anchor="bos" if engine.bos_id is not None
                                     else "none")

@@ -1,10 +1,16 @@
 """Splice planning for a serving engine: which prompt tokens known pieces can supply, and where.
 
 A *piece* is a compiled skill as the server will use it: its token ids, the position its first
-token was prefilled at (``origin``) and its per-layer keys/values. A request's prompt is matched
-from token 0 against the registered pieces; the longest run of consecutive pieces is the
-*leading run*, and only that run can be supplied from outside the model (vLLM asks a connector
-once, for one contiguous run right after its local prefix-cache hit; see docs/serving.md).
+token was prefilled at (``origin``) and its per-layer keys/values. vLLM asks a connector once per
+admission for one contiguous run right after its local prefix-cache hit (docs/serving.md), so
+what can be supplied is decided one of two ways:
+
+- without instructions, the prompt is matched from token 0 against the registered pieces and the
+  longest run of consecutive pieces (the *leading run*) is supplied;
+- with splice ranges from the client (:class:`SpliceRange`, sent as
+  ``kv_transfer_params["kvnotes_splice"]``), only tokens inside those ranges are supplied, from
+  the local hit on (:func:`range_run`): a client that has vLLM compute a piece's first tokens
+  in context (:mod:`kvnotes.serving.phases`) names the rest of the piece as a range.
 
 Nothing here imports vLLM: matching and slot arithmetic are pure functions over token ids,
 tested without a server. Keys are post-RoPE; moving a piece from ``origin`` to ``start`` is one
@@ -14,10 +20,16 @@ frequencies, done where the keys are written (:mod:`kvnotes.serving.kv_writer`).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from kvnotes.core.errors import InvalidArgumentError
+
+# The key of a request's ``kv_transfer_params`` that carries its splice ranges.
+SPLICE_PARAMS_KEY = "kvnotes_splice"
 
 # Index key length: pieces are looked up by the hash of their first KEY_TOKENS tokens, so a
 # position costs one dict lookup plus a full compare of the (few) candidates, whatever the
@@ -127,6 +139,20 @@ class PieceIndex:
                     best = piece
         return best
 
+    def match_exact(self, tokens: Sequence[int], start: int, end: int) -> PieceInfo | None:
+        """The piece whose tokens are exactly ``tokens[start:end]``, if any (the same
+        preference as :meth:`match_at` among pieces with the same tokens)."""
+        n = end - start
+        if n <= 0 or start < 0 or end > len(tokens):
+            return None
+        want = tuple(tokens[start:end])
+        best: PieceInfo | None = None
+        for piece in self._by_head.get(want[:KEY_TOKENS], ()):
+            if len(piece) == n and piece.token_ids == want and (
+                    best is None or _rank(piece, start) > _rank(best, start)):
+                best = piece
+        return best
+
 
 def _rank(piece: PieceInfo, pos: int) -> tuple[bool, int]:
     return piece.origin == pos, piece.origin
@@ -150,12 +176,122 @@ def leading_run(tokens: Sequence[int], index: PieceIndex, *, max_pieces: int = 1
     return run
 
 
-def external_tokens(run: Sequence[Placement], prompt_len: int, local_hit: int) -> int:
-    """How many tokens past ``local_hit`` the run supplies; at least one prompt token is left
-    for the model to compute (its logits start the answer)."""
+@dataclass(frozen=True, slots=True)
+class SpliceRange:
+    """Prompt tokens ``[start, end)`` supplied from the piece placed at ``piece_start``
+    (``start > piece_start`` when the piece's first tokens are computed in context).
+
+    Its JSON form is ``[piece_start, start, end]``.
+
+    Example:
+        >>> SpliceRange(40, 64, 300).to_list(), SpliceRange.from_value([40, 64, 300]).offset
+        ([40, 64, 300], 24)
+    """
+
+    piece_start: int
+    start: int
+    end: int
+
+    @property
+    def offset(self) -> int:
+        """How many of the piece's first tokens the range leaves out."""
+        return self.start - self.piece_start
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_list(self) -> list[int]:
+        return [self.piece_start, self.start, self.end]
+
+    @classmethod
+    def from_value(cls, value: object) -> SpliceRange:
+        """A range from its JSON form; :class:`InvalidArgumentError` unless it is three integers
+        with ``0 <= piece_start <= start < end``."""
+        if (not isinstance(value, (list, tuple)) or len(value) != 3
+                or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                           for v in value)):
+            raise InvalidArgumentError(f"a splice range is [piece_start, start, end] (three "
+                                       f"integers), got {value!r}")
+        piece_start, start, end = (int(v) for v in value)
+        if not 0 <= piece_start <= start < end:
+            raise InvalidArgumentError(f"splice range {list(value)!r}: need 0 <= piece_start <= "
+                                       "start < end")
+        return cls(piece_start, start, end)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRanges:
+    """The valid leading part of a request's splice ranges, each with its piece, and why the
+    rest (if any) was dropped."""
+
+    ranges: tuple[SpliceRange, ...]
+    pieces: tuple[PieceInfo, ...]
+    dropped: int = 0
+    reason: str | None = None
+
+
+def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object) -> CheckedRanges:
+    """Validate ``value`` (the ``kvnotes_splice`` list) against the prompt, in order.
+
+    A range is valid when it is well formed, starts at or after the previous range's end, lies
+    inside the prompt, and a registered piece holds exactly the prompt's tokens
+    ``[piece_start, end)``. The first invalid range and every range after it are dropped.
+    """
+    if not isinstance(value, (list, tuple)):
+        return CheckedRanges((), (), 0, f"kvnotes_splice must be a list of [piece_start, "
+                                        f"start, end], got {type(value).__name__}")
+    ranges: list[SpliceRange] = []
+    pieces: list[PieceInfo] = []
+    for i, item in enumerate(value):
+        try:
+            r = SpliceRange.from_value(item)
+        except InvalidArgumentError as err:
+            reason = str(err)
+        else:
+            piece = None
+            if ranges and r.piece_start < ranges[-1].end:
+                reason = f"range {r.to_list()} overlaps the one before it"
+            elif r.end > len(tokens):
+                reason = f"range {r.to_list()} ends past the prompt's {len(tokens)} tokens"
+            else:
+                piece = index.match_exact(tokens, r.piece_start, r.end)
+                reason = (f"no registered piece holds the prompt's tokens [{r.piece_start}, "
+                          f"{r.end})")
+            if piece is not None:
+                ranges.append(r)
+                pieces.append(piece)
+                continue
+        return CheckedRanges(tuple(ranges), tuple(pieces), len(value) - i, reason)
+    return CheckedRanges(tuple(ranges), tuple(pieces))
+
+
+def range_run(checked: CheckedRanges, local_hit: int) -> tuple[list[Placement], int]:
+    """The placements and the end of the ranges that hold ``local_hit``: the range with
+    ``start <= local_hit < end`` and those contiguous after it (a range joins when it starts
+    where the one before it ends and supplies its piece from the piece's first token: a
+    range that leaves out its piece's first tokens needs a local hit of its own).
+    ``([], local_hit)`` when no range holds it: nothing is supplied.
+    """
+    rs = checked.ranges
+    first = next((i for i, r in enumerate(rs) if r.start <= local_hit < r.end), None)
+    if first is None:
+        return [], local_hit
+    last = first
+    while (last + 1 < len(rs) and rs[last + 1].start == rs[last].end
+           and rs[last + 1].offset == 0):
+        last += 1
+    run = [Placement(checked.pieces[i], rs[i].piece_start) for i in range(first, last + 1)]
+    return run, rs[last].end
+
+
+def external_tokens(run: Sequence[Placement], prompt_len: int, local_hit: int,
+                    end: int | None = None) -> int:
+    """How many tokens past ``local_hit`` the run supplies (up to ``end``, by default the run's
+    own end); at least one prompt token is left for the model to compute (its logits start the
+    answer)."""
     if not run:
         return 0
-    end = min(run[-1].end, prompt_len - 1)
+    end = min(run[-1].end if end is None else end, prompt_len - 1)
     return max(0, end - local_hit)
 
 
