@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import httpx2
 import pytest
 from conftest import make_tiny_engine
 from typer.testing import CliRunner
@@ -16,6 +17,7 @@ from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving import launch as launch_mod
 from kvnotes.serving.connector_path import SOURCE_ROOT
+from kvnotes.serving.front import STATS_PATH, FrontConfig
 from kvnotes.serving.launch import (
     Launch,
     LaunchConfig,
@@ -136,3 +138,61 @@ def test_skills_need_the_engine(exported, tmp_path):
 def test_bad_settings_are_refused(field, value, match):
     with pytest.raises(InvalidArgumentError, match=match):
         LaunchConfig(**{field: value})
+
+
+# ---- the OpenAI front ----------------------------------------------------------------------------
+def test_front_needs_skills():
+    with pytest.raises(InvalidArgumentError, match="front needs skills"):
+        LaunchConfig(front=FrontConfig())
+
+
+class _StubServer:
+    """Stands in for the vLLM process: records when it is entered and left."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.url = events, "http://127.0.0.1:9"
+
+    def __enter__(self) -> _StubServer:
+        self.events.append("server up")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.append("server down")
+
+
+def test_front_runs_in_front_of_the_launched_server(engine, exported, tmp_path):
+    config = LaunchConfig(model="tiny", block_size=32, skills=tmp_path / "skills",
+                          vllm_python=sys.executable, front=FrontConfig(repair=16, guard=0.5))
+    launch = prepare(config, engine)
+    front = launch.front
+    assert front is not None and config.port is None  # vLLM on a free port
+    assert front.upstream == launch.server.url
+    assert front.config.block_size == 32 and front.config.repair == 16
+    assert front.catalog.folder == launch.skills.folder
+    events: list[str] = []
+    launch.server = _StubServer(events)  # type: ignore[assignment]
+    with launch:
+        assert launch.url == front.url != launch.server.url
+        assert httpx2.get(launch.url + STATS_PATH, timeout=10).status_code == 200
+        url = launch.url
+    assert events == ["server up", "server down"]
+    with pytest.raises(httpx2.ConnectError):  # the front stopped with the server
+        httpx2.get(url + STATS_PATH, timeout=5)
+
+
+def test_serve_without_front_keeps_vllm_on_the_port(tmp_path, monkeypatch):
+    seen: list[LaunchConfig] = []
+
+    def fake_prepare(config, engine=None):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(kvnotes, "load", lambda model: None)
+    monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
+    for extra, port, front in ((["--no-front"], 5001, None), ([], None, 5001)):
+        CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--port", "5001",
+                                 "--repair", "8", *extra])
+        config = seen.pop()
+        assert config.port == port
+        assert (config.front.port if config.front else None) == front
+        assert config.front is None or config.front.repair == 8

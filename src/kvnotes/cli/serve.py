@@ -9,6 +9,7 @@ import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
 from kvnotes.core.errors import ServingError
+from kvnotes.core.repair import DEFAULT_FIRST
 
 
 # ---- composition inside vLLM ---------------------------------------------------------------------
@@ -26,7 +27,16 @@ def serve(
     header: Path = typer.Option(None, "--header", help="Text file of the system header requests "
                                 "start with: registered as a piece, and --skill files are "
                                 "compiled behind it (closer to a full prefill)"),
-    port: int = typer.Option(None, "--port", help="Port on 127.0.0.1 (default: a free one)"),
+    port: int = typer.Option(None, "--port", help="Port on 127.0.0.1 clients use (the OpenAI "
+                             "front's, or vLLM's with --no-front; default: a free one)"),
+    no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
+                                  "with no OpenAI front (clients send token ids and the splice "
+                                  "salt themselves, e.g. ComposeClient)"),
+    repair: int = typer.Option(DEFAULT_FIRST, "--repair", help="Front: the first tokens of "
+                               "each spliced skill recomputed in context (0: a bare splice)"),
+    guard: float = typer.Option(0.0, "--guard", help="Front: answer from an exact request when "
+                                "the first token's top-2 log-prob margin is under this (0: "
+                                "never)"),
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
     block_size: int = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
@@ -39,16 +49,20 @@ def serve(
     log: Path = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
 ) -> None:
-    """Run vLLM (prefix caching on) with kvnotes' connector: registered skills found at the start
-    of a request salted `kvnotes-splice` are spliced instead of prefilled. Stops on Ctrl-C."""
+    """Run vLLM (prefix caching on) with kvnotes' connector behind an OpenAI-compatible front:
+    registered skills found in a request's prompt are spliced (their first tokens recomputed in
+    context) for any OpenAI client. Stops on Ctrl-C."""
     import kvnotes
+    from kvnotes.serving.front import FrontConfig
     from kvnotes.serving.launch import LaunchConfig, prepare
     from kvnotes.serving.manifest import SPLICE_SALT
 
+    front = None if no_front else FrontConfig(port=port, repair=repair, guard=guard)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
-                          kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, port=port,
+                          kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                          port=port if no_front else None,
                           skills=folder_option(skills, "--skills"), log_path=log,
-                          startup_timeout=startup_timeout, vllm_python=vllm_python)
+                          startup_timeout=startup_timeout, vllm_python=vllm_python, front=front)
     texts = _skill_files(skill)
     head = read_text_file(header, "--header") if header else None
     launch = prepare(config, kvnotes.load(model))
@@ -62,10 +76,15 @@ def serve(
     typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
                err=True)
     with launch:
-        typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); send "
-                   f"prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; Ctrl-C stops",
-                   err=True)
-        typer.echo(server.url)
+        if launch.front is not None:
+            typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; vLLM pid "
+                       f"{server.pid} at {server.url}); registered skills in prompts are "
+                       "spliced; Ctrl-C stops", err=True)
+        else:
+            typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); "
+                       f"send prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; "
+                       "Ctrl-C stops", err=True)
+        typer.echo(launch.url)
         try:
             while server.proc is not None and server.proc.poll() is None:
                 time.sleep(1.0)

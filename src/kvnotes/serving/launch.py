@@ -5,7 +5,10 @@ and returns a :class:`Launch`; entering it starts the server and waits until it 
 leaving it stops the server. With ``LaunchConfig.skills`` set, the server loads
 :class:`~kvnotes.serving.connector.KvnotesConnector` over that skill library (the model is first
 checked to be splicable exactly, and the serving manifest written); without it, it is plain vLLM
-with prefix caching. ``kvnotes serve``, ``kvnotes serve-bench`` and the benchmark scripts all
+with prefix caching. With ``LaunchConfig.front`` set too, the OpenAI front
+(:mod:`kvnotes.serving.front`) runs in front of it: vLLM listens on a free loopback port, the
+front on ``front.port``, and :attr:`Launch.url` is the front's (it listens before vLLM starts
+and stops before vLLM does). ``kvnotes serve``, ``kvnotes serve-bench`` and the benchmark scripts all
 start their servers here.
 
 Example:
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,7 @@ from kvnotes.serving.server import VLLMServer, check_kv_cache_gib
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
+    from kvnotes.serving.front import Front, FrontConfig
     from kvnotes.serving.skills import ServingSkills
 
 CONNECTOR_CLASS = "KvnotesConnector"
@@ -77,6 +81,8 @@ class LaunchConfig:
         vllm_python: the Python of the vLLM environment (None: ``$KVNOTES_VLLM_PYTHON`` or
             ``.venv-vllm/bin/python``).
         served_name: the model name clients ask for (None: the alias, or the file's stem).
+        front: the OpenAI front's settings (its ``upstream`` is left None: the launched
+            server's; needs ``skills``), or None: clients talk to vLLM directly.
     """
 
     model: str = "smollm2-135m"
@@ -92,6 +98,7 @@ class LaunchConfig:
     startup_timeout: float = 900.0
     vllm_python: str | None = None
     served_name: str | None = None
+    front: FrontConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_gib", check_kv_cache_gib(self.kv_cache_gib))
@@ -105,6 +112,9 @@ class LaunchConfig:
                                        "number of tokens, or None for the model's limit")
         if self.skills is not None:
             object.__setattr__(self, "skills", Path(self.skills))
+        elif self.front is not None:
+            raise InvalidArgumentError("LaunchConfig.front needs skills (the library the front "
+                                       "finds in prompts): set skills, or front=None")
         if self.log_path is not None:
             object.__setattr__(self, "log_path", Path(self.log_path))
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -167,17 +177,32 @@ class Launch:
     server: VLLMServer
     max_model_len: int
     skills: ServingSkills | None = field(default=None)
+    front: Front | None = field(default=None)
 
     @property
     def url(self) -> str:
-        return self.server.url
+        """The URL clients use: the front's when there is one, else vLLM's."""
+        return self.front.url if self.front is not None else self.server.url
 
     def __enter__(self) -> Launch:
-        self.server.__enter__()
+        # the front listens first: a port in use fails at once, not after vLLM's minutes of
+        # start-up (until vLLM is up, the front's /health answers 502)
+        if self.front is not None:
+            self.front.start()
+        try:
+            self.server.__enter__()
+        except BaseException:
+            if self.front is not None:
+                self.front.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.__exit__(*exc)
+        try:
+            if self.front is not None:
+                self.front.stop()
+        finally:
+            self.server.__exit__(*exc)
 
     def record(self) -> LaunchRecord:
         return LaunchRecord(
@@ -220,4 +245,17 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
                         port=config.port, log_path=config.log_path, max_model_len=max_model_len,
                         dtype=exported.dtype, kv_cache_gib=config.kv_cache_gib,
                         extra_args=extra, env=env, startup_timeout=config.startup_timeout)
-    return Launch(config, exported, server, max_model_len, skills)
+    front = None
+    if config.front is not None and skills is not None and engine is not None:
+        front = _front(config, config.front, server.url, skills, engine)
+    return Launch(config, exported, server, max_model_len, skills, front)
+
+
+def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
+           engine: Engine) -> Front:
+    from kvnotes.serving.front import Front
+    from kvnotes.serving.front_match import SkillCatalog
+
+    settings = replace(front, upstream=upstream,
+                       block_size=front.block_size or config.block_size)
+    return Front(settings, SkillCatalog(skills.folder, engine.tokenizer))

@@ -1,0 +1,158 @@
+"""Shaping vLLM's completion answers into what the front's client asked for.
+
+The front always asks vLLM's ``/v1/completions`` (a prompt of token ids is the only way to
+send per-part ids), with log-probs when the guard needs them; :class:`Shaper` turns each answer
+(a whole body, or one streamed chunk) into the client's format: a completion as it came, or a
+chat completion (``chat.completion``, ``chat.completion.chunk`` with a first ``role`` delta);
+log-probs trimmed to what the client asked (none when it asked none); ``usage`` with a
+``kvnotes`` object (spliced tokens, phases, guard, plan). Pure functions over JSON values.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def parse_sse_line(line: str) -> Any | None:
+    """The JSON of a ``data:`` line; ``DONE`` for ``[DONE]``; None for anything else."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def first_top_logprobs(answer: Any) -> dict[str, float] | None:
+    """The first generated token's top log-probs in a completion body or chunk (None: none)."""
+    for choice in (answer or {}).get("choices") or []:
+        lp = choice.get("logprobs") or {}
+        tops = lp.get("top_logprobs") or []
+        if tops and isinstance(tops[0], dict):
+            return {str(k): float(v) for k, v in tops[0].items()}
+    return None
+
+
+def _trim_top(top: dict[str, float], k: int, chosen: str | None) -> dict[str, float]:
+    ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+    keep = dict(ranked)
+    if chosen is not None and chosen in top:
+        keep.setdefault(chosen, top[chosen])
+    return keep
+
+
+def trim_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` as a client that asked for ``k`` sees it (vLLM was
+    asked for at least 2 for the guard): None when it asked none."""
+    if logprobs is None or k is None:
+        return None
+    tokens = logprobs.get("tokens") or []
+    tops = logprobs.get("top_logprobs") or []
+    trimmed = [_trim_top(t, k, tokens[i] if i < len(tokens) else None) if isinstance(t, dict)
+               else t for i, t in enumerate(tops)]
+    return {**logprobs, "top_logprobs": trimmed}
+
+
+def chat_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, Any] | None:
+    """A completion choice's ``logprobs`` in the chat format (``content``: one entry per
+    token with its ``top_logprobs``)."""
+    if logprobs is None or k is None:
+        return None
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or []
+    content = []
+    for i, tok in enumerate(tokens):
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
+        content.append({"token": tok, "logprob": values[i] if i < len(values) else None,
+                        "bytes": list(str(tok).encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                         for t, v in ranked]})
+    return {"content": content}
+
+
+class Shaper:
+    """Turns vLLM completion answers into the client's format (one per request).
+
+    Args:
+        kind: ``completion`` or ``chat``.
+        logprobs: the top log-probs per token the client asked for (None: none).
+        include_usage: streaming: the client asked for the final usage chunk.
+    """
+
+    def __init__(self, kind: str, logprobs: int | None, include_usage: bool) -> None:
+        self.kind, self.logprobs, self.include_usage = kind, logprobs, include_usage
+        self._role_sent = False
+
+    def usage(self, usage: dict[str, Any] | None, kvnotes: dict[str, Any]) -> dict[str, Any]:
+        out = dict(usage or {})
+        out["kvnotes"] = kvnotes
+        return out
+
+    def _chat_id(self, answer: dict[str, Any]) -> str:
+        ident = str(answer.get("id") or "")
+        return "chatcmpl-" + (ident[5:] if ident.startswith("cmpl-") else ident)
+
+    def body(self, answer: dict[str, Any], kvnotes: dict[str, Any]) -> dict[str, Any]:
+        """A whole (non-streamed) answer."""
+        usage = self.usage(answer.get("usage"), kvnotes)
+        if self.kind == "completion":
+            choices = [{**c, "logprobs": trim_logprobs(c.get("logprobs"), self.logprobs)}
+                       for c in answer.get("choices") or []]
+            return {**answer, "choices": choices, "usage": usage}
+        return {
+            "id": self._chat_id(answer), "object": "chat.completion",
+            "created": answer.get("created"), "model": answer.get("model"),
+            "choices": [{
+                "index": c.get("index", 0),
+                "message": {"role": "assistant", "content": c.get("text", "")},
+                "logprobs": chat_logprobs(c.get("logprobs"), self.logprobs),
+                "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+            } for c in answer.get("choices") or []],
+            "usage": usage,
+        }
+
+    def chunk(self, chunk: dict[str, Any], kvnotes: dict[str, Any]) -> list[dict[str, Any]]:
+        """The client's chunks for one streamed vLLM chunk (the usage chunk gets ``kvnotes``;
+        it is dropped when the client did not ask for usage)."""
+        choices = chunk.get("choices") or []
+        usage = chunk.get("usage")
+        if not choices:
+            if usage is None or not self.include_usage:
+                return []
+            base = chunk if self.kind == "completion" else self._chat_head(chunk)
+            return [{**base, "choices": [], "usage": self.usage(usage, kvnotes)}]
+        if self.kind == "completion":
+            return [{**chunk, "usage": None,
+                     "choices": [{**c, "logprobs": trim_logprobs(c.get("logprobs"),
+                                                                 self.logprobs)}
+                                 for c in choices]}]
+        out = []
+        if not self._role_sent:
+            self._role_sent = True
+            out.append({**self._chat_head(chunk), "choices": [{
+                "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]})
+        out.append({**self._chat_head(chunk), "choices": [{
+            "index": c.get("index", 0),
+            "delta": {"content": c["text"]} if c.get("text") else {},
+            "logprobs": chat_logprobs(c.get("logprobs"), self.logprobs),
+            "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+        } for c in choices]})
+        return out
+
+    def _chat_head(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self._chat_id(chunk), "object": "chat.completion.chunk",
+                "created": chunk.get("created"), "model": chunk.get("model")}

@@ -1,0 +1,245 @@
+"""Finding a server's registered skills in a prompt's text: what the OpenAI front splices.
+
+The front receives text (a completion prompt, or chat messages rendered with the model's chat
+template), not the part list a :class:`~kvnotes.serving.compose_client.ComposeClient` sends.
+:class:`SkillCatalog` follows a serving-skills folder (the same one the connector reads) and
+knows each entry's tokens; a skill's text is its tokens decoded, kept only when encoding that
+text alone gives the same tokens back (otherwise the per-part ids could never match the piece).
+:func:`find_skills` splits a prompt's text into parts at the registered texts it contains,
+leftmost first and, among texts starting at the same character, longest first; each part is
+then tokenized alone (``compose_client.prompt_ids``), so a skill's tokens in the request are
+exactly its piece's, whatever the text around it (Gemma's tokenizer would merge a ``"\\n"``
+ending the header with one opening a skill into a single token if the whole text were encoded
+at once).
+
+Entries are read lightly: the safetensors header, the ``token_ids`` and the first of the
+``positions``, never the KV tensors (the connector checks every entry fully before it splices;
+a wrong guess here costs a computed token, never a wrong one). No vLLM, no engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvnotes.core.document import added_bos, encode
+from kvnotes.core.errors import NotebookFileError
+from kvnotes.serving.manifest import ENTRY_FORMAT, ServingManifest, entry_paths
+from kvnotes.serving.splice import PieceIndex, PieceInfo
+
+_INT_CODES = {"I64": "q", "I32": "i", "I16": "h", "U8": "B", "I8": "b"}
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not an entry
+
+
+@dataclass(frozen=True, slots=True)
+class Skill:
+    """A registered text: its tokens, and every entry with those tokens (one per anchoring)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    pieces: tuple[PieceInfo, ...]
+
+    @property
+    def name(self) -> str:
+        return self.pieces[0].name
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A slice of the prompt's text: a registered skill's text, or text between skills."""
+
+    text: str
+    skill: Skill | None = None
+
+
+# ---- reading entries -------------------------------------------------------------------------
+def _read_ints(f: Any, base: int, spec: Any, what: str, count: int | None = None) -> list[int]:
+    if not isinstance(spec, dict) or spec.get("dtype") not in _INT_CODES:
+        raise NotebookFileError(f"{what}: not an integer tensor")
+    a, b = (int(x) for x in spec["data_offsets"])
+    code = _INT_CODES[spec["dtype"]]
+    width = array(code).itemsize
+    if count is not None:
+        b = min(b, a + count * width)
+    f.seek(base + a)
+    raw = f.read(b - a)
+    if len(raw) != b - a or (b - a) % width:
+        raise NotebookFileError(f"{what}: truncated")
+    values = array(code)
+    values.frombytes(raw)
+    if sys.byteorder != "little":  # safetensors stores little-endian
+        values.byteswap()
+    return values.tolist()
+
+
+def read_piece_info(path: str | os.PathLike[str], fingerprint: dict[str, Any]) -> PieceInfo:
+    """``PieceInfo`` of one library entry from its header and token ids alone.
+
+    Raises :class:`NotebookFileError` for a file that is not an entry of ``fingerprint``'s
+    model (another format, another model, unreadable).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES:
+                raise NotebookFileError(f"{path}: header of {n} bytes")
+            header = json.loads(f.read(n))
+            meta = json.loads(header.get("__metadata__", {}).get("kvnotes", "null"))
+            if not isinstance(meta, dict) or meta.get("format") != ENTRY_FORMAT:
+                raise NotebookFileError(f"{path}: not a kvnotes skill")
+            if meta.get("fingerprint") != fingerprint:
+                raise NotebookFileError(f"{path}: written by another model")
+            ids = _read_ints(f, 8 + n, header.get("token_ids"), f"{path}: token_ids")
+            origin = _read_ints(f, 8 + n, header.get("positions"), f"{path}: positions", 1)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as err:
+        raise NotebookFileError(f"{path}: unreadable skill entry ({err})") from err
+    if not ids or not origin:
+        raise NotebookFileError(f"{path}: no tokens")
+    spans = meta.get("spans") or []
+    name = str(spans[0][0]) if spans and isinstance(spans[0], list) and spans[0] else path.stem
+    return PieceInfo(path.stem, name, tuple(ids), int(origin[0]))
+
+
+def skill_texts(tokenizer: Any, pieces: Iterable[PieceInfo]) -> tuple[list[Skill], list[str]]:
+    """``(skills, left_out)``: the pieces grouped by tokens, each with its text; the names of
+    pieces whose decoded text does not encode back to their tokens (never matchable by text),
+    and of the one-token BOS piece (the front places it by the BOS rule, not by text)."""
+    groups: dict[tuple[int, ...], list[PieceInfo]] = {}
+    for p in pieces:
+        groups.setdefault(p.token_ids, []).append(p)
+    bos = added_bos(tokenizer)
+    skills, left_out = [], []
+    for ids, group in groups.items():
+        group.sort(key=lambda p: (p.origin, p.key))
+        if bos is not None and ids == (bos,):
+            left_out.append(group[0].name)
+            continue
+        text = tokenizer.decode(list(ids), skip_special_tokens=False,
+                                clean_up_tokenization_spaces=False)
+        if not text or tuple(encode(tokenizer, text)) != ids:
+            left_out.append(group[0].name)
+            continue
+        skills.append(Skill(text, ids, tuple(group)))
+    skills.sort(key=lambda s: (-len(s.text), s.text))
+    return skills, left_out
+
+
+# ---- matching --------------------------------------------------------------------------------
+def find_skills(text: str, skills: Sequence[Skill]) -> list[Part]:
+    """``text`` split at the registered texts it contains: leftmost match first; at one
+    character, the longest; matches never overlap. No skill found: one part, the whole text.
+
+    Example:
+        >>> s = Skill("POLICY", (1,), (PieceInfo("k", "policy", (1,), 0),))
+        >>> [(p.text, p.skill is not None) for p in find_skills("Hi POLICY there", [s])]
+        [('Hi ', False), ('POLICY', True), (' there', False)]
+    """
+    found: list[tuple[int, int, Skill]] = []  # (start, -length, skill)
+    for skill in skills:
+        at = text.find(skill.text)
+        while at >= 0:
+            found.append((at, -len(skill.text), skill))
+            at = text.find(skill.text, at + 1)
+    found.sort(key=lambda f: (f[0], f[1]))
+    parts: list[Part] = []
+    pos = 0
+    for start, neg_len, skill in found:
+        if start < pos:
+            continue
+        if start > pos:
+            parts.append(Part(text[pos:start]))
+        parts.append(Part(skill.text, skill))
+        pos = start - neg_len
+    if pos < len(text) or not parts:
+        parts.append(Part(text[pos:]))
+    return parts
+
+
+class SkillCatalog:
+    """The registered skills of one model's serving folder, as texts; follows the folder.
+
+    Args:
+        folder: ``ROOT/<fingerprint id>`` (``ServingSkills.folder``), holding ``serving.json``.
+        tokenizer: the served model's tokenizer (the one the skills were compiled with).
+        rescan_s: how often, at most, the folder's modification time is checked.
+
+    Thread-safe: :meth:`skills` may be called from every request's thread.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], tokenizer: Any, *,
+                 rescan_s: float = 0.25) -> None:
+        self.folder = Path(folder)
+        self.tokenizer = tokenizer
+        self.fingerprint = ServingManifest.read(self.folder).fingerprint
+        self.rescan_s = rescan_s
+        self._lock = threading.Lock()
+        self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
+        self._bad: set[tuple[str, int]] = set()  # (file name, mtime) not readable
+        self._skills: list[Skill] = []
+        self._index = PieceIndex()
+        self.left_out: list[str] = []
+        self._mtime: int | None = None
+        self._checked = 0.0
+        self.refresh(force=True)
+
+    def refresh(self, *, force: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._checked < self.rescan_s:
+                return
+            self._checked = now
+            try:
+                mtime = self.folder.stat().st_mtime_ns
+            except OSError:
+                return
+            if not force and mtime == self._mtime:
+                return
+            self._mtime = mtime
+            present = {p.stem: p for p in entry_paths(self.folder)}
+            pieces = {k: v for k, v in self._pieces.items() if k in present}
+            for key, path in present.items():
+                if key in pieces:
+                    continue
+                try:
+                    stamp = (path.name, path.stat().st_mtime_ns)
+                    if stamp in self._bad:
+                        continue
+                    pieces[key] = read_piece_info(path, self.fingerprint)
+                except OSError:
+                    continue  # gone since the listing
+                except NotebookFileError:
+                    self._bad.add(stamp)
+            if pieces.keys() != self._pieces.keys() or force:
+                index = PieceIndex()
+                for piece in pieces.values():
+                    index.add(piece)
+                self._pieces, self._index = pieces, index
+                self._skills, self.left_out = skill_texts(self.tokenizer, pieces.values())
+
+    def skills(self) -> list[Skill]:
+        """The matchable skills now, longest text first."""
+        self.refresh()
+        return self._skills
+
+    def pieces(self) -> list[PieceInfo]:
+        """Every indexed entry (the BOS piece and unmatchable ones included)."""
+        self.refresh()
+        return list(self._pieces.values())
+
+    def index(self) -> PieceIndex:
+        """Every entry, indexed by tokens (a snapshot: a rescan builds a new one)."""
+        self.refresh()
+        return self._index
+
+    def find(self, text: str) -> list[Part]:
+        return find_skills(text, self.skills())

@@ -1,0 +1,130 @@
+"""From one front request to the vLLM request bodies that splice it (phases, real, exact).
+
+A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serving.front_match`)
+and tokenized part by part as ``engine.compose`` lays a prompt out (BOS when the tokenizer adds
+one, then each part alone: the layout of ``compose_client.prompt_ids``); a prompt of token ids
+is split where the pieces' tokens occur. The part layout is planned by
+:func:`kvnotes.serving.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
+salt), and the bodies come from the plan's builders with the client's sampling fields laid
+over them. A prompt with no registered skill, or whose skills are all recomputed, raises
+:class:`~kvnotes.serving.front_request.Unplannable` (the request is forwarded as it came).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvnotes.core.document import added_bos, encode
+from kvnotes.core.repair import Repair
+from kvnotes.serving.front_match import SkillCatalog
+from kvnotes.serving.front_request import FrontRequest, Unplannable
+from kvnotes.serving.phases import PartSpan, PhasePlan, completion_body, part_spans, plan_phases
+from kvnotes.serving.splice import PieceIndex
+
+# fields of the plan's bodies the client's own values replace (or remove, when it sent none:
+# vLLM's defaults then apply, as for a request sent to vLLM directly)
+_CLIENT_FIELDS = ("temperature", "max_tokens")
+
+
+def part_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each part's token ids as ``compose_client.prompt_ids`` lays them out (BOS, when the
+    tokenizer adds one, as a part of its own; then each text encoded alone)."""
+    bos = added_bos(tokenizer)
+    out = [[bos]] if bos is not None else []
+    return out + [encode(tokenizer, t) for t in texts if t]
+
+
+def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
+    """Token ids split where registered pieces occur (longest piece first at each token)."""
+    parts: list[list[int]] = []
+    text: list[int] = []
+    pos = 0
+    while pos < len(ids):
+        piece = index.match_at(ids, pos)
+        if piece is None:
+            text.append(int(ids[pos]))
+            pos += 1
+            continue
+        if text:
+            parts.append(text)
+            text = []
+        parts.append([int(t) for t in piece.token_ids])
+        pos += len(piece)
+    if text:
+        parts.append(text)
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class FrontPlan:
+    """A request's prompt as sent (``ids``), its layout and its phase plan."""
+
+    ids: list[int]
+    spans: list[PartSpan]
+    plan: PhasePlan
+
+    @property
+    def skills(self) -> list[str]:
+        return [s.name for s in self.spans if s.is_piece]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.plan.to_dict(), "skills": self.skills}
+
+
+def strip_bos_text(tokenizer: Any, text: str) -> str:
+    """A chat template's rendered text without its leading BOS text when the tokenizer adds
+    BOS itself (the BOS is then the layout's first part, as in a completion prompt)."""
+    bos_text = getattr(tokenizer, "bos_token", None)
+    if added_bos(tokenizer) is not None and isinstance(bos_text, str) and bos_text \
+            and text.startswith(bos_text):
+        return text[len(bos_text):]
+    return text
+
+
+def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block_size: int,
+                 tenant: str | None) -> FrontPlan:
+    """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced."""
+    index = catalog.index()
+    if req.ids is not None:
+        parts = split_ids(req.ids, index)
+    else:
+        text = req.text or ""
+        if req.kind == "chat":
+            text = strip_bos_text(catalog.tokenizer, text)
+        found = catalog.find(text)
+        if not any(p.skill is not None for p in found):
+            raise Unplannable("no registered skill in the prompt")
+        parts = part_ids(catalog.tokenizer, [p.text for p in found])
+    spans = part_spans(parts, index)
+    if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
+        raise Unplannable("no registered skill in the prompt")
+    plan = plan_phases(spans, repair, block_size, tenant=tenant)
+    if not plan.ranges:
+        raise Unplannable("nothing left to splice: every skill found is recomputed")
+    return FrontPlan([t for p in parts for t in p], spans, plan)
+
+
+def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:
+    for key in _CLIENT_FIELDS:
+        body.pop(key, None)
+    body.update(req.sampling)
+    return body
+
+
+def phase_bodies(fp: FrontPlan, model: str) -> list[dict[str, Any]]:
+    return fp.plan.phase_bodies(fp.ids, model)
+
+
+def real_body(fp: FrontPlan, req: FrontRequest, model: str, tau: float) -> dict[str, Any]:
+    """The spliced request: all ranges, the client's sampling, the guard's log-probs."""
+    body = fp.plan.real_body(fp.ids, model, guard=tau if tau > 0 else None,
+                             logprobs=req.logprobs, stream=req.stream)
+    return _client_body(body, req)
+
+
+def exact_body(ids: Sequence[int], req: FrontRequest, model: str) -> dict[str, Any]:
+    """The same ids, no salt: the answer when the guard fires."""
+    body = completion_body(ids, model, logprobs=req.logprobs, stream=req.stream)
+    return _client_body(body, req)

@@ -1,0 +1,408 @@
+"""The OpenAI front against a fake vLLM: what it sends upstream, and what its clients get back.
+
+The fake records every request body and answers like vLLM's completions endpoint (streamed
+too): "spliced answer" for a request carrying a splice salt, "exact answer" for one without,
+so a test sees which request an answer came from; the first token's top-2 log-prob margin is
+set per kind, so the guard can be made to fire. Skills are published with a tiny random model
+and the real SmolLM2 tokenizer (its chat template renders the chats).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+from conftest import make_tiny_engine
+
+from kvnotes.core.errors import ServingError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.front import REASON_HEADER, STATS_PATH, Front, FrontConfig
+from kvnotes.serving.front_match import SkillCatalog
+from kvnotes.serving.front_plan import part_ids
+from kvnotes.serving.front_request import Unplannable, render_chat
+from kvnotes.serving.phases import part_spans, plan_phases
+from kvnotes.serving.skills import ServingSkills
+
+BLOCK = 16
+MODEL = "tiny"
+HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
+REFUNDS = ("\nREFUNDS: a ticket is refunded in full when it is cancelled within 24 hours of "
+           "booking; after that, only taxes are refunded, and a voucher covers the fare. Ask "
+           "for the booking code first, and never promise a refund the policy does not give.")
+BAGGAGE = ("\nBAGGAGE: one cabin bag of 8 kg is free; a checked bag costs 30 euros, and a "
+           "torn bag is repaired or paid for when it is reported within 7 days of the flight, "
+           "with the tag number and a photo of the damage.")
+USER = "\n\nCustomer: my bag arrived torn.\nAgent:"
+
+
+class FakeVLLM:
+    """A loopback stand-in for vLLM's OpenAI server (records bodies; answers completions)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, Any]] = []  # (method, path, body)
+        self.margin = {"spliced": 3.0, "exact": 3.0}
+        self.fail: tuple[int, dict[str, Any]] | None = None
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                return
+
+            def do_GET(self) -> None:  # noqa: N802
+                fake.requests.append(("GET", self.path, None))
+                if self.path == "/v1/models":
+                    self._json(200, {"object": "list", "data": [{"id": MODEL}]})
+                elif self.path == "/metrics":
+                    self._send(200, f'vllm:cache_config_info{{block_size="{BLOCK}"}} 1.0\n'
+                               .encode(), "text/plain")
+                elif self.path == "/health":
+                    self._send(200, b"", "text/plain")
+                else:
+                    self._json(404, {"error": {"message": "not found"}})
+
+            def do_POST(self) -> None:  # noqa: N802
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                body = json.loads(raw)
+                fake.requests.append(("POST", self.path, body))
+                if fake.fail is not None:
+                    self._json(*fake.fail)
+                elif self.path == "/v1/chat/completions":
+                    self._json(200, {"object": "chat.completion", "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "vllm chat"},
+                         "finish_reason": "stop"}]})
+                else:
+                    fake.complete(self, body)
+
+            def _json(self, status: int, obj: Any) -> None:
+                self._send(status, json.dumps(obj).encode(), "application/json")
+
+            def _send(self, status: int, data: bytes, ctype: str) -> None:
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def complete(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
+        kind = "spliced" if body.get("cache_salt") else "exact"
+        words = ["one"] if body.get("max_tokens") == 1 else [kind, " answer"]
+        k = body.get("logprobs")
+        choices = []
+        for i, w in enumerate(words):
+            lp = None
+            if k is not None:
+                top = {w: -0.1, "other": -0.1 - self.margin[kind], "third": -9.0}
+                lp = {"tokens": [w], "token_logprobs": [-0.1], "text_offset": [0],
+                      "top_logprobs": [dict(list(top.items())[:max(k, 1)])]}
+            choices.append({"index": 0, "text": w, "logprobs": lp, "stop_reason": None,
+                            "finish_reason": "length" if i == len(words) - 1 else None})
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(words),
+                 "total_tokens": len(body["prompt"]) + len(words),
+                 "prompt_tokens_details": {"cached_tokens": 7}}
+        head = {"id": "cmpl-abc", "created": 1, "model": body["model"]}
+        if not body.get("stream"):
+            text = "".join(c["text"] for c in choices)
+            lp = None
+            if k is not None:
+                lp = {key: [v for c in choices for v in c["logprobs"][key]]
+                      for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs")}
+            data = {**head, "object": "text_completion", "usage": usage, "choices": [
+                {"index": 0, "text": text, "logprobs": lp, "finish_reason": "length",
+                 "stop_reason": None}]}
+            handler._json(200, data)  # type: ignore[attr-defined]
+            return
+        handler.send_response(200)
+        handler.send_header("content-type", "text/event-stream")
+        handler.end_headers()
+        for c in choices:
+            chunk = {**head, "object": "text_completion", "choices": [c], "usage": None}
+            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            handler.wfile.flush()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk = {**head, "object": "text_completion", "choices": [], "usage": usage}
+            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        handler.wfile.write(b"data: [DONE]\n\n")
+
+    def posted(self, path: str = "/v1/completions") -> list[dict[str, Any]]:
+        return [b for m, p, b in self.requests if m == "POST" and p == path]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, tokenizer):
+    lib = ServingSkills(tmp_path_factory.mktemp("front-skills"),
+                        make_tiny_engine("llama", tokenizer))
+    lib.add(HEADER, name="header")
+    for name, text in (("refunds", REFUNDS), ("baggage", BAGGAGE)):
+        lib.add(text, name=name, after=HEADER)
+    return lib
+
+
+@pytest.fixture
+def fake():
+    f = FakeVLLM()
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def front(fake, published, tokenizer):
+    catalog = SkillCatalog(published.folder, tokenizer)
+    with Front(FrontConfig(upstream=fake.url), catalog) as f:
+        yield f
+
+
+@pytest.fixture
+def client(front):
+    return openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def expected_plan(tokenizer, catalog, texts, tenant=None, first=32):
+    parts = part_ids(tokenizer, texts)
+    spans = part_spans(parts, catalog.index())
+    ids = [t for p in parts for t in p]
+    return ids, plan_phases(spans, Repair(first=first), BLOCK, tenant=tenant)
+
+
+def kvnotes_usage(usage: Any) -> dict[str, Any]:
+    return usage.model_extra["kvnotes"] if hasattr(usage, "model_extra") else usage["kvnotes"]
+
+
+# ---- completions -------------------------------------------------------------------------------
+def test_completion_sends_phases_then_the_spliced_request(front, fake, client, tokenizer):
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    got = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=5,
+                                    temperature=0.0)
+    ids, plan = expected_plan(tokenizer, front.catalog, texts)
+    assert plan.phase_ends  # the second skill's repaired region needs a phase
+    sent = fake.posted()
+    phases, real = sent[:-1], sent[-1]
+    assert phases == plan.phase_bodies(ids, MODEL)  # in order, each a prefix of the prompt
+    assert real["prompt"] == ids
+    assert real["cache_salt"] == plan.salt
+    assert real["kv_transfer_params"] == plan.kv_params()
+    assert real["max_tokens"] == 5 and real["temperature"] == 0.0 and "logprobs" not in real
+    assert got.choices[0].text == "spliced answer"
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 2
+    assert got.usage.prompt_tokens_details.cached_tokens == 7
+    info = kvnotes_usage(got.usage)
+    assert info["phases"] == len(plan.phase_ends)
+    assert info["spliced_tokens"] == plan.spliced_tokens > 0
+    assert info["guard_fired"] is False
+    assert info["plan"]["ranges"] == [r.to_list() for r in plan.ranges]
+    assert info["plan"]["skills"] == ["header", "baggage", "refunds"]
+
+
+def test_completion_without_max_tokens_keeps_vllms_default(front, fake, client):
+    client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER)
+    real = fake.posted()[-1]
+    assert "max_tokens" not in real and "temperature" not in real
+
+
+def test_token_id_prompt_is_split_where_pieces_occur(front, fake, tokenizer):
+    texts = [HEADER, REFUNDS, USER]
+    ids, plan = expected_plan(tokenizer, front.catalog, texts)
+    resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert fake.posted()[-1]["kv_transfer_params"] == plan.kv_params()
+    assert resp.json()["usage"]["kvnotes"]["spliced_tokens"] == plan.spliced_tokens
+
+
+def test_tenant_and_repair_options_set_salt_and_plan(front, fake, client, tokenizer):
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=2,
+                              extra_body={"kvnotes": {"tenant": "acme", "repair": 16}})
+    ids, plan = expected_plan(tokenizer, front.catalog, texts, tenant="acme", first=16)
+    assert "acme" in plan.salt
+    sent = fake.posted()
+    assert {b["cache_salt"] for b in sent} == {plan.salt}
+    assert sent[-1]["kv_transfer_params"] == plan.kv_params()
+    assert "kvnotes" not in sent[-1]
+
+
+# ---- chat --------------------------------------------------------------------------------------
+def chat_messages() -> list[dict[str, str]]:
+    return [{"role": "system", "content": HEADER + REFUNDS},
+            {"role": "user", "content": "I cancelled after two days. What do I get back?"}]
+
+
+def test_chat_is_rendered_matched_and_answered_as_chat(front, fake, client, tokenizer):
+    got = client.chat.completions.create(model=MODEL, messages=chat_messages(), temperature=0)
+    text = render_chat(tokenizer, chat_messages())
+    found = front.catalog.find(text)
+    assert [p.skill.name for p in found if p.skill] == ["header", "refunds"]
+    real = fake.posted()[-1]
+    assert real["prompt"] == [t for p in part_ids(tokenizer, [p.text for p in found]) for t in p]
+    assert real["max_tokens"] is None  # chat's default: up to the context's end
+    assert fake.posted("/v1/chat/completions") == []
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == "spliced answer"
+    assert got.choices[0].finish_reason == "length"
+    assert kvnotes_usage(got.usage)["plan"]["skills"] == ["header", "refunds"]
+
+
+def test_chat_streams_in_openai_format(front, fake, client):
+    stream = client.chat.completions.create(model=MODEL, messages=chat_messages(),
+                                            max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == "spliced answer"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
+    assert kvnotes_usage(chunks[-1].usage)["phases"] >= 0
+    assert fake.posted()[-1]["stream"] is True
+
+
+def test_raw_stream_ends_with_done_and_usage_only_when_asked(front, fake):
+    body = {"model": MODEL, "prompt": HEADER + REFUNDS + USER, "max_tokens": 2, "stream": True}
+    with httpx2.stream("POST", front.url + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"] == "text/event-stream"
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[5:]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == "spliced answer"
+    assert all(e["choices"] and e["usage"] is None for e in events)  # no usage chunk
+
+
+# ---- the guard ---------------------------------------------------------------------------------
+def test_guard_fires_and_the_exact_answer_is_sent(front, fake, client):
+    fake.margin["spliced"] = 0.1
+    got = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=4,
+                                    extra_body={"kvnotes": {"guard": 0.5}})
+    real, exact = fake.posted()[-2:]
+    assert real["logprobs"] == 2 and real["cache_salt"]
+    assert exact["prompt"] == real["prompt"]
+    assert "cache_salt" not in exact and "kv_transfer_params" not in exact
+    assert got.choices[0].text == "exact answer"
+    assert got.choices[0].logprobs is None  # the client asked for none
+    assert kvnotes_usage(got.usage)["guard_fired"] is True
+    assert front.stats["guard_fired"] == 1
+
+
+def test_guard_holds_a_stream_until_it_decides(front, fake, client):
+    fake.margin["spliced"] = 0.1
+    stream = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER,
+                                       max_tokens=4, stream=True,
+                                       extra_body={"kvnotes": {"guard": 0.5}})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "exact answer"
+    assert "cache_salt" not in fake.posted()[-1]
+    fake.margin["spliced"] = 3.0  # a clear first token: the spliced stream is relayed
+    stream = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER,
+                                       max_tokens=4, stream=True,
+                                       extra_body={"kvnotes": {"guard": 0.5}})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "spliced answer"
+    assert fake.posted()[-1]["cache_salt"]
+
+
+def test_client_logprobs_are_trimmed_to_what_it_asked(front, fake, client):
+    got = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
+                                    logprobs=1, extra_body={"kvnotes": {"guard": 0.5}})
+    assert fake.posted()[-1]["logprobs"] == 2
+    assert [len(t) for t in got.choices[0].logprobs.top_logprobs] == [1, 1]
+
+
+# ---- forwarded exactly -------------------------------------------------------------------------
+def test_opt_out_is_forwarded_exactly(front, fake, client):
+    resp = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat_messages(), max_tokens=3,
+        extra_body={"kvnotes": {"splice": False}})
+    assert resp.parse().choices[0].message.content == "vllm chat"
+    assert resp.headers[REASON_HEADER].startswith("forwarded")
+    assert fake.posted("/v1/chat/completions") == [
+        {"model": MODEL, "messages": chat_messages(), "max_tokens": 3}]
+    assert fake.posted() == []
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "no registered skill here", "max_tokens": 2},
+    {"prompt": HEADER + REFUNDS + USER, "suffix": "x"},
+    {"prompt": HEADER + REFUNDS + USER, "n": 2},
+    {"prompt": HEADER + REFUNDS + USER, "cache_salt": "mine"},
+    {"prompt": [HEADER + REFUNDS, HEADER + BAGGAGE]},
+])
+def test_unplannable_completion_is_forwarded_as_it_came(front, fake, body):
+    raw = json.dumps({"model": MODEL, **body}).encode()
+    resp = httpx2.post(front.url + "/v1/completions", content=raw, timeout=30,
+                       headers={"content-type": "application/json"})
+    assert resp.status_code == 200
+    assert resp.headers[REASON_HEADER].startswith("forwarded")
+    assert fake.posted() == [json.loads(raw)]
+
+
+@pytest.mark.parametrize("kvnotes", [{"colour": "red"}, {"tenant": "a b"}, {"guard": -1}])
+def test_bad_options_forward_without_them(front, fake, client, kvnotes):
+    client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
+                              extra_body={"kvnotes": kvnotes})
+    assert fake.posted() == [{"model": MODEL, "prompt": HEADER + REFUNDS + USER,
+                              "max_tokens": 2}]
+
+
+def test_chat_the_front_cannot_render_is_forwarded(front, fake, client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": HEADER + REFUNDS}]}]
+    client.chat.completions.create(model=MODEL, messages=messages)
+    assert fake.posted("/v1/chat/completions")[0]["messages"] == messages
+    assert front.stats["forwarded"] == 1
+
+
+def test_upstream_errors_pass_through_with_their_status(front, fake, client):
+    fake.fail = (400, {"error": {"message": "prompt too long", "type": "BadRequestError",
+                                 "code": 400}})
+    with pytest.raises(openai.BadRequestError, match="prompt too long"):
+        client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER)
+    with pytest.raises(openai.BadRequestError, match="prompt too long"):
+        client.completions.create(model=MODEL, prompt="no skill", stream=True)
+
+
+def test_other_endpoints_are_proxied(front, fake):
+    assert httpx2.get(front.url + "/health", timeout=10).status_code == 200
+    assert httpx2.get(front.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
+    assert httpx2.get(front.url + "/nowhere", timeout=10).status_code == 404
+    stats = httpx2.get(front.url + STATS_PATH, timeout=10).json()
+    assert stats["stats"] == {}  # proxied GETs are no requests of the front's own
+
+
+def test_front_stops_cleanly(fake, published, tokenizer):
+    front = Front(FrontConfig(upstream=fake.url, block_size=BLOCK),
+                  SkillCatalog(published.folder, tokenizer)).start()
+    url = front.url
+    assert httpx2.get(url + "/health", timeout=10).status_code == 200
+    front.stop()
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.get(url + "/health", timeout=5)
+
+
+def test_a_tokenizer_without_chat_template_is_not_planned(tokenizer):
+    bare = copy.copy(tokenizer)
+    bare.chat_template = None  # Gemma 3 270M base ships none
+    with pytest.raises(Unplannable, match="no chat template"):
+        render_chat(bare, chat_messages())
+
+
+def test_a_taken_port_fails_at_start_and_an_absent_vllm_is_a_502(fake, published, tokenizer):
+    catalog = SkillCatalog(published.folder, tokenizer)
+    with pytest.raises(ServingError, match="choose another --port"):
+        Front(FrontConfig(upstream=fake.url, port=fake.server.server_address[1]), catalog).start()
+    with Front(FrontConfig(upstream="http://127.0.0.1:9", block_size=BLOCK), catalog) as front:
+        resp = httpx2.post(front.url + "/v1/completions", timeout=10,
+                           json={"model": MODEL, "prompt": HEADER + REFUNDS + USER})
+        assert resp.status_code == 502 and "not reachable" in resp.json()["error"]["message"]
+        assert httpx2.get(front.url + "/health", timeout=10).status_code == 502

@@ -1,0 +1,120 @@
+"""The OpenAI front on a real vLLM server (CPU build, .venv-vllm): plain OpenAI clients get the
+answer kvnotes' own phased client gets on the same plan.
+
+One server start: SmolLM2 in float32 with the connector, blocks of 32 tokens, the front in
+front of it (``LaunchConfig.front``). The openai SDK (sync, async, streaming) and one raw HTTP
+request go through the front; :class:`~kvnotes.serving.compose_client.ComposeClient` sends the
+same parts to vLLM directly with the same repair; an opted-out request equals the same request
+sent to vLLM itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2
+import openai
+import pytest
+
+from kvnotes.apps.agent.prompt import HEADER
+from kvnotes.apps.agent.skills import skill_text
+from kvnotes.core.errors import ServingError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.compose_client import ComposeClient
+from kvnotes.serving.front import FrontConfig
+from kvnotes.serving.front_request import render_chat
+from kvnotes.serving.launch import LaunchConfig, prepare
+from kvnotes.serving.server import find_vllm_python
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+USER = ("\n\nCustomer Mei Lin (booking C48213) writes: my bag arrived torn and I want to cancel "
+        "my return flight. What do I get?\nAgent:")
+NAMES = ("refunds", "baggage")
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, tmp_path_factory):
+    try:
+        python = find_vllm_python()
+    except ServingError as err:
+        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
+    root = tmp_path_factory.mktemp("front-vllm")
+    launch = prepare(LaunchConfig(model="smollm2-135m", skills=root / "skills", dtype="float32",
+                                  kv_cache_gib=1, block_size=BLOCK, max_model_len=2048,
+                                  vllm_python=str(python), log_path=root / "server.log",
+                                  front=FrontConfig()), smollm2)
+    assert launch.skills is not None and launch.front is not None
+    launch.skills.add(HEADER, name="header")
+    for name in NAMES:
+        launch.skills.add(skill_text(name), name=name, after=HEADER)
+    with launch:
+        yield launch
+    assert launch.server.alive_pids() == []
+
+
+def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2):
+    launch = served
+    name = launch.server.served_name
+    # the second skill is not where it was compiled: its first tokens are recomputed (a phase)
+    parts = [HEADER, skill_text(NAMES[1]), skill_text(NAMES[0]), USER]
+    prompt = "".join(parts)
+    compose = ComposeClient(launch.server.url, name, smollm2.tokenizer,
+                            skills=launch.skills.folder, block_size=BLOCK)
+    want = compose.complete(parts, max_tokens=12, repair=Repair(first=32))
+    assert want.ok, want.error
+    assert want.phases >= 1 and want.spliced_tokens
+
+    sync = openai.OpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    got = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    info = got.usage.model_extra["kvnotes"]
+    assert got.choices[0].text == want.text
+    assert info["plan"]["ranges"] == want.plan["ranges"]
+    assert info["phases"] == want.phases and info["guard_fired"] is False
+    assert info["spliced_tokens"] == want.spliced_tokens
+    assert got.usage.prompt_tokens == want.prompt_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens >= info["spliced_tokens"]
+
+    stream = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                     stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.model_extra["kvnotes"]["plan"]["ranges"] == want.plan["ranges"]
+
+    async def through_async() -> str:
+        client = openai.AsyncOpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0,
+                                    timeout=300)
+        out = await client.completions.create(model=name, prompt=prompt, max_tokens=12,
+                                              temperature=0)
+        await client.close()
+        return out.choices[0].text
+
+    assert asyncio.run(through_async()) == want.text
+
+    raw = httpx2.post(launch.url + "/v1/completions", timeout=300, json={
+        "model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["choices"][0]["text"] == want.text
+
+    # a chat: rendered by the template, matched, answered as the same prompt sent as text
+    messages = [{"role": "system", "content": HEADER + skill_text(NAMES[0])},
+                {"role": "user", "content": USER.strip()}]
+    chat = sync.chat.completions.create(model=name, messages=messages, max_tokens=12,
+                                        temperature=0)
+    as_text = sync.completions.create(model=name, max_tokens=12, temperature=0,
+                                      prompt=render_chat(smollm2.tokenizer, messages))
+    assert chat.choices[0].message.content == as_text.choices[0].text
+    assert chat.usage.model_extra["kvnotes"]["plan"]["skills"] == ["header", NAMES[0]]
+
+    # opted out: exactly what vLLM itself answers
+    direct = openai.OpenAI(base_url=launch.server.url + "/v1", api_key="x", max_retries=0,
+                           timeout=300)
+    mine = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                   logprobs=1, extra_body={"kvnotes": {"splice": False}})
+    theirs = direct.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                       logprobs=1)
+    assert mine.choices[0].text == theirs.choices[0].text
+    assert mine.choices[0].logprobs.token_logprobs == pytest.approx(
+        theirs.choices[0].logprobs.token_logprobs, abs=1e-3)
+    assert "kvnotes" not in (mine.usage.model_extra or {})
