@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench erratum|skills``: the serving benchmarks on a real vLLM server.
+"""``kvnotes serve-bench erratum|skills|soak``: the serving benchmarks on a real vLLM server.
 
 Both subcommands take the same server options (``--url`` of a running loopback server, or
 ``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch`), gathered in
@@ -11,6 +11,7 @@ Examples::
     kvnotes serve-bench erratum --launch --matrix --kv-cache-gib 12 --out out/serve-bench/matrix
     kvnotes serve-bench erratum --url http://127.0.0.1:8000 --context-tokens 8000 --concurrency 1
     kvnotes serve-bench skills --launch --model smollm2-135m --concurrency 1,4 --dtype float32
+    kvnotes serve-bench soak --duration 180 --clients 8 --corun --out out/serve-bench/soak
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import typer
 from kvnotes.cli.app import app, emit_json, folder_option
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmarks are imported when a command runs
+    from kvnotes.bench.serving.corun import CorunConfig
     from kvnotes.bench.serving.erratum import BenchConfig
     from kvnotes.bench.serving.runs import Target
     from kvnotes.bench.serving.skills import SkillsBenchConfig
+    from kvnotes.bench.serving.soak import SoakConfig
 
 Written = tuple[dict[str, Any], dict[str, Path]]  # a result's JSON form and the files written
 
@@ -282,9 +285,18 @@ def skills(
     concurrency: Annotated[str | None, typer.Option(
         "--concurrency", help="Concurrency levels, comma-separated (default 1,4)")] = None,
     policies: Annotated[str | None, typer.Option(
-        "--policies", help="Policies, comma-separated (default cold,prefix,compose)")] = None,
+        "--policies", help="Policies, comma-separated, of cold, prefix, compose (bare splice), "
+        "repaired (each skill's first 32 tokens computed by vLLM in phases, aligned to the "
+        "block size), guarded (repaired, answered exactly when the first token is a close "
+        "call); default all five")] = None,
     fidelity_samples: Annotated[int, typer.Option(
-        "--fidelity-samples", help="Compose requests checked against the exact prompt")] = 20,
+        "--fidelity-samples", help="Prompts each spliced policy (compose, repaired, guarded) "
+        "answers, checked against the exact prompt")] = 20,
+    guard_tau: Annotated[float | None, typer.Option(
+        "--guard-tau", help="The guard's top-1 minus top-2 log-prob margin (default: chosen "
+        "on --calibration-samples development prompts)")] = None,
+    calibration_samples: Annotated[int, typer.Option(
+        "--calibration-samples", help="Development prompts the guard's tau is chosen on")] = 6,
     skills_dir: Annotated[Path | None, typer.Option(
         "--skills", help="The server's skill folder (with --url: the one given to `kvnotes "
         "serve`; --launch default: OUT/skills)")] = None,
@@ -298,15 +310,122 @@ def skills(
 ) -> None:
     """Composed skills vs prefix caching vs cold inside vLLM: TTFT, hit rate, fidelity.
 
-    Skills are spliced by kvnotes' connector; fidelity compares spliced answers with the same
-    prompts sent exactly."""
+    Skills are spliced by kvnotes' connector, bare (compose) or with each skill's first tokens
+    computed in context by phased requests (repaired, guarded); fidelity compares each
+    spliced policy's answers with the same prompts sent exactly."""
     from kvnotes.bench.serving.skills import SKILL_POLICIES, SkillsBenchConfig, markdown
 
     server = ServerOptions.pick(locals())
     bench = SkillsBenchConfig(
         model=model, k=k, requests=requests,
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),
-        policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples)
+        policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples,
+        guard_tau=guard_tau, calibration_samples=calibration_samples)
     data, paths = SkillsCommand(bench=bench, server=server, skills_dir=skills_dir,
                                 anchor=not no_anchor).run()
     _print(data, paths, markdown(data), as_json)
+
+
+# ---- the soak ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SoakCommand:
+    """What ``serve-bench soak`` runs: the soak's config, the launched server's options, and the
+    co-running measurement after it (None: skipped)."""
+
+    bench: SoakConfig
+    server: ServerOptions
+    corun: CorunConfig | None = None
+    how: str = ""
+
+    def __post_init__(self) -> None:
+        if self.server.url:
+            raise typer.BadParameter("serve-bench soak launches its own server (a small KV "
+                                     "cache, a skill folder it damages on purpose): drop --url")
+
+    def run(self) -> Written:
+        """Run it and write the bundle in ``--out``."""
+        import kvnotes
+        from kvnotes.bench.serving.soak import run_soak
+        from kvnotes.bench.serving.soak_report import write_outputs
+
+        engine = kvnotes.load(self.server.model)
+        self.server.out.mkdir(parents=True, exist_ok=True)
+        target = self.server.target(max_model_len=self.bench.max_model_len)
+        assert target.launch is not None  # __post_init__ refused --url
+        result = run_soak(self.bench, target.launch, engine, out=self.server.out,
+                          corun=self.corun, request_timeout_s=self.server.request_timeout,
+                          how=self.how, say=_log)
+        data = result.to_dict()
+        return data, write_outputs(data, self.server.out)
+
+
+@bench_app.command("soak")
+def soak(
+    model: Model = "smollm2-135m",
+    duration: Annotated[float, typer.Option("--duration", help="Seconds the clients keep "
+                                            "sending")] = 180.0,
+    clients: Annotated[int, typer.Option("--clients", help="Concurrent clients")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Greedy tokens per answer, "
+                                            "each checked against the engine")] = 16,
+    exact_fraction: Annotated[float, typer.Option("--exact-fraction")] = 0.2,
+    volatile_fraction: Annotated[float, typer.Option(
+        "--volatile-fraction", help="Requests carrying the volatile skill of the moment")] = 0.3,
+    disconnect_fraction: Annotated[float, typer.Option(
+        "--disconnect-fraction", help="Requests whose stream is closed after 1-3 chunks")] = 0.1,
+    event_interval: Annotated[float, typer.Option(
+        "--event-interval", help="Seconds between volatile skills (each published, damaged, "
+        "retired)")] = 20.0,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (tokens, a "
+                                            "multiple of 32)")] = 32,
+    kv_blocks: Annotated[int, typer.Option(
+        "--kv-blocks", help="KV cache size in blocks: small, so vLLM preempts")] = 96,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    corun: Annotated[bool, typer.Option(
+        "--corun", help="Then measure a streamed request's inter-token latency beside spliced "
+        "requests, beside the same prompts sent exactly, and alone")] = False,
+    corun_seconds: Annotated[float, typer.Option("--corun-seconds",
+                                                 help="Seconds per co-running mode")] = 40.0,
+    recheck: Annotated[bool, typer.Option(
+        "--recheck", help="Start no server: check the answers of the soak in --out again "
+        "(its result.json, skills/ and volatile/)")] = False,
+    dtype: Dtype = "float32", startup_timeout: StartupTimeout = 900.0,
+    vllm_python: VllmPython = None, request_timeout: RequestTimeout = 300.0,
+    out: Out = Path("out/serve-bench/soak"), as_json: AsJson = False,
+) -> None:
+    """The connector under load: concurrent clients, preemption, skills published, deleted and
+    corrupted while requests use them, early disconnects; every answer checked against
+    kvnotes' engine."""
+    import sys
+
+    from kvnotes.bench.serving.corun import CorunConfig
+    from kvnotes.bench.serving.soak import SoakConfig
+    from kvnotes.bench.serving.soak_report import markdown
+
+    server = ServerOptions(launch=True, model=model, dtype=dtype, kv_cache_gib=1,
+                           startup_timeout=startup_timeout, vllm_python=vllm_python,
+                           request_timeout=request_timeout, out=out)
+    interval = event_interval
+    bench = SoakConfig(model=model, duration_s=duration, clients=clients, max_tokens=max_tokens,
+                       exact_fraction=exact_fraction, volatile_fraction=volatile_fraction,
+                       disconnect_fraction=disconnect_fraction, event_interval_s=interval,
+                       damage_after_s=0.4 * interval, retire_after_s=0.8 * interval,
+                       block_size=block_size, kv_blocks=kv_blocks, seed=seed)
+    how = "kvnotes " + " ".join(sys.argv[1:])
+    if recheck:
+        import kvnotes
+        from kvnotes.bench.serving.soak import recheck as check_again
+        from kvnotes.bench.serving.soak_report import write_outputs
+
+        data = check_again(out, kvnotes.load(model), say=_log)
+        paths = write_outputs(data, out)
+        typer.echo(markdown(data))
+        typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
+        return
+    data, paths = SoakCommand(bench=bench, server=server, how=how,
+                              corun=CorunConfig(seconds=corun_seconds, background=max(
+                                  1, clients - 1)) if corun else None).run()
+    if as_json:
+        emit_json({k: v for k, v in data.items() if k != "requests"})
+    else:
+        typer.echo(markdown(data))
+        typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")

@@ -129,10 +129,11 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     if target.url is not None:
         from kvnotes.serving.skills import ServingSkills
 
-        register_skills(ServingSkills(skills_dir, engine), anchor=anchor, log=log)
+        published = ServingSkills(skills_dir, engine)
+        register_skills(published, anchor=anchor, log=log)
         time.sleep(RESCAN_S)
         client = ComposeClient(target.url, config.model, engine.tokenizer,
-                               timeout=target.request_timeout_s)
+                               timeout=target.request_timeout_s, skills=published.folder)
         return run_skills_benchmark(client, config, anchor=anchor, log=log)
     assert target.launch is not None  # Target's invariant
     launch = launcher.prepare(dataclasses.replace(target.launch, skills=skills_dir), engine)
@@ -142,8 +143,9 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
         f"{launch.server.log_path}")
     with launch:
         log(f"server up at {launch.url} after {launch.server.startup_s:.0f} s")
-        client = ComposeClient(launch.url, launch.server.served_name, engine.tokenizer,
-                               timeout=target.request_timeout_s)
+        # vLLM itself, not a front: the benchmark plans every policy's requests on its own
+        client = ComposeClient(launch.server.url, launch.server.served_name, engine.tokenizer,
+                               timeout=target.request_timeout_s, skills=launch.skills.folder)
         result = run_skills_benchmark(client, dataclasses.replace(
             config, model=launch.server.served_name), anchor=anchor, log=log)
     result.launch = launch.record()
