@@ -48,4 +48,7 @@ def test_the_version_is_written_once():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
     assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "kvnotes.__version__"}
-    assert kvnotes.__version__ == "0.2.0"
+    # the changelog's newest entry is this version
+    changelog = (ROOT / "CHANGELOG.md").read_text("utf-8")
+    newest = next(line for line in changelog.splitlines() if line.startswith("## "))
+    assert newest == f"## {kvnotes.__version__}"

@@ -58,7 +58,7 @@ def compose_result(cosines) -> ComposeDemoResult:
                               compute_fraction=0.2, ttft_recompute_s=0.3, ttft_compose_s=0.1)
 
     return ComposeDemoResult(
-        model="m", skills={"s": CompiledSkill(8, 0.01, "bos", 0)}, repair=0,
+        model="m", skills={"s": CompiledSkill(8, 0.01, "bos", 0)}, repair="f0a1",
         cases=tuple(ComposeCase(f"c{i}", ("s",), report(c)) for i, c in enumerate(cosines)),
         max_new_tokens=4, timing=None)
 

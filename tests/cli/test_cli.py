@@ -20,14 +20,16 @@ def test_unknown_model_alias_exits_2_with_message():
 
 def test_compose_json_on_tiny_folder(tiny_folder, tmp_path):
     skill = tmp_path / "refunds.txt"
-    skill.write_text("Refunds are issued within five days of inspection.")
+    # longer than the 32 first tokens compose recomputes by default: the rest is reused
+    skill.write_text("Refunds are issued within five days of inspection. " * 8)
     result = runner.invoke(app, ["compose", "--model", str(tiny_folder), "--skill", str(skill),
                                  "--context", "Customer asks when the money arrives.",
                                  "--query", " Answer:", "--max-new-tokens", "3", "--json",
                                  "--library", str(tmp_path / "lib")])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
-    assert data["tokens_reused"] > 0 and 0.0 < data["logit_cosine"] <= 1.0 + 1e-9
+    assert data["tokens_reused"] > 0 and data["tokens_repaired"] == 32
+    assert 0.0 < data["logit_cosine"] <= 1.0 + 1e-9
     assert list((tmp_path / "lib").rglob("*.safetensors"))  # compiled once, stored by content
 
 

@@ -81,7 +81,8 @@ def test_compose_on_tiny_folder_in_bfloat16(tmp_path, tokenizer):
     make_tiny_model("llama", tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     skill = tmp_path / "refunds.txt"
-    skill.write_text("Refunds are issued within five days of inspection.")
+    # longer than the 32 first tokens compose recomputes by default: the rest is reused
+    skill.write_text("Refunds are issued within five days of inspection. " * 8)
     result = runner.invoke(app, ["compose", "--model", str(folder), "--skill", str(skill),
                                  "--context", "Customer asks.", "--query", " Answer:",
                                  "--max-new-tokens", "2", "--json", "--dtype", "bfloat16"])

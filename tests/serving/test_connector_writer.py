@@ -122,6 +122,26 @@ def test_writes_reach_the_cache_device_in_the_cache_dtype(library):
                             slots=(meta, torch.long), cache=meta)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no GPU here")
+def test_a_cuda_cache_holds_what_a_cpu_cache_holds(library):
+    """The device path on a real GPU: staged, re-rotated there, written in the cache's dtype;
+    the cache then holds what the same load writes into a CPU cache."""
+    skills, infos = library
+    store = PieceStore(skills.folder)
+    m = store.manifest
+    load = load_for(store, prompt(infos, "header", "b", "a"))
+    caches = {}
+    for device in ("cpu", "cuda"):
+        writer = KvWriter(skills.folder, m, share(m, dtype=torch.bfloat16, device=device))
+        layers = [(i, fake_layer(m.num_kv_heads, m.head_dim, device=device,
+                                 dtype=torch.bfloat16)) for i in range(m.num_layers)]
+        assert writer.write([load], layers) == set()
+        caches[device] = [layer.kv_cache.cpu() for _, layer in layers]
+    for cpu, cuda in zip(caches["cpu"], caches["cuda"], strict=True):
+        assert cuda.abs().sum() > 0
+        torch.testing.assert_close(cuda, cpu, atol=1e-2, rtol=1e-2)  # one bf16 rounding apart
+
+
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_each_tensor_parallel_rank_writes_exactly_its_heads(library, tp):
     """Ranks write their share (a replica when KV heads < ranks); together, the full write."""
