@@ -18,6 +18,20 @@ def _loads(load: list[float] | None) -> str:
     return "-" if not load else "/".join(f"{x:.1f}" for x in load)
 
 
+def _sharing(machine: dict[str, Any]) -> str:
+    """What the load at the start says about the timings (the run's own server and clients
+    load the machine too, so only the start tells other work apart)."""
+    start = machine.get("load_average") or [None]
+    cpus = machine.get("cpus") or 1
+    if start[0] is None:
+        return "The load at the start is unknown: timings may be contended."
+    if start[0] > 0.75 * cpus:
+        return ("The machine was shared with other work at the start: counts are valid, "
+                "timings are contended.")
+    return ("The machine was otherwise idle at the start (1-minute load under 0.75 per CPU); "
+            "the load during the run is the server's and the benchmark's own.")
+
+
 def markdown(result: dict[str, Any]) -> str:
     cfg, s, m = result["config"], result["summary"], result["machine"]
     launch = result.get("launch") or {}
@@ -28,8 +42,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Started {result.get('started') or '?'} UTC; command: `{result.get('how') or '?'}`.",
         f"Machine: {m.get('cpus')} CPUs ({m.get('cpu_model') or '?'}), {result.get('threads')} "
         f"torch threads in the benchmark process; load average (1/5/15 min) at start "
-        f"{_loads(m.get('load_average'))}, at end {_loads(m.get('load_average_end'))}. The "
-        "machine was shared with other work: counts are valid, timings are contended.", "",
+        f"{_loads(m.get('load_average'))}, at end {_loads(m.get('load_average_end'))}. "
+        + _sharing(m), "",
         f"Server: vLLM with kvnotes' connector, {launch.get('dtype', '?')}, "
         f"{cfg['kv_blocks']} KV blocks of {cfg['block_size']} tokens "
         f"({cfg['kv_blocks'] * cfg['block_size']} tokens), max model length "
