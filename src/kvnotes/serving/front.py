@@ -332,18 +332,26 @@ class Front:
         request = self._http.build_request("POST", self.upstream + "/v1/completions", json=body)
         return self._http.send(request, stream=True)
 
-    def _stream(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float,
-                info: dict[str, Any], shaper: Shaper, headers: dict[str, str]) -> Reply:
+    def _begin_stream(self, body: dict[str, Any]) -> Any:
+        """The upstream's streaming response to ``body``, or the :class:`Reply` that ends the
+        request: 502 when vLLM is unreachable, vLLM's own error passed through."""
         import httpx2
 
         try:
-            resp = self._open_stream(real_body(fp, req, model, tau))
+            resp = self._open_stream(body)
         except httpx2.HTTPError as err:
             return self._unreachable(err)
         if resp.status_code != 200:
             data = resp.read()
             resp.close()
             return Reply(resp.status_code, {"content-type": "application/json"}, data)
+        return resp
+
+    def _stream(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float,
+                info: dict[str, Any], shaper: Shaper, headers: dict[str, str]) -> Reply:
+        resp = self._begin_stream(real_body(fp, req, model, tau))
+        if isinstance(resp, Reply):
+            return resp
         events = _events(resp)
         held: list[Any] = []
         if tau > 0:
@@ -358,14 +366,9 @@ class Front:
                 events.close()
                 info["guard_fired"] = True
                 self._count("guard_fired")
-                try:
-                    resp = self._open_stream(exact_body(fp.ids, req, model))
-                except httpx2.HTTPError as err:
-                    return self._unreachable(err)
-                if resp.status_code != 200:
-                    data = resp.read()
-                    resp.close()
-                    return Reply(resp.status_code, {"content-type": "application/json"}, data)
+                resp = self._begin_stream(exact_body(fp.ids, req, model))
+                if isinstance(resp, Reply):
+                    return resp
                 events, held = _events(resp), []
 
         def chunks() -> Iterator[bytes]:
