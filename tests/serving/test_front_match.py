@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from kvnotes.core.document import encode
 from kvnotes.core.errors import NotebookFileError
 from kvnotes.core.models import BUNDLED, kvnotes_home
-from kvnotes.serving.compose_client import prompt_ids
+from kvnotes.serving.compose_client import part_ids, prompt_ids
 from kvnotes.serving.front_match import (
     Skill,
     SkillCatalog,
@@ -18,7 +18,7 @@ from kvnotes.serving.front_match import (
     read_piece_info,
     skill_texts,
 )
-from kvnotes.serving.front_plan import part_ids, split_ids, strip_bos_text
+from kvnotes.serving.front_plan import split_ids, strip_bos_text
 from kvnotes.serving.manifest import entry_paths
 from kvnotes.serving.skills import ServingSkills
 from kvnotes.serving.splice import PieceIndex, PieceInfo

@@ -19,25 +19,18 @@ a wrong guess here costs a computed token, never a wrong one). No vLLM, no engin
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-import sys
 import threading
-import time
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvnotes.core.document import added_bos, encode
-from kvnotes.core.errors import NotebookFileError
-from kvnotes.serving.manifest import ENTRY_FORMAT, ServingManifest, entry_paths
+from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
+from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.serving.piece_store import PieceStore, index_entry
 from kvnotes.serving.splice import PieceIndex, PieceInfo
-
-_INT_CODES = {"I64": "q", "I32": "i", "I16": "h", "U8": "B", "I8": "b"}
-MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is not an entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,52 +55,25 @@ class Part:
 
 
 # ---- reading entries -------------------------------------------------------------------------
-def _read_ints(f: Any, base: int, spec: Any, what: str, count: int | None = None) -> list[int]:
-    if not isinstance(spec, dict) or spec.get("dtype") not in _INT_CODES:
-        raise NotebookFileError(f"{what}: not an integer tensor")
-    a, b = (int(x) for x in spec["data_offsets"])
-    code = _INT_CODES[spec["dtype"]]
-    width = array(code).itemsize
-    if count is not None:
-        b = min(b, a + count * width)
-    f.seek(base + a)
-    raw = f.read(b - a)
-    if len(raw) != b - a or (b - a) % width:
-        raise NotebookFileError(f"{what}: truncated")
-    values = array(code)
-    values.frombytes(raw)
-    if sys.byteorder != "little":  # safetensors stores little-endian
-        values.byteswap()
-    return values.tolist()
-
-
 def read_piece_info(path: str | os.PathLike[str], fingerprint: dict[str, Any]) -> PieceInfo:
-    """``PieceInfo`` of one library entry from its header and token ids alone.
+    """``PieceInfo`` of one library entry from its header and token ids alone (the scheduler's
+    reader, :func:`kvnotes.serving.piece_store.index_entry`).
 
     Raises :class:`NotebookFileError` for a file that is not an entry of ``fingerprint``'s
     model (another format, another model, unreadable).
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > MAX_HEADER_BYTES:
-                raise NotebookFileError(f"{path}: header of {n} bytes")
-            header = json.loads(f.read(n))
-            meta = json.loads(header.get("__metadata__", {}).get("kvnotes", "null"))
-            if not isinstance(meta, dict) or meta.get("format") != ENTRY_FORMAT:
-                raise NotebookFileError(f"{path}: not a kvnotes skill")
-            if meta.get("fingerprint") != fingerprint:
-                raise NotebookFileError(f"{path}: written by another model")
-            ids = _read_ints(f, 8 + n, header.get("token_ids"), f"{path}: token_ids")
-            origin = _read_ints(f, 8 + n, header.get("positions"), f"{path}: positions", 1)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as err:
+        want = ModelFingerprint.from_dict(fingerprint)
+    except ValueError as err:  # no entry is written under a fingerprint that is not one
+        raise NotebookFileError(f"{path}: written by another model ({err})") from err
+    try:
+        piece, _ = index_entry(path, want)
+    except NotebookMismatchError as err:
+        raise NotebookFileError(f"{path}: written by another model ({err})") from err
+    except (KvnotesError, OSError) as err:
         raise NotebookFileError(f"{path}: unreadable skill entry ({err})") from err
-    if not ids or not origin:
-        raise NotebookFileError(f"{path}: no tokens")
-    spans = meta.get("spans") or []
-    name = str(spans[0][0]) if spans and isinstance(spans[0], list) and spans[0] else path.stem
-    return PieceInfo(path.stem, name, tuple(ids), int(origin[0]))
+    return piece
 
 
 def skill_texts(tokenizer: Any, pieces: Iterable[PieceInfo]) -> tuple[list[Skill], list[str]]:
@@ -180,45 +146,19 @@ class SkillCatalog:
                  rescan_s: float = 0.25) -> None:
         self.folder = Path(folder)
         self.tokenizer = tokenizer
-        self.fingerprint = ServingManifest.read(self.folder).fingerprint
-        self.rescan_s = rescan_s
         self._lock = threading.Lock()
+        # the scheduler's own index of the folder: the front plans with what it will splice
+        self._store = PieceStore(self.folder, rescan_s=rescan_s)
         self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
-        self._bad: set[tuple[str, int]] = set()  # (file name, mtime) not readable
         self._skills: list[Skill] = []
         self._index = PieceIndex()
         self.left_out: list[str] = []
-        self._mtime: int | None = None
-        self._checked = 0.0
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False) -> None:
         with self._lock:
-            now = time.monotonic()
-            if not force and now - self._checked < self.rescan_s:
-                return
-            self._checked = now
-            try:
-                mtime = self.folder.stat().st_mtime_ns
-            except OSError:
-                return
-            if not force and mtime == self._mtime:
-                return
-            self._mtime = mtime
-            present = {p.stem: p for p in entry_paths(self.folder)}
-            pieces = {k: v for k, v in self._pieces.items() if k in present}
-            for key, path in present.items():
-                if key in pieces:
-                    continue
-                try:
-                    stamp = (path.name, path.stat().st_mtime_ns)
-                    if stamp in self._bad:
-                        continue
-                    pieces[key] = read_piece_info(path, self.fingerprint)
-                except OSError:
-                    continue  # gone since the listing
-                except NotebookFileError:
-                    self._bad.add(stamp)
+            self._store.refresh(force=force)
+            pieces = {p.key: p for p in self._store.index.pieces()}
             if pieces.keys() != self._pieces.keys() or force:
                 index = PieceIndex()
                 for piece in pieces.values():

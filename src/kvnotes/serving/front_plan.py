@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.core.document import added_bos, encode
+from kvnotes.core.document import added_bos
 from kvnotes.core.repair import Repair
+from kvnotes.serving.compose_client import part_ids
 from kvnotes.serving.front_match import SkillCatalog
 from kvnotes.serving.front_request import FrontRequest, Unplannable
 from kvnotes.serving.phases import PartSpan, PhasePlan, completion_body, part_spans, plan_phases
@@ -26,14 +27,6 @@ from kvnotes.serving.splice import PieceIndex
 # fields of the plan's bodies the client's own values replace (or remove, when it sent none:
 # vLLM's defaults then apply, as for a request sent to vLLM directly)
 _CLIENT_FIELDS = ("temperature", "max_tokens")
-
-
-def part_ids(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Each part's token ids as ``compose_client.prompt_ids`` lays them out (BOS, when the
-    tokenizer adds one, as a part of its own; then each text encoded alone)."""
-    bos = added_bos(tokenizer)
-    out = [[bos]] if bos is not None else []
-    return out + [encode(tokenizer, t) for t in texts if t]
 
 
 def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
@@ -96,7 +89,7 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
         found = catalog.find(text)
         if not any(p.skill is not None for p in found):
             raise Unplannable("no registered skill in the prompt")
-        parts = part_ids(catalog.tokenizer, [p.text for p in found])
+        parts = part_ids(catalog.tokenizer, [p.text for p in found if p.text])
     spans = part_spans(parts, index)
     if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
         raise Unplannable("no registered skill in the prompt")

@@ -93,6 +93,10 @@ class PieceIndex:
     def get(self, key: str) -> PieceInfo | None:
         return self._keys.get(key)
 
+    def pieces(self) -> list[PieceInfo]:
+        """Every indexed piece, in the order added."""
+        return list(self._keys.values())
+
     def add(self, piece: PieceInfo) -> None:
         if not piece.token_ids:
             raise ValueError(f"piece {piece.name!r} has no tokens")
