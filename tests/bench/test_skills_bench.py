@@ -7,15 +7,23 @@ import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.bench.serving.kit import MachineRecord, PhaseSummary
+from kvnotes.bench.serving.prompt_sets import (
+    AirlinePrompts,
+    bfcl_prompts,
+    call_name,
+    library_index,
+    make_prompt_set,
+    make_requests,
+    skill_texts,
+)
 from kvnotes.bench.serving.skills import (
     Fidelity,
+    FrontClients,
     SkillsBenchConfig,
     SkillsResult,
-    library_index,
-    make_requests,
     markdown,
+    measure_fidelity,
     run_skills_benchmark,
-    skill_texts,
     write_outputs,
 )
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
@@ -162,3 +170,154 @@ def test_library_index_places_pieces_where_register_skills_compiles_them(tokeniz
         assert piece is not None and piece.origin == len(header)  # compiled behind the header
     alone = library_index(tokenizer, anchor=False)
     assert {alone.get(n).origin for n in skill_texts()} == {0}  # type: ignore[union-attr]
+
+
+def test_bfcl_prompts_are_the_tools_bench_cases_in_its_halves(tokenizer):
+    from kvnotes.eval.tools.data import load_cases, spread
+    from kvnotes.eval.tools.prompt import CALL_OPENING, case_prompt
+
+    ps = bfcl_prompts(tokenizer, cases=12, max_context=2048)
+    picked = spread(load_cases("live_multiple"), 12)
+    assert len(ps.cases) + len(ps.skipped) == 12
+    by_id = {c.id: c for c in picked}
+    for i, case in enumerate(ps.cases):
+        prompt = case_prompt(tokenizer, by_id[case.id])
+        assert case.parts == (prompt.header, *prompt.skills, prompt.question + prompt.query)
+        assert case.parts[-1].endswith(CALL_OPENING) and case.tokens <= 2048 - 16
+        assert case.half == ("calibrate" if picked.index(by_id[case.id]) % 2 == 0
+                             else "evaluate")
+        assert set(case.parts[1:-1]) <= set(ps.skills.values())  # every function published
+        assert ps.info(list(case.parts)) == {"case": case.id, "half": case.half,
+                                             "answers": list(case.answers)}
+        del i
+    calib = ps.requests(100, 0, "calibration")
+    assert {ps.info(p)["half"] for p in calib} == {"calibrate"}
+    fid = ps.requests(100, 0, "fidelity")
+    assert len(fid) == len(ps.cases)  # every case once, calibration half first
+    assert [ps.info(p)["half"] for p in fid] == sorted(ps.info(p)["half"] for p in fid)
+    ttft = ps.requests(30, 3, "ttft")
+    assert len(ttft) == 30 and ps.requests(30, 3, "ttft") == ttft
+    assert ps.info(["not", "a case"]) == {}
+    idx = ps.index(tokenizer, anchor=True)
+    header = idx.get("header")
+    assert header is not None
+    assert {idx.get(n).origin for n in ps.skills} == {len(header)}  # type: ignore[union-attr]
+    tiny = bfcl_prompts(tokenizer, cases=12, max_context=300)
+    assert len(tiny.cases) < len(ps.cases) and tiny.skipped
+    with pytest.raises(InvalidArgumentError, match="--cases"):
+        bfcl_prompts(tokenizer, cases=0)
+    with pytest.raises(UnknownNameError, match="prompt purpose"):
+        ps.requests(1, 0, "tuning")
+
+
+def test_call_name_reads_the_name_up_to_its_quote():
+    assert call_name('get_weather", "arguments": {}}') == "get_weather"
+    assert call_name("get_wea") is None  # never closed within the answer
+    assert call_name('"') == ""
+
+
+def test_prompt_set_names_and_airline_checks(tokenizer):
+    assert isinstance(make_prompt_set("airline", tokenizer, k=3), AirlinePrompts)
+    with pytest.raises(UnknownNameError, match="valid prompt sets: airline, bfcl"):
+        make_prompt_set("alpaca", tokenizer)
+    with pytest.raises(InvalidArgumentError, match="k must be between"):
+        AirlinePrompts(0)
+    with pytest.raises(UnknownNameError, match="--via"):
+        SkillsBenchConfig(via="proxy")
+    with pytest.raises(UnknownNameError, match="prompt set"):
+        SkillsBenchConfig(prompts="alpaca")
+    assert AirlinePrompts(2).decision("anything") is None
+
+
+class _Scripted:
+    """Answers by policy and prompt from a table: a stand-in for the benchmark's clients."""
+
+    def __init__(self, answers, exact):
+        self.answers, self.tau = answers, None
+        outer = self
+
+        class Plain:
+            def complete(self, parts, **kw):
+                assert kw["splice"] is False
+                return outer._result(exact[parts[-1]])
+
+        self.plain = Plain()
+
+    @staticmethod
+    def _result(text):
+        return ComposeResult(ok=True, text=text, tokens=[text[:2]], prompt_tokens=10,
+                             cached_tokens=5, top_logprobs=[{text[:2]: -0.1, "zz": -2.0}])
+
+    def send(self, policy, parts, max_tokens, *, logprobs=None):
+        res = self._result(self.answers[policy][parts[-1]])
+        res.guard_fired = True if policy == "guarded" and parts[-1] == "q2" else (
+            False if policy == "guarded" else None)
+        return res
+
+
+def test_fidelity_reads_decisions_and_right_tools(tokenizer):
+    from kvnotes.bench.serving.prompt_sets import BfclCase, BfclPrompts
+
+    ps = BfclPrompts(cases=[BfclCase("c1", ("h", "s", "q1"), "calibrate", ("alpha",), 9),
+                            BfclCase("c2", ("h", "s", "q2"), "evaluate", ("beta",), 9)],
+                     header="h", skills={"fn-a": "s"})
+    exact = {"q1": 'alpha", "arguments"', "q2": 'beta", "x'}
+    answers = {"compose": {"q1": 'alpha", "other', "q2": 'gamma", "x'},
+               "guarded": {"q1": 'alpha", "arguments"', "q2": 'beta", "x'}}
+    clients = _Scripted(answers, exact)
+    comp, guarded = measure_fidelity(clients, [["h", "s", "q1"], ["h", "s", "q2"]], 16,
+                                     ("compose", "guarded"), prompt_set=ps)
+    assert comp.decision_identity == 0.5 and comp.continuation_identity == 0.0
+    assert (comp.right_exact, comp.right_spliced) == (2, 1)
+    assert comp.halves == {"calibrate": {"n": 1, "decision_identical": 1,
+                                         "first_token_agree": 1, "continuation_identical": 0,
+                                         "guard_fired": 0},
+                           "evaluate": {"n": 1, "decision_identical": 0,
+                                        "first_token_agree": 0, "continuation_identical": 0,
+                                        "guard_fired": 0}}
+    assert guarded.decision_identity == 1.0 and guarded.guard_fires == 1
+    assert comp.cases[1]["decision"] == "gamma" and comp.cases[1]["exact_decision"] == "beta"
+    md = "\n".join(__import__("kvnotes.bench.serving.skills", fromlist=["x"])._fidelity_lines(
+        [comp.to_dict(), guarded.to_dict()]))
+    assert "| compose | 50.0% | 2/2 / 1/2 | 50.0% | 0.0% |" in md
+    assert "| guarded | evaluate | 1 | 1 | 1 | 1 | 1 |" in md
+    both = measure_fidelity(clients, [["h", "s", "q1"], ["h", "s", "q2"]], 16, ("compose",),
+                            prompt_set=ps, concurrency=2)
+    assert both[0].concurrency == 2 and both[0].decision_identity == 0.5  # the same answers
+    md = "\n".join(__import__("kvnotes.bench.serving.skills", fromlist=["x"])._fidelity_lines(
+        [comp.to_dict(), both[0].to_dict()]))
+    assert "| compose @ 1 |" in md and "| compose @ 2 |" in md
+    # the airline set reads no decision: the columns stay out
+    plain = measure_fidelity(clients, [["h", "s", "q1"]], 16, ("compose",),
+                             prompt_set=AirlinePrompts())
+    assert plain[0].decision_identity is None and plain[0].right_exact is None
+
+
+def test_front_clients_send_text_with_the_policy_options(tokenizer):
+    sent = []
+
+    class Front:
+        model = "m"
+
+        def send(self, body):
+            sent.append(body)
+            planned = body["kvnotes"].get("splice", True)
+            return ComposeResult(
+                ok=True, text="x", tokens=["x"], top_logprobs=[{"x": -0.5, "y": -1.75}],
+                usage_kvnotes=({"phases": 2, "spliced_tokens": 300, "guard_fired": True,
+                                "plan": {"skills": ["a"]}} if planned else None))
+
+    fc = FrontClients(plain=None, front=Front(), tau=0.7)  # type: ignore[arg-type]
+    assert fc.options("prefix") == {"splice": False}
+    assert fc.options("compose") == {"tenant": "compose", "repair": 0, "guard": 0}
+    assert fc.options("repaired") == {"tenant": "repaired", "repair": 32, "guard": 0}
+    assert fc.options("guarded") == {"tenant": "guarded", "repair": 32, "guard": 0.7}
+    res = fc.send("guarded", ["head", "skill", "question"], 4, logprobs=2)
+    assert sent[-1]["prompt"] == "headskillquestion" and sent[-1]["logprobs"] == 2
+    assert (res.phases, res.spliced_tokens, res.guard_fired) == (2, 300, True)
+    assert res.margin == pytest.approx(1.25) and res.plan == {"skills": ["a"]}
+    res = fc.send("cold", ["head", "q"], 4)
+    assert sent[-1]["cache_salt"].startswith("cold-") and sent[-1]["kvnotes"] == {"splice": False}
+    assert res.phases == 0 and res.guard_fired is None  # forwarded: nothing planned
+    with pytest.raises(UnknownNameError):
+        fc.send("warm", ["q"], 1)

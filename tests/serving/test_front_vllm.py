@@ -118,3 +118,36 @@ def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2)
     assert mine.choices[0].logprobs.token_logprobs == pytest.approx(
         theirs.choices[0].logprobs.token_logprobs, abs=1e-3)
     assert "kvnotes" not in (mine.usage.model_extra or {})
+
+
+def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_them(served, smollm2):
+    """Public tool descriptions the benchmark publishes: the front finds every function of the
+    case in the text prompt and answers as ComposeClient does with the same repair; the
+    benchmark's fidelity reads the same decision from both."""
+    from kvnotes.bench.serving.prompt_sets import BfclPrompts, bfcl_prompts
+    from kvnotes.bench.serving.skills import REPAIR, FrontClients, measure_fidelity
+
+    launch = served
+    name = launch.server.served_name
+    every = bfcl_prompts(smollm2.tokenizer, cases=40, max_context=700)
+    case = next(c for c in every.cases if len(c.parts) >= 4)  # two functions or more
+    cases = BfclPrompts(cases=[case], header=every.header, skills={
+        n: t for n, t in every.skills.items() if t in case.parts})
+    cases.register(launch.skills, anchor=True, log=lambda s: None)
+    parts = list(case.parts)
+    vllm = ComposeClient(launch.server.url, name, smollm2.tokenizer,
+                         skills=launch.skills.folder, block_size=BLOCK, tenant="repaired")
+    want = vllm.complete(parts, max_tokens=16, repair=REPAIR)
+    assert want.ok, want.error
+    front = FrontClients(plain=ComposeClient(launch.server.url, name, smollm2.tokenizer),
+                         front=ComposeClient(launch.url, name, smollm2.tokenizer))
+    got = front.send("repaired", parts, 16)
+    assert got.ok, got.error
+    assert got.plan is not None and got.plan["ranges"] == want.plan["ranges"]
+    assert len(got.plan["skills"]) == len(parts) - 1  # the header and every function
+    assert got.text == want.text and got.phases == want.phases
+    fid = measure_fidelity(front, [parts], 16, ("compose", "repaired"), prompt_set=cases)
+    assert [f.samples for f in fid] == [1, 1] and [f.forwarded for f in fid] == [0, 0]
+    assert fid[1].cases[0]["spliced"] == want.text
+    assert fid[1].cases[0]["decision"] == cases.decision(want.text)
+    assert fid[1].decision_identity is not None

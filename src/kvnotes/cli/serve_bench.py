@@ -259,6 +259,9 @@ class SkillsCommand:
             raise typer.BadParameter("serve-bench skills --url needs --skills DIR: the folder "
                                      "the server was started with (the benchmark publishes its "
                                      "skills there)")
+        if self.server.url and self.bench.via == "front":
+            raise typer.BadParameter("--via front needs --launch: the benchmark starts the "
+                                     "front and reaches the vLLM behind it for the exact answers")
         if self.skills_dir is not None:
             folder_option(self.skills_dir, "--skills")
 
@@ -303,6 +306,22 @@ def skills(
     no_anchor: Annotated[bool, typer.Option(
         "--no-anchor", help="Compile each policy alone instead of behind the system header "
         "(for comparison)")] = False,
+    prompts: Annotated[str, typer.Option(
+        "--prompts", help="What the requests are: airline (the agent's policies, --k per "
+        "prompt, a customer's question) or bfcl (BFCL live_multiple development cases: each "
+        "function description a skill; the decision is the function name answered)")] = "airline",
+    cases: Annotated[int, typer.Option(
+        "--cases", help="--prompts bfcl: cases spread over the set (as `kvnotes bench tools`)")
+    ] = 40,
+    max_context: Annotated[int, typer.Option(
+        "--max-context", help="--prompts bfcl: skip (and count) cases longer than this")] = 2048,
+    fidelity_concurrency: Annotated[str, typer.Option(
+        "--fidelity-concurrency", help="Fidelity requests in flight at once, comma-separated "
+        "levels (each a full fidelity pass)")] = "1",
+    via: Annotated[str, typer.Option(
+        "--via", help="Where the measured requests go: vllm (token ids planned by "
+        "ComposeClient) or front (text prompts to kvnotes' OpenAI front, which plans them; "
+        "needs --launch)")] = "vllm",
     dtype: Dtype = "auto", block_size: BlockSize = None, kv_cache_gib: KvCacheGib = 3,
     startup_timeout: StartupTimeout = 900.0, vllm_python: VllmPython = None,
     request_timeout: RequestTimeout = 600.0, out: Out = Path("out/serve-bench"),
@@ -320,7 +339,9 @@ def skills(
         model=model, k=k, requests=requests,
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),
         policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples,
-        guard_tau=guard_tau, calibration_samples=calibration_samples)
+        guard_tau=guard_tau, calibration_samples=calibration_samples, prompts=prompts,
+        cases=cases, max_context=max_context, via=via,
+        fidelity_concurrency=_ints(fidelity_concurrency, "--fidelity-concurrency"))
     data, paths = SkillsCommand(bench=bench, server=server, skills_dir=skills_dir,
                                 anchor=not no_anchor).run()
     _print(data, paths, markdown(data), as_json)

@@ -43,7 +43,7 @@ from kvnotes.serving.piece_store import PieceStore
 from kvnotes.serving.splice import PieceIndex
 
 # body keys the openai client does not know: sent through extra_body
-_EXTRA_KEYS = ("cache_salt", "kv_transfer_params")
+_EXTRA_KEYS = ("cache_salt", "kv_transfer_params", "kvnotes")  # not the SDK's own fields
 
 
 def part_ids(tokenizer: Any, parts: Sequence[str]) -> list[list[int]]:
@@ -87,6 +87,9 @@ class ComposeResult:
     margin: float | None = None
     guard_fired: bool | None = None
     plan: dict[str, Any] | None = None
+    # the answer of kvnotes' OpenAI front: its ``usage.kvnotes`` (None: not sent by a front,
+    # or forwarded there exactly)
+    usage_kvnotes: dict[str, Any] | None = None
 
     @property
     def reused_fraction(self) -> float | None:
@@ -242,6 +245,9 @@ class ComposeClient:
                     res.prompt_tokens = chunk.usage.prompt_tokens
                     details = getattr(chunk.usage, "prompt_tokens_details", None)
                     res.cached_tokens = getattr(details, "cached_tokens", None) if details else None
+                    extra = getattr(chunk.usage, "model_extra", None) or {}
+                    if isinstance(extra.get("kvnotes"), dict):
+                        res.usage_kvnotes = extra["kvnotes"]
                 if first and res.ttft_s is not None and stop is not None and stop(res):
                     stream.close()
                     break

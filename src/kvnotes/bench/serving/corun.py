@@ -125,7 +125,7 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
     """Every mode of ``config`` on the server at ``url``, one after the other."""
     from openai import AsyncOpenAI
 
-    from kvnotes.bench.serving.skills import user_text
+    from kvnotes.bench.serving.prompt_sets import user_text
     from kvnotes.serving.client import Client
     from kvnotes.serving.compose_client import prompt_ids
     from kvnotes.serving.manifest import splice_salt

@@ -120,33 +120,54 @@ def run_erratum_rows(rows: Sequence[tuple[str, BenchConfig]], launch: launcher.L
 def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
                skills_dir: Path, anchor: bool = True,
                log: Callable[[str], None] = print) -> SkillsResult:
-    """The skills benchmark on ``target``: its library is published to ``skills_dir`` (with
-    ``url``: the folder that server was started with), then every phase and fidelity run."""
+    """The skills benchmark on ``target``: its prompt set's library is published to
+    ``skills_dir`` (with ``url``: the folder that server was started with), then every phase and
+    fidelity run. ``config.via == "front"`` needs ``launch``: the launched server gets kvnotes'
+    OpenAI front, and the measured requests go through it."""
     # the skills workload imports the agent's library: only loaded when it runs
-    from kvnotes.bench.serving.skills import register_skills, run_skills_benchmark
+    from kvnotes.bench.serving.prompt_sets import make_prompt_set
+    from kvnotes.bench.serving.skills import run_skills_benchmark
     from kvnotes.serving.compose_client import ComposeClient
 
+    prompts = make_prompt_set(config.prompts, engine.tokenizer, k=config.k, cases=config.cases,
+                              max_context=config.max_context,
+                              answer_tokens=config.fidelity_tokens)
     if target.url is not None:
+        if config.via == "front":
+            raise InvalidArgumentError("--via front needs --launch (the benchmark starts the "
+                                       "front and reaches vLLM behind it directly for the exact "
+                                       "references)")
         from kvnotes.serving.skills import ServingSkills
 
         published = ServingSkills(skills_dir, engine)
-        register_skills(published, anchor=anchor, log=log)
+        prompts.register(published, anchor=anchor, log=log)
         time.sleep(RESCAN_S)
         client = ComposeClient(target.url, config.model, engine.tokenizer,
                                timeout=target.request_timeout_s, skills=published.folder)
-        return run_skills_benchmark(client, config, anchor=anchor, log=log)
+        return run_skills_benchmark(client, config, anchor=anchor, prompt_set=prompts, log=log)
     assert target.launch is not None  # Target's invariant
-    launch = launcher.prepare(dataclasses.replace(target.launch, skills=skills_dir), engine)
+    base = dataclasses.replace(target.launch, skills=skills_dir)
+    if config.via == "front":
+        from kvnotes.serving.front import FrontConfig
+
+        base = dataclasses.replace(base, front=base.front or FrontConfig(
+            timeout=target.request_timeout_s))
+    launch = launcher.prepare(base, engine)
     assert launch.skills is not None  # the connector is on: prepare made the library
-    register_skills(launch.skills, anchor=anchor, log=log)
-    log(f"starting vLLM ({launch.model.dtype}) with the kvnotes connector; log: "
-        f"{launch.server.log_path}")
+    prompts.register(launch.skills, anchor=anchor, log=log)
+    log(f"starting vLLM ({launch.model.dtype}) with the kvnotes connector"
+        + (" and the OpenAI front" if config.via == "front" else "")
+        + f"; log: {launch.server.log_path}")
     with launch:
         log(f"server up at {launch.url} after {launch.server.startup_s:.0f} s")
-        # vLLM itself, not a front: the benchmark plans every policy's requests on its own
-        client = ComposeClient(launch.server.url, launch.server.served_name, engine.tokenizer,
+        name = launch.server.served_name
+        # vLLM itself: the exact references (and every request unless via the front)
+        client = ComposeClient(launch.server.url, name, engine.tokenizer,
                                timeout=target.request_timeout_s, skills=launch.skills.folder)
-        result = run_skills_benchmark(client, dataclasses.replace(
-            config, model=launch.server.served_name), anchor=anchor, log=log)
+        front = (ComposeClient(launch.url, name, engine.tokenizer,
+                               timeout=target.request_timeout_s)
+                 if config.via == "front" else None)
+        result = run_skills_benchmark(client, dataclasses.replace(config, model=name),
+                                      anchor=anchor, prompt_set=prompts, front=front, log=log)
     result.launch = launch.record()
     return result

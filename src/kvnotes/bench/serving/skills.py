@@ -1,7 +1,9 @@
 """``kvnotes serve-bench skills``: composition inside vLLM against prefix caching and cold.
 
-Each request is ``[header][k skills, a random subset in random order][~100 tokens of user
-text]``, sent as token ids (kvnotes' per-part tokenization). Policies:
+Each request is a header, registered skills and computed text (:mod:`.prompt_sets`: the airline
+library, ``k`` skills in random order and a customer's question; or BFCL's ``live_multiple``
+development cases, each function description a skill, the decision the function name the
+answer writes). Policies:
 
 - ``cold``: a fresh ``cache_salt`` per request, so nothing is reused (full prefill);
 - ``prefix``: no salt, plain prefix caching: reuse only when an earlier request shared the
@@ -15,29 +17,31 @@ text]``, sent as token ids (kvnotes' per-part tokenization). Policies:
 - ``guarded``: ``repaired``, and when the first answer token's top-1 minus top-2 log-prob is
   below ``tau`` the answer comes from an exact request instead.
 
+``via="vllm"`` sends each policy's requests to vLLM as token ids, planned by
+:class:`~kvnotes.serving.compose_client.ComposeClient`; ``via="front"`` sends the prompt's text
+to kvnotes' OpenAI front (:class:`FrontClients`), which finds the skills and plans the same
+phases and guard itself: what an ordinary OpenAI client gets.
+
 Phases run on the shared kit (:mod:`kvnotes.bench.serving.kit`). The reported hit rate counts
 what the server did not compute: ``cached_tokens / prompt_tokens`` summed over a phase (vLLM's
 ``cached_tokens`` includes connector-supplied tokens; the kit's ``hit_rate`` from /metrics
 counts only its own prefix cache); for the phased policies it is the real request's (its
 phases' blocks are hits). TTFT of a phased request counts from its first phase. Fidelity: for a
-sample of prompts, each spliced policy's answer against the same prompt sent without the splice
-salt (exact prefill or exact prefix hits): the first token, 16 greedy tokens and the top-20
-logprob sets.
+sample of prompts, each spliced policy's answer against the same token ids sent to vLLM without
+a salt (exact prefill or exact prefix hits): the first token, 16 greedy tokens, the top-20
+logprob sets and, where the prompt set reads one, the decision.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.apps.agent.skills import skill_names, skill_text
 from kvnotes.bench.serving import kit
 from kvnotes.bench.serving.kit import (
     MachineRecord,
@@ -52,63 +56,34 @@ from kvnotes.bench.serving.kit import (
     phase_line,
     summarize,
 )
-from kvnotes.core.document import added_bos, encode
+from kvnotes.bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, PromptSet
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.eval.reports import write_bundle
 from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
-from kvnotes.serving.phases import check_tau
-from kvnotes.serving.splice import PieceIndex, PieceInfo
+from kvnotes.serving.phases import check_tau, margin
 
 if TYPE_CHECKING:
     from kvnotes.serving.launch import LaunchRecord
-    from kvnotes.serving.skills import ServingSkills
 
 SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
 SPLICED_POLICIES = ("compose", "repaired", "guarded")  # the ones fidelity is measured for
 PHASED_POLICIES = ("repaired", "guarded")
+VIAS = ("vllm", "front")
 # the phased policies' repair: each skill's first 32 tokens (the engine's default), aligned to
 # the server's block size when planned
 REPAIR = Repair(first=32)
 # the guard's tau when calibration finds no first token that differs from the exact prompt's
 DEFAULT_TAU = 0.5
 
-_NAMES = ("Ana Ruiz", "Tom Becker", "Mei Lin", "Omar Haddad", "Sofia Rossi", "Jonas Berg",
-          "Priya Nair", "Lukas Novak", "Grace Okafor", "Hiro Tanaka")
-_ISSUES = (
-    "I booked a flight {when} and I need to cancel it because of a family emergency. I paid "
-    "with a {pay}. Can I get my money back, and how long will it take?",
-    "My checked bag arrived {when} with a broken handle and a torn side pocket. The flight "
-    "was operated by you and I am a {tier} member. What compensation can I get?",
-    "I want to change the name on my booking made {when}; my passport shows my married name. "
-    "I also want to add extra legroom. What does that cost for a {tier} member?",
-    "My flight was delayed by six hours {when} and I missed a connection. I was travelling "
-    "with a {pay} booking. What are you obliged to give me under your policy?",
-)
-_WHEN = ("2 hours ago", "yesterday", "5 days ago", "3 weeks ago", "last month")
-_PAY = ("credit card", "gift card", "travel certificate", "corporate account")
-_TIER = ("regular", "silver", "gold")
-
-
-def skill_texts() -> dict[str, str]:
-    """The benchmark's skill library: the agent's airline policies and tool manual."""
-    return {name: skill_text(name) for name in skill_names()}
-
-
-def user_text(rng: random.Random) -> str:
-    issue = rng.choice(_ISSUES).format(when=rng.choice(_WHEN), pay=rng.choice(_PAY),
-                                       tier=rng.choice(_TIER))
-    ref = f"{rng.choice('ABCDEFGH')}{rng.randint(10000, 99999)}"
-    return (f"\n\nCustomer {rng.choice(_NAMES)} (booking {ref}, account {rng.randint(1000, 9999)})"
-            f" writes: {issue} Please answer with the exact policy that applies and the next "
-            "step you will take.\nAgent:")
-
 
 @dataclass(frozen=True)
 class SkillsBenchConfig:
-    """What one skills run measures: ``requests`` prompts per (concurrency, policy) row, each
-    with ``k`` skills, then ``fidelity_samples`` compose requests against exact ones."""
+    """What one skills run measures: ``requests`` prompts per (concurrency, policy) row, then
+    ``fidelity_samples`` prompts per spliced policy against exact ones. ``prompts`` names the
+    prompt set (``k`` skills per airline prompt; ``cases`` BFCL cases within ``max_context``
+    tokens), ``via`` where the requests go (vLLM itself, or kvnotes' OpenAI front)."""
 
     model: str = "smollm2-135m"
     k: int = 4
@@ -122,14 +97,22 @@ class SkillsBenchConfig:
     warmup: int = 2
     guard_tau: float | None = None  # None: calibrated on ``calibration_samples`` prompts
     calibration_samples: int = 6
+    prompts: str = "airline"
+    cases: int = 40
+    max_context: int = 2048
+    via: str = "vllm"
+    fidelity_concurrency: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in SKILL_POLICIES]
         if unknown:
             raise UnknownNameError("policy", unknown[0], SKILL_POLICIES)
-        if not 1 <= self.k <= len(skill_names()):
-            raise InvalidArgumentError(f"--k must be between 1 and {len(skill_names())} (the "
-                                       f"library's skills), got {self.k}")
+        if self.prompts not in PROMPT_SETS:
+            raise UnknownNameError("prompt set", self.prompts, PROMPT_SETS)
+        if self.via not in VIAS:
+            raise UnknownNameError("--via", self.via, VIAS)
+        if self.prompts == "airline":
+            AirlinePrompts(self.k)  # checks k against the library
         if self.requests < 1:
             raise InvalidArgumentError(f"--requests must be at least 1, got {self.requests}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -143,18 +126,10 @@ class SkillsBenchConfig:
                 self.policies:
             raise InvalidArgumentError("the guarded policy needs --guard-tau or at least one "
                                        "calibration sample")
-
-
-def make_requests(n: int, k: int, seed: int) -> list[list[str]]:
-    """``n`` prompts as parts: header, ``k`` skills (random subset and order), user text."""
-    rng = random.Random(seed)
-    skills = skill_texts()
-    names = sorted(skills)
-    out = []
-    for _ in range(n):
-        chosen = rng.sample(names, k)
-        out.append([HEADER, *(skills[s] for s in chosen), user_text(rng)])
-    return out
+        if not self.fidelity_concurrency or min(self.fidelity_concurrency) < 1:
+            raise InvalidArgumentError("--fidelity-concurrency levels must be at least 1")
+        if self.cases < 1 or self.max_context < 1:
+            raise InvalidArgumentError("--cases and --max-context must be at least 1")
 
 
 @dataclass
@@ -175,11 +150,22 @@ class Record:
     spliced_tokens: int | None = None  # phased policies: what the plan splices
 
 
+class PolicyClients(Protocol):
+    """What the benchmark sends through: ``send`` answers one prompt under a policy, ``plain``
+    (vLLM itself) sends the exact references and the warm-up, ``tau`` is the guard's."""
+
+    plain: ComposeClient
+    tau: float | None
+
+    def send(self, policy: str, parts: list[str], max_tokens: int, *,
+             logprobs: int | None = None) -> ComposeResult: ...
+
+
 @dataclass(frozen=True)
 class Clients:
-    """The benchmark's clients: ``plain`` for cold/prefix/compose and the exact references,
-    ``repaired`` and ``guarded`` for the phased policies (each its own tenant, so one phased
-    policy's blocks never serve the other), and the guard's ``tau``."""
+    """The benchmark's clients straight to vLLM: ``plain`` for cold/prefix/compose and the exact
+    references, ``repaired`` and ``guarded`` for the phased policies (each its own tenant, so
+    one phased policy's blocks never serve the other), and the guard's ``tau``."""
 
     plain: ComposeClient
     repaired: ComposeClient | None = None
@@ -201,7 +187,49 @@ class Clients:
                                guard=self.tau if policy == "guarded" else None)
 
 
-def run_phase(clients: Clients, policy: str, concurrency: int, prompts: Sequence[list[str]],
+@dataclass(frozen=True)
+class FrontClients:
+    """The policies sent as text to kvnotes' OpenAI front (``front``: a client of its URL),
+    each spliced policy in its own tenant; the front finds the skills, plans the phases and
+    runs the guard. ``plain`` talks to vLLM itself (the exact references)."""
+
+    plain: ComposeClient
+    front: ComposeClient
+    tau: float | None = None
+
+    def options(self, policy: str) -> dict[str, Any]:
+        """The request's ``kvnotes`` options under ``policy`` (cold also sends its own salt,
+        which the front forwards as it came)."""
+        if policy in ("cold", "prefix"):
+            return {"splice": False}
+        if policy == "compose":
+            return {"tenant": "compose", "repair": 0, "guard": 0}
+        return {"tenant": policy, "repair": REPAIR.first,
+                "guard": (self.tau or 0.0) if policy == "guarded" else 0}
+
+    def send(self, policy: str, parts: list[str], max_tokens: int, *,
+             logprobs: int | None = None) -> ComposeResult:
+        if policy not in SKILL_POLICIES:
+            raise UnknownNameError("policy", policy, SKILL_POLICIES)
+        body: dict[str, Any] = {"model": self.front.model, "prompt": "".join(parts),
+                                "max_tokens": int(max_tokens), "temperature": 0.0,
+                                "kvnotes": self.options(policy)}
+        if logprobs is not None:
+            body["logprobs"] = int(logprobs)
+        if policy == "cold":
+            body["cache_salt"] = cold_salt()
+        res = self.front.send(body)
+        info = res.usage_kvnotes
+        if info is not None:  # planned and spliced by the front (else forwarded exactly)
+            res.phases = int(info.get("phases") or 0)
+            res.spliced_tokens = info.get("spliced_tokens")
+            res.guard_fired = bool(info.get("guard_fired")) if policy == "guarded" else None
+            res.plan = info.get("plan")
+        res.margin = margin(res.top_logprobs[0]) if res.top_logprobs else None
+        return res
+
+
+def run_phase(clients: PolicyClients, policy: str, concurrency: int, prompts: Sequence[list[str]],
               max_tokens: int, *, metrics: Client | None = None,
               log: Callable[[str], None] = lambda s: None) -> tuple[PhaseSummary, list[Record]]:
     """Every prompt once under ``policy``, ``concurrency`` in flight (the blocking client runs in
@@ -228,7 +256,12 @@ def run_phase(clients: Clients, policy: str, concurrency: int, prompts: Sequence
 
 @dataclass
 class Fidelity:
-    """One spliced policy's answers against the same prompts sent exactly (no splice salt)."""
+    """One spliced policy's answers against the same prompts sent exactly (no splice salt).
+
+    Where the prompt set reads a decision (BFCL: the function name written): how often it is
+    the exact prompt's (``decision_identity``), and how often each picks a tool BFCL's ground
+    truth accepts (``right_exact`` / ``right_spliced``, counts); ``halves`` splits the counts by
+    the case's half (the guard's tau is chosen on the calibration half)."""
 
     samples: int
     failed: int
@@ -239,50 +272,105 @@ class Fidelity:
     cases: list[dict[str, Any]]
     policy: str = "compose"
     guard_fires: int | None = None  # guarded: answers that came from the exact request
+    decision_identity: float | None = None
+    right_exact: int | None = None
+    right_spliced: int | None = None
+    forwarded: int = 0  # sent through the front, but forwarded exactly (nothing planned)
+    halves: dict[str, dict[str, int]] = field(default_factory=dict)
+    concurrency: int = 1  # the policy's requests in flight at once
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def measure_fidelity(clients: Clients | ComposeClient, prompts: Sequence[list[str]],
-                     tokens: int, policies: Sequence[str] = ("compose",)) -> list[Fidelity]:
+def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[list[str]],
+                     tokens: int, policies: Sequence[str] = ("compose",), *,
+                     prompt_set: PromptSet | None = None, concurrency: int = 1
+                     ) -> list[Fidelity]:
     """Each prompt sent exactly, then under each of ``policies``: first token, ``tokens``
-    greedy tokens and the first token's top-20 logprob set compared with the exact answer."""
+    greedy tokens and the first token's top-20 logprob set compared with the exact answer, and
+    the decision ``prompt_set`` reads from each answer. ``concurrency`` requests of a policy are
+    in flight at once (the server batches them; the exact references are sent one by one)."""
     if isinstance(clients, ComposeClient):
         clients = Clients(clients)
-    exact = [clients.plain.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
+    plain = clients.plain
+    exact = [plain.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
              for parts in prompts]
+    reads = prompt_set is not None and prompt_set.decides
     out = []
-    for policy in policies:
-        first = same = fires = 0
-        overlaps: list[float] = []
-        cases: list[dict[str, Any]] = []
-        for parts, ref in zip(prompts, exact, strict=True):
-            got = clients.send(policy, parts, tokens, logprobs=20)
-            if not (got.ok and ref.ok):
-                cases.append({"error": got.error or ref.error})
-                continue
-            agree = bool(got.tokens and ref.tokens and got.tokens[0] == ref.tokens[0])
-            first += agree
-            same += got.text == ref.text
-            fires += bool(got.guard_fired)
-            if got.top_logprobs and ref.top_logprobs:
-                a, b = set(got.top_logprobs[0]), set(ref.top_logprobs[0])
-                overlaps.append(len(a & b) / max(1, len(b)))
-            cases.append({"first_token_agree": agree, "continuation_identical":
-                          got.text == ref.text, "spliced": got.text, "exact": ref.text,
-                          "spliced_cached": got.cached_tokens, "prompt_tokens":
-                          got.prompt_tokens, "margin": got.margin, "guard_fired":
-                          got.guard_fired, "phases": got.phases})
-        n = sum(1 for c in cases if "error" not in c)
-        out.append(Fidelity(samples=n, failed=len(cases) - n,
-                            first_token_agreement=first / n if n else None,
-                            continuation_identity=same / n if n else None,
-                            continuation_tokens=tokens,
-                            top20_overlap_mean=sum(overlaps) / len(overlaps) if overlaps else None,
-                            cases=cases, policy=policy,
-                            guard_fires=fires if policy == "guarded" else None))
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        for policy in policies:
+            sent = list(pool.map(lambda parts, p=policy: clients.send(p, parts, tokens,
+                                                                      logprobs=20), prompts))
+            cases = [_fidelity_case(got, ref, prompt_set.info(parts) if prompt_set else {},
+                                    prompt_set if reads else None)
+                     for parts, got, ref in zip(prompts, sent, exact, strict=True)]
+            out.append(_fidelity(policy, cases, tokens, decisions=reads,
+                                 concurrency=max(1, concurrency)))
     return out
+
+
+def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
+                   prompt_set: PromptSet | None) -> dict[str, Any]:
+    if not (got.ok and ref.ok):
+        return {**info, "error": got.error or ref.error}
+    case: dict[str, Any] = {
+        **info,
+        "first_token_agree": bool(got.tokens and ref.tokens and got.tokens[0] == ref.tokens[0]),
+        "continuation_identical": got.text == ref.text, "spliced": got.text, "exact": ref.text,
+        "spliced_cached": got.cached_tokens, "prompt_tokens": got.prompt_tokens,
+        "exact_prompt_tokens": ref.prompt_tokens, "margin": got.margin,
+        "guard_fired": got.guard_fired, "phases": got.phases,
+        "spliced_tokens": got.spliced_tokens,
+        "skills_found": (got.plan or {}).get("skills") if got.usage_kvnotes is not None
+        else None,
+        "forwarded": got.usage_kvnotes is None and got.plan is None}
+    if got.top_logprobs and ref.top_logprobs:
+        a, b = set(got.top_logprobs[0]), set(ref.top_logprobs[0])
+        case["top20_overlap"] = len(a & b) / max(1, len(b))
+    if prompt_set is not None:
+        mine, theirs = prompt_set.decision(got.text), prompt_set.decision(ref.text)
+        case["decision"], case["exact_decision"] = mine, theirs
+        # an answer that never closes the name is compared by its whole text
+        case["decision_identical"] = (mine == theirs if mine is not None and theirs is not None
+                                      else got.text == ref.text)
+        if "answers" in info:
+            case["right"], case["exact_right"] = mine in info["answers"], theirs in info["answers"]
+    return case
+
+
+def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decisions: bool,
+              concurrency: int = 1) -> Fidelity:
+    ok = [c for c in cases if "error" not in c]
+    n = len(ok)
+
+    def share(key: str) -> float | None:
+        return sum(bool(c.get(key)) for c in ok) / n if n else None
+
+    overlaps = [c["top20_overlap"] for c in ok if "top20_overlap" in c]
+    halves: dict[str, dict[str, int]] = {}
+    for c in ok:
+        if "half" in c:
+            h = halves.setdefault(c["half"], {"n": 0, "decision_identical": 0,
+                                              "first_token_agree": 0,
+                                              "continuation_identical": 0, "guard_fired": 0})
+            h["n"] += 1
+            for key in ("decision_identical", "first_token_agree", "continuation_identical",
+                        "guard_fired"):
+                h[key] += bool(c.get(key))
+    answered = [c for c in ok if "right" in c]
+    return Fidelity(
+        samples=n, failed=len(cases) - n,
+        first_token_agreement=share("first_token_agree"),
+        continuation_identity=share("continuation_identical"), continuation_tokens=tokens,
+        top20_overlap_mean=sum(overlaps) / len(overlaps) if overlaps else None,
+        cases=cases, policy=policy,
+        guard_fires=sum(bool(c.get("guard_fired")) for c in ok) if policy == "guarded" else None,
+        decision_identity=share("decision_identical") if decisions else None,
+        right_exact=sum(c["exact_right"] for c in answered) if answered else None,
+        right_spliced=sum(c["right"] for c in answered) if answered else None,
+        forwarded=sum(bool(c.get("forwarded")) for c in ok), halves=halves,
+        concurrency=concurrency)
 
 
 @dataclass
@@ -298,7 +386,7 @@ class Calibration:
         return asdict(self)
 
 
-def calibrate_tau(clients: Clients, prompts: Sequence[list[str]]) -> Calibration:
+def calibrate_tau(clients: PolicyClients, prompts: Sequence[list[str]]) -> Calibration:
     """tau just above the largest margin at which a repaired first token still differed from the
     exact prompt's (every such development prompt would have been answered exactly); with no
     such prompt, :data:`DEFAULT_TAU`."""
@@ -330,6 +418,8 @@ class SkillsResult:
     launch: LaunchRecord | None = None
     calibration: Calibration | None = None
     guard_tau: float | None = None
+    prompt_set: str = ""  # what a request is (the prompt set's description)
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # cases over the context limit
 
     def phased_rows(self) -> list[dict[str, Any]]:
         """Per phased (policy, concurrency) row: phases per request, guard fires, and the
@@ -358,6 +448,7 @@ class SkillsResult:
                "machine": self.machine.to_dict(),
                "server": None if self.server is None else self.server.to_dict(),
                "skills_anchor": self.anchor,
+               "prompt_set": self.prompt_set, "skipped": self.skipped,
                "summaries": [s.to_dict() for s in self.phases],
                "ratios": [r.to_dict() for r in self.ratios()],
                "phased": self.phased_rows(),
@@ -370,45 +461,19 @@ class SkillsResult:
         return out
 
 
-def register_skills(skills: ServingSkills, *, anchor: bool = True,
-                    log: Callable[[str], None] = lambda s: None) -> None:
-    """Publish the benchmark's library: the system header as a piece, then every policy,
-    compiled behind the header every request starts with (``anchor``) or alone."""
-    skills.add(HEADER, name="header")
-    for name, text in skill_texts().items():
-        info = skills.add(text, name=name, after=HEADER if anchor else None)
-        log(f"skill {name}: {len(info)} tokens (first position {info.origin})")
-
-
-def library_index(tokenizer: Any, *, anchor: bool = True) -> PieceIndex:
-    """The pieces :func:`register_skills` publishes, as the server indexes them (token ids and
-    the position each was compiled at: behind BOS when the tokenizer adds one, skills behind
-    the header when ``anchor``), for planning phased requests without reading the folder."""
-    bos = added_bos(tokenizer)
-    index = PieceIndex()
-    at = 0
-    if bos is not None:
-        index.add(PieceInfo("bos", "bos", (bos,), 0))
-        at = 1
-    header = tuple(encode(tokenizer, HEADER))
-    index.add(PieceInfo("header", "header", header, at))
-    origin = at + len(header) if anchor else at
-    for name, text in skill_texts().items():
-        index.add(PieceInfo(name, name, tuple(encode(tokenizer, text)), origin))
-    return index
-
-
 def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int | None, *,
-                 anchor: bool = True, tau: float | None = None) -> Clients:
+                 anchor: bool = True, tau: float | None = None,
+                 prompt_set: PromptSet | None = None) -> Clients:
     """``client`` and, for the phased policies, clients that plan with the server's block size
-    (the library's pieces from ``client``'s skills folder when it has one)."""
+    (the library's pieces from ``client``'s skills folder when it has one, else the prompt
+    set's own index)."""
     if not set(policies) & set(PHASED_POLICIES):
         return Clients(client)
     if block_size is None:
         raise InvalidArgumentError("the repaired and guarded policies need the server's block "
                                    "size: it reports none in /metrics (vllm:cache_config_info)")
-    skills = client.store.folder if client.store is not None else library_index(
-        client.tokenizer, anchor=anchor)
+    skills = client.store.folder if client.store is not None else (
+        prompt_set or AirlinePrompts()).index(client.tokenizer, anchor=anchor)
 
     def phased(tenant: str) -> ComposeClient:
         return ComposeClient(client.url, client.model, client.tokenizer, timeout=client.timeout,
@@ -418,23 +483,32 @@ def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int
 
 
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
-                         anchor: bool = True,
+                         anchor: bool = True, prompt_set: PromptSet | None = None,
+                         front: ComposeClient | None = None,
                          log: Callable[[str], None] = print) -> SkillsResult:
-    """Every policy x concurrency phase, then fidelity, on the server ``client`` talks to."""
+    """Every policy x concurrency phase, then fidelity, on the server ``client`` talks to
+    (vLLM itself); with ``front`` (a client of kvnotes' OpenAI front before that server), the
+    measured requests go through the front as text. ``prompt_set`` defaults to the airline
+    library with ``config.k`` skills."""
+    prompts_of = prompt_set or AirlinePrompts(config.k)
     metrics = Client(client.url)
     server = ServerRecord.read(metrics, client.model, log=log)
     machine = MachineRecord.now()
     phases: list[PhaseSummary] = []
     records: list[Record] = []
-    clients = make_clients(client, config.policies, server.block_size, anchor=anchor,
-                           tau=config.guard_tau)
+    clients: Clients | FrontClients
+    if front is not None:
+        clients = FrontClients(client, front, tau=config.guard_tau)
+    else:
+        clients = make_clients(client, config.policies, server.block_size, anchor=anchor,
+                               tau=config.guard_tau, prompt_set=prompts_of)
     # warm-up: the first requests after start pay compilation; not measured
-    for parts in make_requests(config.warmup, config.k, config.seed + 999):
+    for parts in prompts_of.requests(config.warmup, config.seed + 999, "warmup"):
         client.complete(parts, max_tokens=1, salt=cold_salt())
     calibration = None
     if "guarded" in config.policies and config.guard_tau is None:
-        calibration = calibrate_tau(clients, make_requests(config.calibration_samples,
-                                                           config.k, config.seed + 5555))
+        calibration = calibrate_tau(clients, prompts_of.requests(
+            config.calibration_samples, config.seed + 5555, "calibration"))
         clients = dataclasses.replace(clients, tau=calibration.tau)
         log(f"guard tau {calibration.tau} ({calibration.rule}; margins "
             + ", ".join(f"{c['margin']:.3f}{'' if c['agree'] else '*'}"
@@ -442,7 +516,7 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     for i, conc in enumerate(config.concurrency):
         for j, policy in enumerate(config.policies):
             # each phase gets its own random prompts: prefix caching sees no planted repeats
-            prompts = make_requests(config.requests, config.k, config.seed + 100 * i + j)
+            prompts = prompts_of.requests(config.requests, config.seed + 100 * i + j, "ttft")
             log(f"{policy}, concurrency {conc}: {len(prompts)} requests (load {load_now()})")
             summary, recs = run_phase(clients, policy, conc, prompts, config.max_tokens,
                                       metrics=metrics, log=log)
@@ -452,18 +526,25 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     fidelity: list[Fidelity] = []
     spliced = [p for p in SPLICED_POLICIES if p in config.policies]
     if spliced and config.fidelity_samples:
-        prompts = make_requests(config.fidelity_samples, config.k, config.seed + 7777)
-        fidelity = measure_fidelity(clients, prompts, config.fidelity_tokens, spliced)
+        prompts = prompts_of.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
+        for conc in config.fidelity_concurrency:
+            fidelity += measure_fidelity(clients, prompts, config.fidelity_tokens, spliced,
+                                         prompt_set=prompts_of, concurrency=conc)
         for f in fidelity:
-            log(f"fidelity {f.policy}: first token {fmt_pct(f.first_token_agreement)}, "
+            log(f"fidelity {f.policy} (concurrency {f.concurrency}): first token "
+                f"{fmt_pct(f.first_token_agreement)}, "
                 f"{config.fidelity_tokens}-token continuation "
                 f"{fmt_pct(f.continuation_identity)}, top-20 overlap "
                 f"{fmt_pct(f.top20_overlap_mean)} over {f.samples}"
+                + (f", decision {fmt_pct(f.decision_identity)}"
+                   if f.decision_identity is not None else "")
                 + (f", guard fired {f.guard_fires}" if f.guard_fires is not None else ""))
     machine.finish()
     return SkillsResult(config=config, machine=machine, server=server, phases=phases,
                         fidelity=fidelity, requests=records, anchor="header" if anchor else "none",
-                        calibration=calibration, guard_tau=clients.tau)
+                        calibration=calibration, guard_tau=clients.tau,
+                        prompt_set=prompts_of.describe(),
+                        skipped=list(getattr(prompts_of, "skipped", [])))
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -473,10 +554,13 @@ def markdown(result: dict[str, Any]) -> str:
     launch = result.get("launch") or {}
     machine = result["machine"]
     anchored = result.get("skills_anchor") == "header"
+    what = result.get("prompt_set") or (f"header + {cfg['k']} skills (random subset, random "
+                                         "order) + ~100 tokens of user text")
+    via = ("kvnotes' OpenAI front (text prompts; the front plans the splice, phases and guard)"
+           if cfg.get("via") == "front" else "vLLM itself (token ids planned by ComposeClient)")
     lines = [f"# serve-bench skills ({cfg['model']})", "",
-             f"{cfg['requests']} requests per row; each: header + {cfg['k']} of "
-             f"{len(skill_names())} skills (random subset, random order) + ~100 tokens of user "
-             f"text; TTFT from the client (streaming, first token). Server: vLLM "
+             f"{cfg['requests']} requests per row; each: {what}. Requests sent to {via}. TTFT "
+             f"from the client (streaming, first token). Server: vLLM "
              f"{server.get('version') or '?'}, {launch.get('dtype', '?')}, block size "
              f"{server.get('block_size') or '?'}; skills compiled "
              f"{'behind the system header' if anchored else 'alone'}. Hit rate: the responses' "
@@ -512,19 +596,55 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{_num(row['spliced_tokens_mean'], 0)} |")
     fid = result.get("fidelity") or []
     if fid:
-        tokens = fid[0]["continuation_tokens"]
-        lines += ["", f"Fidelity over {fid[0]['samples']} prompts against the same prompt sent "
-                  "without the splice salt (exact):", "",
-                  f"| policy | first token identical | {tokens}-token greedy continuation "
-                  "identical | top-20 overlap (first token) | guard fired |",
-                  "|---|---:|---:|---:|---:|"]
-        for f in fid:
-            fires = "-" if f.get("guard_fires") is None else str(f["guard_fires"])
-            lines.append(f"| {f.get('policy', 'compose')} | "
-                         f"{fmt_pct(f['first_token_agreement'])} | "
-                         f"{fmt_pct(f['continuation_identity'])} | "
-                         f"{fmt_pct(f['top20_overlap_mean'])} | {fires} |")
+        lines += _fidelity_lines(fid)
     return "\n".join(lines) + "\n"
+
+
+def _fidelity_lines(fid: list[dict[str, Any]]) -> list[str]:
+    tokens = fid[0]["continuation_tokens"]
+    decisions = any(f.get("decision_identity") is not None for f in fid)
+    several = len({f.get("concurrency", 1) for f in fid}) > 1
+    lines = ["", f"Fidelity over {fid[0]['samples']} prompts against the same token ids sent to "
+             "vLLM without a salt (exact):", ""]
+    head = ("| policy | first token identical | "
+            f"{tokens}-token greedy continuation identical | top-20 overlap (first token) | "
+            "guard fired |")
+    rule = "|---|---:|---:|---:|---:|"
+    if decisions:
+        head = head.replace("| first token", "| decision identical | right tool: exact / this "
+                            "| first token")
+        rule += "---:|---:|"
+    lines += [head, rule]
+    for f in fid:
+        fires = "-" if f.get("guard_fires") is None else str(f["guard_fires"])
+        row = (f"| {_policy_at(f, several)} | {fmt_pct(f['first_token_agreement'])} | "
+               f"{fmt_pct(f['continuation_identity'])} | {fmt_pct(f['top20_overlap_mean'])} | "
+               f"{fires} |")
+        if decisions:
+            right = ("-" if f.get("right_exact") is None
+                     else f"{f['right_exact']}/{f['samples']} / {f['right_spliced']}/{f['samples']}")
+            row = row.replace(" | ", f" | {fmt_pct(f.get('decision_identity'))} | {right} | ", 1)
+        lines.append(row)
+    forwarded = {_policy_at(f, several): f.get("forwarded") for f in fid if f.get("forwarded")}
+    if forwarded:
+        lines += ["", "Forwarded exactly by the front (nothing planned): " + ", ".join(
+            f"{p} {n}" for p, n in forwarded.items())]
+    halves = [(_policy_at(f, several), f["halves"]) for f in fid if f.get("halves")]
+    if halves:
+        lines += ["", "By half (the guard's tau is chosen on the calibration half):", "",
+                  "| policy | half | cases | decision identical | first token identical | "
+                  f"{tokens}-token identical | guard fired |", "|---|---|---:|---:|---:|---:|---:|"]
+        for policy, by_half in halves:
+            for half, h in sorted(by_half.items()):
+                lines.append(f"| {policy} | {half} | {h['n']} | {h['decision_identical']} | "
+                             f"{h['first_token_agree']} | {h['continuation_identical']} | "
+                             f"{h['guard_fired'] if policy.startswith('guarded') else '-'} |")
+    return lines
+
+
+def _policy_at(f: dict[str, Any], several: bool) -> str:
+    policy = str(f.get("policy", "compose"))
+    return f"{policy} @ {f.get('concurrency', 1)}" if several else policy
 
 
 def _num(x: float | None, digits: int) -> str:

@@ -124,7 +124,7 @@ class SoakConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from kvnotes.bench.serving.skills import skill_texts
+        from kvnotes.bench.serving.prompt_sets import skill_texts
 
         library = skill_texts()
         unknown = [name for name in self.skills if name not in library]
@@ -507,7 +507,7 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
     import torch
 
     from kvnotes.apps.agent.prompt import HEADER
-    from kvnotes.bench.serving.skills import register_skills, skill_texts
+    from kvnotes.bench.serving.prompt_sets import register_skills, skill_texts
     from kvnotes.serving import launch as launcher
     from kvnotes.serving.client import Client
 
@@ -566,7 +566,7 @@ def recheck(out: Path, engine: Engine, *, say: Callable[[str], None] = print) ->
     import json
 
     from kvnotes.apps.agent.prompt import HEADER
-    from kvnotes.bench.serving.skills import skill_texts
+    from kvnotes.bench.serving.prompt_sets import skill_texts
     from kvnotes.core.notebook import Notebook
     from kvnotes.serving.skills import ServingSkills
 
