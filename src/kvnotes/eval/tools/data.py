@@ -144,8 +144,11 @@ def _live_multiple(root: Path) -> list[ToolCase]:
         user = "\n".join(m["content"] for m in turn if m["role"] == "user")
         skills = tuple(SkillDoc(fn["name"], json.dumps(fn, ensure_ascii=False), (fn["name"],))
                        for fn in raw["function"])
-        cases.append(ToolCase(raw["id"], "live_multiple", skills, user,
-                              _answer_names(answers.get(raw["id"], [])), system))
+        truth = answers.get(raw["id"], [])
+        # BFCL's AST checker reads the raw descriptions and accepted values
+        cases.append(ToolCase(raw["id"], "live_multiple", skills, user, _answer_names(truth),
+                              system, meta={"functions": raw["function"],
+                                            "ground_truth": truth}))
     return cases
 
 
