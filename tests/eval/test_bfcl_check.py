@@ -75,3 +75,32 @@ def test_ground_truth_calls_of_development_cases_pass_bfcl_checker():
 @pytest.mark.parametrize("junk", ["", "}", '"}', "\\"])
 def test_odd_texts_are_unparsable_not_errors(junk):
     assert check_call(junk, WEATHER, TRUTH).parsed is False
+
+
+def test_the_bench_checks_each_strategys_call_where_asked(tiny_llama):
+    """``call_tokens`` decodes the longer answer for the checker and keeps the greedy identity
+    over the first ``greedy_tokens``; the summary counts checked, parsed and valid calls."""
+    from kvnotes.eval.tools.data import SkillDoc, ToolCase
+    from kvnotes.eval.tools.prompt import case_prompt
+    from kvnotes.eval.tools.results import StrategySummary
+    from kvnotes.eval.tools.runner import run_case
+    from kvnotes.eval.tools.strategies import SkillCache, parse_strategies
+
+    docs = [dict(WEATHER[0]), {**WEATHER[0], "name": "get_time"}]
+    case = ToolCase("live_multiple_x", "live_multiple",
+                    tuple(SkillDoc(d["name"], json.dumps(d), (d["name"],)) for d in docs),
+                    "Weather in Paris?", ("get_weather",),
+                    meta={"functions": docs, "ground_truth": TRUTH})
+    prompt = case_prompt(tiny_llama.tokenizer, case)
+    strategies = parse_strategies(["exact", "splice"])
+    short = run_case(tiny_llama, case, prompt, strategies, SkillCache(tiny_llama),
+                     half="evaluate", taus={}, greedy_tokens=3)
+    long = run_case(tiny_llama, case, prompt, strategies, SkillCache(tiny_llama),
+                    half="evaluate", taus={}, greedy_tokens=3, call_tokens=12)
+    for a, b in zip(short.outcomes, long.outcomes, strict=True):
+        assert a.greedy_text == b.greedy_text and a.greedy_identical == b.greedy_identical
+        assert a.call_parsed is None and b.call_parsed is not None
+        assert b.call_valid is False or b.call_parsed  # valid only where it parsed
+    s = StrategySummary.of("splice", [long])
+    assert s.calls_checked == 1 and s.calls_parsed is not None and s.exact_calls_valid is not None
+    assert StrategySummary.of("splice", [short]).calls_checked is None

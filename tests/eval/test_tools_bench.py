@@ -12,21 +12,24 @@ import torch
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
+from kvnotes.core.engine import prefix_digest
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import DEFAULT_REPAIR
 from kvnotes.eval.tools import BenchConfig, HeldOutDataError, load_cases, run_bench
 from kvnotes.eval.tools.choice import choose, name_trie
 from kvnotes.eval.tools.data import category_file, first_call_name, spread
-from kvnotes.eval.tools.prompt import case_prompt
+from kvnotes.eval.tools.prompt import SKILL_OPENING, STAND_IN, case_prompt, skill_text
 from kvnotes.eval.tools.results import CaseResult, Outcome
 from kvnotes.eval.tools.runner import calibrate_tau, guard_curve, run_case
 from kvnotes.eval.tools.strategies import (
     SkillCache,
+    Variant,
     build,
     exact_ids,
     parse_strategies,
     parse_strategy,
     spliced_temperature,
+    variants,
 )
 
 HELD_OUT = ("multiple", "parallel_multiple", "simple_python", "simple_java", "live_simple",
@@ -160,7 +163,7 @@ def test_composed_prompt_has_the_exact_prompts_token_ids(tiny_llama, bfcl_root: 
     ids, prefix = exact_ids(tiny_llama, prompt)
     skills = SkillCache(tiny_llama)
     for name in ("splice", "anchor+first:0.2", "kvdev:0.3", "epic:4", "ape:1.5+epic:4",
-                 "default"):
+                 "default", "pred", "pred+epic:4"):
         nb = build(tiny_llama, prompt, parse_strategy(name), skills)
         assert nb.token_ids.tolist() == ids
     assert ids[:prefix] == tiny_llama.encode(prompt.header)
@@ -215,7 +218,7 @@ def test_ape_temperature_scales_only_the_kept_spliced_keys(tiny_llama, bfcl_root
     case = load_cases("live_multiple", bfcl_root)[1]
     prompt = case_prompt(tiny_llama.tokenizer, case)
     skills = SkillCache(tiny_llama)
-    compiled = [skills.get(t, prompt.header, anchor=False) for t in prompt.skills]
+    compiled = [skills.get(Variant(t, prompt.header)) for t in prompt.skills]
     nb = tiny_llama.compose([prompt.header, *compiled], repair=0)
     spliced = list(range(len(nb) - sum(len(c) for c in compiled), len(nb)))
     same = spliced_temperature(nb, spliced, 1.0)
@@ -255,6 +258,146 @@ def test_default_strategy_is_the_engines_default_repair(tiny_llama, bfcl_root: P
     assert nb.meta["compose"]["regions"] == same.meta["compose"]["regions"]
     assert torch.allclose(tiny_llama.next_logits(nb, prompt.query),
                           tiny_llama.next_logits(same, prompt.query), atol=1e-5)
+
+
+def test_pred_strategies_parse_and_malformed_ones_say_the_forms() -> None:
+    p = parse_strategy("pred")
+    assert (p.kind, p.predecessor, p.anchor, p.first_k, p.repair) == ("compose", True, False,
+                                                                      0, 0.0)
+    e = parse_strategy("pred+epic:16")
+    assert (e.name, e.predecessor, e.anchor, e.first_k) == ("pred+epic:16", True, False, 16)
+    assert not parse_strategy("anchor+epic:16").predecessor
+    assert parse_strategy("guard:pred+epic:32").base == "pred+epic:32"
+    for bad in ("pred+first:0.1", "pred+epic:", "pred+epic:x", "pred:3", "pred+anchor"):
+        with pytest.raises(InvalidArgumentError, match="pred or pred\\+epic:K"):
+            parse_strategy(bad)
+    with pytest.raises(InvalidArgumentError, match="unknown strategy 'anchor\\+pred'.*pred, "
+                                                   "pred\\+epic:K"):
+        parse_strategy("anchor+pred")
+    with pytest.raises(InvalidArgumentError, match="ape:T or ape:T\\+epic:K"):
+        parse_strategy("ape:1.2+pred+epic:8")
+
+
+def test_pred_compiles_each_skill_behind_its_predecessor(tiny_llama, bfcl_root: Path) -> None:
+    case = load_cases("live_multiple", bfcl_root)[1]  # three tools
+    prompt = case_prompt(tiny_llama.tokenizer, case)
+    header = tiny_llama.anchor_ids(prompt.header)
+    wanted = variants(prompt, parse_strategy("pred+epic:2"))
+    assert [v.behind for v in wanted] == ["", *prompt.skills[:2]]
+    skills = SkillCache(tiny_llama)
+    compiled = [skills.get(v) for v in wanted]
+    # the first behind the header alone (as the splice's), each other behind its predecessor
+    assert compiled[0].meta["prefix_len"] == len(header)
+    assert compiled[0].meta["prefix_digest"] == prefix_digest(header)
+    assert compiled[0] is skills.get(Variant(prompt.skills[0], prompt.header))
+    for i in (1, 2):
+        behind = [*header, *tiny_llama.encode(prompt.skills[i - 1])]
+        assert compiled[i].meta["prefix_len"] == len(behind)
+        assert compiled[i].meta["prefix_digest"] == prefix_digest(behind)
+        assert compiled[i].start_position == len(behind)
+    # compose finds the first two exactly placed (the second's prefix is the whole prefix
+    # before it) and repairs the third, compiled behind the second alone
+    ids, _ = exact_ids(tiny_llama, prompt)
+    exact = tiny_llama.prefill(ids)
+    pred = build(tiny_llama, prompt, parse_strategy("pred"), skills)
+    epic = build(tiny_llama, prompt, parse_strategy("pred+epic:2"), skills)
+    third = len(header) + sum(len(tiny_llama.encode(t)) for t in prompt.skills[:2])
+    assert pred.meta["compose"]["exact"] == epic.meta["compose"]["exact"] == [1, 2]
+    assert (pred.meta["compose"]["repaired"], epic.meta["compose"]["repaired"]) == (0, 2)
+    assert epic.meta["compose"]["regions"] == [[third, third + 2]]
+    for layer in range(pred.num_layers):
+        assert torch.allclose(pred.keys(layer)[..., :third, :], exact.keys(layer)[..., :third, :],
+                              atol=1e-4)
+    last = pred.num_layers - 1  # (layer 0's keys do not depend on the context)
+    assert not torch.allclose(pred.keys(last)[..., third:, :], exact.keys(last)[..., third:, :],
+                              atol=1e-4)
+    # the bench's counts are compose's own
+    r = run_case(tiny_llama, case, prompt, parse_strategies(["pred", "pred+epic:2", "epic:2"]),
+                 skills, half="evaluate", taus={})
+    assert r.outcome("pred").repaired == 0 and r.outcome("pred").exact_skills == 2
+    assert r.outcome("pred+epic:2").repaired == 2 * (r.skills - 2)
+    assert r.outcome("epic:2").repaired == 2 * (r.skills - 1)
+    assert r.outcome("epic:2").exact_skills == 1 and r.outcome("exact").exact_skills is None
+    # two tools: both exactly placed, so the splice is the exact prompt's notes
+    two = load_cases("live_multiple", bfcl_root)[0]
+    r2 = run_case(tiny_llama, two, case_prompt(tiny_llama.tokenizer, two),
+                  parse_strategies(["pred"]), skills, half="evaluate", taus={})
+    assert r2.skills == 2 and r2.outcome("pred").kl < 1e-6 and r2.outcome("pred").identical
+
+
+def test_variant_library_is_counted_per_strategy(tiny_llama, bfcl_root: Path) -> None:
+    config = BenchConfig(set="live_multiple", cases=0, strategies=("splice", "pred", "anchor"),
+                         data_root=bfcl_root, max_context=10_000)
+    result = run_bench(tiny_llama, config, model="tiny")
+    prompts = [case_prompt(tiny_llama.tokenizer, c) for c in load_cases("live_multiple",
+                                                                       bfcl_root)]
+    texts = {t for p in prompts for t in p.skills}
+    pairs = {(p.skills[i - 1] if i else "", t) for p in prompts for i, t in enumerate(p.skills)}
+    assert len(pairs) > len(texts)  # some skill follows more than one predecessor
+    rows = {s.strategy: s for s in result.summaries}
+    assert (rows["pred"].variants, rows["pred"].distinct_skills) == (len(pairs), len(texts))
+    assert (rows["splice"].variants, rows["splice"].distinct_skills) == (len(texts), len(texts))
+    assert rows["anchor"].variants == len(texts) and rows["exact"].variants is None
+    # pred's first skills are the splice's own compiled notes (one cache entry each); the
+    # anchor's are compiled behind the stand-in
+    assert result.settings["variants_compiled"] == len(pairs | {("", t) for t in texts}) + len(
+        texts)
+    skills = SkillCache(tiny_llama)
+    first = [Variant(t, "h") for t in ("a", "b")]
+    assert skills.record("pred", first) == (2, 2)
+    assert skills.record("pred", [*first, Variant("b", "h", "a")]) == (1, 0)
+    assert skills.record("splice", first) == (2, 2)  # another strategy's library
+
+
+def test_skill_opening_changes_the_exact_and_composed_prompt_alike(tiny_llama,
+                                                                   bfcl_root: Path) -> None:
+    case = load_cases("live_multiple", bfcl_root)[1]
+    plain = case_prompt(tiny_llama.tokenizer, case)
+    opened = case_prompt(tiny_llama.tokenizer, case, SKILL_OPENING)
+    assert opened.skills == tuple(skill_text(s.text, SKILL_OPENING) for s in case.skills)
+    assert all(t.startswith("\n" + SKILL_OPENING + "{") for t in opened.skills)
+    assert (opened.header, opened.question) == (plain.header, plain.question)
+    ids, prefix = exact_ids(tiny_llama, opened)
+    assert ids != exact_ids(tiny_llama, plain)[0]
+    skills = SkillCache(tiny_llama)
+    for name in ("splice", "epic:4", "pred", "anchor"):
+        assert build(tiny_llama, opened, parse_strategy(name), skills).token_ids.tolist() == ids
+    # every skill's first tokens are the same text
+    starts = [prefix]
+    for t in opened.skills[:-1]:
+        starts.append(starts[-1] + len(tiny_llama.encode(t)))
+    head = tiny_llama.encode("\n" + SKILL_OPENING)[:-1]
+    assert all(ids[a:a + len(head)] == head for a in starts)
+    # the anchor's stand-in is listed as the skills are
+    assert variants(opened, parse_strategy("anchor"))[0].behind == skill_text(STAND_IN,
+                                                                             SKILL_OPENING)
+    with pytest.raises(InvalidArgumentError, match="skill_opening"):
+        BenchConfig(skill_opening=" \n")
+
+
+def test_cli_records_the_skill_opening_and_the_library(tiny_folder: Path, bfcl_root: Path,
+                                                       tmp_path: Path) -> None:
+    out = tmp_path / "opening"
+    res = CliRunner().invoke(app, [
+        "bench", "tools", "--model", str(tiny_folder), "--set", "live_multiple", "--cases", "3",
+        "--strategies", "exact,splice,pred+epic:2", "--skill-opening", "Function:\\n",
+        "--data", str(bfcl_root), "--threads", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["skill_opening"] == "Function:\n"
+    rows = {s["strategy"]: s for s in data["summaries"]}
+    assert rows["pred+epic:2"]["variants"] >= rows["pred+epic:2"]["distinct_skills"] > 0
+    report = (out / "report.md").read_text()
+    assert 'starts with "Function:\\n"' in report
+    assert "variants compiled / distinct skills" in report
+    assert f"| {rows['pred+epic:2']['variants']} / {rows['pred+epic:2']['distinct_skills']} |" \
+        in report
+    (out / "results.json").unlink()
+    res = CliRunner().invoke(app, ["bench", "tools-report", str(out)])
+    assert res.exit_code == 0, res.output
+    again = json.loads((out / "results.json").read_text())
+    assert again["summaries"] == data["summaries"]
+    assert again["settings"]["skill_opening"] == "Function:\n"
 
 
 def _outcome(strategy: str, *, same: bool, margin: float) -> Outcome:

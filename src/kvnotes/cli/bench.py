@@ -26,18 +26,27 @@ def tools(
     cases: int = typer.Option(40, "--cases", help="cases spread over the set (0: all)"),
     strategies: str = typer.Option(
         None, "--strategies", help="comma-separated: exact, default, splice, first:F, kvdev:F, "
-                                   "epic:K, anchor, anchor+first:F, ape:T, ape:T+epic:K, "
+                                   "epic:K, anchor, anchor+first:F, anchor+epic:K, pred, "
+                                   "pred+epic:K, ape:T, ape:T+epic:K, "
                                    "guard:BASE[@TAU] (default: "
                                    "kvnotes.eval.tools.DEFAULT_STRATEGIES)"),
     greedy: int = typer.Option(0, "--greedy", help="also compare N greedy tokens after the "
                                                    "call opening (16 in the issue; costs a "
                                                    "decode per strategy and case)"),
+    call_tokens: int = typer.Option(0, "--call-tokens", help="decode N greedy tokens (at "
+                                    "least --greedy) and run BFCL's AST checker on the call "
+                                    "each answer writes, where it parses (live_multiple)"),
     max_context: int = typer.Option(None, "--max-context",
                                     help="skip (and count) cases longer than this many tokens "
                                          "(default: the model's maximum positions)"),
     guard_target: float = typer.Option(1.0, "--guard-target",
                                        help="calibrated guards match exact on this share of "
                                             "the calibration half"),
+    skill_opening: str = typer.Option(
+        "", "--skill-opening", help="fixed text every skill starts with after its newline, in "
+                                    "the exact and the composed prompt alike, e.g. "
+                                    "'Function:\\n' (\\n and \\t are read as a newline and a "
+                                    "tab; default: none)"),
     out: Path = typer.Option(None, "--out", help="folder for results.json, report.md, "
                                                  "identity.png (default: out/bench-tools-"
                                                  "<model>-<set>)"),
@@ -66,8 +75,10 @@ def tools(
                            "--out")
     set_threads(threads)
     command = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    opening = skill_opening.replace("\\n", "\n").replace("\\t", "\t")
     config = BenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
-                         max_context=max_context, guard_target=guard_target, data_root=data,
+                         call_tokens=call_tokens, max_context=max_context, guard_target=guard_target,
+                         skill_opening=opening, data_root=data,
                          settings={"date": datetime.datetime.now(datetime.UTC).strftime(
                              "%Y-%m-%d %H:%M UTC"), "command": command, "device": device,
                              "dtype": dtype})
@@ -81,7 +92,8 @@ def tools(
     (folder / "run.json").write_text(json.dumps(
         {"model": model, "set": set_name, "strategies": list(chosen),
          "settings": {**config.settings, "cases_asked": cases, "greedy_tokens": greedy,
-                      "guard_target": guard_target,
+                      "call_tokens": call_tokens,
+                      "guard_target": guard_target, "skill_opening": opening,
                       "context_limit": max_context or engine.adapter.max_positions},
          "machine_at_start": machine_info()}, indent=1, default=str) + "\n", encoding="utf-8")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -21,19 +22,33 @@ def _num(x: float | None, digits: int = 3) -> str:
 def summary_table(summaries: tuple[StrategySummary, ...]) -> list[str]:
     lines = ["| strategy | cases | choice identical to exact | right tool: exact / this | "
              "first token agrees | KL median | largest exact margin flipped | greedy identical | "
-             "compute fraction | recompute of spliced | TTFT ratio (median) | guard fires (tau) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "compute fraction | recompute of spliced | variants compiled / distinct skills | "
+             "TTFT ratio (median) | guard fires (tau) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    calls = any(s.calls_checked for s in summaries)
+    if calls:
+        lines[0] += " BFCL AST valid: exact / this (parsed) |"
+        lines[1] += "---:|"
     for s in summaries:
         guard = f"{s.guard_fires} ({_num(s.guard_tau, 2)})" if s.strategy.startswith("guard") \
             else "-"
         greedy = _pct(s.greedy_identical, s.greedy_cases) if s.greedy_cases else "-"
+        library = f"{s.variants} / {s.distinct_skills}" if s.variants is not None else "-"
         lines.append(
             f"| {s.strategy} | {s.cases} | {_pct(s.identical, s.cases)} | "
             f"{s.exact_correct}/{s.cases} / {s.correct}/{s.cases} | "
             f"{_pct(s.first_token_agree, s.cases)} | {_num(s.kl_median, 4)} | "
             f"{_num(s.flip_margin_max, 2)} | {greedy} | {_num(s.compute_fraction)} | "
-            f"{_num(s.recompute_share)} | {_num(s.ttft_ratio_median, 2)}x | {guard} |")
+            f"{_num(s.recompute_share)} | {library} | {_num(s.ttft_ratio_median, 2)}x | "
+            f"{guard} |" + (f" {_call_cell(s)} |" if calls else ""))
     return lines
+
+
+def _call_cell(s: StrategySummary) -> str:
+    if not s.calls_checked:
+        return "-"
+    return (f"{s.exact_calls_valid}/{s.calls_checked} / {s.calls_valid}/{s.calls_checked} "
+            f"({s.calls_parsed})")
 
 
 def _load_samples(machine: dict[str, object]) -> list[str]:
@@ -43,6 +58,14 @@ def _load_samples(machine: dict[str, object]) -> list[str]:
     ones = sorted(float(x["load_average"][0]) for x in samples)
     return [f"Load average (1 min) sampled {len(ones)} times during the run: "
             f"{ones[0]:.1f}-{ones[-1]:.1f}, median {ones[len(ones) // 2]:.1f}.", ""]
+
+
+def _opening(settings: dict[str, object]) -> list[str]:
+    opening = settings.get("skill_opening")
+    if not isinstance(opening, str) or not opening:
+        return []
+    return [f"Skill opening: every skill's text starts with {json.dumps(opening)} after its "
+            "newline, in the exact prompt and the composed one alike (the same token ids).", ""]
 
 
 def render(result: BenchResult, command: str = "") -> str:
@@ -56,6 +79,7 @@ def render(result: BenchResult, command: str = "") -> str:
         "shared with other jobs: accuracy and identity are exact figures, timings are not.",
         "",
         *_load_samples(result.machine),
+        *_opening(settings),
         f"Decision: {result.decision}. Cases: {len(result.cases)} run"
         + (f" ({min(tokens)}-{max(tokens)} tokens each)" if tokens else "")
         + f", {len(result.skipped)} skipped (do not fit the context limit of "
@@ -66,8 +90,11 @@ def render(result: BenchResult, command: str = "") -> str:
         "covers all cases. Compute fraction: tokens run through the model (text parts, the "
         "call opening, repaired tokens, the KV-deviation pass, a fired guard's recompute) over "
         "all tokens of the prompt; recompute of spliced: the work on spliced tokens as a share "
-        "of them. TTFT ratio: the exact prompt's time to the decision's logits over this "
-        "strategy's (compiled skills are ready; compiling is not counted).",
+        "of them. Variants compiled / distinct skills: the compiled skill variants the strategy "
+        "spliced over these cases (its library: one per skill behind the header, one per "
+        "(predecessor, skill) pair with `pred`) and the distinct skills among them. TTFT "
+        "ratio: the exact prompt's time to the decision's logits over this strategy's "
+        "(compiled skills are ready; compiling is not counted).",
         "",
         *summary_table(result.summaries),
         "",

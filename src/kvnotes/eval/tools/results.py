@@ -19,6 +19,10 @@ class Outcome:
     ``reused`` were spliced and kept, ``computed`` prefilled (text parts, the opening, the
     exact prompt), ``repaired`` spliced then recomputed; ``select_tokens`` (the KV-deviation
     pass) and ``guard_tokens`` (a fired guard's recompute) are extra work in token-equivalents.
+    ``exact_skills`` were spliced as they are because exactly placed (compose's own count);
+    ``variants_new`` / ``skills_new``: compiled variants and skill texts this strategy spliced
+    here for the first time in the run (its library grows by them; None where nothing is
+    spliced from a library of its own: the exact prompt, a guard).
     """
 
     strategy: str
@@ -42,6 +46,12 @@ class Outcome:
     greedy_identical: bool | None = None
     guard_fired: bool | None = None
     guard_tau: float | None = None
+    exact_skills: int | None = None
+    variants_new: int | None = None
+    skills_new: int | None = None
+    # BFCL's AST checker on the call the longer greedy answer writes (None: not run)
+    call_parsed: bool | None = None
+    call_valid: bool | None = None
 
     @property
     def identical(self) -> bool:
@@ -137,6 +147,14 @@ class StrategySummary:
     ttft_ratio_median: float  # exact's TTFT / this one's, per case (contended: see load)
     guard_fires: int
     guard_tau: float | None
+    # the library the strategy spliced from over these cases: compiled variants, skill texts
+    variants: int | None = None
+    distinct_skills: int | None = None
+    # BFCL's AST checker where the answer parses as a call (None: not run)
+    calls_checked: int | None = None
+    calls_parsed: int | None = None
+    calls_valid: int | None = None
+    exact_calls_valid: int | None = None
 
     @classmethod
     def of(cls, strategy: str, cases: Sequence[CaseResult]) -> StrategySummary:
@@ -146,6 +164,8 @@ class StrategySummary:
         greedy = [o for o in outs if o.greedy_identical is not None]
         flips = [e.margin for _, o, e in pairs if not o.identical]
         taus = {o.guard_tau for o in outs if o.guard_tau is not None}
+        library = [o for o in outs if o.variants_new is not None]
+        checked = [(o, e) for _, o, e in pairs if o.call_parsed is not None]
         return cls(
             strategy=strategy, cases=len(outs), identical=sum(o.identical for o in outs),
             correct=sum(o.correct for o in outs),
@@ -160,6 +180,12 @@ class StrategySummary:
             ttft_ratio_median=_median([e.ttft_s / o.ttft_s for _, o, e in pairs if o.ttft_s]),
             guard_fires=sum(bool(o.guard_fired) for o in outs),
             guard_tau=taus.pop() if len(taus) == 1 else None,
+            variants=sum(o.variants_new or 0 for o in library) if library else None,
+            distinct_skills=sum(o.skills_new or 0 for o in library) if library else None,
+            calls_checked=len(checked) if checked else None,
+            calls_parsed=sum(bool(o.call_parsed) for o, _ in checked) if checked else None,
+            calls_valid=sum(bool(o.call_valid) for o, _ in checked) if checked else None,
+            exact_calls_valid=sum(bool(e.call_valid) for _, e in checked) if checked else None,
         )
 
     def to_dict(self) -> dict[str, Any]:

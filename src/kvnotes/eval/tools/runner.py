@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import machine_info
 from kvnotes.core.metrics import compare_logits
 from kvnotes.core.notebook import Notebook
+from kvnotes.eval.tools.bfcl_check import check_call
 from kvnotes.eval.tools.choice import NameTrie, choose, name_trie
 from kvnotes.eval.tools.data import ToolCase, load_cases, spread
 from kvnotes.eval.tools.prompt import CasePrompt, case_prompt
@@ -39,6 +41,7 @@ from kvnotes.eval.tools.strategies import (
     build,
     exact_ids,
     parse_strategies,
+    variants,
 )
 from kvnotes.ops.decisions import Decision, guarded
 
@@ -55,14 +58,19 @@ class BenchConfig:
     cases: int = 40  # spread over the set's file; 0: all
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     greedy_tokens: int = 0  # 16-token greedy identity when > 0 (costs a decode per strategy)
+    # > 0: decode this many tokens (at least greedy_tokens) and run BFCL's AST checker on the
+    # call each answer writes (live_multiple)
+    call_tokens: int = 0
     max_context: int | None = None  # default: the model's maximum positions
     guard_target: float = 1.0  # calibrated guards match exact on this share of the half
+    skill_opening: str = ""  # every skill's text starts with this after its newline ("": none)
     data_root: Path | None = None  # default: the installed bfcl-eval package
     settings: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # checked when the config is made, so a bad option fails before any model loads
-        for name, value in (("cases", self.cases), ("greedy_tokens", self.greedy_tokens)):
+        for name, value in (("cases", self.cases), ("greedy_tokens", self.greedy_tokens),
+                            ("call_tokens", self.call_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgumentError(f"{name} must be a whole number >= 0 (0: "
                                            f"{'all cases' if name == 'cases' else 'off'}), "
@@ -74,6 +82,11 @@ class BenchConfig:
                                        f"{self.max_context!r}")
         if not 0 < self.guard_target <= 1:
             raise InvalidArgumentError(f"guard_target must be in (0, 1], got {self.guard_target!r}")
+        if not isinstance(self.skill_opening, str) or (self.skill_opening
+                                                       and not self.skill_opening.strip()):
+            raise InvalidArgumentError(f"skill_opening must be text with something visible in "
+                                       f"it, e.g. 'Function:\\n' (empty: none), got "
+                                       f"{self.skill_opening!r}")
 
 
 @dataclass(slots=True)
@@ -96,11 +109,13 @@ def _read(engine: Engine, nb: Notebook, q_ids: list[int], trie: NameTrie, built_
 
 
 def _outcome(strategy: str, read: _Read, exact: _Read, case: ToolCase, q: int, *,
-             stats: dict[str, float], guard: tuple[bool, int, float] | None = None) -> Outcome:
+             stats: dict[str, Any], guard: tuple[bool, int, float] | None = None,
+             library: tuple[int, int] | None = None) -> Outcome:
     cmp = compare_logits(exact.logits, read.logits)
     total = len(read.notes) + q
     reused, repaired = int(stats.get("reused", 0)), int(stats.get("repaired", 0))
     computed = int(stats.get("computed", len(read.notes))) + q
+    exact_parts = stats.get("exact")
     return Outcome(
         strategy=strategy, choice=str(read.decision.answer),
         exact_choice=str(exact.decision.answer), correct=read.decision.answer in case.answers,
@@ -109,21 +124,27 @@ def _outcome(strategy: str, read: _Read, exact: _Read, case: ToolCase, q: int, *
         reused=reused, computed=computed, repaired=repaired,
         select_tokens=float(stats.get("select_tokens", 0.0)),
         guard_tokens=guard[1] if guard else 0, spliced=reused + repaired, ttft_s=read.seconds,
-        guard_fired=guard[0] if guard else None, guard_tau=guard[2] if guard else None)
+        guard_fired=guard[0] if guard else None, guard_tau=guard[2] if guard else None,
+        exact_skills=len(exact_parts) if isinstance(exact_parts, list) else None,
+        variants_new=library[0] if library else None,
+        skills_new=library[1] if library else None)
 
 
 def run_case(engine: Engine, case: ToolCase, prompt: CasePrompt, strategies: Sequence[Strategy],
              skills: SkillCache, *, half: str, taus: dict[str, float],
-             greedy_tokens: int = 0) -> CaseResult:
+             greedy_tokens: int = 0, call_tokens: int = 0) -> CaseResult:
     """Every strategy on one case (guards only where ``taus`` or their own ``tau`` give one)."""
     q_ids = engine.encode(prompt.query)
     trie = name_trie(engine, case.candidates)
     ids, prefix = exact_ids(engine, prompt)
     reads: dict[str, _Read] = {}
     outcomes: list[Outcome] = []
+    library: dict[str, tuple[int, int]] = {}
     for s in strategies:
         if s.kind == "guard":
             continue
+        if s.kind == "compose":
+            library[s.name] = skills.record(s.name, variants(prompt, s))
         compiling, t0 = skills.seconds, time.perf_counter()
         nb = build(engine, prompt, s, skills)
         # a skill is compiled once and reused: its first use's compile is not request time
@@ -134,7 +155,8 @@ def run_case(engine: Engine, case: ToolCase, prompt: CasePrompt, strategies: Seq
         if s.kind == "guard":
             continue
         stats = reads[s.name].notes.meta.get("compose", {}) if s.kind == "compose" else {}
-        outcomes.append(_outcome(s.name, reads[s.name], exact, case, len(q_ids), stats=stats))
+        outcomes.append(_outcome(s.name, reads[s.name], exact, case, len(q_ids), stats=stats,
+                                 library=library.get(s.name)))
     for s in strategies:
         tau = s.tau if s.tau is not None else taus.get(s.name)
         if s.kind != "guard" or tau is None:
@@ -157,22 +179,40 @@ def run_case(engine: Engine, case: ToolCase, prompt: CasePrompt, strategies: Seq
         stats = base.notes.meta.get("compose", {})
         outcomes.append(_outcome(s.name, read, exact, case, len(q_ids), stats=stats,
                                  guard=(g.fired, g.tokens, tau)))
-    if greedy_tokens > 0:
-        outcomes = _with_greedy(engine, outcomes, reads, greedy_tokens)
+    if greedy_tokens > 0 or call_tokens > 0:
+        outcomes = _with_greedy(engine, outcomes, reads, greedy_tokens, case=case,
+                                call_tokens=call_tokens)
     return CaseResult(case.id, half, len(trie.names), len(case.skills), len(ids) + len(q_ids),
                       prefix, case.answers, tuple(outcomes))
 
 
 def _with_greedy(engine: Engine, outcomes: list[Outcome], reads: dict[str, _Read],
-                 n: int) -> list[Outcome]:
+                 n: int, *, case: ToolCase | None = None, call_tokens: int = 0
+                 ) -> list[Outcome]:
     """Each strategy's greedy continuation after the opening, decoded as one batch (rows of
-    equal length: no padding), compared with the exact prompt's."""
+    equal length: no padding), its first ``n`` tokens compared with the exact prompt's; with
+    ``call_tokens`` (and a ``case`` with BFCL's answers), decoded that far and the call it
+    writes checked by BFCL's AST checker."""
     names = [o.strategy for o in outcomes]
     rows = engine.continue_greedy_batch([reads[s].step_notes for s in names],
-                                        torch.stack([reads[s].logits for s in names]), n)
-    texts = dict(zip(names, (r.text for r in rows), strict=True))
-    return [replace(o, greedy_text=texts[o.strategy],
-                    greedy_identical=texts[o.strategy] == texts["exact"]) for o in outcomes]
+                                        torch.stack([reads[s].logits for s in names]),
+                                        max(n, call_tokens))
+    ids = {s: r.token_ids[:n] for s, r in zip(names, rows, strict=True)} if n else {}
+    texts = {s: engine.decode(t) for s, t in ids.items()}
+    checks = {}
+    if call_tokens and case is not None and "ground_truth" in case.meta:
+        checks = {s: check_call(r.text, case.meta["functions"], case.meta["ground_truth"])
+                  for s, r in zip(names, rows, strict=True)}
+    out = []
+    for o in outcomes:
+        if n:
+            o = replace(o, greedy_text=texts[o.strategy],
+                        greedy_identical=texts[o.strategy] == texts["exact"])
+        if o.strategy in checks:
+            c = checks[o.strategy]
+            o = replace(o, call_parsed=c.parsed, call_valid=bool(c.valid))
+        out.append(o)
+    return out
 
 
 def calibrate_tau(cases: Sequence[CaseResult], base: str, target: float) -> float:
@@ -223,7 +263,7 @@ def run_bench(engine: Engine, config: BenchConfig, *, model: str,
     fits: list[tuple[ToolCase, CasePrompt, str]] = []
     skipped: list[Skipped] = []
     for i, case in enumerate(all_cases):
-        prompt = case_prompt(engine.tokenizer, case)
+        prompt = case_prompt(engine.tokenizer, case, config.skill_opening)
         n = len(exact_ids(engine, prompt)[0]) + len(engine.encode(prompt.query))
         if n + config.greedy_tokens > limit:
             skipped.append(Skipped(case.id, f"{n} tokens (+{config.greedy_tokens} generated) do "
@@ -241,7 +281,7 @@ def run_bench(engine: Engine, config: BenchConfig, *, model: str,
         if progress:
             progress(done, len(ordered), case.id)
         result = run_case(engine, case, prompt, strategies, skills, half=half, taus=taus,
-                          greedy_tokens=config.greedy_tokens)
+                          greedy_tokens=config.greedy_tokens, call_tokens=config.call_tokens)
         results.append(result)
         if on_case:
             on_case(result)
@@ -250,7 +290,10 @@ def run_bench(engine: Engine, config: BenchConfig, *, model: str,
     return assemble(results, strategies, model=model, set_name=config.set, taus=taus,
                     skipped=skipped, machine=machine_info(since=before),
                     settings={"cases_asked": config.cases, "greedy_tokens": config.greedy_tokens,
-                              "context_limit": limit, "guard_target": config.guard_target,
+                              "call_tokens": config.call_tokens, "context_limit": limit,
+                              "guard_target": config.guard_target,
+                              "skill_opening": config.skill_opening,
+                              "variants_compiled": skills.compiled,
                               "compile_seconds": round(skills.seconds, 3), **config.settings})
 
 

@@ -9,9 +9,13 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
 - ``anchor`` / ``anchor+first:F`` / ``anchor+kvdev:F``: skills compiled behind the header and a
   neutral stand-in tool (:data:`~kvnotes.eval.tools.prompt.STAND_IN`, its notes dropped), so no
   spliced skill is compiled as the first one listed;
-- ``epic:K`` / ``anchor+epic:K``: a fixed first ``K`` tokens of every skill recomputed in
-  context (EPIC's choice), whatever the skill's length, before the question is prefilled
-  (``Repair(first=K)``);
+- ``pred`` / ``pred+epic:K``: variants behind the actual predecessor: each skill compiled
+  behind the header and the skill that precedes it in the case's order (the first one behind
+  the header alone), one compiled variant per (predecessor, skill) pair, reused by every case
+  with the same pair, as a variant library would;
+- ``epic:K`` / ``anchor+epic:K`` / ``pred+epic:K``: a fixed first ``K`` tokens of every skill
+  recomputed in context (EPIC's choice), whatever the skill's length, before the question is
+  prefilled (``Repair(first=K)``);
 - ``ape:T`` / ``ape:T+epic:K``: the splice (or ``epic:K``) with APE's temperature on the spliced
   keys: before the question is prefilled, the keys of every spliced token that was not
   recomputed are divided by ``T`` in every layer (a copy of the notes; values untouched), so
@@ -24,13 +28,17 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
 
 The engine does not repair a skill spliced exactly where it was compiled (the first tool right
 after the header it was compiled behind, without ``anchor``): its notes are already the exact
-prompt's, so ``epic:K`` recomputes ``K`` tokens of every tool but that one.
+prompt's, so ``epic:K`` recomputes ``K`` tokens of every tool but that one. With ``pred`` the
+second tool is exactly placed too (compiled behind the header and the first tool, the whole
+prefix it sits behind), so ``pred+epic:K`` recomputes ``K`` tokens of the third tool on; every
+later one was compiled behind its predecessor alone, not the whole prefix, and is repaired.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,7 +52,7 @@ from kvnotes.eval.tools.prompt import STAND_IN, CasePrompt, skill_text
 DEFAULT_STRATEGIES = ("exact", "splice", "first:0.1", "first:0.3", "kvdev:0.1", "anchor",
                       "anchor+first:0.1", "guard:splice", "guard:first:0.1")
 _COMPOSE = re.compile(r"^(anchor)?(?:\+?(first|kvdev):([0-9.]+))?$")
-_EPIC = re.compile(r"^(anchor\+)?epic:([0-9]+)$")
+_EPIC = re.compile(r"^(?:(anchor|pred)\+)?epic:([0-9]+)$")
 _APE = re.compile(r"^ape:([0-9]*\.?[0-9]+)(?:\+(.+))?$")
 _SELECT = {"first": "first", "kvdev": "kv_deviation"}
 
@@ -59,6 +67,7 @@ class Strategy:
     select: str = "first"
     first_k: int = 0  # EPIC: this many first tokens of every skill recomputed (0: off)
     anchor: bool = False
+    predecessor: bool = False  # ``pred``: each skill compiled behind the one before it
     base: str = ""  # guard: the strategy whose decision is guarded
     tau: float | None = None  # guard: fixed threshold (None: calibrated)
     temperature: float = 1.0  # APE: spliced, not recomputed keys divided by this
@@ -90,7 +99,7 @@ def parse_strategy(spec: str) -> Strategy:
     if ape:
         inner = parse_strategy(ape.group(2) or "splice")
         temperature = float(ape.group(1))
-        if not (inner.first_k or inner.name == "splice") or inner.anchor:
+        if not (inner.first_k or inner.name == "splice") or inner.anchor or inner.predecessor:
             raise InvalidArgumentError(f"strategy {spec!r}: APE's temperature goes on the "
                                        "splice or on epic:K (ape:T or ape:T+epic:K)")
         if not 0.05 <= temperature <= 20:
@@ -99,9 +108,16 @@ def parse_strategy(spec: str) -> Strategy:
         return replace(inner, name=spec, temperature=temperature)
     if spec == "splice":
         return Strategy("splice", "compose")
+    if spec == "pred":
+        return Strategy("pred", "compose", predecessor=True)
     epic = _EPIC.match(spec)
     if epic:
-        return Strategy(spec, "compose", anchor=bool(epic.group(1)), first_k=int(epic.group(2)))
+        return Strategy(spec, "compose", anchor=epic.group(1) == "anchor",
+                        predecessor=epic.group(1) == "pred", first_k=int(epic.group(2)))
+    if spec.startswith("pred"):
+        raise InvalidArgumentError(f"strategy {spec!r}: variants behind the predecessor go "
+                                   "alone or with EPIC's repair: pred or pred+epic:K (K a "
+                                   "token count, e.g. pred+epic:32)")
     m = _COMPOSE.match(spec)
     if m and (m.group(1) or m.group(2)):
         repair = float(m.group(3)) if m.group(3) else 0.0
@@ -112,7 +128,8 @@ def parse_strategy(spec: str) -> Strategy:
                         anchor=bool(m.group(1)))
     raise InvalidArgumentError(
         f"unknown strategy {spec!r}; use exact, default, splice, first:F, kvdev:F, epic:K, "
-        "anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, ape:T, ape:T+epic:K, "
+        "anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, pred, pred+epic:K, ape:T, "
+        "ape:T+epic:K, "
         "guard:BASE or guard:BASE@TAU (F a fraction in [0, 1], K a token count, T a "
         "temperature)")
 
@@ -133,26 +150,65 @@ def parse_strategies(specs: list[str]) -> list[Strategy]:
     return sorted(dict((s.name, s) for s in chosen).values(), key=lambda s: order[s.kind])
 
 
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One compiled form of a skill: its text compiled behind the header and ``behind`` (the
+    text between them when it was compiled: empty for the header alone, the stand-in tool for
+    ``anchor``, the preceding skill for ``pred``)."""
+
+    text: str
+    header: str
+    behind: str = ""
+
+
+def variants(prompt: CasePrompt, strategy: Strategy) -> list[Variant]:
+    """The compiled variants ``strategy`` splices for ``prompt``'s skills, in order."""
+    if strategy.anchor:
+        stand_in = skill_text(STAND_IN, prompt.opening)
+        return [Variant(text, prompt.header, stand_in) for text in prompt.skills]
+    if strategy.predecessor:
+        before = ("", *prompt.skills[:-1])
+        return [Variant(text, prompt.header, b) for b, text in zip(before, prompt.skills,
+                                                                    strict=True)]
+    return [Variant(text, prompt.header) for text in prompt.skills]
+
+
 class SkillCache:
-    """Compiled skills of one run, keyed by text and anchoring: compiled once, reused by
-    every case that lists the same tool (as a deployment would)."""
+    """Compiled skill variants of one run: each compiled once and reused by every case and
+    strategy that splices the same variant (as a deployment's library would). ``record`` keeps,
+    per strategy, which variants and skill texts it has used, to count the library it needs."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._skills: dict[tuple[str, str, bool], Notebook] = {}
+        self._skills: dict[Variant, Notebook] = {}
+        self._used: dict[str, tuple[set[Variant], set[str]]] = {}
         self.seconds = 0.0
 
-    def get(self, text: str, header: str, *, anchor: bool) -> Notebook:
-        key = (text, header, anchor)
-        if key not in self._skills:
+    @property
+    def compiled(self) -> int:
+        """Variants compiled so far (all strategies together)."""
+        return len(self._skills)
+
+    def get(self, variant: Variant) -> Notebook:
+        if variant not in self._skills:
             t0 = time.perf_counter()
-            after: str | list[int] = header
-            if anchor:
-                after = [*self.engine.anchor_ids(header),
-                         *self.engine.encode(skill_text(STAND_IN))]
-            self._skills[key] = self.engine.compile(text, name="tool", after=after)
+            after: str | list[int] = variant.header
+            if variant.behind:
+                after = [*self.engine.anchor_ids(variant.header),
+                         *self.engine.encode(variant.behind)]
+            self._skills[variant] = self.engine.compile(variant.text, name="tool", after=after)
             self.seconds += time.perf_counter() - t0
-        return self._skills[key]
+        return self._skills[variant]
+
+    def record(self, library: str, used: Sequence[Variant]) -> tuple[int, int]:
+        """Marks ``used`` as spliced by ``library`` (a strategy's name); how many of those
+        variants, and of their skill texts, it had not used before."""
+        seen, texts = self._used.setdefault(library, (set(), set()))
+        new = set(used) - seen
+        new_texts = {v.text for v in used} - texts
+        seen |= new
+        texts |= new_texts
+        return len(new), len(new_texts)
 
 
 def exact_ids(engine: Engine, prompt: CasePrompt) -> tuple[list[int], int]:
@@ -173,7 +229,7 @@ def build(engine: Engine, prompt: CasePrompt, strategy: Strategy, skills: SkillC
         return engine.prefill(exact_ids(engine, prompt)[0])
     if strategy.kind != "compose":
         raise InvalidArgumentError(f"build() makes exact or composed notes, not {strategy.kind}")
-    compiled = [skills.get(text, prompt.header, anchor=strategy.anchor) for text in prompt.skills]
+    compiled = [skills.get(v) for v in variants(prompt, strategy)]
     if strategy.engine_default:
         return engine.compose([prompt.header, *compiled, prompt.question])
     plan = repair_of(strategy)
