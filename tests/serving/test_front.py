@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -406,3 +407,20 @@ def test_a_taken_port_fails_at_start_and_an_absent_vllm_is_a_502(fake, published
                            json={"model": MODEL, "prompt": HEADER + REFUNDS + USER})
         assert resp.status_code == 502 and "not reachable" in resp.json()["error"]["message"]
         assert httpx2.get(front.url + "/health", timeout=10).status_code == 502
+
+
+def test_a_client_resetting_its_connection_leaves_no_traceback(front, capfd):
+    """The openai SDK drops idle pooled connections: a reset is how a connection ends."""
+    import socket
+    import struct
+
+    capfd.readouterr()
+    host, port = front.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        s.close()
+    assert httpx2.get(front.url + "/health", timeout=30).status_code in (200, 502)
+    time.sleep(0.2)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err

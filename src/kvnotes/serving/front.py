@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 from collections import Counter
 from collections.abc import Generator, Iterable, Iterator
@@ -160,7 +161,7 @@ class Front:
             owner = front
 
         try:
-            self._server = ThreadingHTTPServer((self.config.host, self.config.port or 0), Handler)
+            self._server = _FrontServer((self.config.host, self.config.port or 0), Handler)
         except OSError as err:
             raise ServingError(f"the front cannot listen on {self.config.host}:"
                                f"{self.config.port}: {err} (choose another --port)") from err
@@ -403,6 +404,16 @@ def _events(resp: Any) -> Generator[Any, None, None]:
 def _chain(held: list[Any], rest: Iterator[Any]) -> Iterator[Any]:
     yield from held
     yield from rest
+
+
+class _FrontServer(ThreadingHTTPServer):
+    """The front's listener: a client resetting or closing its keep-alive connection (the
+    openai SDK drops idle pooled connections) is how HTTP ends, not an error to print."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
