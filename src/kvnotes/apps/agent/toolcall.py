@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.core.jsontext import first_object
+
 # tool name -> {argument: type}; every argument is required, no others are allowed
 TOOLS: dict[str, dict[str, type]] = {
     "cancel_reservation": {"reservation_id": str, "reason": str},
@@ -39,38 +41,12 @@ class ToolCall:
                 "error": self.error}
 
 
-def _first_object(text: str) -> str | None:
-    """The first balanced ``{...}`` in ``text`` (string-aware), or None."""
-    start = text.find("{")
-    if start < 0:
-        return None
-    depth, in_str, escaped = 0, False, False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_str:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i + 1]
-    return None
-
-
 def parse_tool_call(text: str, *, expected: str | None = None) -> ToolCall:
     """Parse and validate a tool call; never raises on model output.
 
     ``expected``: when given, a call of another tool is reported as an error.
     """
-    body = _first_object(text)
+    body = first_object(text)
     if body is None:
         return ToolCall(text, False, error="no complete JSON object in the output")
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from kvnotes.core.jsontext import first_object
 from kvnotes.eval.tools.prompt import CALL_OPENING
 
 _REGISTRY = "bfcl_eval.constants.model_config"
@@ -45,32 +46,16 @@ class CallCheck:
 
 def parse_call(generated: str) -> dict[str, Any] | None:
     """``{name: arguments}`` of the first complete JSON call in ``CALL_OPENING + generated``."""
-    text = CALL_OPENING + generated
-    depth, in_string, escaped = 0, False, False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                try:
-                    obj = json.loads(text[:i + 1])
-                except json.JSONDecodeError:
-                    return None
-                name, args = obj.get("name"), obj.get("arguments", obj.get("parameters"))
-                if isinstance(name, str) and isinstance(args, dict):
-                    return {name: args}
-                return None
+    body = first_object(CALL_OPENING + generated)
+    if body is None:
+        return None
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    name, args = obj.get("name"), obj.get("arguments", obj.get("parameters"))
+    if isinstance(name, str) and isinstance(args, dict):
+        return {name: args}
     return None
 
 
