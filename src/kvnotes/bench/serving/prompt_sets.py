@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvnotes.apps.agent.prompt import HEADER
@@ -233,11 +234,12 @@ class BfclPrompts:
         return call_name(text)
 
     def info(self, parts: Sequence[str]) -> dict[str, Any]:
-        case = self._by_parts().get(tuple(parts))
+        case = self._by_parts.get(tuple(parts))
         if case is None:
             return {}
         return {"case": case.id, "half": case.half, "answers": list(case.answers)}
 
+    @cached_property
     def _by_parts(self) -> dict[tuple[str, ...], BfclCase]:
         return {c.parts: c for c in self.cases}
 
@@ -283,7 +285,7 @@ def bfcl_prompts(tokenizer: Any, *, cases: int = 40, max_context: int = 2048,
             texts.setdefault(_skill_name(doc.name, text, texts), text)
         out.append(BfclCase(case.id, parts, "calibrate" if i % 2 == 0 else "evaluate",
                             case.answers, n))
-    return BfclPrompts(cases=out, header=header, skills=_dedupe(texts), skipped=skipped)
+    return BfclPrompts(cases=out, header=header, skills=texts, skipped=skipped)
 
 
 def _skill_name(function: str, text: str, known: dict[str, str]) -> str:
@@ -293,14 +295,6 @@ def _skill_name(function: str, text: str, known: dict[str, str]) -> str:
     while name in known and known[name] != text:
         name, i = f"fn-{function}-{i}", i + 1
     return name
-
-
-def _dedupe(texts: dict[str, str]) -> dict[str, str]:
-    seen: dict[str, str] = {}
-    for name, text in texts.items():
-        if text not in seen.values():
-            seen[name] = text
-    return seen
 
 
 def make_prompt_set(name: str, tokenizer: Any, *, k: int = 4, cases: int = 40,

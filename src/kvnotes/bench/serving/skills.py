@@ -285,28 +285,30 @@ class Fidelity:
 
 def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[list[str]],
                      tokens: int, policies: Sequence[str] = ("compose",), *,
-                     prompt_set: PromptSet | None = None, concurrency: int = 1
-                     ) -> list[Fidelity]:
+                     prompt_set: PromptSet | None = None,
+                     concurrency: int | Sequence[int] = 1) -> list[Fidelity]:
     """Each prompt sent exactly, then under each of ``policies``: first token, ``tokens``
     greedy tokens and the first token's top-20 logprob set compared with the exact answer, and
     the decision ``prompt_set`` reads from each answer. ``concurrency`` requests of a policy are
-    in flight at once (the server batches them; the exact references are sent one by one)."""
+    in flight at once (the server batches them), one pass per level given; the exact
+    references are sent once, one by one."""
     if isinstance(clients, ComposeClient):
         clients = Clients(clients)
     plain = clients.plain
     exact = [plain.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
              for parts in prompts]
     reads = prompt_set is not None and prompt_set.decides
+    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
     out = []
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        for policy in policies:
-            sent = list(pool.map(lambda parts, p=policy: clients.send(p, parts, tokens,
-                                                                      logprobs=20), prompts))
-            cases = [_fidelity_case(got, ref, prompt_set.info(parts) if prompt_set else {},
-                                    prompt_set if reads else None)
-                     for parts, got, ref in zip(prompts, sent, exact, strict=True)]
-            out.append(_fidelity(policy, cases, tokens, decisions=reads,
-                                 concurrency=max(1, concurrency)))
+    for level in (max(1, c) for c in levels):
+        with ThreadPoolExecutor(max_workers=level) as pool:
+            for policy in policies:
+                sent = list(pool.map(lambda parts, p=policy: clients.send(p, parts, tokens,
+                                                                          logprobs=20), prompts))
+                cases = [_fidelity_case(got, ref, prompt_set.info(parts) if prompt_set else {},
+                                        prompt_set if reads else None)
+                         for parts, got, ref in zip(prompts, sent, exact, strict=True)]
+                out.append(_fidelity(policy, cases, tokens, decisions=reads, concurrency=level))
     return out
 
 
@@ -527,9 +529,9 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     spliced = [p for p in SPLICED_POLICIES if p in config.policies]
     if spliced and config.fidelity_samples:
         prompts = prompts_of.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
-        for conc in config.fidelity_concurrency:
-            fidelity += measure_fidelity(clients, prompts, config.fidelity_tokens, spliced,
-                                         prompt_set=prompts_of, concurrency=conc)
+        fidelity = measure_fidelity(clients, prompts, config.fidelity_tokens, spliced,
+                                    prompt_set=prompts_of,
+                                    concurrency=config.fidelity_concurrency)
         for f in fidelity:
             log(f"fidelity {f.policy} (concurrency {f.concurrency}): first token "
                 f"{fmt_pct(f.first_token_agreement)}, "
