@@ -21,12 +21,14 @@ from kvnotes.bench.serving.skills import (
     FrontClients,
     SkillsBenchConfig,
     SkillsResult,
+    make_clients,
     markdown,
     measure_fidelity,
     run_skills_benchmark,
     write_outputs,
 )
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, prompt_ids
 
 
@@ -137,6 +139,15 @@ def test_skills_benchmark_on_fake_server(fake_server, tokenizer, tmp_path):
     assert data["machine"]["load_average_end"] is not None
     paths = write_outputs(data, tmp_path)
     assert "| compose | 2 | 4/4 |" in paths["report"].read_text()
+    assert "`Repair(first=32)` aligned" in paths["report"].read_text()
+    data["config"]["repair"] = 96
+    assert "`Repair(first=96)` aligned" in markdown(data)
+    assert data["started"][:2] == "20" and data["finished"] >= data["started"]
+    data["command"] = "kvnotes serve-bench skills --launch"
+    assert (f"Run {data['started']} to {data['finished']} UTC: `kvnotes serve-bench skills "
+            "--launch`.") in markdown(data)
+    phased_clients = make_clients(client, ("repaired",), 128, repair_tokens=96)
+    assert phased_clients.repair == Repair(first=96) and phased_clients.repaired is not None
 
 
 def test_cli_skills_options_checked_before_any_server():
@@ -210,6 +221,26 @@ def test_bfcl_prompts_are_the_tools_bench_cases_in_its_halves(tokenizer):
         ps.requests(1, 0, "tuning")
 
 
+def test_bfcl_multi_turn_prompts_make_each_class_manual_a_skill(tokenizer):
+    from kvnotes.eval.tools.data import load_cases, spread
+
+    ps = bfcl_prompts(tokenizer, cases=4, max_context=8192, name="bfcl-multi_turn")
+    assert ps.name == "bfcl-multi_turn" and ps.set_name == "multi_turn" and ps.decides
+    picked = {c.id: c for c in spread(load_cases("multi_turn"), 4)}
+    assert len(ps.cases) + len(ps.skipped) == 4 and ps.cases
+    for case in ps.cases:
+        classes = picked[case.id].meta["involved_classes"]
+        assert len(case.parts) == 2 + len(classes)  # header, one manual per class, question
+        assert set(case.parts[1:-1]) <= set(ps.skills.values())
+        assert case.tokens > 1000  # manuals are long skills
+    assert all(n.startswith("api-") for n in ps.skills)
+    assert "API manual" in ps.describe() and "multi_turn" in ps.describe()
+    assert make_prompt_set("bfcl-multi_turn", tokenizer, cases=2, max_context=8192).name == \
+        "bfcl-multi_turn"
+    with pytest.raises(UnknownNameError, match="BFCL prompt set"):
+        bfcl_prompts(tokenizer, name="bfcl-simple")
+
+
 def test_call_name_reads_the_name_up_to_its_quote():
     assert call_name('get_weather", "arguments": {}}') == "get_weather"
     assert call_name("get_wea") is None  # never closed within the answer
@@ -218,7 +249,7 @@ def test_call_name_reads_the_name_up_to_its_quote():
 
 def test_prompt_set_names_and_airline_checks(tokenizer):
     assert isinstance(make_prompt_set("airline", tokenizer, k=3), AirlinePrompts)
-    with pytest.raises(UnknownNameError, match="valid prompt sets: airline, bfcl"):
+    with pytest.raises(UnknownNameError, match="valid prompt sets: airline, bfcl, bfcl-multi_turn"):
         make_prompt_set("alpaca", tokenizer)
     with pytest.raises(InvalidArgumentError, match="k must be between"):
         AirlinePrompts(0)
@@ -321,3 +352,9 @@ def test_front_clients_send_text_with_the_policy_options(tokenizer):
     assert res.phases == 0 and res.guard_fired is None  # forwarded: nothing planned
     with pytest.raises(UnknownNameError):
         fc.send("warm", ["q"], 1)
+    longer = FrontClients(plain=None, front=Front(), repair=Repair(first=96))  # type: ignore[arg-type]
+    assert longer.options("repaired") == {"tenant": "repaired", "repair": 96, "guard": 0}
+    assert SkillsBenchConfig(repair=96).repair == 96
+    for bad in (0, -32, True, 1.5):
+        with pytest.raises(InvalidArgumentError, match="--repair"):
+            SkillsBenchConfig(repair=bad)  # type: ignore[arg-type]

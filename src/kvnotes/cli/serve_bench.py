@@ -16,6 +16,9 @@ Examples::
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -273,9 +276,16 @@ class SkillsCommand:
 
         engine = kvnotes.load(self.server.model)
         self.server.out.mkdir(parents=True, exist_ok=True)
-        result = run_skills(self.bench, self.server.target(max_model_len=4096), engine,
+        # the longest prompt a BFCL set keeps (multi_turn manuals run to ~6k tokens), within
+        # what the model was trained on
+        longest = max(4096, self.bench.max_context)
+        limit = engine.adapter.max_positions
+        target = self.server.target(max_model_len=min(longest, limit) if limit else longest)
+        result = run_skills(self.bench, target, engine,
                             skills_dir=self.skills_dir or self.server.out / "skills",
                             anchor=self.anchor, log=_log)
+        result = dataclasses.replace(result, command="kvnotes " + " ".join(
+            shlex.quote(a) for a in sys.argv[1:]))
         data = result.to_dict()
         return data, write_outputs(data, self.server.out)
 
@@ -289,7 +299,7 @@ def skills(
         "--concurrency", help="Concurrency levels, comma-separated (default 1,4)")] = None,
     policies: Annotated[str | None, typer.Option(
         "--policies", help="Policies, comma-separated, of cold, prefix, compose (bare splice), "
-        "repaired (each skill's first 32 tokens computed by vLLM in phases, aligned to the "
+        "repaired (each skill's first --repair tokens computed by vLLM in phases, aligned to the "
         "block size), guarded (repaired, answered exactly when the first token is a close "
         "call); default all five")] = None,
     fidelity_samples: Annotated[int, typer.Option(
@@ -308,16 +318,21 @@ def skills(
         "(for comparison)")] = False,
     prompts: Annotated[str, typer.Option(
         "--prompts", help="What the requests are: airline (the agent's policies, --k per "
-        "prompt, a customer's question) or bfcl (BFCL live_multiple development cases: each "
-        "function description a skill; the decision is the function name answered)")] = "airline",
+        "prompt, a customer's question), bfcl (BFCL live_multiple development cases: each "
+        "function description a skill; the decision is the function name answered) or "
+        "bfcl-multi_turn (BFCL multi_turn cases: each class's API manual a skill)")] = "airline",
     cases: Annotated[int, typer.Option(
-        "--cases", help="--prompts bfcl: cases spread over the set (as `kvnotes bench tools`)")
+        "--cases", help="--prompts bfcl*: cases spread over the set (as `kvnotes bench tools`)")
     ] = 40,
     max_context: Annotated[int, typer.Option(
-        "--max-context", help="--prompts bfcl: skip (and count) cases longer than this")] = 2048,
+        "--max-context", help="--prompts bfcl*: skip (and count) cases longer than this (the "
+        "server's --max-model-len is at least this)")] = 2048,
     fidelity_concurrency: Annotated[str, typer.Option(
         "--fidelity-concurrency", help="Fidelity requests in flight at once, comma-separated "
         "levels (each a full fidelity pass)")] = "1",
+    repair: Annotated[int, typer.Option(
+        "--repair", help="repaired/guarded: tokens computed in context at the start of each "
+        "spliced skill (rounded up to the block size)")] = 32,
     via: Annotated[str, typer.Option(
         "--via", help="Where the measured requests go: vllm (token ids planned by "
         "ComposeClient) or front (text prompts to kvnotes' OpenAI front, which plans them; "
@@ -340,7 +355,7 @@ def skills(
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),
         policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples,
         guard_tau=guard_tau, calibration_samples=calibration_samples, prompts=prompts,
-        cases=cases, max_context=max_context, via=via,
+        cases=cases, max_context=max_context, via=via, repair=repair,
         fidelity_concurrency=_ints(fidelity_concurrency, "--fidelity-concurrency"))
     data, paths = SkillsCommand(bench=bench, server=server, skills_dir=skills_dir,
                                 anchor=not no_anchor).run()
@@ -416,7 +431,6 @@ def soak(
     """The connector under load: concurrent clients, preemption, skills published, deleted and
     corrupted while requests use them, early disconnects; every answer checked against
     kvnotes' engine."""
-    import sys
 
     from kvnotes.bench.serving.corun import CorunConfig
     from kvnotes.bench.serving.soak import SoakConfig

@@ -7,8 +7,10 @@
   (read from the installed ``bfcl-eval`` package, as ``kvnotes bench tools`` reads them): each
   candidate function's JSON description is a skill compiled behind the tool header, each prompt
   is a case's header, functions in its order, the question and the call opening
-  ``{"name": "``. The decision is the function name the greedy answer writes (up to its closing
-  quote), compared with the exact prompt's and with BFCL's ground truth. The cases are those
+  ``{"name": "``. ``--prompts bfcl-multi_turn``: the ``multi_turn`` development cases the same
+  way, each involved class's API manual (a few thousand tokens) one skill. The decision is the
+  function name the greedy answer writes (up to its closing quote), compared with the exact
+  prompt's and with BFCL's ground truth (a multi_turn case's: its first call). The cases are those
   ``kvnotes bench tools`` picks (spread over the file, the same context limit), in its two
   halves: the guard's tau is chosen on the calibration half.
 
@@ -33,7 +35,9 @@ from kvnotes.serving.splice import PieceIndex, PieceInfo
 if TYPE_CHECKING:
     from kvnotes.serving.skills import ServingSkills
 
-PROMPT_SETS = ("airline", "bfcl")
+PROMPT_SETS = ("airline", "bfcl", "bfcl-multi_turn")
+# a BFCL prompt set's name -> the development set of ``kvnotes bench tools`` it sends
+BFCL_SETS = {"bfcl": "live_multiple", "bfcl-multi_turn": "multi_turn"}
 # what a prompt is asked for: the benchmark's warm-up, the guard's tau, TTFT rows, fidelity
 PURPOSES = ("warmup", "calibration", "ttft", "fidelity")
 
@@ -193,19 +197,24 @@ class BfclCase:
 
 @dataclass
 class BfclPrompts:
-    """BFCL ``live_multiple`` development cases (see the module doc)."""
+    """BFCL development cases, ``live_multiple`` or ``multi_turn`` (see the module doc)."""
 
     cases: list[BfclCase]
     header: str
-    skills: dict[str, str]  # name -> text, every distinct function description
+    skills: dict[str, str]  # name -> text, every distinct function description or manual
     skipped: list[dict[str, Any]] = field(default_factory=list)
     name: str = "bfcl"
     decides: bool = True
 
+    @property
+    def set_name(self) -> str:
+        return BFCL_SETS[self.name]
+
     def register(self, skills: ServingSkills, *, anchor: bool, log: Log) -> None:
         _register(skills, self.header, self.skills, anchor=anchor, log=lambda s: None)
-        log(f"published the BFCL header and {len(self.skills)} function descriptions of "
-            f"{len(self.cases)} cases")
+        what = "function descriptions" if self.set_name == "live_multiple" else "API manuals"
+        log(f"published the BFCL header and {len(self.skills)} {what} of {len(self.cases)} "
+            "cases")
 
     def index(self, tokenizer: Any, *, anchor: bool) -> PieceIndex:
         return _index(tokenizer, self.header, self.skills, anchor=anchor)
@@ -246,9 +255,11 @@ class BfclPrompts:
     def describe(self) -> str:
         lens = sorted(c.tokens for c in self.cases)
         span = f"{lens[0]}-{lens[-1]} tokens" if lens else "no case"
-        return (f"a BFCL live_multiple case: the tool header, each candidate function's JSON "
-                f"description (a skill), the question and the call opening ({len(self.cases)} "
-                f"cases, {span}; {len(self.skipped)} skipped over the context limit)")
+        skill = ("each candidate function's JSON description" if self.set_name == "live_multiple"
+                 else "each involved class's API manual")
+        return (f"a BFCL {self.set_name} case: the tool header, {skill} (a skill), the question "
+                f"and the call opening ({len(self.cases)} cases, {span}; {len(self.skipped)} "
+                "skipped over the context limit)")
 
 
 def call_name(text: str) -> str | None:
@@ -259,15 +270,18 @@ def call_name(text: str) -> str | None:
 
 
 def bfcl_prompts(tokenizer: Any, *, cases: int = 40, max_context: int = 2048,
-                 answer_tokens: int = 16) -> BfclPrompts:
-    """The ``live_multiple`` cases ``kvnotes bench tools --cases N --max-context M`` runs (the
-    same spread, the same skip rule and halves), as parts for the server."""
+                 answer_tokens: int = 16, name: str = "bfcl") -> BfclPrompts:
+    """The cases ``kvnotes bench tools --set S --cases N --max-context M`` runs (the same
+    spread, the same skip rule and halves), as parts for the server; ``name`` is a key of
+    :data:`BFCL_SETS` and picks S."""
     from kvnotes.eval.tools.data import load_cases, spread
     from kvnotes.eval.tools.prompt import case_prompt
 
     if cases < 1:
         raise InvalidArgumentError(f"--cases must be at least 1, got {cases}")
-    picked = spread(load_cases("live_multiple"), cases)
+    if name not in BFCL_SETS:
+        raise UnknownNameError("BFCL prompt set", name, tuple(BFCL_SETS))
+    picked = spread(load_cases(BFCL_SETS[name]), cases)
     out: list[BfclCase] = []
     skipped: list[dict[str, Any]] = []
     texts: dict[str, str] = {}
@@ -282,18 +296,21 @@ def bfcl_prompts(tokenizer: Any, *, cases: int = 40, max_context: int = 2048,
             skipped.append({"case": case.id, "tokens": n})
             continue
         for doc, text in zip(case.skills, prompt.skills, strict=True):
-            texts.setdefault(_skill_name(doc.name, text, texts), text)
+            texts.setdefault(_skill_name(doc.name, text, texts, prefix=_PREFIX[name]), text)
         out.append(BfclCase(case.id, parts, "calibrate" if i % 2 == 0 else "evaluate",
                             case.answers, n))
-    return BfclPrompts(cases=out, header=header, skills=texts, skipped=skipped)
+    return BfclPrompts(cases=out, header=header, skills=texts, skipped=skipped, name=name)
 
 
-def _skill_name(function: str, text: str, known: dict[str, str]) -> str:
-    """A piece name for a function description: the function's name, suffixed when two cases
-    describe a function of the same name differently."""
-    name, i = f"fn-{function}", 2
+_PREFIX = {"bfcl": "fn", "bfcl-multi_turn": "api"}
+
+
+def _skill_name(function: str, text: str, known: dict[str, str], *, prefix: str = "fn") -> str:
+    """A piece name for a function description (or a class's manual): its name, suffixed when
+    two cases describe one of the same name differently (a manual less excluded functions)."""
+    name, i = f"{prefix}-{function}", 2
     while name in known and known[name] != text:
-        name, i = f"fn-{function}-{i}", i + 1
+        name, i = f"{prefix}-{function}-{i}", i + 1
     return name
 
 
@@ -302,9 +319,9 @@ def make_prompt_set(name: str, tokenizer: Any, *, k: int = 4, cases: int = 40,
     """The prompt set called ``name`` (one of :data:`PROMPT_SETS`)."""
     if name == "airline":
         return AirlinePrompts(k)
-    if name == "bfcl":
+    if name in BFCL_SETS:
         return bfcl_prompts(tokenizer, cases=cases, max_context=max_context,
-                            answer_tokens=answer_tokens)
+                            answer_tokens=answer_tokens, name=name)
     raise UnknownNameError("prompt set", name, PROMPT_SETS)
 
 

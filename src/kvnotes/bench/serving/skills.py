@@ -2,18 +2,18 @@
 
 Each request is a header, registered skills and computed text (:mod:`.prompt_sets`: the airline
 library, ``k`` skills in random order and a customer's question; or BFCL's ``live_multiple``
-development cases, each function description a skill, the decision the function name the
-answer writes). Policies:
+or ``multi_turn`` development cases, each function description or API manual a skill, the
+decision the function name the answer writes). Policies:
 
 - ``cold``: a fresh ``cache_salt`` per request, so nothing is reused (full prefill);
 - ``prefix``: no salt, plain prefix caching: reuse only when an earlier request shared the
   exact same leading pieces in the same order;
 - ``compose``: the splice salt, so the connector supplies the leading run of known pieces and
   prefix caching reuses repeats of the same spliced order (the bare splice);
-- ``repaired``: a phased prefill (:mod:`kvnotes.serving.phases`): the first 32 tokens of every
-  skill not exactly placed are computed in context by vLLM, each region ending on a block
-  boundary, the rest spliced (``Repair(first=32)`` aligned to the server's block size, the
-  rule ``Engine.compose`` follows by default);
+- ``repaired``: a phased prefill (:mod:`kvnotes.serving.phases`): the first ``repair`` tokens
+  of every skill not exactly placed are computed in context by vLLM, each region ending on a
+  block boundary, the rest spliced (``Repair(first=repair)`` aligned to the server's block
+  size; 32, the default, is the rule ``Engine.compose`` follows by default);
 - ``guarded``: ``repaired``, and when the first answer token's top-1 minus top-2 log-prob is
   below ``tau`` the answer comes from an exact request instead.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,7 @@ PHASED_POLICIES = ("repaired", "guarded")
 VIAS = ("vllm", "front")
 # the phased policies' repair: each skill's first 32 tokens (the engine's default), aligned to
 # the server's block size when planned
-REPAIR = Repair(first=32)
+DEFAULT_REPAIR_TOKENS = 32
 # the guard's tau when calibration finds no first token that differs from the exact prompt's
 DEFAULT_TAU = 0.5
 
@@ -83,7 +84,8 @@ class SkillsBenchConfig:
     """What one skills run measures: ``requests`` prompts per (concurrency, policy) row, then
     ``fidelity_samples`` prompts per spliced policy against exact ones. ``prompts`` names the
     prompt set (``k`` skills per airline prompt; ``cases`` BFCL cases within ``max_context``
-    tokens), ``via`` where the requests go (vLLM itself, or kvnotes' OpenAI front)."""
+    tokens), ``via`` where the requests go (vLLM itself, or kvnotes' OpenAI front), ``repair``
+    the phased policies' tokens computed in context at the start of each spliced skill."""
 
     model: str = "smollm2-135m"
     k: int = 4
@@ -102,6 +104,7 @@ class SkillsBenchConfig:
     max_context: int = 2048
     via: str = "vllm"
     fidelity_concurrency: tuple[int, ...] = (1,)
+    repair: int = DEFAULT_REPAIR_TOKENS
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in SKILL_POLICIES]
@@ -128,6 +131,9 @@ class SkillsBenchConfig:
                                        "calibration sample")
         if not self.fidelity_concurrency or min(self.fidelity_concurrency) < 1:
             raise InvalidArgumentError("--fidelity-concurrency levels must be at least 1")
+        if isinstance(self.repair, bool) or not isinstance(self.repair, int) or self.repair < 1:
+            raise InvalidArgumentError(f"--repair must be a positive number of tokens, got "
+                                       f"{self.repair!r}")
         if self.cases < 1 or self.max_context < 1:
             raise InvalidArgumentError("--cases and --max-context must be at least 1")
 
@@ -171,6 +177,7 @@ class Clients:
     repaired: ComposeClient | None = None
     guarded: ComposeClient | None = None
     tau: float | None = None
+    repair: Repair = Repair(first=DEFAULT_REPAIR_TOKENS)
 
     def send(self, policy: str, parts: list[str], max_tokens: int, *,
              logprobs: int | None = None) -> ComposeResult:
@@ -183,8 +190,8 @@ class Clients:
         client = self.repaired if policy == "repaired" else self.guarded
         if client is None:
             raise InvalidArgumentError(f"policy {policy!r} needs a phased client")
-        return client.complete(parts, max_tokens=max_tokens, logprobs=logprobs, repair=REPAIR,
-                               guard=self.tau if policy == "guarded" else None)
+        return client.complete(parts, max_tokens=max_tokens, logprobs=logprobs,
+                               repair=self.repair, guard=self.tau if policy == "guarded" else None)
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ class FrontClients:
     plain: ComposeClient
     front: ComposeClient
     tau: float | None = None
+    repair: Repair = Repair(first=DEFAULT_REPAIR_TOKENS)
 
     def options(self, policy: str) -> dict[str, Any]:
         """The request's ``kvnotes`` options under ``policy`` (cold also sends its own salt,
@@ -204,7 +212,7 @@ class FrontClients:
             return {"splice": False}
         if policy == "compose":
             return {"tenant": "compose", "repair": 0, "guard": 0}
-        return {"tenant": policy, "repair": REPAIR.first,
+        return {"tenant": policy, "repair": self.repair.first,
                 "guard": (self.tau or 0.0) if policy == "guarded" else 0}
 
     def send(self, policy: str, parts: list[str], max_tokens: int, *,
@@ -422,6 +430,9 @@ class SkillsResult:
     guard_tau: float | None = None
     prompt_set: str = ""  # what a request is (the prompt set's description)
     skipped: list[dict[str, Any]] = field(default_factory=list)  # cases over the context limit
+    started: str = ""  # UTC, when the first request was sent ("%Y-%m-%d %H:%M")
+    finished: str = ""
+    command: str = ""  # the command line that ran it, when known
 
     def phased_rows(self) -> list[dict[str, Any]]:
         """Per phased (policy, concurrency) row: phases per request, guard fires, and the
@@ -447,6 +458,7 @@ class SkillsResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = {"workload": "skills", "config": asdict(self.config),
+               "started": self.started, "finished": self.finished, "command": self.command,
                "machine": self.machine.to_dict(),
                "server": None if self.server is None else self.server.to_dict(),
                "skills_anchor": self.anchor,
@@ -465,7 +477,8 @@ class SkillsResult:
 
 def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int | None, *,
                  anchor: bool = True, tau: float | None = None,
-                 prompt_set: PromptSet | None = None) -> Clients:
+                 prompt_set: PromptSet | None = None,
+                 repair_tokens: int = DEFAULT_REPAIR_TOKENS) -> Clients:
     """``client`` and, for the phased policies, clients that plan with the server's block size
     (the library's pieces from ``client``'s skills folder when it has one, else the prompt
     set's own index)."""
@@ -481,7 +494,8 @@ def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int
         return ComposeClient(client.url, client.model, client.tokenizer, timeout=client.timeout,
                              tenant=tenant, skills=skills, block_size=block_size)
 
-    return Clients(client, repaired=phased("repaired"), guarded=phased("guarded"), tau=tau)
+    return Clients(client, repaired=phased("repaired"), guarded=phased("guarded"), tau=tau,
+                   repair=Repair(first=repair_tokens))
 
 
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
@@ -496,14 +510,17 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     metrics = Client(client.url)
     server = ServerRecord.read(metrics, client.model, log=log)
     machine = MachineRecord.now()
+    started = utc_minute()
     phases: list[PhaseSummary] = []
     records: list[Record] = []
     clients: Clients | FrontClients
     if front is not None:
-        clients = FrontClients(client, front, tau=config.guard_tau)
+        clients = FrontClients(client, front, tau=config.guard_tau,
+                               repair=Repair(first=config.repair))
     else:
         clients = make_clients(client, config.policies, server.block_size, anchor=anchor,
-                               tau=config.guard_tau, prompt_set=prompts_of)
+                               tau=config.guard_tau, prompt_set=prompts_of,
+                               repair_tokens=config.repair)
     # warm-up: the first requests after start pay compilation; not measured
     for parts in prompts_of.requests(config.warmup, config.seed + 999, "warmup"):
         client.complete(parts, max_tokens=1, salt=cold_salt())
@@ -546,7 +563,12 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                         fidelity=fidelity, requests=records, anchor="header" if anchor else "none",
                         calibration=calibration, guard_tau=clients.tau,
                         prompt_set=prompts_of.describe(),
-                        skipped=list(getattr(prompts_of, "skipped", [])))
+                        skipped=list(getattr(prompts_of, "skipped", [])),
+                        started=started, finished=utc_minute())
+
+
+def utc_minute() -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -560,7 +582,11 @@ def markdown(result: dict[str, Any]) -> str:
                                          "order) + ~100 tokens of user text")
     via = ("kvnotes' OpenAI front (text prompts; the front plans the splice, phases and guard)"
            if cfg.get("via") == "front" else "vLLM itself (token ids planned by ComposeClient)")
-    lines = [f"# serve-bench skills ({cfg['model']})", "",
+    lines = [f"# serve-bench skills ({cfg['model']})", ""]
+    if result.get("started"):
+        lines += [f"Run {result['started']} to {result.get('finished') or '?'} UTC"
+                  + (f": `{result['command']}`" if result.get("command") else "") + ".", ""]
+    lines += [
              f"{cfg['requests']} requests per row; each: {what}. Requests sent to {via}. TTFT "
              f"from the client (streaming, first token). Server: vLLM "
              f"{server.get('version') or '?'}, {launch.get('dtype', '?')}, block size "
@@ -585,7 +611,8 @@ def markdown(result: dict[str, Any]) -> str:
     if phased:
         tau = result.get("guard_tau")
         cal = result.get("calibration") or {}
-        lines += ["", f"Phased policies: `Repair(first={REPAIR.first})` aligned to the block "
+        repair = (result.get("config") or {}).get("repair", DEFAULT_REPAIR_TOKENS)
+        lines += ["", f"Phased policies: `Repair(first={repair})` aligned to the block "
                   f"size; guard tau {tau if tau is not None else '-'}"
                   + (f" (chosen on {len(cal.get('cases') or [])} development prompts: "
                      f"{cal.get('rule')})" if cal else "") + ".", "",
