@@ -333,6 +333,13 @@ def skills(
     repair: Annotated[int, typer.Option(
         "--repair", help="repaired/guarded: tokens computed in context at the start of each "
         "spliced skill (rounded up to the block size)")] = 32,
+    engine_check: Annotated[bool, typer.Option(
+        "--engine-check", help="Also compose the fidelity prompts in kvnotes' engine from the "
+        "notebooks the server splices, and count the server's answers equal to the engine's "
+        "(after the server stops)")] = False,
+    recheck_engine: Annotated[bool, typer.Option(
+        "--recheck-engine", help="Start no server: run the engine check on the skills run "
+        "stored in --out (its results.json and skills/), and rewrite its report")] = False,
     via: Annotated[str, typer.Option(
         "--via", help="Where the measured requests go: vllm (token ids planned by "
         "ComposeClient) or front (text prompts to kvnotes' OpenAI front, which plans them; "
@@ -349,17 +356,35 @@ def skills(
     spliced policy's answers with the same prompts sent exactly."""
     from kvnotes.bench.serving.skills import SKILL_POLICIES, SkillsBenchConfig, markdown
 
+    if recheck_engine:
+        if url or launch:
+            raise typer.BadParameter("--recheck-engine starts no server: drop --url and "
+                                     "--launch (it reads the run stored in --out)")
+        data, paths = _recheck_skills(model, out, skills_dir)
+        _print(data, paths, markdown(data), as_json)
+        return
     server = ServerOptions.pick(locals())
     bench = SkillsBenchConfig(
         model=model, k=k, requests=requests,
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),
         policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples,
         guard_tau=guard_tau, calibration_samples=calibration_samples, prompts=prompts,
-        cases=cases, max_context=max_context, via=via, repair=repair,
+        cases=cases, max_context=max_context, via=via, repair=repair, engine_check=engine_check,
         fidelity_concurrency=_ints(fidelity_concurrency, "--fidelity-concurrency"))
     data, paths = SkillsCommand(bench=bench, server=server, skills_dir=skills_dir,
                                 anchor=not no_anchor).run()
     _print(data, paths, markdown(data), as_json)
+
+
+def _recheck_skills(model: str, out: Path, skills_dir: Path | None) -> Written:
+    """The engine check of the skills run stored in ``out``, its bundle rewritten."""
+    import kvnotes
+    from kvnotes.bench.serving.runs import recheck_engine
+    from kvnotes.bench.serving.skills import write_outputs
+
+    folder_option(out, "--out")
+    data = recheck_engine(out, kvnotes.load(model), skills_dir=skills_dir, log=_log)
+    return data, write_outputs(data, out)
 
 
 # ---- the soak ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.serving.erratum import BenchConfig, ErratumResult, run_benchmark
 from kvnotes.bench.serving.report import markdown_table, write_outputs
@@ -24,10 +24,12 @@ from kvnotes.serving import launch as launcher
 from kvnotes.serving.client import Client
 
 if TYPE_CHECKING:
+    from kvnotes.bench.serving.prompt_sets import PromptSet
     from kvnotes.bench.serving.skills import SkillsBenchConfig, SkillsResult
     from kvnotes.core.engine import Engine
 
-__all__ = ["Target", "erratum_launch", "run_erratum", "run_erratum_rows", "run_skills"]
+__all__ = ["Target", "erratum_launch", "recheck_engine", "run_erratum", "run_erratum_rows",
+           "run_skills"]
 
 # the chat template, the question and each edit's correction around a context (tokens)
 PROMPT_ROOM = 120
@@ -144,7 +146,8 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
         time.sleep(RESCAN_S)
         client = ComposeClient(target.url, config.model, engine.tokenizer,
                                timeout=target.request_timeout_s, skills=published.folder)
-        return run_skills_benchmark(client, config, anchor=anchor, prompt_set=prompts, log=log)
+        result = run_skills_benchmark(client, config, anchor=anchor, prompt_set=prompts, log=log)
+        return _with_engine_check(result, engine, prompts, skills_dir, anchor=anchor, log=log)
     assert target.launch is not None  # Target's invariant
     base = dataclasses.replace(target.launch, skills=skills_dir)
     if config.via == "front":
@@ -170,4 +173,71 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
         result = run_skills_benchmark(client, dataclasses.replace(config, model=name),
                                       anchor=anchor, prompt_set=prompts, front=front, log=log)
     result.launch = launch.record()
+    # after the server is down: the engine gets the machine to itself
+    return _with_engine_check(result, engine, prompts, skills_dir, anchor=anchor, log=log)
+
+
+def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
+                       skills_dir: Path, *, anchor: bool, log: Callable[[str], None]
+                       ) -> SkillsResult:
+    """``result`` with the engine's answers to its fidelity prompts beside the server's, when
+    the run asked for them (``config.engine_check``) and measured fidelity."""
+    from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
+    from kvnotes.bench.serving.skills import fidelity_prompts
+
+    config = result.config
+    block = result.server.block_size if result.server is not None else None
+    if not config.engine_check or not result.fidelity or block is None:
+        return result
+    answers = engine_answers(engine, fidelity_prompts(prompts, config), skills_dir,
+                             anchor=anchor, block_size=block, repair_tokens=config.repair,
+                             tokens=config.fidelity_tokens, log=log)
+    result.engine_check = check_against_engine(answers, result.fidelity, tau=result.guard_tau,
+                                               prompt_set=prompts)
+    for c in result.engine_check:
+        log(f"engine check {c.policy} (concurrency {c.concurrency}): server = engine "
+            f"{c.server_equals_engine}/{c.samples} (exact {c.exact_equals_engine}/{c.samples}); "
+            f"engine first token {c.engine_first_token}/{c.samples}")
     return result
+
+
+def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The engine check of a stored skills run: ``out/results.json`` read, its fidelity
+    prompts rebuilt from its config, composed by ``engine`` from the run's skill folder
+    (default ``out/skills``), and the counts added to the JSON form, which is returned."""
+    import json
+
+    from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
+    from kvnotes.bench.serving.prompt_sets import make_prompt_set
+    from kvnotes.bench.serving.skills import Fidelity, SkillsBenchConfig, fidelity_prompts
+
+    path = out / "results.json"
+    if not path.is_file():
+        raise InvalidArgumentError(f"no skills run in {out}: {path.name} is missing")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("workload") != "skills" or not data.get("fidelity"):
+        raise InvalidArgumentError(f"{path} is not a skills run with fidelity measured")
+    folder = skills_dir or out / "skills"
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"the run's skill folder {folder} is missing (pass --skills)")
+    block = (data.get("server") or {}).get("block_size")
+    if not block:
+        raise InvalidArgumentError(f"{path} records no server block size")
+    raw = dict(data["config"])
+    names = {f.name for f in dataclasses.fields(SkillsBenchConfig)}
+    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                               for k, v in raw.items() if k in names}
+    config = SkillsBenchConfig(**options)
+    prompts = make_prompt_set(config.prompts, engine.tokenizer, k=config.k, cases=config.cases,
+                              max_context=config.max_context,
+                              answer_tokens=config.fidelity_tokens)
+    fidelity = [Fidelity(**f) for f in data["fidelity"]]
+    answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
+                             anchor=data.get("skills_anchor") == "header", block_size=int(block),
+                             repair_tokens=config.repair, tokens=config.fidelity_tokens, log=log)
+    checks = check_against_engine(answers, fidelity, tau=data.get("guard_tau"),
+                                  prompt_set=prompts)
+    data["engine_check"] = [c.to_dict() for c in checks]
+    data["config"]["engine_check"] = True
+    return data

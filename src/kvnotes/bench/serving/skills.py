@@ -66,6 +66,7 @@ from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_sa
 from kvnotes.serving.phases import check_tau, margin
 
 if TYPE_CHECKING:
+    from kvnotes.bench.serving.engine_check import EngineCheck
     from kvnotes.serving.launch import LaunchRecord
 
 SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
@@ -105,6 +106,7 @@ class SkillsBenchConfig:
     via: str = "vllm"
     fidelity_concurrency: tuple[int, ...] = (1,)
     repair: int = DEFAULT_REPAIR_TOKENS
+    engine_check: bool = False  # compose the fidelity prompts in kvnotes' engine too
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.policies if p not in SKILL_POLICIES]
@@ -341,12 +343,19 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
     if prompt_set is not None:
         mine, theirs = prompt_set.decision(got.text), prompt_set.decision(ref.text)
         case["decision"], case["exact_decision"] = mine, theirs
-        # an answer that never closes the name is compared by its whole text
-        case["decision_identical"] = (mine == theirs if mine is not None and theirs is not None
-                                      else got.text == ref.text)
+        case["decision_identical"] = same_decision(prompt_set, got.text, ref.text)
         if "answers" in info:
             case["right"], case["exact_right"] = mine in info["answers"], theirs in info["answers"]
     return case
+
+
+def same_decision(prompt_set: PromptSet, text: str | None, exact: str | None) -> bool:
+    """Whether an answer makes the exact answer's decision; one that never closes the name is
+    compared by its whole text, and a failed request (None) decides nothing."""
+    if text is None or exact is None:
+        return False
+    mine, theirs = prompt_set.decision(text), prompt_set.decision(exact)
+    return mine == theirs if mine is not None and theirs is not None else text == exact
 
 
 def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decisions: bool,
@@ -430,6 +439,7 @@ class SkillsResult:
     guard_tau: float | None = None
     prompt_set: str = ""  # what a request is (the prompt set's description)
     skipped: list[dict[str, Any]] = field(default_factory=list)  # cases over the context limit
+    engine_check: list[EngineCheck] = field(default_factory=list)
     started: str = ""  # UTC, when the first request was sent ("%Y-%m-%d %H:%M")
     finished: str = ""
     command: str = ""  # the command line that ran it, when known
@@ -469,6 +479,7 @@ class SkillsResult:
                "guard_tau": self.guard_tau,
                "calibration": None if self.calibration is None else self.calibration.to_dict(),
                "fidelity": [f.to_dict() for f in self.fidelity],
+               "engine_check": [c.to_dict() for c in self.engine_check],
                "requests": [asdict(r) for r in self.requests]}
         if self.launch is not None:
             out["launch"] = self.launch.to_dict()
@@ -545,7 +556,7 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     fidelity: list[Fidelity] = []
     spliced = [p for p in SPLICED_POLICIES if p in config.policies]
     if spliced and config.fidelity_samples:
-        prompts = prompts_of.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
+        prompts = fidelity_prompts(prompts_of, config)
         fidelity = measure_fidelity(clients, prompts, config.fidelity_tokens, spliced,
                                     prompt_set=prompts_of,
                                     concurrency=config.fidelity_concurrency)
@@ -565,6 +576,11 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                         prompt_set=prompts_of.describe(),
                         skipped=list(getattr(prompts_of, "skipped", [])),
                         started=started, finished=utc_minute())
+
+
+def fidelity_prompts(prompt_set: PromptSet, config: SkillsBenchConfig) -> list[list[str]]:
+    """The prompts a run's fidelity pass sends (the same every time for one config)."""
+    return prompt_set.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
 
 
 def utc_minute() -> str:
@@ -626,7 +642,32 @@ def markdown(result: dict[str, Any]) -> str:
     fid = result.get("fidelity") or []
     if fid:
         lines += _fidelity_lines(fid)
+    checks = result.get("engine_check") or []
+    if checks:
+        lines += _engine_lines(checks, fid[0]["continuation_tokens"] if fid else 0)
     return "\n".join(lines) + "\n"
+
+
+def _engine_lines(checks: list[dict[str, Any]], tokens: int) -> list[str]:
+    decisions = any(c.get("engine_decision") is not None for c in checks)
+    several = len({c["concurrency"] for c in checks}) > 1
+    lines = ["", "Against kvnotes' engine: the same prompts composed by `Engine.compose` from "
+             "the notebooks the server splices, with the same repair and guard (counts of "
+             f"{checks[0]['samples']}):", "",
+             "| policy | server = engine (spliced) | server = engine (exact) | engine: first "
+             f"token identical | engine: {tokens}-token identical |"
+             + (" engine: decision identical | server: decision identical |" if decisions
+                else "") + " engine guard fired |",
+             "|---|---:|---:|---:|---:|" + ("---:|---:|" if decisions else "") + "---:|"]
+    for c in checks:
+        name = f"{c['policy']} @ {c['concurrency']}" if several else c["policy"]
+        row = (f"| {name} | {c['server_equals_engine']} | {c['exact_equals_engine']} | "
+               f"{c['engine_first_token']} | {c['engine_continuation']} |")
+        if decisions:
+            row += f" {c['engine_decision']} | {c['server_decision']} |"
+        fires = "-" if c.get("guard_fires") is None else str(c["guard_fires"])
+        lines.append(row + f" {fires} |")
+    return lines
 
 
 def _fidelity_lines(fid: list[dict[str, Any]]) -> list[str]:

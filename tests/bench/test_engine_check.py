@@ -1,0 +1,111 @@
+"""The skills benchmark's engine check: the engine's answers to the fidelity prompts, and the
+counts of the server's answers that equal them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvnotes.bench.serving.engine_check import EngineAnswer, check_against_engine, engine_answers
+from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts
+from kvnotes.bench.serving.skills import Fidelity, markdown
+from kvnotes.ops.store import SkillLibrary
+
+HEADER = "System: you answer customers of an airline.\n"
+SKILLS = ("\nREFUNDS: unworn items within 30 days get their money back in full.",
+          "\nBAGS: a damaged bag is repaired or paid for within 21 days of the flight.")
+
+
+def test_engine_answers_use_the_stored_skills_and_full_repair_is_exact(tiny_llama, tmp_path):
+    library = SkillLibrary(tmp_path, tiny_llama, anchor="none")
+    for text in SKILLS:
+        library.get(text, after=HEADER)
+    stored = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    prompts = [[HEADER, *SKILLS, "\nCustomer: my bag is torn.\nAgent:"],
+               [HEADER, SKILLS[1], SKILLS[0], "\nCustomer: refund?\nAgent:"]]
+    lines: list[str] = []
+    answers = engine_answers(tiny_llama, prompts, tmp_path, anchor=True, block_size=1,
+                             repair_tokens=1000, tokens=6, log=lines.append)
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == stored  # read, not made
+    assert set(answers) == {"exact", "compose", "repaired"} and len(lines) == 2
+    # every spliced token recomputed: the repaired answer is the full prefill's
+    for exact, repaired in zip(answers["exact"], answers["repaired"], strict=True):
+        assert repaired.text == exact.text and repaired.first_token == exact.first_token
+        assert repaired.margin == pytest.approx(exact.margin, abs=1e-3) and exact.margin >= 0
+    full = tiny_llama.greedy(tiny_llama.compose(prompts[0][:-1], repair=0), prompts[0][-1], 6)
+    assert answers["exact"][0].text == full.text
+
+
+def _fidelity(policy: str, spliced: list[str | None], exact: list[str],
+              concurrency: int = 1) -> Fidelity:
+    cases = [{"spliced": s, "exact": e} for s, e in zip(spliced, exact, strict=True)]
+    return Fidelity(samples=len(cases), failed=0, first_token_agreement=None,
+                    continuation_identity=None, continuation_tokens=4,
+                    top20_overlap_mean=None, cases=cases, policy=policy,
+                    concurrency=concurrency)
+
+
+def test_check_counts_server_answers_equal_to_the_engine():
+    a = EngineAnswer
+    answers = {"exact": [a('get_a", "x', 1, 2.0), a('get_b", "y', 5, 0.1), a("z", 7, 3.0)],
+               "compose": [a('get_a", "q', 1, 0.5), a('get_c"', 6, 0.2), a("z", 7, 3.0)],
+               "repaired": [a('get_a", "x', 1, 1.5), a('get_c"', 6, 0.05), a("z", 7, 3.0)]}
+    exact = ['get_a", "x', 'get_b", "y', "z"]
+    fid = [_fidelity("compose", ['get_a", "q', 'get_c"', "w"], exact),
+           _fidelity("repaired", ['get_a", "x', 'get_c"', None], exact),
+           _fidelity("guarded", ['get_a", "x', 'get_b", "y', "z"], exact, concurrency=4)]
+    bfcl = BfclPrompts(cases=[], header="", skills={})
+    rows = {r.policy: r for r in check_against_engine(answers, fid, tau=0.3, prompt_set=bfcl)}
+    compose, repaired, guarded = rows["compose"], rows["repaired"], rows["guarded"]
+    assert (compose.server_equals_engine, compose.exact_equals_engine) == (2, 3)
+    assert (compose.engine_first_token, compose.engine_continuation) == (2, 1)
+    # "z" names no function: compared by its whole text
+    assert (compose.engine_decision, compose.server_decision) == (2, 1)
+    assert repaired.server_equals_engine == 2 and repaired.server_decision == 1  # one failed
+    # the guard answers the second prompt (margin 0.05 < 0.3) from the engine's prefill
+    assert guarded.guard_fires == 1 and guarded.concurrency == 4
+    assert guarded.server_equals_engine == 3 and guarded.engine_continuation == 3
+    assert guarded.engine_decision == 3
+    airline = check_against_engine(answers, fid[:1], tau=None, prompt_set=AirlinePrompts())
+    assert airline[0].engine_decision is None and airline[0].server_decision is None
+    with pytest.raises(ValueError, match="2 fidelity cases for 3 prompts"):
+        check_against_engine(answers, [_fidelity("compose", ["a", "b"], ["a", "b"])],
+                             tau=None, prompt_set=bfcl)
+    md = markdown({"config": {"model": "m", "requests": 1, "k": 4}, "machine": {},
+                   "summaries": [], "ratios": [], "fidelity": [f.to_dict() for f in fid],
+                   "engine_check": [r.to_dict() for r in rows.values()]})
+    assert "Against kvnotes' engine" in md and "| guarded @ 4 | 3 | 3 | 3 | 3 | 3 | 3 | 1 |" in md
+
+
+def test_recheck_engine_reads_a_stored_run_and_its_skill_folder(fake_server, tokenizer,
+                                                                 tiny_llama, tmp_path):
+    from kvnotes.apps.agent.prompt import HEADER as AIRLINE_HEADER
+    from kvnotes.bench.serving.prompt_sets import skill_texts
+    from kvnotes.bench.serving.runs import recheck_engine
+    from kvnotes.bench.serving.skills import SkillsBenchConfig, run_skills_benchmark, write_outputs
+    from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes.serving.compose_client import ComposeClient
+
+    url, _ = fake_server
+    config = SkillsBenchConfig(requests=1, concurrency=(1,), fidelity_samples=2, warmup=0,
+                               calibration_samples=1, policies=("compose", "repaired"))
+    data = run_skills_benchmark(ComposeClient(url, "smollm2-135m", tokenizer), config,
+                                log=lambda s: None).to_dict()
+    write_outputs(data, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="skill folder"):
+        recheck_engine(tmp_path, tiny_llama)
+    library = SkillLibrary(tmp_path / "skills", tiny_llama, anchor="none")
+    with pytest.raises(InvalidArgumentError, match="not in"):  # a folder without the skills
+        library.root.mkdir(parents=True)
+        recheck_engine(tmp_path, tiny_llama)
+    for text in skill_texts().values():
+        library.get(text, after=AIRLINE_HEADER)
+    checked = recheck_engine(tmp_path, tiny_llama, log=lambda s: None)
+    rows = checked["engine_check"]
+    assert [r["policy"] for r in rows] == ["compose", "repaired"] and checked["config"][
+        "engine_check"]
+    # the fake server echoes no model's answer: none equals the engine's, every count is bounded
+    assert all(r["samples"] == 2 and r["server_equals_engine"] == 0 for r in rows)
+    assert all(0 <= r["engine_first_token"] <= 2 for r in rows)
+    assert "Against kvnotes' engine" in markdown(checked)
+    with pytest.raises(InvalidArgumentError, match="missing"):
+        recheck_engine(tmp_path / "nowhere", tiny_llama)
