@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.1"
+__version__ = "0.3.2"
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
