@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvnotes.bench.serving.prompt_sets import same_decision
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.prompt_sets import PromptSet
-    from kvnotes.bench.serving.skills import Fidelity
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
 
@@ -100,12 +100,18 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
     return out
 
 
-def check_against_engine(answers: dict[str, list[EngineAnswer]], fidelity: Sequence[Fidelity],
+class FidelityRow(Protocol):
+    """What the check reads of a fidelity row (``kvnotes.bench.serving.skills.Fidelity``)."""
+
+    policy: str
+    concurrency: int
+    cases: list[dict[str, Any]]
+
+
+def check_against_engine(answers: dict[str, list[EngineAnswer]], fidelity: Sequence[FidelityRow],
                          *, tau: float | None, prompt_set: PromptSet) -> list[EngineCheck]:
     """Each fidelity row (one policy at one concurrency level, its cases in prompt order)
     against the engine's answers to the same prompts."""
-    from kvnotes.bench.serving.skills import same_decision
-
     exact = answers["exact"]
     rows = []
     for f in fidelity:

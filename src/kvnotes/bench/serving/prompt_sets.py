@@ -262,6 +262,15 @@ class BfclPrompts:
                 "skipped over the context limit)")
 
 
+def same_decision(prompt_set: PromptSet, text: str | None, exact: str | None) -> bool:
+    """Whether an answer makes the exact answer's decision; one that never closes the name is
+    compared by its whole text, and a failed request (None) decides nothing."""
+    if text is None or exact is None:
+        return False
+    mine, theirs = prompt_set.decision(text), prompt_set.decision(exact)
+    return mine == theirs if mine is not None and theirs is not None else text == exact
+
+
 def call_name(text: str) -> str | None:
     """The function name an answer to ``{"name": "`` writes: its text up to the closing quote
     (None when the answer never closes it)."""

@@ -57,7 +57,12 @@ from kvnotes.bench.serving.kit import (
     phase_line,
     summarize,
 )
-from kvnotes.bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, PromptSet
+from kvnotes.bench.serving.prompt_sets import (
+    PROMPT_SETS,
+    AirlinePrompts,
+    PromptSet,
+    same_decision,
+)
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.eval.reports import write_bundle
@@ -347,15 +352,6 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
         if "answers" in info:
             case["right"], case["exact_right"] = mine in info["answers"], theirs in info["answers"]
     return case
-
-
-def same_decision(prompt_set: PromptSet, text: str | None, exact: str | None) -> bool:
-    """Whether an answer makes the exact answer's decision; one that never closes the name is
-    compared by its whole text, and a failed request (None) decides nothing."""
-    if text is None or exact is None:
-        return False
-    mine, theirs = prompt_set.decision(text), prompt_set.decision(exact)
-    return mine == theirs if mine is not None and theirs is not None else text == exact
 
 
 def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decisions: bool,
