@@ -87,10 +87,17 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
             f"{len(missing)} of the prompts' skills are not in {library.root} (the run's skill "
             f"folder for {engine.name}): the check reads the notebooks the server spliced, so "
             "give the run's --skills folder and its --model")
+    loaded: dict[tuple[str, str], Notebook] = {}  # a skill read once, however many prompts use it
+
+    def stored(text: str, header: str) -> Notebook:
+        if (text, header) not in loaded:
+            loaded[text, header] = library.get(text, after=after[header])
+        return loaded[text, header]
+
     out: dict[str, list[EngineAnswer]] = {"exact": [], "compose": [], "repaired": []}
     for i, parts in enumerate(prompts):
         header, skills, query = parts[0], parts[1:-1], parts[-1]
-        compiled = [library.get(t, after=header if anchor else None) for t in skills]
+        compiled = [stored(t, header) for t in skills]
         out["exact"].append(_answer(engine, engine.compose([header, *skills], repair=0), query,
                                     tokens))
         for policy, repair in repairs.items():
@@ -126,19 +133,16 @@ def check_against_engine(answers: dict[str, list[EngineAnswer]], fidelity: Seque
         if len(cases) != len(mine):
             raise ValueError(f"{f.policy}: {len(cases)} fidelity cases for {len(mine)} prompts")
         trio = list(zip(cases, mine, exact, strict=True))
-
-        def decided(a: Any, b: Any) -> bool:
-            return same_decision(prompt_set, a, b)
-
+        decides = prompt_set.decides
         rows.append(EngineCheck(
             policy=f.policy, concurrency=f.concurrency, samples=len(cases),
             server_equals_engine=sum(c.get("spliced") == a.text for c, a, _ in trio),
             exact_equals_engine=sum(c.get("exact") == e.text for c, _, e in trio),
             engine_first_token=sum(a.first_token == e.first_token for _, a, e in trio),
             engine_continuation=sum(a.text == e.text for _, a, e in trio),
-            engine_decision=(sum(decided(a.text, e.text) for _, a, e in trio)
-                             if prompt_set.decides else None),
-            server_decision=(sum(decided(c.get("spliced"), c.get("exact")) for c, _, _ in trio)
-                             if prompt_set.decides else None),
+            engine_decision=(sum(same_decision(prompt_set, a.text, e.text) for _, a, e in trio)
+                             if decides else None),
+            server_decision=(sum(same_decision(prompt_set, c.get("spliced"), c.get("exact"))
+                                 for c, _, _ in trio) if decides else None),
             guard_fires=None if fired is None else sum(fired)))
     return rows

@@ -127,13 +127,10 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     fidelity run. ``config.via == "front"`` needs ``launch``: the launched server gets kvnotes'
     OpenAI front, and the measured requests go through it."""
     # the skills workload imports the agent's library: only loaded when it runs
-    from kvnotes.bench.serving.prompt_sets import make_prompt_set
-    from kvnotes.bench.serving.skills import run_skills_benchmark
+    from kvnotes.bench.serving.skills import config_prompt_set, run_skills_benchmark
     from kvnotes.serving.compose_client import ComposeClient
 
-    prompts = make_prompt_set(config.prompts, engine.tokenizer, k=config.k, cases=config.cases,
-                              max_context=config.max_context,
-                              answer_tokens=config.fidelity_tokens)
+    prompts = config_prompt_set(config, engine.tokenizer)
     if target.url is not None:
         if config.via == "front":
             raise InvalidArgumentError("--via front needs --launch (the benchmark starts the "
@@ -209,8 +206,12 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     import json
 
     from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes.bench.serving.prompt_sets import make_prompt_set
-    from kvnotes.bench.serving.skills import Fidelity, SkillsBenchConfig, fidelity_prompts
+    from kvnotes.bench.serving.skills import (
+        Fidelity,
+        SkillsBenchConfig,
+        config_prompt_set,
+        fidelity_prompts,
+    )
 
     path = out / "results.json"
     if not path.is_file():
@@ -229,9 +230,7 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                                for k, v in raw.items() if k in names}
     config = SkillsBenchConfig(**options)
-    prompts = make_prompt_set(config.prompts, engine.tokenizer, k=config.k, cases=config.cases,
-                              max_context=config.max_context,
-                              answer_tokens=config.fidelity_tokens)
+    prompts = config_prompt_set(config, engine.tokenizer)
     fidelity = [Fidelity(**f) for f in data["fidelity"]]
     answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
                              anchor=data.get("skills_anchor") == "header", block_size=int(block),

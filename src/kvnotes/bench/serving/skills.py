@@ -574,6 +574,14 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                         started=started, finished=utc_minute())
 
 
+def config_prompt_set(config: SkillsBenchConfig, tokenizer: Any) -> PromptSet:
+    """The prompt set a run of ``config`` sends (the same every time for one config)."""
+    from kvnotes.bench.serving.prompt_sets import make_prompt_set
+
+    return make_prompt_set(config.prompts, tokenizer, k=config.k, cases=config.cases,
+                           max_context=config.max_context, answer_tokens=config.fidelity_tokens)
+
+
 def fidelity_prompts(prompt_set: PromptSet, config: SkillsBenchConfig) -> list[list[str]]:
     """The prompts a run's fidelity pass sends (the same every time for one config)."""
     return prompt_set.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
