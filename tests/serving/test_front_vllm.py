@@ -125,7 +125,7 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     case in the text prompt and answers as ComposeClient does with the same repair; the
     benchmark's fidelity reads the same decision from both."""
     from kvnotes.bench.serving.prompt_sets import BfclPrompts, bfcl_prompts
-    from kvnotes.bench.serving.skills import REPAIR, FrontClients, measure_fidelity
+    from kvnotes.bench.serving.skills import FrontClients, measure_fidelity
 
     launch = served
     name = launch.server.served_name
@@ -137,10 +137,10 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     parts = list(case.parts)
     vllm = ComposeClient(launch.server.url, name, smollm2.tokenizer,
                          skills=launch.skills.folder, block_size=BLOCK, tenant="repaired")
-    want = vllm.complete(parts, max_tokens=16, repair=REPAIR)
-    assert want.ok, want.error
     front = FrontClients(plain=ComposeClient(launch.server.url, name, smollm2.tokenizer),
                          front=ComposeClient(launch.url, name, smollm2.tokenizer))
+    want = vllm.complete(parts, max_tokens=16, repair=front.repair)  # the front's own repair
+    assert want.ok, want.error
     got = front.send("repaired", parts, 16)
     assert got.ok, got.error
     assert got.plan is not None and got.plan["ranges"] == want.plan["ranges"]
