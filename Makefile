@@ -60,9 +60,9 @@ typecheck: install
 
 # Timing benchmarks: run them on a quiet machine (each JSON records the load average).
 bench: models
-	$(PY) benchmarks/compose_ttft.py --out $(OUT)/bench
-	$(PY) benchmarks/splice_bandwidth.py --out $(OUT)/bench
-	$(PY) benchmarks/batch_decode.py --out $(OUT)/bench
+	$(PY) -m kvnotes.bench.micro.compose_ttft --out $(OUT)/bench
+	$(PY) -m kvnotes.bench.micro.splice_bandwidth --out $(OUT)/bench
+	$(PY) -m kvnotes.bench.micro.batch_decode --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.serving.erratum import BenchConfig
+from kvnotes.bench.serving.erratum import ErratumBenchConfig
 from kvnotes.bench.serving.runs import run_erratum_rows
 from kvnotes.serving.launch import LaunchConfig
 
@@ -49,7 +49,7 @@ CONTEXTS = (1000, 4000, 8000)
 class Row:
     """One stored row: what it measures and the KV cache its server needs."""
 
-    config: BenchConfig
+    config: ErratumBenchConfig
     kv_cache_gib: int
 
     @property
@@ -62,7 +62,7 @@ def _row(block_size: int, kv_cache_gib: int, timeout: float, **config: Any) -> R
     base: dict[str, Any] = dict(model="smollm2-135m", requests_per_row=16, sessions=4, edits=4,
                                 errata="append", request_timeout_s=timeout,
                                 block_size=block_size)
-    return Row(BenchConfig(**{**base, **config}), kv_cache_gib)
+    return Row(ErratumBenchConfig(**{**base, **config}), kv_cache_gib)
 
 
 # the decision question (does the refund follow?) unless a row asks for the status itself

@@ -203,7 +203,7 @@ def test_report_and_helpers():
 # ---- real models --------------------------------------------------------------------------------
 @pytest.mark.real
 def test_real_model_edits(real_engine):
-    from kvnotes.eval.edit_suite.cases import case_prompt
+    from kvnotes.bench.edit.cases import case_prompt
     from kvnotes.eval.tasks import load_suite
 
     case = load_suite(["membership"])[0]

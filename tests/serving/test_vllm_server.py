@@ -18,7 +18,7 @@ import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
-from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
+from kvnotes.bench.serving.erratum import ErratumBenchConfig, run_benchmark
 from kvnotes.bench.serving.kit import ServerRecord
 from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
@@ -64,7 +64,7 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
     # vLLM's CPU backend caches in blocks of 128 tokens: the partly filled last block and the
     # appended correction stay uncached, so the context must be long enough (3000)
     # for the erratum's hit rate to clear 0.9 with a margin
-    config = BenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
+    config = ErratumBenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
                          request_timeout_s=300, time_budget_s=900)
     result = run_benchmark(Client(server.url), config, log=print).to_dict()

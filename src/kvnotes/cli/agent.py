@@ -95,11 +95,11 @@ def agent_bench(
     interrupted run keeps what it measured).
     """
     from kvnotes.apps.agent import AgentConfig
-    from kvnotes.apps.agent.bench import BenchConfig, run_bench, write_outputs
+    from kvnotes.bench.agent.run import AgentBenchConfig, run_bench, write_outputs
 
     try:
         folder_option(out, "--out")
-        config = BenchConfig(
+        config = AgentBenchConfig(
             agent=AgentConfig(order=order, history=None if history < 0 else history,
                               tool_calls=tool_calls, anchored=anchored, variants=variants,
                               guard=guard, repair=repair if 0 < repair < 1 else int(repair),

@@ -29,7 +29,7 @@ def tools(
                                    "epic:K, anchor, anchor+first:F, anchor+epic:K, pred, "
                                    "pred+epic:K, ape:T, ape:T+epic:K, "
                                    "guard:BASE[@TAU] (default: "
-                                   "kvnotes.eval.tools.DEFAULT_STRATEGIES)"),
+                                   "kvnotes.bench.tools.DEFAULT_STRATEGIES)"),
     greedy: int = typer.Option(0, "--greedy", help="also compare N greedy tokens after the "
                                                    "call opening (16 in the issue; costs a "
                                                    "decode per strategy and case)"),
@@ -62,11 +62,11 @@ def tools(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from kvnotes.bench.tools import DEFAULT_STRATEGIES, ToolsBenchConfig, run_bench
+    from kvnotes.bench.tools.data import check_set
+    from kvnotes.bench.tools.report import render, write_outputs
+    from kvnotes.bench.tools.strategies import parse_strategies
     from kvnotes.core.machine import set_threads
-    from kvnotes.eval.tools import DEFAULT_STRATEGIES, BenchConfig, run_bench
-    from kvnotes.eval.tools.data import check_set
-    from kvnotes.eval.tools.report import render, write_outputs
-    from kvnotes.eval.tools.strategies import parse_strategies
 
     chosen = tuple(s.strip() for s in strategies.split(",")) if strategies else DEFAULT_STRATEGIES
     check_set(set_name)  # a held-out or unknown set fails before the model loads
@@ -76,7 +76,7 @@ def tools(
     set_threads(threads)
     command = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     opening = skill_opening.replace("\\n", "\n").replace("\\t", "\t")
-    config = BenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
+    config = ToolsBenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
                          call_tokens=call_tokens, max_context=max_context, guard_target=guard_target,
                          skill_opening=opening, data_root=data,
                          settings={"date": datetime.datetime.now(datetime.UTC).strftime(
@@ -125,11 +125,11 @@ def tools_report(
                                             "cases.jsonl), e.g. of a stopped run"),
 ) -> None:
     """Rebuild report.md, results.json and identity.png from the cases a run measured."""
+    from kvnotes.bench.tools.report import write_outputs
+    from kvnotes.bench.tools.results import CaseResult
+    from kvnotes.bench.tools.runner import assemble, calibrate_tau
+    from kvnotes.bench.tools.strategies import parse_strategies
     from kvnotes.core.errors import InvalidArgumentError
-    from kvnotes.eval.tools.report import write_outputs
-    from kvnotes.eval.tools.results import CaseResult
-    from kvnotes.eval.tools.runner import assemble, calibrate_tau
-    from kvnotes.eval.tools.strategies import parse_strategies
 
     run_file, cases_file = folder / "run.json", folder / "cases.jsonl"
     if not run_file.is_file() or not cases_file.is_file():

@@ -52,7 +52,7 @@ def demo(
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     from kvnotes.apps.demo import run_compose_demo, write_report
-    from kvnotes.apps.edit_demo import edit_section
+    from kvnotes.bench.edit.demo import edit_section
     from kvnotes.core.machine import set_threads
 
     set_threads(threads)

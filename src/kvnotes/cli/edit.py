@@ -61,13 +61,13 @@ def edit_eval(
     set_threads(threads)
     from functools import partial
 
+    from kvnotes.bench.edit.cases import spread, take_shard
+    from kvnotes.bench.edit.checkpoint import load_results
+    from kvnotes.bench.edit.report import strategy_table, write_outputs
+    from kvnotes.bench.edit.results import SuiteSettings
+    from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
+    from kvnotes.bench.edit.suite import run_suite
     from kvnotes.core.models import load
-    from kvnotes.eval.edit_suite.cases import spread, take_shard
-    from kvnotes.eval.edit_suite.checkpoint import load_results
-    from kvnotes.eval.edit_suite.report import strategy_table, write_outputs
-    from kvnotes.eval.edit_suite.results import SuiteSettings
-    from kvnotes.eval.edit_suite.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
-    from kvnotes.eval.edit_suite.suite import run_suite
     from kvnotes.eval.tasks import load_suite
 
     chosen = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else list(

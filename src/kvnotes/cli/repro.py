@@ -1,4 +1,4 @@
-"""``kvnotes repro``: the paper's claims beside our measurements (see :mod:`kvnotes.apps.repro`)."""
+"""``kvnotes repro``: the paper's claims beside our measurements (see :mod:`kvnotes.bench.repro.run`)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def repro(
 ) -> None:
     """Composition, edit (with and without CoT), trace and agent per model; one report with a
     table per claim of the paper: its figure, ours, and a verdict."""
-    from kvnotes.apps.repro import DEFAULT_MODELS, STAGES, run_repro
-    from kvnotes.apps.repro_report import write_report
+    from kvnotes.bench.repro.report import write_report
+    from kvnotes.bench.repro.run import DEFAULT_MODELS, STAGES, run_repro
 
     if threads:
         import torch

@@ -3,7 +3,7 @@
 Both subcommands take the same server options (``--url`` of a running loopback server, or
 ``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch`), gathered in
 :class:`ServerOptions`; each workload's own options become its config dataclass
-(:class:`~kvnotes.bench.serving.erratum.BenchConfig`,
+(:class:`~kvnotes.bench.serving.erratum.ErratumBenchConfig`,
 :class:`~kvnotes.bench.serving.skills.SkillsBenchConfig`), which validates them.
 
 Examples::
@@ -29,7 +29,7 @@ from kvnotes.cli.app import app, emit_json, folder_option
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmarks are imported when a command runs
     from kvnotes.bench.serving.corun import CorunConfig
-    from kvnotes.bench.serving.erratum import BenchConfig
+    from kvnotes.bench.serving.erratum import ErratumBenchConfig
     from kvnotes.bench.serving.runs import Target
     from kvnotes.bench.serving.skills import SkillsBenchConfig
     from kvnotes.bench.serving.soak import SoakConfig
@@ -148,7 +148,7 @@ class ErratumCommand:
     """What ``serve-bench erratum`` runs: the benchmark's config, the server, and the launched
     server's context length (None: fitted to the longest prompt)."""
 
-    bench: BenchConfig
+    bench: ErratumBenchConfig
     server: ServerOptions
     max_model_len: int | None = None
 
@@ -221,7 +221,7 @@ def erratum(
         MATRIX_CONTEXTS,
         MATRIX_OPTIONAL_CONTEXTS,
         MATRIX_REQUESTS_PER_ROW,
-        BenchConfig,
+        ErratumBenchConfig,
     )
     from kvnotes.bench.serving.report import markdown_table
     from kvnotes.bench.serving.workload import POLICIES
@@ -229,7 +229,7 @@ def erratum(
     server = ServerOptions.pick(locals())
     per_row = requests_per_row if requests_per_row is not None else (
         MATRIX_REQUESTS_PER_ROW if matrix else 0)
-    bench = BenchConfig(
+    bench = ErratumBenchConfig(
         model=model,
         context_tokens=(_ints(context_tokens, "--context-tokens") if context_tokens
                         else MATRIX_CONTEXTS),

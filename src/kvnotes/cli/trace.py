@@ -10,10 +10,10 @@ from pathlib import Path
 
 import typer
 
+from kvnotes.bench.trace.suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 from kvnotes.cli.app import app, fail
 from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
-from kvnotes.eval.trace_suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 from kvnotes.ops.trace import TraceOptions
 
 

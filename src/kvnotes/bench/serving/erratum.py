@@ -48,7 +48,7 @@ from kvnotes.serving.client import Client, StreamResult, stream_chat
 if TYPE_CHECKING:
     from kvnotes.serving.launch import LaunchRecord
 
-__all__ = ["Answers", "BenchConfig", "ErratumPhase", "ErratumResult", "RequestRecord",
+__all__ = ["Answers", "ErratumBenchConfig", "ErratumPhase", "ErratumResult", "RequestRecord",
            "matrix_config", "run_benchmark", "validate_block_size"]
 
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend takes block sizes in steps of 32
@@ -71,7 +71,7 @@ def validate_block_size(block_size: int | None) -> int | None:
 
 
 @dataclass
-class BenchConfig:
+class ErratumBenchConfig:
     """What one serve-bench run measures (all requests bounded in number and time).
 
     ``optional_contexts`` run only when the server's context limit allows them (the rest are
@@ -135,14 +135,14 @@ class BenchConfig:
         return n * (len(self.context_tokens) if contexts is None else contexts)
 
 
-def matrix_config(**overrides: Any) -> BenchConfig:
+def matrix_config(**overrides: Any) -> ErratumBenchConfig:
     """The full matrix: contexts 1k/4k/8k (16k where the model allows it), concurrency 1/4/16,
     in-place/erratum/cold, at least 16 measured requests per row; ``overrides`` win."""
     base: dict[str, Any] = dict(context_tokens=MATRIX_CONTEXTS,
                                 optional_contexts=MATRIX_OPTIONAL_CONTEXTS,
                                 concurrency=MATRIX_CONCURRENCY, policies=POLICIES,
                                 requests_per_row=MATRIX_REQUESTS_PER_ROW)
-    return BenchConfig(**{**base, **overrides})
+    return ErratumBenchConfig(**{**base, **overrides})
 
 
 @dataclass
@@ -224,7 +224,7 @@ class SkippedContext:
 class ErratumResult:
     """Everything one erratum run measured; :meth:`to_dict` is the ``result.json`` schema."""
 
-    config: BenchConfig
+    config: ErratumBenchConfig
     contexts: list[int]
     contexts_skipped: list[SkippedContext]
     server: ServerRecord
@@ -266,7 +266,7 @@ class ErratumResult:
         return out
 
 
-def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, config: BenchConfig,
+def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, config: ErratumBenchConfig,
               concurrency: int, context_tokens: int, deadline: _Deadline,
               log: Callable[[str], None] = lambda s: None) -> tuple[ErratumPhase,
                                                                    list[RequestRecord]]:
@@ -316,7 +316,7 @@ def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, confi
 TEMPLATE_MARGIN = 48  # chat-template tokens around the user message (SmolLM2's adds 30)
 
 
-def _longest_prompt(sessions: Sequence[Session], config: BenchConfig,
+def _longest_prompt(sessions: Sequence[Session], config: ErratumBenchConfig,
                     count_tokens: Callable[[str], int]) -> int:
     """Tokens the longest request of these sessions needs: its prompt (the last edit, erratum or
     in-place), the chat template and the answer."""
@@ -325,7 +325,7 @@ def _longest_prompt(sessions: Sequence[Session], config: BenchConfig,
                for p in ("erratum", "in-place")) + TEMPLATE_MARGIN + config.max_tokens
 
 
-def _plan(config: BenchConfig, limit: int | None, run_id: str,
+def _plan(config: ErratumBenchConfig, limit: int | None, run_id: str,
           count_tokens: Callable[[str], int]) -> tuple[list[tuple[int, dict[int, list[Session]]]],
                                                       list[SkippedContext]]:
     """The sessions of every (context, concurrency), built before anything is measured, and
@@ -359,7 +359,7 @@ def _plan(config: BenchConfig, limit: int | None, run_id: str,
     return plan, skipped
 
 
-def run_benchmark(client: Client, config: BenchConfig, *,
+def run_benchmark(client: Client, config: ErratumBenchConfig, *,
                   count_tokens: Callable[[str], int] | None = None,
                   log: Callable[[str], None] = print) -> ErratumResult:
     """Run every (context, concurrency, policy) phase of ``config`` on the server ``client``

@@ -283,8 +283,8 @@ def bfcl_prompts(tokenizer: Any, *, cases: int = 40, max_context: int = 2048,
     """The cases ``kvnotes bench tools --set S --cases N --max-context M`` runs (the same
     spread, the same skip rule and halves), as parts for the server; ``name`` is a key of
     :data:`BFCL_SETS` and picks S."""
-    from kvnotes.eval.tools.data import load_cases, spread
-    from kvnotes.eval.tools.prompt import case_prompt
+    from kvnotes.bench.tools.data import load_cases, spread
+    from kvnotes.bench.tools.prompt import case_prompt
 
     if cases < 1:
         raise InvalidArgumentError(f"--cases must be at least 1, got {cases}")

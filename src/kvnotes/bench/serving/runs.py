@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.erratum import BenchConfig, ErratumResult, run_benchmark
+from kvnotes.bench.serving.erratum import ErratumBenchConfig, ErratumResult, run_benchmark
 from kvnotes.bench.serving.report import markdown_table, write_outputs
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving import launch as launcher
@@ -55,7 +55,7 @@ class Target:
                                        f"{self.request_timeout_s}")
 
 
-def erratum_launch(base: launcher.LaunchConfig, config: BenchConfig) -> launcher.LaunchConfig:
+def erratum_launch(base: launcher.LaunchConfig, config: ErratumBenchConfig) -> launcher.LaunchConfig:
     """``base`` with room for ``config``'s longest prompt: when ``base.max_model_len`` is None,
     the longest context with its errata, question and answer, rounded up to 1024 (at least
     4096), within the model's positions."""
@@ -68,7 +68,7 @@ def erratum_launch(base: launcher.LaunchConfig, config: BenchConfig) -> launcher
                                                         positions))
 
 
-def run_erratum(config: BenchConfig, target: Target, *,
+def run_erratum(config: ErratumBenchConfig, target: Target, *,
                 log: Callable[[str], None] = print) -> ErratumResult:
     """The erratum benchmark on ``target`` (a launched server is stopped when it ends)."""
     if target.url is not None:
@@ -91,7 +91,7 @@ def run_erratum(config: BenchConfig, target: Target, *,
     return result
 
 
-def run_erratum_rows(rows: Sequence[tuple[str, BenchConfig]], launch: launcher.LaunchConfig, *,
+def run_erratum_rows(rows: Sequence[tuple[str, ErratumBenchConfig]], launch: launcher.LaunchConfig, *,
                      out: Path, how: str, request_timeout_s: float = 1800.0,
                      log: Callable[[str], None] = print) -> None:
     """Several erratum configurations, in order, on one launched server: each result is written

@@ -1,0 +1,129 @@
+"""Batched decoding: the edit suite's chains of thought, decoded one notebook at a time or as one
+batch (``Engine.continue_greedy_batch``), in wall time per generated token of the whole batch.
+
+The notebooks are those one edit-suite case asks its question on with CoT: the old value, the
+recompute and every default strategy's edit (12 notebooks of slightly different lengths: the
+erratum appends, so the batch is left-padded). Each side decodes exactly --tokens tokens per
+row (end-of-sequence is not allowed to stop a row early, so both sides do the same work); the
+texts of both sides are compared. Medians over --reps after one warm-up; the JSON records the
+torch threads and the load average. Run on a quiet machine:
+    .venv/bin/python -m kvnotes.bench.micro.batch_decode --out out/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvnotes.bench.edit.cases import case_prompt
+from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
+from kvnotes.core.engine import Engine
+from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.models import load
+from kvnotes.eval.tasks import load_suite
+from kvnotes.ops.edit import edit
+
+
+def case_notebooks(engine: Engine, family: str) -> tuple[list, list[int]]:
+    """The notebooks one CoT case asks its question on, each with the question fed, and the
+    question's ids."""
+    case = load_suite([family])[0]
+    doc, query = case_prompt(engine, case, cot=True)
+    old = engine.prefill(doc)
+    notebooks = [old]
+    for spec in DEFAULT_STRATEGIES:
+        name, options = parse_strategy(spec)
+        notebooks.append(edit(engine, old, case.field, case.new_value, strategy=name,
+                                     **options)[0])
+    return notebooks, engine.encode(query)
+
+
+def median_time(fn, reps: int) -> tuple[float, list[float], object]:
+    out = fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--family", default="refund")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens decoded per row")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the machine's physical cores)")
+    ap.add_argument("--out", type=Path, default=Path("out/bench"))
+    args = ap.parse_args()
+    set_threads(args.threads)
+    before = machine_info()
+    engine = load(args.model)
+    engine.eos_ids = set()  # every row decodes exactly --tokens tokens on both sides
+    notebooks, q_ids = case_notebooks(engine, args.family)
+    steps = [engine.forward(nb, q_ids) for nb in notebooks]
+    fed = [s.notebook for s in steps]
+    logits = torch.stack([s.logits for s in steps])
+
+    def one_by_one() -> list[str]:
+        return [engine.continue_greedy(nb, lg, args.tokens).text
+                for nb, lg in zip(fed, logits, strict=True)]
+
+    def batched() -> list[str]:
+        return [c.text for c in engine.continue_greedy_batch(fed, logits, args.tokens)]
+
+    seq_s, seq_raw, seq_texts = median_time(one_by_one, args.reps)
+    bat_s, bat_raw, bat_texts = median_time(batched, args.reps)
+    after = machine_info(since=before)
+    b = len(fed)
+    result = {
+        "model": args.model, "family": args.family, "rows": b,
+        "row_tokens": [len(nb) for nb in fed], "new_tokens_per_row": args.tokens,
+        "one_by_one_s": seq_s, "batched_s": bat_s, "speedup": seq_s / bat_s,
+        "one_by_one_ms_per_row_token": 1e3 * seq_s / (b * args.tokens),
+        "batched_ms_per_row_token": 1e3 * bat_s / (b * args.tokens),
+        "texts_identical": sum(a == c for a, c in zip(seq_texts, bat_texts, strict=True)),
+        "raw": {"one_by_one_s": seq_raw, "batched_s": bat_raw}, "reps": args.reps,
+        "warmup": 1, "dtype": str(engine.dtype), "torch_threads": after["torch_threads"],
+        "machine_before": before, "machine_after": after,
+        "busy": before["busy"] or after["busy"],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batch_decode.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "batch_decode.png")
+    print(f"{b} rows x {args.tokens} tokens: one by one {seq_s:.2f} s, batched {bat_s:.2f} s "
+          f"({result['speedup']:.1f}x); texts identical {result['texts_identical']}/{b}")
+    print(load_note(after))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    labels = ["one notebook at a time", "one batch"]
+    values = [result["one_by_one_s"], result["batched_s"]]
+    ax.bar(labels, values, color=["tab:gray", "tab:green"])
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom")
+    ax.set_ylabel("wall time (median)")
+    busy = ", machine busy" if result["busy"] else ""
+    ax.set_title(f"CoT decoding of one edit case: {result['rows']} notebooks x "
+                 f"{result['new_tokens_per_row']} tokens\n({result['model']}, "
+                 f"{result['torch_threads']} threads{busy})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Time to first token: full recompute vs compose, as the spliced skill grows.
+
+The prompt is [system header][policy skill of L tokens][request], where the request (a short
+customer message and question) is the only new text. Both the header and the policy are
+compiled skills; a request is answered by splicing them and feeding the request once.
+
+- recompute: one forward over every token (header + skill + request): what a cache miss costs
+- compose:   splice header and skill (re-rotate into the notebook; a bare splice,
+             ``repair=0``), then one forward over the request: the time to first token of a
+             composed request
+- alone:     the request's own forward on a near-empty notebook (the header only): what the
+             request costs by itself
+- over_context: the request's forward on top of the already composed notebook: what it costs
+             when the context is a perfect prefix-cache hit (its attention over L included)
+- splice:    the re-rotation alone (the O(L) part of compose)
+- decode:    time per decode step after the composed request: exactly --decode-tokens forwards of
+             one token each (no end-of-sequence stop, so every length times the same work)
+
+Reported per length: ``speedup`` = recompute / compose; ``efficiency`` = alone / compose (1.0
+means composing costs nothing beyond the request's own forward); ``prefix_hit_efficiency`` =
+over_context / compose (1.0 means composing costs no more than a prefix-cache hit of the same
+context would); ``ceiling`` = recompute / alone (the speedup compose would reach at efficiency
+1); ``speedup_bound`` = total tokens / request tokens.
+
+Two physical floors are written beside the times, from the model's shapes (no timing in them):
+``attention_flop_share`` = the share of the request's FLOPs that the context adds
+(:meth:`kvnotes.core.work.CostModel.attention_share`; the best ``efficiency`` any implementation
+can reach when the forward is compute-bound is ``1 - attention_flop_share``), and
+``decode_bytes_ratio`` = bytes a decode step must read (weights + KV at this length) ÷ the same
+at the shortest length (what a memory-bound decode step's time grows by). Medians over --reps
+after one warm-up; the JSON records torch threads, the load average and whether the machine was
+busy. Writes JSON and a log-log PNG with fitted slopes. Run on a quiet machine:
+    .venv/bin/python -m kvnotes.bench.micro.compose_ttft --out out/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from kvnotes.core.chat import chat_frame
+from kvnotes.core.engine import Engine
+from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.models import load
+from kvnotes.core.notebook import Notebook
+
+
+def skill_text(engine: Engine, n_tokens: int) -> str:
+    """Realistic policy text of about ``n_tokens`` tokens (the demo policies, cycled)."""
+    folder = resources.files("kvnotes.apps") / "data" / "demo"
+    docs = [p.read_text() for p in sorted(folder.iterdir(), key=lambda p: p.name)
+            if p.name.endswith(".txt")]
+    ids: list[int] = []
+    i = 0
+    while len(ids) < n_tokens:
+        ids.extend(engine.encode(f"\n\n[Section {i + 1}]\n" + docs[i % len(docs)]))
+        i += 1
+    return engine.decode(ids[:n_tokens])
+
+
+def decode_steps(engine: Engine, nb: Notebook, steps: int) -> None:
+    """``steps`` decode forwards of one token each on top of ``nb`` (greedy picks, no EOS stop)."""
+    logits = nb.last_logits
+    for _ in range(steps):
+        step = engine.forward(nb, [int(logits.argmax())])
+        nb, logits = step.notebook, step.logits
+
+
+def model_shapes(engine: Engine) -> dict[str, int]:
+    config = engine.model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads}
+
+
+def decode_bytes(engine: Engine, length: int) -> int:
+    """Bytes one decode step reads at ``length`` cached tokens: every weight once (the output
+    head included) plus every layer's keys and values."""
+    s = model_shapes(engine)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * length * engine.dtype.itemsize
+    return weights + kv
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def median_time(fn, reps: int) -> tuple[float, list[float]]:
+    """One warm-up call, then the median of ``reps`` timed calls (and the raw times)."""
+    fn()
+    times = [timed(fn) for _ in range(reps)]
+    return statistics.median(times), times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the machine's physical cores)")
+    ap.add_argument("--out", type=Path, default=Path("out/bench"))
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    set_threads(args.threads)
+    before = machine_info()
+
+    engine = load(args.model)
+    head, middle, tail = chat_frame(engine.tokenizer)
+    header = engine.compile(head + "You are a support agent. Follow the policy below.\n",
+                            name="header")
+    request = (middle + "Order N-55812: backpack delivered 41 days ago, unused. Card refund "
+               "allowed? Answer yes or no." + tail)
+    request_ids = engine.encode(request)
+    near_empty = engine.compose([header], repair=0)
+    rows = []
+    for n in tqdm(lengths, desc="skill lengths"):
+        skill = engine.compile(skill_text(engine, n), name="policy")
+        parts = [header, skill]
+        composed = engine.compose(parts, repair=0)  # the token ids recompute uses
+        ids = composed.token_ids.tolist() + request_ids
+        prefix = composed.slice(0, len(composed) - len(skill))
+        rec, rec_raw = median_time(lambda ids=ids: engine.next_logits(engine.empty(0), ids),
+                                   args.reps)
+        comp, comp_raw = median_time(
+            lambda p=parts: engine.next_logits(engine.compose(p, repair=0), request_ids), args.reps)
+        alone, alone_raw = median_time(lambda: engine.next_logits(near_empty, request_ids),
+                                       args.reps)
+        over, over_raw = median_time(lambda c=composed: engine.next_logits(c, request_ids),
+                                     args.reps)
+        splice, splice_raw = median_time(lambda pre=prefix, sk=skill: pre.splice(sk), args.reps)
+        asked = engine.extend(composed, request_ids)
+        decode, decode_raw = median_time(lambda nb=asked: decode_steps(engine, nb,
+                                                                       args.decode_tokens),
+                                         args.reps)
+        per_token = decode / args.decode_tokens
+        rows.append({
+            "requested_tokens": n, "skill_tokens": len(skill), "total_tokens": len(ids),
+            "request_tokens": len(request_ids), "speedup_bound": len(ids) / len(request_ids),
+            "recompute_s": rec, "compose_s": comp, "request_alone_s": alone,
+            "request_over_context_s": over, "splice_s": splice,
+            "decode_s_per_token": per_token, "decode_tokens": args.decode_tokens,
+            "speedup": rec / comp, "efficiency": alone / comp,
+            "prefix_hit_efficiency": over / comp, "ceiling": rec / alone,
+            "attention_flop_share": engine.cost.attention_share(len(request_ids), len(composed)),
+            "decode_bytes": decode_bytes(engine, len(asked)),
+            "raw": {"recompute_s": rec_raw, "compose_s": comp_raw, "request_alone_s": alone_raw,
+                    "request_over_context_s": over_raw, "splice_s": splice_raw,
+                    "decode_s": decode_raw},
+        })
+        r = rows[-1]
+        tqdm.write(f"L={n}: recompute {rec*1e3:.0f} ms, compose {comp*1e3:.0f} ms, request alone "
+                   f"{alone*1e3:.0f} ms, over context {over*1e3:.0f} ms, splice {splice*1e3:.1f} ms, decode "
+                   f"{per_token*1e3:.1f} ms/token; speedup {r['speedup']:.1f}x, efficiency "
+                   f"{r['efficiency']:.2f}, ceiling {r['ceiling']:.1f}x")
+
+    def slope(key: str) -> float:
+        if len(rows) < 2:
+            return float("nan")
+        x = np.log([r["skill_tokens"] for r in rows])
+        y = np.log([r[key] for r in rows])
+        return float(np.polyfit(x, y, 1)[0])
+
+    for r in rows:
+        r["decode_bytes_ratio"] = r["decode_bytes"] / rows[0]["decode_bytes"]
+        r["decode_time_ratio"] = r["decode_s_per_token"] / rows[0]["decode_s_per_token"]
+    after = machine_info(since=before)
+    result = {
+        "model": args.model, "reps": args.reps, "warmup": 1, "dtype": str(engine.dtype),
+        "torch_threads": after["torch_threads"], "machine": after["machine"],
+        "machine_before": before, "machine_after": after,
+        "busy": before["busy"] or after["busy"], "rows": rows,
+        "slopes": {k: slope(k) for k in ("recompute_s", "compose_s", "request_over_context_s",
+                                         "splice_s", "decode_s_per_token")},
+    }
+    for at in (2048, 4096):
+        hit = [r for r in rows if r["requested_tokens"] == at]
+        result[f"speedup_at_{at}"] = hit[0]["speedup"] if hit else None
+        result[f"efficiency_at_{at}"] = hit[0]["efficiency"] if hit else None
+        result[f"prefix_hit_efficiency_at_{at}"] = (hit[0]["prefix_hit_efficiency"] if hit
+                                                    else None)
+        result[f"efficiency_floor_at_{at}"] = (1 - hit[0]["attention_flop_share"] if hit
+                                               else None)
+    result["decode_time_ratio_last"] = rows[-1]["decode_time_ratio"]
+    result["decode_bytes_ratio_last"] = rows[-1]["decode_bytes_ratio"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "compose_ttft.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "compose_ttft.png")
+    print(json.dumps({k: v for k, v in result.items() if k.startswith((
+        "slopes", "speedup_at", "efficiency_at", "prefix_hit_efficiency_at", "efficiency_floor_at",
+        "decode_"))},
+                     indent=2))
+    print(load_note(after))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    x = [r["skill_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for key, label in (("recompute_s", "full recompute"), ("compose_s", "compose (TTFT)"),
+                       ("request_alone_s", "request alone (near-empty notebook)"),
+                       ("request_over_context_s", "request over the context (prefix hit)"),
+                       ("splice_s", "splice only (re-rotation)"),
+                       ("decode_s_per_token", "greedy decode, per token")):
+        slope = result["slopes"].get(key, float("nan"))
+        if key not in rows[0]:
+            continue
+        ax.loglog(x, [r[key] for r in rows], "o-", label=f"{label}: slope {slope:.2f}")
+    ax.set_xlabel("skill tokens L")
+    ax.set_ylabel("seconds (median)")
+    busy = ", machine busy" if result["busy"] else ""
+    ax.set_title(f"Time vs skill length ({result['model']}, CPU, "
+                 f"{result['torch_threads']} threads{busy})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

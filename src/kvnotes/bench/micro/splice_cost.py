@@ -1,0 +1,228 @@
+"""Splice cost per token on a server's worker, against a plain copy of the same bytes.
+
+What a vLLM worker does for a spliced load (:class:`kvnotes.serving.kv_writer.KvWriter`):
+assemble the load's keys (re-rotated from where the skill was compiled to where it is placed)
+and values for every layer, then write them through the attention backend's
+``do_kv_cache_update`` into the paged cache. Here the cache is laid out like vLLM-CPU's
+(``[blocks, kv_heads, block_size, 2 * head_dim]`` per layer, viewed as keys then values per
+block, block size 128, blocks in shuffled order), and the write is a torch copy per run of
+consecutive slots into that layout, standing in for vLLM-CPU's C++
+``cpu_attn_reshape_and_cache`` (not importable outside vLLM's environment). No server runs.
+
+Three states of the worker's bounded LRU (:class:`~kvnotes.serving.kv_writer.PieceCache`):
+``warm`` (the piece and its keys turned to this offset are cached: slicing, one concatenation
+and the cache write), ``turn`` (the piece is cached, its rotation to this offset is not) and
+``cold`` (nothing cached: the entry is read from the page cache, checksummed, cut to the
+worker's share, staged and rotated). The baseline is ``copy_`` of a buffer holding the same
+number of bytes as the load writes into the cache. Per token: median seconds over --reps
+(after one warm-up) divided by the load's tokens.
+
+The skill is real: SmolLM2-135M's KV of one 4096-token text compiled by kvnotes' engine (kept
+in a serving library under $KVNOTES_HOME, so a rerun skips the compile); each shorter load is
+its first n tokens (exactly what compiling those n tokens gives: attention is causal).
+
+    .venv/bin/python -m kvnotes.bench.micro.splice_cost --out docs/results/splice-cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvnotes.core.engine import Engine
+from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.models import kvnotes_home, load
+from kvnotes.core.notebook import Notebook
+from kvnotes.serving.kv_writer import KvWriter, PieceCache, WorkerShare
+from kvnotes.serving.manifest import read_entry
+from kvnotes.serving.plans import LoadSpec
+from kvnotes.serving.skills import ServingSkills
+from kvnotes.serving.splice import Placement
+
+OFFSET = 37  # where the load is placed: not where it was compiled, so keys are re-rotated
+
+
+class CpuCacheWrite:
+    """vLLM-CPU's cache layout (each block holds a head's keys, then its values), written one
+    run of consecutive slots at a time: the same bytes in the same places as its C++ op, which
+    copies each token's head vectors (a torch index write of the same slots is about ten times
+    slower here, and would measure torch's indexing instead)."""
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        blocks, heads, block_size, two_d = kv_cache.shape
+        cache = kv_cache.view(blocks, heads, 2 * block_size, two_d // 2)
+        b, o = slot_mapping // block_size, slot_mapping % block_size
+        breaks = (b[1:] != b[:-1]) | (o[1:] != o[:-1] + 1)
+        cuts = (torch.nonzero(breaks).flatten() + 1).tolist()
+        bl, ol = b.tolist(), o.tolist()
+        for s, e in zip([0, *cuts], [*cuts, len(bl)], strict=True):
+            blk, lo, hi = bl[s], ol[s], ol[s] + e - s
+            cache[blk, :, lo:hi].copy_(key[s:e].transpose(0, 1))  # [heads, run, head_dim]
+            cache[blk, :, block_size + lo:block_size + hi].copy_(value[s:e].transpose(0, 1))
+
+
+def skill_text(tokens: int, engine: Engine) -> str:
+    lines, i = [], 0
+    while len(engine.encode("".join(lines))) < tokens + 16:
+        lines.append(f"Rule {i}: an order of type {i % 17} shipped to zone {i % 5} may be "
+                     f"returned within {10 + i % 50} days for store credit.\n")
+        i += 1
+    return "".join(lines)
+
+
+def long_skill(engine: Engine, tokens: int) -> Path:
+    """The library entry of one compiled skill of at least ``tokens`` tokens (compiled once)."""
+    skills = ServingSkills(kvnotes_home() / "bench" / "splice-cost", engine)
+    info = skills.add(skill_text(tokens, engine), name="rules")
+    return skills.folder / f"{info.key}.safetensors"
+
+
+def median_per_token(fn: Callable[[], None], reps: int, n: int) -> tuple[float, list[float]]:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / n, times
+
+
+def measure(engine: Engine, entry: Path, n: int, skills: ServingSkills, reps: int,
+            dtype: torch.dtype, block_size: int) -> dict[str, Any]:
+    folder, manifest = skills.folder, skills.manifest
+    path = Notebook.load(entry, engine).slice(0, n).save(folder / f"first-{n}.safetensors")
+    info, _, _ = read_entry(path, engine.fingerprint)
+    heads, d, layers_n = manifest.num_kv_heads, manifest.head_dim, manifest.num_layers
+    blocks = -(-(OFFSET + n) // block_size) + 1
+    torch.manual_seed(0)
+    block_ids = tuple(int(b) for b in torch.randperm(blocks))
+    load = LoadSpec("bench", None, (Placement(info, OFFSET),), OFFSET, OFFSET + n, block_ids,
+                    block_size)
+    share = WorkerShare(torch.device("cpu"), dtype, range(heads), tuple(range(layers_n)))
+    writer = KvWriter(folder, manifest, share)
+    impl = CpuCacheWrite()
+    layers = [(i, SimpleNamespace(impl=impl, kv_cache=torch.zeros(blocks, heads, block_size,
+                                                                  2 * d, dtype=dtype)))
+              for i in range(layers_n)]
+
+    def splice() -> None:
+        assert writer.write([load], layers) == set()
+
+    def turn() -> None:
+        writer.cache.drop((None, "turned", info.key, load.run[0].delta))
+        splice()
+
+    def cold() -> None:
+        writer.cache = PieceCache(writer.cache.max_bytes)
+        splice()
+
+    warm_s, warm_raw = median_per_token(splice, reps, n)
+    turn_s, turn_raw = median_per_token(turn, reps, n)
+    cold_s, cold_raw = median_per_token(cold, reps, n)
+    # the last write put the load's keys and values at its slots (checked on one layer)
+    keys, values = writer.assemble(load)
+    cache = layers[-1][1].kv_cache.view(blocks, heads, 2 * block_size, d)
+    slots = load.slots()
+    b, o = slots // block_size, slots % block_size
+    if not (torch.equal(cache[b, :, o], keys[-1]) and torch.equal(cache[b, :, block_size + o],
+                                                                  values[-1])):
+        raise AssertionError(f"n={n}: the cache does not hold the load at its slots")
+    nbytes = 2 * layers_n * n * heads * d * torch.empty(0, dtype=dtype).element_size()
+    src = torch.randn(nbytes // torch.empty(0, dtype=dtype).element_size()).to(dtype)
+    dst = torch.empty_like(src)
+    def copy() -> None:
+        dst.copy_(src)
+
+    copy_s, copy_raw = median_per_token(copy, reps, n)
+    path.unlink()
+    return {"tokens": n, "bytes_written": nbytes,
+            "per_token_s": {"copy": copy_s, "warm": warm_s, "turn": turn_s, "cold": cold_s},
+            "vs_copy": {"warm": warm_s / copy_s, "turn": turn_s / copy_s, "cold": cold_s / copy_s},
+            "raw_s": {"copy": copy_raw, "warm": warm_raw, "turn": turn_raw, "cold": cold_raw}}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    x = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    labels = {"copy": "plain copy of the same bytes", "warm": "splice, warm (rotation cached)",
+              "turn": "splice, piece cached, rotation not", "cold": "splice, cold (read entry)"}
+    for key, label in labels.items():
+        ax.loglog(x, [1e6 * r["per_token_s"][key] for r in rows], "o-", label=label)
+    ax.set_xlabel("tokens loaded")
+    ax.set_ylabel("microseconds per token (median)")
+    busy = ", machine shared" if result["busy"] else ""
+    ax.set_title(f"Worker splice cost ({result['model']}, {result['dtype']} cache, block "
+                 f"{result['block_size']}, {result['torch_threads']} threads{busy})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the served (cache) dtype")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM-CPU's default")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: the machine's physical cores)")
+    ap.add_argument("--out", type=Path, default=Path("out/bench/splice-cost"))
+    args = ap.parse_args()
+    set_threads(args.threads)
+    before = machine_info()
+    started = datetime.datetime.now(datetime.UTC)
+    engine = load(args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    t0 = time.perf_counter()
+    entry = long_skill(engine, max(lengths))
+    compile_s = time.perf_counter() - t0
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        skills = ServingSkills(tmp, engine)  # a manifest; the loads' entries are written beside it
+        for n in lengths:
+            rows.append(measure(engine, entry, n, skills, args.reps, dtype, args.block_size))
+            r = rows[-1]["per_token_s"]
+            print(f"n={n}: copy {1e6 * r['copy']:.2f} us/token, splice warm "
+                  f"{1e6 * r['warm']:.2f}, turn {1e6 * r['turn']:.2f}, cold {1e6 * r['cold']:.2f}")
+    after = machine_info(since=before)
+    result = {"benchmark": "splice_cost", "date": started.isoformat(timespec="seconds"),
+              "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+              "model": args.model, "dtype": args.dtype, "block_size": args.block_size,
+              "offset": OFFSET, "reps": args.reps, "warmup": 1,
+              "compile_or_reuse_s": compile_s,
+              "torch_threads": after["torch_threads"], "load_average_before":
+              before["load_average"], "load_average_after": after["load_average"],
+              "machine_before": before, "machine_after": after,
+              "busy": before["busy"] or after["busy"], "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "splice_cost.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "splice_cost.png")
+    print(load_note(after))
+
+
+if __name__ == "__main__":
+    main()
