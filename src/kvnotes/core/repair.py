@@ -5,7 +5,7 @@ tokens differ most (they sat right after the compile prefix), so recomputing a f
 them in the new context (EPIC's choice) removes most of the splice error. :class:`Repair` says
 how much, and :func:`repaired_end` is the one rule for where a skill's recomputed region ends.
 The engine (:meth:`kvnotes.core.engine.Engine.compose`) and the serving plan
-(:mod:`kvnotes.serving.phases`) both read it, so a server with the same ``Repair`` recomputes
+(:mod:`kvnotes.serving.planning.phases`) both read it, so a server with the same ``Repair`` recomputes
 exactly the tokens the engine does.
 
 Nothing here imports torch or the engine.
