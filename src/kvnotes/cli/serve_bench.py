@@ -272,7 +272,7 @@ class SkillsCommand:
         """Run it and write the bundle in ``--out``."""
         import kvnotes
         from kvnotes.bench.serving.runs import run_skills
-        from kvnotes.bench.serving.skills import write_outputs
+        from kvnotes.bench.serving.skills_report import write_outputs
 
         engine = kvnotes.load(self.server.model)
         self.server.out.mkdir(parents=True, exist_ok=True)
@@ -354,7 +354,8 @@ def skills(
     Skills are spliced by kvnotes' connector, bare (compose) or with each skill's first tokens
     computed in context by phased requests (repaired, guarded); fidelity compares each
     spliced policy's answers with the same prompts sent exactly."""
-    from kvnotes.bench.serving.skills import SKILL_POLICIES, SkillsBenchConfig, markdown
+    from kvnotes.bench.serving.skills import SKILL_POLICIES, SkillsBenchConfig
+    from kvnotes.bench.serving.skills_report import markdown
 
     if recheck_engine:
         if url or launch:
@@ -380,7 +381,7 @@ def _recheck_skills(model: str, out: Path, skills_dir: Path | None) -> Written:
     """The engine check of the skills run stored in ``out``, its bundle rewritten."""
     import kvnotes
     from kvnotes.bench.serving.runs import recheck_engine
-    from kvnotes.bench.serving.skills import write_outputs
+    from kvnotes.bench.serving.skills_report import write_outputs
 
     folder_option(out, "--out")
     data = recheck_engine(out, kvnotes.load(model), skills_dir=skills_dir, log=_log)

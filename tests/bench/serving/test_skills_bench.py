@@ -19,14 +19,14 @@ from kvnotes.bench.serving.prompt_sets import (
 from kvnotes.bench.serving.skills import (
     Fidelity,
     FrontClients,
+    HalfCounts,
     SkillsBenchConfig,
     SkillsResult,
     make_clients,
-    markdown,
     measure_fidelity,
     run_skills_benchmark,
-    write_outputs,
 )
+from kvnotes.bench.serving.skills_report import fidelity_lines, markdown, report, write_outputs
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult
@@ -100,6 +100,7 @@ def test_ratios_and_report():
                                "cold_over_compose_p90": 12.0}]
     assert "context_tokens" not in data["summaries"][0]  # the skills rows do not vary it
     md = markdown(data)
+    assert md == report(result) == report(SkillsResult.from_dict(data))
     assert "| compose | 1 | 4/4 |" in md and "prefix / compose = 10.0x" in md
     assert "| compose | 100.0% | 50.0% | 90.0% | - |" in md
     assert "| guarded | 100.0% | 100.0% | 100.0% | 1 |" in md
@@ -301,23 +302,18 @@ def test_fidelity_reads_decisions_and_right_tools(tokenizer):
                                      ("compose", "guarded"), prompt_set=ps)
     assert comp.decision_identity == 0.5 and comp.continuation_identity == 0.0
     assert (comp.right_exact, comp.right_spliced) == (2, 1)
-    assert comp.halves == {"calibrate": {"n": 1, "decision_identical": 1,
-                                         "first_token_agree": 1, "continuation_identical": 0,
-                                         "guard_fired": 0},
-                           "evaluate": {"n": 1, "decision_identical": 0,
-                                        "first_token_agree": 0, "continuation_identical": 0,
-                                        "guard_fired": 0}}
+    assert comp.halves == {"calibrate": HalfCounts(n=1, decision_identical=1, first_token_agree=1),
+                           "evaluate": HalfCounts(n=1)}
+    assert Fidelity.from_dict(comp.to_dict()) == comp  # the JSON form reads back typed
     assert guarded.decision_identity == 1.0 and guarded.guard_fires == 1
     assert comp.cases[1]["decision"] == "gamma" and comp.cases[1]["exact_decision"] == "beta"
-    md = "\n".join(__import__("kvnotes.bench.serving.skills", fromlist=["x"])._fidelity_lines(
-        [comp.to_dict(), guarded.to_dict()]))
+    md = "\n".join(fidelity_lines([comp, guarded]))
     assert "| compose | 50.0% | 2/2 / 1/2 | 50.0% | 0.0% |" in md
     assert "| guarded | evaluate | 1 | 1 | 1 | 1 | 1 |" in md
     both = measure_fidelity(clients, [["h", "s", "q1"], ["h", "s", "q2"]], 16, ("compose",),
                             prompt_set=ps, concurrency=2)
     assert both[0].concurrency == 2 and both[0].decision_identity == 0.5  # the same answers
-    md = "\n".join(__import__("kvnotes.bench.serving.skills", fromlist=["x"])._fidelity_lines(
-        [comp.to_dict(), both[0].to_dict()]))
+    md = "\n".join(fidelity_lines([comp, both[0]]))
     assert "| compose @ 1 |" in md and "| compose @ 2 |" in md
     # the airline set reads no decision: the columns stay out
     plain = measure_fidelity(clients, [["h", "s", "q1"]], 16, ("compose",),

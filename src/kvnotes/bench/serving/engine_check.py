@@ -15,8 +15,8 @@ where the prompt set reads one, the decision): the figures the server is to reac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +58,10 @@ class EngineCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EngineCheck:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _answer(engine: Engine, nb: Notebook, query: str, tokens: int) -> EngineAnswer:

@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from kvnotes.bench.serving.metrics import (
@@ -90,6 +90,14 @@ class MachineRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MachineRecord:
+        """Read back :meth:`to_dict` (a field a record lacks reads as unknown)."""
+        return cls(cpus=d.get("cpus"), cpu_model=d.get("cpu_model", ""),
+                   cpu_flags=list(d.get("cpu_flags", [])),
+                   load_average=list(d.get("load_average", [])),
+                   load_average_end=d.get("load_average_end"))
 
 
 # ---- one phase ------------------------------------------------------------------------------
@@ -268,6 +276,11 @@ class PhaseSummary:
             del out["context_tokens"]
         return out
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PhaseSummary:
+        """Read back :meth:`to_dict`."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
 
 def _delta(run: PhaseRun) -> tuple[PrefixCacheCounters | None, str | None]:
     if run.metrics_before is None or run.metrics_after is None:
@@ -348,6 +361,18 @@ class P90Ratio:
             out[f"{other}_over_{self.reference}_p90"] = value
         return out
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> P90Ratio:
+        """Read back :meth:`to_dict` (the reference is in the keys' names)."""
+        over: dict[str, float | None] = {}
+        reference = ""
+        for key, value in d.items():
+            if key.endswith("_p90") and "_over_" in key:
+                other, _, reference = key[:-len("_p90")].partition("_over_")
+                over[other] = value
+        return cls(concurrency=d["concurrency"], context_tokens=d.get("context_tokens"),
+                   reference=reference, over=over)
+
 
 def p90_ratios(summaries: Sequence[PhaseSummary], *, reference: str,
                others: Sequence[str]) -> list[P90Ratio]:
@@ -402,3 +427,10 @@ class ServerRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ServerRecord:
+        """Read back :meth:`to_dict`."""
+        return cls(url=d.get("url", ""), version=d.get("version"),
+                   models=list(d.get("models", [])), max_model_len=d.get("max_model_len"),
+                   block_size=d.get("block_size"), cache_config=dict(d.get("cache_config", {})))

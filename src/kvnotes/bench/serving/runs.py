@@ -208,7 +208,7 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
     from kvnotes.bench.serving.skills import (
         Fidelity,
-        SkillsBenchConfig,
+        config_from_dict,
         config_prompt_set,
         fidelity_prompts,
     )
@@ -225,13 +225,9 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     block = (data.get("server") or {}).get("block_size")
     if not block:
         raise InvalidArgumentError(f"{path} records no server block size")
-    raw = dict(data["config"])
-    names = {f.name for f in dataclasses.fields(SkillsBenchConfig)}
-    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                               for k, v in raw.items() if k in names}
-    config = SkillsBenchConfig(**options)
+    config = config_from_dict(data["config"])
     prompts = config_prompt_set(config, engine.tokenizer)
-    fidelity = [Fidelity(**f) for f in data["fidelity"]]
+    fidelity = [Fidelity.from_dict(f) for f in data["fidelity"]]
     answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
                              anchor=data.get("skills_anchor") == "header", block_size=int(block),
                              repair_tokens=config.repair, tokens=config.fidelity_tokens, log=log)

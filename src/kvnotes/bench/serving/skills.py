@@ -37,10 +37,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvnotes.bench.serving import kit
@@ -51,7 +50,6 @@ from kvnotes.bench.serving.kit import (
     ServerRecord,
     failure_lines,
     fmt_pct,
-    fmt_s,
     load_now,
     p90_ratios,
     phase_line,
@@ -65,7 +63,6 @@ from kvnotes.bench.serving.prompt_sets import (
 )
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
-from kvnotes.eval.reports import write_bundle
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
 from kvnotes.serving.planning.phases import check_tau, margin
 from kvnotes.serving.upstream import Client
@@ -161,6 +158,11 @@ class Record:
     phases: int = 0  # phased policies: phase requests sent before the real one
     guard_fired: bool | None = None  # guarded: the answer came from an exact request
     spliced_tokens: int | None = None  # phased policies: what the plan splices
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Record:
+        """Read back ``asdict(record)``."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 class PolicyClients(Protocol):
@@ -270,6 +272,21 @@ def run_phase(clients: PolicyClients, policy: str, concurrency: int, prompts: Se
 
 
 @dataclass
+class HalfCounts:
+    """One half's counts of a fidelity pass (cases, and how many agreed by each measure)."""
+
+    n: int = 0
+    decision_identical: int = 0
+    first_token_agree: int = 0
+    continuation_identical: int = 0
+    guard_fired: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, int]) -> HalfCounts:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass
 class Fidelity:
     """One spliced policy's answers against the same prompts sent exactly (no splice salt).
 
@@ -291,11 +308,19 @@ class Fidelity:
     right_exact: int | None = None
     right_spliced: int | None = None
     forwarded: int = 0  # sent through the front, but forwarded exactly (nothing planned)
-    halves: dict[str, dict[str, int]] = field(default_factory=dict)
+    halves: dict[str, HalfCounts] = field(default_factory=dict)
     concurrency: int = 1  # the policy's requests in flight at once
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Fidelity:
+        """Read back :meth:`to_dict` (a field an older run lacks takes its default)."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"halves", "cases"}
+        return cls(**{k: v for k, v in d.items() if k in known},
+                   cases=[dict(c) for c in d.get("cases", [])],
+                   halves={h: HalfCounts.from_dict(c) for h, c in (d.get("halves") or {}).items()})
 
 
 def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[list[str]],
@@ -363,16 +388,15 @@ def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decision
         return sum(bool(c.get(key)) for c in ok) / n if n else None
 
     overlaps = [c["top20_overlap"] for c in ok if "top20_overlap" in c]
-    halves: dict[str, dict[str, int]] = {}
+    halves: dict[str, HalfCounts] = {}
     for c in ok:
         if "half" in c:
-            h = halves.setdefault(c["half"], {"n": 0, "decision_identical": 0,
-                                              "first_token_agree": 0,
-                                              "continuation_identical": 0, "guard_fired": 0})
-            h["n"] += 1
-            for key in ("decision_identical", "first_token_agree", "continuation_identical",
-                        "guard_fired"):
-                h[key] += bool(c.get(key))
+            h = halves.setdefault(c["half"], HalfCounts())
+            h.n += 1
+            h.decision_identical += bool(c.get("decision_identical"))
+            h.first_token_agree += bool(c.get("first_token_agree"))
+            h.continuation_identical += bool(c.get("continuation_identical"))
+            h.guard_fired += bool(c.get("guard_fired"))
     answered = [c for c in ok if "right" in c]
     return Fidelity(
         samples=n, failed=len(cases) - n,
@@ -400,6 +424,10 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
+        return cls(tau=d["tau"], rule=d["rule"], cases=[dict(c) for c in d.get("cases", [])])
+
 
 def calibrate_tau(clients: PolicyClients, prompts: Sequence[list[str]]) -> Calibration:
     """tau just above the largest margin at which a repaired first token still differed from the
@@ -417,6 +445,17 @@ def calibrate_tau(clients: PolicyClients, prompts: Sequence[list[str]]) -> Calib
                            rule="largest margin of a differing first token, +5%", cases=cases)
     return Calibration(tau=DEFAULT_TAU, rule="no differing first token: the default",
                        cases=cases)
+
+
+@dataclass(frozen=True)
+class PhasedRow:
+    """One phased (policy, concurrency) row: what the phased requests cost beside the TTFT."""
+
+    policy: str
+    concurrency: int
+    phases_per_request: float | None
+    guard_fires: int | None  # guarded only
+    spliced_tokens_mean: float | None
 
 
 @dataclass
@@ -440,7 +479,7 @@ class SkillsResult:
     finished: str = ""
     command: str = ""  # the command line that ran it, when known
 
-    def phased_rows(self) -> list[dict[str, Any]]:
+    def phased_rows(self) -> list[PhasedRow]:
         """Per phased (policy, concurrency) row: phases per request, guard fires, and the
         tokens the plan splices per request."""
         rows = []
@@ -449,13 +488,13 @@ class SkillsResult:
                 continue
             recs = [r for r in self.requests if r.policy == s.policy
                     and r.concurrency == s.concurrency and r.ok]
-            rows.append({"policy": s.policy, "concurrency": s.concurrency,
-                         "phases_per_request": (sum(r.phases for r in recs) / len(recs)
-                                                if recs else None),
-                         "guard_fires": (sum(bool(r.guard_fired) for r in recs)
-                                         if s.policy == "guarded" else None),
-                         "spliced_tokens_mean": (sum(r.spliced_tokens or 0 for r in recs)
-                                                 / len(recs) if recs else None)})
+            rows.append(PhasedRow(
+                policy=s.policy, concurrency=s.concurrency,
+                phases_per_request=sum(r.phases for r in recs) / len(recs) if recs else None,
+                guard_fires=(sum(bool(r.guard_fired) for r in recs)
+                             if s.policy == "guarded" else None),
+                spliced_tokens_mean=(sum(r.spliced_tokens or 0 for r in recs) / len(recs)
+                                     if recs else None)))
         return rows
 
     def ratios(self) -> list[P90Ratio]:
@@ -471,7 +510,7 @@ class SkillsResult:
                "prompt_set": self.prompt_set, "skipped": self.skipped,
                "summaries": [s.to_dict() for s in self.phases],
                "ratios": [r.to_dict() for r in self.ratios()],
-               "phased": self.phased_rows(),
+               "phased": [asdict(r) for r in self.phased_rows()],
                "guard_tau": self.guard_tau,
                "calibration": None if self.calibration is None else self.calibration.to_dict(),
                "fidelity": [f.to_dict() for f in self.fidelity],
@@ -480,6 +519,43 @@ class SkillsResult:
         if self.launch is not None:
             out["launch"] = self.launch.to_dict()
         return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SkillsResult:
+        """Read back :meth:`to_dict` (a stored ``results.json``; fields an older run lacks take
+        their defaults)."""
+        from kvnotes.serving.launch.launcher import LaunchRecord
+
+        checks: list[EngineCheck] = []
+        if d.get("engine_check"):
+            from kvnotes.bench.serving.engine_check import EngineCheck  # needs torch: only then
+
+            checks = [EngineCheck.from_dict(c) for c in d["engine_check"]]
+        launch = d.get("launch")
+        calibration = d.get("calibration")
+        return cls(config=config_from_dict(d["config"]),
+                   machine=MachineRecord.from_dict(d.get("machine") or {}),
+                   server=ServerRecord.from_dict(d["server"]) if d.get("server") else None,
+                   phases=[PhaseSummary.from_dict(s) for s in d.get("summaries", [])],
+                   fidelity=[Fidelity.from_dict(f) for f in d.get("fidelity") or []],
+                   requests=[Record.from_dict(r) for r in d.get("requests", [])],
+                   anchor=d.get("skills_anchor", "none"),
+                   launch=LaunchRecord(**{f.name: launch[f.name]
+                                          for f in dataclasses.fields(LaunchRecord)})
+                   if launch else None,
+                   calibration=Calibration.from_dict(calibration) if calibration else None,
+                   guard_tau=d.get("guard_tau"), prompt_set=d.get("prompt_set", ""),
+                   skipped=[dict(x) for x in d.get("skipped") or []], engine_check=checks,
+                   started=d.get("started", ""), finished=d.get("finished", ""),
+                   command=d.get("command", ""))
+
+
+def config_from_dict(d: Mapping[str, Any]) -> SkillsBenchConfig:
+    """A stored run's :class:`SkillsBenchConfig` (lists back to tuples; a field an older run
+    lacks takes its default)."""
+    names = {f.name for f in dataclasses.fields(SkillsBenchConfig)}
+    return SkillsBenchConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in d.items() if k in names})
 
 
 def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int | None, *,
@@ -589,176 +665,3 @@ def fidelity_prompts(prompt_set: PromptSet, config: SkillsBenchConfig) -> list[l
 
 def utc_minute() -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The report of a result's JSON form (``SkillsResult.to_dict()`` or a stored file)."""
-    cfg = result["config"]
-    server = result.get("server") or {}
-    launch = result.get("launch") or {}
-    machine = result["machine"]
-    anchored = result.get("skills_anchor") == "header"
-    what = result.get("prompt_set") or (f"header + {cfg['k']} skills (random subset, random "
-                                         "order) + ~100 tokens of user text")
-    via = ("kvnotes' OpenAI front (text prompts; the front plans the splice, phases and guard)"
-           if cfg.get("via") == "front" else "vLLM itself (token ids planned by ComposeClient)")
-    lines = [f"# serve-bench skills ({cfg['model']})", ""]
-    if result.get("started"):
-        lines += [f"Run {result['started']} to {result.get('finished') or '?'} UTC"
-                  + (f": `{result['command']}`" if result.get("command") else "") + ".", ""]
-    lines += [
-             f"{cfg['requests']} requests per row; each: {what}. Requests sent to {via}. TTFT "
-             f"from the client (streaming, first token). Server: vLLM "
-             f"{server.get('version') or '?'}, {launch.get('dtype', '?')}, block size "
-             f"{server.get('block_size') or '?'}; skills compiled "
-             f"{'behind the system header' if anchored else 'alone'}. Hit rate: the responses' "
-             "cached_tokens over prompt_tokens (spliced tokens count as reused). Load average at "
-             f"start / end: {_loads(machine.get('load_average'))} / "
-             f"{_loads(machine.get('load_average_end'))}.", "",
-             "| policy | concurrency | ok | p50 TTFT | p90 TTFT | p99 TTFT | hit rate | prompt tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in result["summaries"]:
-        lines.append(f"| {s['policy']} | {s['concurrency']} | {s['ok']}/{s['requests']} | "
-                     f"{fmt_s(s['ttft_p50_s'])} | {fmt_s(s['ttft_p90_s'])} | "
-                     f"{fmt_s(s['ttft_p99_s'])} | {fmt_pct(s['hit_rate_usage'])} | "
-                     f"{s['mean_prompt_tokens'] or 0:.0f} |")
-    for r in result["ratios"]:
-        parts = [f"{k.split('_')[0]} / compose = {v:.1f}x" for k, v in r.items()
-                 if k != "concurrency" and v is not None]
-        if parts:
-            lines.append(f"\np90 TTFT at concurrency {r['concurrency']}: " + ", ".join(parts))
-    phased = result.get("phased") or []
-    if phased:
-        tau = result.get("guard_tau")
-        cal = result.get("calibration") or {}
-        repair = (result.get("config") or {}).get("repair", DEFAULT_REPAIR_TOKENS)
-        lines += ["", f"Phased policies: `Repair(first={repair})` aligned to the block "
-                  f"size; guard tau {tau if tau is not None else '-'}"
-                  + (f" (chosen on {len(cal.get('cases') or [])} development prompts: "
-                     f"{cal.get('rule')})" if cal else "") + ".", "",
-                  "| policy | concurrency | phases / request | guard fires | spliced tokens / request |",
-                  "|---|---:|---:|---:|---:|"]
-        for row in phased:
-            fires = "-" if row["guard_fires"] is None else str(row["guard_fires"])
-            lines.append(f"| {row['policy']} | {row['concurrency']} | "
-                         f"{_num(row['phases_per_request'], 2)} | {fires} | "
-                         f"{_num(row['spliced_tokens_mean'], 0)} |")
-    fid = result.get("fidelity") or []
-    if fid:
-        lines += _fidelity_lines(fid)
-    checks = result.get("engine_check") or []
-    if checks:
-        lines += _engine_lines(checks, fid[0]["continuation_tokens"] if fid else 0)
-    return "\n".join(lines) + "\n"
-
-
-def _engine_lines(checks: list[dict[str, Any]], tokens: int) -> list[str]:
-    decisions = any(c.get("engine_decision") is not None for c in checks)
-    several = len({c["concurrency"] for c in checks}) > 1
-    lines = ["", "Against kvnotes' engine: the same prompts composed by `Engine.compose` from "
-             "the notebooks the server splices, with the same repair and guard (counts of "
-             f"{checks[0]['samples']}):", "",
-             "| policy | server = engine (spliced) | server = engine (exact) | engine: first "
-             f"token identical | engine: {tokens}-token identical |"
-             + (" engine: decision identical | server: decision identical |" if decisions
-                else "") + " engine guard fired |",
-             "|---|---:|---:|---:|---:|" + ("---:|---:|" if decisions else "") + "---:|"]
-    for c in checks:
-        name = f"{c['policy']} @ {c['concurrency']}" if several else c["policy"]
-        row = (f"| {name} | {c['server_equals_engine']} | {c['exact_equals_engine']} | "
-               f"{c['engine_first_token']} | {c['engine_continuation']} |")
-        if decisions:
-            row += f" {c['engine_decision']} | {c['server_decision']} |"
-        fires = "-" if c.get("guard_fires") is None else str(c["guard_fires"])
-        lines.append(row + f" {fires} |")
-    return lines
-
-
-def _fidelity_lines(fid: list[dict[str, Any]]) -> list[str]:
-    tokens = fid[0]["continuation_tokens"]
-    decisions = any(f.get("decision_identity") is not None for f in fid)
-    several = len({f.get("concurrency", 1) for f in fid}) > 1
-    lines = ["", f"Fidelity over {fid[0]['samples']} prompts against the same token ids sent to "
-             "vLLM without a salt (exact):", ""]
-    head = ("| policy | first token identical | "
-            f"{tokens}-token greedy continuation identical | top-20 overlap (first token) | "
-            "guard fired |")
-    rule = "|---|---:|---:|---:|---:|"
-    if decisions:
-        head = head.replace("| first token", "| decision identical | right tool: exact / this "
-                            "| first token")
-        rule += "---:|---:|"
-    lines += [head, rule]
-    for f in fid:
-        fires = "-" if f.get("guard_fires") is None else str(f["guard_fires"])
-        row = (f"| {_policy_at(f, several)} | {fmt_pct(f['first_token_agreement'])} | "
-               f"{fmt_pct(f['continuation_identity'])} | {fmt_pct(f['top20_overlap_mean'])} | "
-               f"{fires} |")
-        if decisions:
-            right = ("-" if f.get("right_exact") is None
-                     else f"{f['right_exact']}/{f['samples']} / {f['right_spliced']}/{f['samples']}")
-            row = row.replace(" | ", f" | {fmt_pct(f.get('decision_identity'))} | {right} | ", 1)
-        lines.append(row)
-    forwarded = {_policy_at(f, several): f.get("forwarded") for f in fid if f.get("forwarded")}
-    if forwarded:
-        lines += ["", "Forwarded exactly by the front (nothing planned): " + ", ".join(
-            f"{p} {n}" for p, n in forwarded.items())]
-    halves = [(_policy_at(f, several), f["halves"]) for f in fid if f.get("halves")]
-    if halves:
-        lines += ["", "By half (the guard's tau is chosen on the calibration half):", "",
-                  "| policy | half | cases | decision identical | first token identical | "
-                  f"{tokens}-token identical | guard fired |", "|---|---|---:|---:|---:|---:|---:|"]
-        for policy, by_half in halves:
-            for half, h in sorted(by_half.items()):
-                lines.append(f"| {policy} | {half} | {h['n']} | {h['decision_identical']} | "
-                             f"{h['first_token_agree']} | {h['continuation_identical']} | "
-                             f"{h['guard_fired'] if policy.startswith('guarded') else '-'} |")
-    return lines
-
-
-def _policy_at(f: dict[str, Any], several: bool) -> str:
-    policy = str(f.get("policy", "compose"))
-    return f"{policy} @ {f.get('concurrency', 1)}" if several else policy
-
-
-def _num(x: float | None, digits: int) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _loads(load: Sequence[float] | None) -> str:
-    return "-" if not load else "/".join(f"{x:.1f}" for x in load)
-
-
-def plot_ttft(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    concs = sorted({r["concurrency"] for r in result["requests"]})
-    fig, axes = plt.subplots(1, len(concs), figsize=(5 * len(concs), 3.6), squeeze=False)
-    for ax, conc in zip(axes[0], concs, strict=True):
-        for policy in SKILL_POLICIES:
-            xs = sorted(r["ttft_s"] for r in result["requests"] if r["policy"] == policy
-                        and r["concurrency"] == conc and r["ok"] and r["ttft_s"] is not None)
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                        label=policy)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels
-        ax.set_xlabel("time to first token (s, log)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"concurrency {conc}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{result['config']['model']}: composed skills inside vLLM")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_outputs(result: dict[str, Any], out: str | Path) -> dict[str, Path]:
-    """``results.json``, ``report.md`` and ``ttft.png`` in ``out``; returns their paths."""
-    return write_bundle(out, result, report=markdown(result), json_name="results.json",
-                        plot_name="ttft.png", plot=lambda p: plot_ttft(result, p))
