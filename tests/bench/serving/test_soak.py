@@ -10,9 +10,12 @@ import random
 import pytest
 
 from kvnotes.bench.serving.corun import CorunConfig, inter_token_gaps
+from kvnotes.bench.serving.kit import MachineRecord
 from kvnotes.bench.serving.soak import (
+    EventRecord,
     SoakConfig,
     SoakRecord,
+    SoakResult,
     damage_file,
     damage_times,
     next_spec,
@@ -33,7 +36,7 @@ from kvnotes.bench.serving.soak_check import (
     trimmed,
 )
 from kvnotes.bench.serving.soak_client import Answer, error_kind, stream_completion, token_id
-from kvnotes.bench.serving.soak_report import markdown
+from kvnotes.bench.serving.soak_report import markdown, report
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
 PROMPT = Prompt(("refunds", "volatile-0"), "\n\nCustomer: hi\nAgent:", 4, volatile_at=1)
@@ -72,10 +75,8 @@ def test_event_schedule_refuses_overlapping_timings(damage, retire, interval):
 
 
 def test_damage_times_read_the_done_time_of_each_damage():
-    events = [{"kind": "publish", "skill": 0, "done_s": 5.2},
-              {"kind": "corrupt", "skill": 0, "done_s": 13.1},
-              {"kind": "delete", "skill": 1, "done_s": 33.4},
-              {"kind": "retire", "skill": 0, "done_s": 21.0}]
+    events = [EventRecord("publish", 0, 5.0, 5.0, 5.2), EventRecord("corrupt", 0, 13.0, 13.0, 13.1),
+              EventRecord("delete", 1, 33.0, 33.0, 33.4), EventRecord("retire", 0, 21.0, 21.0, 21.0)]
     assert damage_times(events) == {0: ("corrupt", 13.1), 1: ("delete", 33.4)}
 
 
@@ -230,9 +231,13 @@ def test_a_record_survives_its_json_form():
                  finish_reason="length", prompt_tokens=500, cached_tokens=480, ttft_s=0.5,
                  total_s=0.9, chunk_s=[0.5, 0.9], chunk_tokens=[1, 1])
     rec = SoakRecord(3, 1, spec, 12.5, ans)
+    rec.verdict, rec.after_damage = Verdict("wrong", diverged_at=1, expected=[7], margin=0.2), True
     back = record_from_dict(rec.to_dict())
     assert back.spec == spec
     assert (back.answer.token_ids, back.answer.top) == (ans.token_ids, ans.top)
+    assert back.verdict is None and not back.after_damage  # unchecked: checks are made again
+    typed = SoakRecord.from_dict(rec.to_dict())
+    assert (typed.verdict, typed.after_damage) == (rec.verdict, True)
 
 
 def test_summary_counts_outcomes():
@@ -244,25 +249,24 @@ def test_summary_counts_outcomes():
     recs[0].verdict = Verdict("ok", matched="exact")
     recs[1].verdict = Verdict("wrong", diverged_at=0, expected=[2])
     s = summarize(recs, 10.0, 4.0, 9.0)
-    assert (s["requests"], s["completed"], s["failed"], s["disconnects"]) == (4, 2, 1, 1)
-    assert (s["wrong"], s["near_ties"], s["preemptions"]) == (1, 0, 5.0)
-    assert s["errors"] == {"http_5xx": 1}
-    assert s["matched"] == {"exact": {"exact": 1, "wrong": 1}}
-    assert s["latency_p50_s"] == pytest.approx(2.0)
+    assert (s.requests, s.completed, s.failed, s.disconnects) == (4, 2, 1, 1)
+    assert (s.wrong, s.near_ties, s.preemptions) == (1, 0, 5.0)
+    assert s.errors == {"http_5xx": 1}
+    assert s.matched == {"exact": {"exact": 1, "wrong": 1}}
+    assert s.latency_p50_s == pytest.approx(2.0)
 
 
 def test_report_lists_the_figures_and_the_wrong_answers():
     spec = next_spec(random.Random(0), SoakConfig(exact_fraction=1.0, volatile_fraction=0.0), live=None)
     rec = SoakRecord(0, 0, spec, 1.0, Answer(ok=True, token_ids=[1], total_s=1.0, ttft_s=0.5))
     rec.verdict = Verdict("wrong", diverged_at=0, expected=[2], margin=1.5)
-    from dataclasses import asdict
-
-    result = {"config": asdict(SoakConfig()), "machine": {"cpus": 2, "load_average": [1, 2, 3]},
-              "summary": summarize([rec], 10.0, 0.0, 2.0), "events": [
-                  {"kind": "publish", "skill": 0, "planned_s": 5.0, "done_s": 5.3}],
-              "requests": [rec.to_dict()], "server_log": {"spliced": 3}, "threads": 2,
-              "how": "kvnotes serve-bench soak", "started": "2026-01-01T00:00:00Z"}
-    text = markdown(result)
+    result = SoakResult(config=SoakConfig(), machine=MachineRecord(2, "cpu", [], [1, 2, 3]),
+                        records=[rec], events=[EventRecord("publish", 0, 5.0, 5.1, 5.3)],
+                        wall_s=10.0, preemptions_before=0.0, preemptions_after=2.0,
+                        server_log={"spliced": 3}, references=1, threads=2,
+                        how="kvnotes serve-bench soak", started="2026-01-01T00:00:00Z")
+    text = markdown(result.to_dict())
+    assert text == report(result) == report(SoakResult.from_dict(result.to_dict()))
     assert "| wrong answers | 1 |" in text
     assert "| preemptions (vLLM counter, delta) | 2 |" in text
     assert "request 0 (exact" in text and "expected [2]" in text

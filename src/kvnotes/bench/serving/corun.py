@@ -22,7 +22,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvnotes.bench.serving.kit import load_now
@@ -94,6 +94,10 @@ class ModeResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModeResult:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
 
 @dataclass
 class CorunResult:
@@ -102,6 +106,12 @@ class CorunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "modes": [m.to_dict() for m in self.modes]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CorunResult:
+        config = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
+        return cls(config=CorunConfig(**config),
+                   modes=[ModeResult.from_dict(m) for m in d["modes"]])
 
 
 def mode_result(mode: str, probes: list[Answer], background: list[Answer],

@@ -22,11 +22,12 @@ after, latency percentiles, the skill events with their times, the machine and i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,7 @@ from kvnotes.bench.serving.soak_check import (
 )
 from kvnotes.bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.eval.reports import write_bundle
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.corun import CorunConfig, CorunResult
@@ -259,16 +261,42 @@ class SoakRecord:
                 "verdict": None if self.verdict is None else self.verdict.to_dict()}
 
 
-def record_from_dict(d: dict[str, Any]) -> SoakRecord:
-    """A record back from its JSON form (without its verdict: checks are made again)."""
-    prompt = Prompt(tuple(d["skills"]), d["user"], d["max_tokens"], d["volatile_at"])
-    spec = RequestSpec(d["kind"], prompt, d["tenant"], d["close_after"], d["volatile"])
-    answer = Answer(ok=d["ok"], error=d["error"], error_kind=d["error_kind"],
-                    disconnected=d["disconnected"], token_ids=list(d["token_ids"]),
-                    top=[{int(k): v for k, v in t.items()} for t in d["top"]],
-                    finish_reason=d["finish_reason"], prompt_tokens=d["prompt_tokens"],
-                    cached_tokens=d["cached_tokens"], ttft_s=d["ttft_s"], total_s=d["total_s"])
-    return SoakRecord(d["index"], d["client"], spec, d["sent_s"], answer)
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SoakRecord:
+        """Read back :meth:`to_dict`, its verdict included."""
+        prompt = Prompt(tuple(d["skills"]), d["user"], d["max_tokens"], d["volatile_at"])
+        spec = RequestSpec(d["kind"], prompt, d["tenant"], d["close_after"], d["volatile"])
+        answer = Answer(ok=d["ok"], error=d["error"], error_kind=d["error_kind"],
+                        disconnected=d["disconnected"], token_ids=list(d["token_ids"]),
+                        top=[{int(k): v for k, v in t.items()} for t in d["top"]],
+                        finish_reason=d["finish_reason"], prompt_tokens=d["prompt_tokens"],
+                        cached_tokens=d["cached_tokens"], ttft_s=d["ttft_s"],
+                        total_s=d["total_s"])
+        verdict = d.get("verdict")
+        return cls(d["index"], d["client"], spec, d["sent_s"], answer,
+                   Verdict.from_dict(verdict) if verdict else None,
+                   bool(d.get("after_damage", False)))
+
+
+def record_from_dict(d: Mapping[str, Any]) -> SoakRecord:
+    """A record back from its JSON form, unchecked (without its verdict: checks are made
+    again)."""
+    return dataclasses.replace(SoakRecord.from_dict(d), verdict=None, after_damage=False)
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One skill event as it happened (seconds into the run)."""
+
+    kind: str
+    skill: int
+    planned_s: float
+    started_s: float
+    done_s: float
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> EventRecord:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 # ---- the volatile skills ---------------------------------------------------------------------
@@ -276,7 +304,7 @@ def record_from_dict(d: dict[str, Any]) -> SoakRecord:
 class EventLog:
     """The skill events as they happened: planned and actual times, the skill's file."""
 
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[EventRecord] = field(default_factory=list)
     live: int | None = None
     notebooks: dict[str, Notebook] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
@@ -323,8 +351,8 @@ async def run_events(schedule: Sequence[SkillEvent], skills: ServingSkills, head
         else:
             await asyncio.to_thread(damage_file, paths[ev.skill], ev.kind)
         done = time.monotonic() - t0
-        log.events.append({"kind": ev.kind, "skill": ev.skill, "planned_s": ev.t_s,
-                           "started_s": round(started, 3), "done_s": round(done, 3)})
+        log.events.append(EventRecord(kind=ev.kind, skill=ev.skill, planned_s=ev.t_s,
+                                      started_s=round(started, 3), done_s=round(done, 3)))
         say(f"[{done:6.1f} s] {ev.kind} {name}")
 
 
@@ -379,9 +407,9 @@ async def soak_clients(url: str, model: str, tokenizer: Any, config: SoakConfig,
     return records, time.monotonic() - t0
 
 
-def damage_times(events: Sequence[dict[str, Any]]) -> dict[int, tuple[str, float]]:
+def damage_times(events: Sequence[EventRecord]) -> dict[int, tuple[str, float]]:
     """Each damaged volatile skill's damage kind and the time it was done."""
-    return {e["skill"]: (e["kind"], e["done_s"]) for e in events if e["kind"] in DAMAGES}
+    return {e.skill: (e.kind, e.done_s) for e in events if e.kind in DAMAGES}
 
 
 def check_records(records: Sequence[tuple[SoakRecord, list[int] | None]],
@@ -420,7 +448,7 @@ class SoakResult:
     config: SoakConfig
     machine: MachineRecord
     records: list[SoakRecord]
-    events: list[dict[str, Any]]
+    events: list[EventRecord]
     wall_s: float
     preemptions_before: float | None
     preemptions_after: float | None
@@ -432,7 +460,7 @@ class SoakResult:
     corun: CorunResult | None = None
     started: str = ""
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> SoakSummary:
         return summarize(self.records, self.wall_s, self.preemptions_before,
                          self.preemptions_after)
 
@@ -440,7 +468,8 @@ class SoakResult:
         out: dict[str, Any] = {
             "workload": "soak", "started": self.started, "how": self.how,
             "config": asdict(self.config), "machine": self.machine.to_dict(),
-            "threads": self.threads, "summary": self.summary(), "events": self.events,
+            "threads": self.threads, "summary": self.summary().to_dict(),
+            "events": [asdict(e) for e in self.events],
             "wall_s": self.wall_s, "preemptions_before": self.preemptions_before,
             "preemptions_after": self.preemptions_after, "server_log": self.server_log,
             "references_computed": self.references,
@@ -450,9 +479,59 @@ class SoakResult:
             out["launch"] = self.launch.to_dict()
         return out
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SoakResult:
+        """Read back :meth:`to_dict` (a stored ``result.json``), verdicts included."""
+        from kvnotes.bench.serving.corun import CorunResult
+        from kvnotes.serving.launch.launcher import LaunchRecord
+
+        config = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
+        launch = d.get("launch")
+        corun = d.get("corun")
+        return cls(config=SoakConfig(**config),
+                   machine=MachineRecord.from_dict(d.get("machine") or {}),
+                   records=[SoakRecord.from_dict(r) for r in d.get("requests", [])],
+                   events=[EventRecord.from_dict(e) for e in d.get("events", [])],
+                   wall_s=d.get("wall_s", 0.0), preemptions_before=d.get("preemptions_before"),
+                   preemptions_after=d.get("preemptions_after"),
+                   server_log=dict(d.get("server_log") or {}),
+                   references=d.get("references_computed", 0), how=d.get("how", ""),
+                   threads=d.get("threads"),
+                   launch=LaunchRecord(**{f.name: launch[f.name]
+                                          for f in dataclasses.fields(LaunchRecord)})
+                   if launch else None,
+                   corun=CorunResult.from_dict(corun) if corun else None,
+                   started=d.get("started", ""))
+
+
+@dataclass(frozen=True)
+class SoakSummary:
+    """The soak's figures (:func:`summarize`); ``matched`` counts, per request kind, what each
+    checked answer equalled."""
+
+    requests: int
+    completed: int
+    failed: int
+    errors: dict[str, int]
+    disconnects: int
+    by_kind: dict[str, int]
+    checked: int
+    wrong: int
+    near_ties: int
+    matched: dict[str, dict[str, int]]
+    preemptions: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    requests_per_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 def summarize(recs: Sequence[SoakRecord], wall_s: float, preemptions_before: float | None,
-              preemptions_after: float | None) -> dict[str, Any]:
+              preemptions_after: float | None) -> SoakSummary:
     """The soak's figures from its records."""
     ok = [r for r in recs if r.answer.ok]
     failed = [r for r in recs if not r.answer.ok and not r.answer.disconnected]
@@ -474,16 +553,17 @@ def summarize(recs: Sequence[SoakRecord], wall_s: float, preemptions_before: flo
     ttft = [r.answer.ttft_s for r in ok if r.answer.ttft_s is not None]
     pre = (None if preemptions_before is None or preemptions_after is None
            else preemptions_after - preemptions_before)
-    return {"requests": len(recs), "completed": len(ok), "failed": len(failed),
-            "errors": dict(sorted(errors.items())), "disconnects": sum(
-                r.answer.disconnected for r in recs),
-            "by_kind": {k: sum(r.spec.kind == k for r in recs) for k in KINDS},
-            "checked": sum(r.verdict is not None for r in ok),
-            "wrong": verdicts.get("wrong", 0), "near_ties": verdicts.get("near_tie", 0),
-            "matched": matched, "preemptions": pre,
-            "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "requests_per_s": len(ok) / wall_s if wall_s > 0 else None}
+    return SoakSummary(
+        requests=len(recs), completed=len(ok), failed=len(failed),
+        errors=dict(sorted(errors.items())),
+        disconnects=sum(r.answer.disconnected for r in recs),
+        by_kind={k: sum(r.spec.kind == k for r in recs) for k in KINDS},
+        checked=sum(r.verdict is not None for r in ok),
+        wrong=verdicts.get("wrong", 0), near_ties=verdicts.get("near_tie", 0),
+        matched=matched, preemptions=pre,
+        latency_p50_s=percentile(lat, 50), latency_p99_s=percentile(lat, 99),
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        requests_per_s=len(ok) / wall_s if wall_s > 0 else None)
 
 
 SERVER_LOG_MARKS = {"spliced": "spliced tokens", "recomputed": "are recomputed",
@@ -550,9 +630,10 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
                         preemptions_after=after, server_log=scan_log(launch.server.log_path),
                         references=0, how=how, threads=torch.get_num_threads(),
                         launch=launch.record(), corun=corun_result, started=started)
-    from kvnotes.bench.serving.soak_report import write_outputs
-
-    write_outputs(result.to_dict(), out)  # the answers, unchecked: `--recheck` can resume here
+    # the answers, unchecked: `--recheck` can resume here (the report comes with the verdicts)
+    write_bundle(out, result.to_dict(), report="The answers are not checked yet: run "
+                 "`kvnotes serve-bench soak --recheck` on this folder.\n",
+                 json_name="result.json", plot_name="latency.png")
     check_records(records, oracle, damage_times(events.events), eos=sorted(engine.eos_ids),
                   tie_tau=config.tie_tau, say=say)
     result.references = oracle.computed
@@ -576,18 +657,19 @@ def recheck(out: Path, engine: Engine, *, say: Callable[[str], None] = print) ->
     texts = skill_texts()
     notebooks = {name: skills.library.get(text, name=name, after=HEADER)
                  for name, text in texts.items()}
-    for e in data["events"]:
-        if e["kind"] == "publish":
-            name = volatile_name(e["skill"])
-            texts[name] = volatile_text(e["skill"])
+    events = [EventRecord.from_dict(e) for e in data["events"]]
+    for e in events:
+        if e.kind == "publish":
+            name = volatile_name(e.skill)
+            texts[name] = volatile_text(e.skill)
             notebooks[name] = Notebook.load(out / "volatile" / f"{name}.safetensors", engine)
     oracle = EngineOracle(engine, (HEADER, skills.library.get(HEADER, name="header")),
                           notebooks, texts, block_size=cfg["block_size"])
     records = [record_from_dict(d) for d in data["requests"]]
-    check_records([(r, None) for r in records], oracle, damage_times(data["events"]),
+    check_records([(r, None) for r in records], oracle, damage_times(events),
                   eos=sorted(engine.eos_ids), tie_tau=cfg["tie_tau"], say=say)
     data["requests"] = [r.to_dict() for r in records]
     data["references_computed"] = oracle.computed
     data["summary"] = summarize(records, data["wall_s"], data["preemptions_before"],
-                                data["preemptions_after"])
+                                data["preemptions_after"]).to_dict()
     return data

@@ -267,6 +267,11 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Verdict:
+        return cls(status=d["status"], matched=d.get("matched"), diverged_at=d.get("diverged_at"),
+                   expected=list(d.get("expected", [])), margin=d.get("margin"))
+
 
 def trimmed(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
     """``ids`` without a trailing end-of-sequence token (one side may report it, the other
