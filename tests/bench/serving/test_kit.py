@@ -7,20 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvnotes.bench.kit.failures import count_kinds
+from kvnotes.bench.kit.machine import MachineRecord
 from kvnotes.bench.serving import kit
-from kvnotes.bench.serving.kit import (
-    MachineRecord,
-    PhaseSummary,
-    count_kinds,
-    fmt_kinds,
-    fmt_load,
-    fmt_ms,
-    fmt_pct,
-    fmt_s,
-    p90_ratios,
-    run_phase,
-    summarize,
-)
+from kvnotes.bench.serving.kit import PhaseSummary, p90_ratios, run_phase, summarize
 
 
 @dataclass
@@ -32,13 +22,6 @@ class Rec:
     error: str | None = None
     error_kind: str | None = None
     skipped: bool = False
-
-
-def test_formats():
-    assert (fmt_s(0.12345), fmt_ms(0.0126), fmt_pct(0.987), fmt_load([1.26, 2.0, 3.0])) == (
-        "0.123s", "13 ms", "98.7%", "1.3")
-    assert fmt_s(None) == fmt_ms(None) == fmt_pct(None) == fmt_load(None) == fmt_kinds({}) == "-"
-    assert fmt_kinds({"timeout": 2, "http_5xx": 1}) == "http_5xx 1, timeout 2"
 
 
 def test_summary_counts_failures_apart_from_skipped():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.bench.serving.kit import MachineRecord, PhaseSummary
+from kvnotes.bench.kit.machine import MachineRecord
+from kvnotes.bench.serving.kit import PhaseSummary
 from kvnotes.bench.serving.prompt_sets import (
     AirlinePrompts,
     bfcl_prompts,

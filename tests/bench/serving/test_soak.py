@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from kvnotes.bench.kit.machine import MachineRecord
 from kvnotes.bench.serving.corun import CorunConfig, inter_token_gaps
-from kvnotes.bench.serving.kit import MachineRecord
 from kvnotes.bench.serving.soak import (
     EventRecord,
     SoakConfig,
@@ -35,7 +35,7 @@ from kvnotes.bench.serving.soak_check import (
     event_schedule,
     trimmed,
 )
-from kvnotes.bench.serving.soak_client import Answer, error_kind, stream_completion, token_id
+from kvnotes.bench.serving.soak_client import Answer, stream_completion, token_id
 from kvnotes.bench.serving.soak_report import markdown, report
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
@@ -297,19 +297,6 @@ def test_failed_streams_are_classified(fake_server, fault, kind):
 
     ans = asyncio.run(go())
     assert not ans.ok and ans.error_kind == kind, ans.error
-
-
-def test_error_kinds_of_exceptions():
-    class Status(Exception):
-        status_code = 503
-
-    class APITimeoutError(Exception):
-        pass
-
-    assert error_kind(Status()) == "http_5xx"
-    assert error_kind(APITimeoutError()) == "timeout"
-    assert error_kind(ConnectionResetError()) == "connection"
-    assert error_kind(ValueError()) == "stream"
 
 
 def test_inter_token_gaps_skip_the_first_token_and_split_multi_token_chunks():

@@ -13,18 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.bench.kit.failures import classify
 from kvnotes.serving.upstream import Client, check_loopback_url
 
-__all__ = ["ERROR_KINDS", "Client", "StreamResult", "check_loopback_url", "stream_chat"]
-
-# http_4xx/5xx: the server refused; timeout: no answer in time; connection: refused, dropped or
-# cut short; stream: an error event or an unreadable chunk inside the stream
-ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connection", "stream")
-
+__all__ = ["Client", "StreamResult", "check_loopback_url", "stream_chat"]
 
 @dataclass
 class StreamResult:
-    """The outcome of one streamed chat request; ``error_kind`` is one of :data:`ERROR_KINDS`."""
+    """The outcome of one streamed chat request; ``error_kind`` is one of
+    :data:`~kvnotes.bench.kit.failures.ERROR_KINDS`."""
 
     ok: bool
     ttft_s: float | None = None
@@ -36,27 +33,6 @@ class StreamResult:
     error: str | None = None
     error_kind: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _classify(err: BaseException) -> tuple[str, str]:
-    """``(kind, message)`` of a failed request (kinds: :data:`ERROR_KINDS`)."""
-    import httpx2
-    import openai
-
-    if isinstance(err, (openai.APITimeoutError, TimeoutError, httpx2.TimeoutException)):
-        return "timeout", f"timed out ({type(err).__name__})"
-    if isinstance(err, openai.APIStatusError):
-        code = err.status_code
-        kind = "http_5xx" if code >= 500 else "http_4xx"
-        return kind, f"HTTP {code}: {str(err.message)[:300]}"
-    if isinstance(err, openai.APIConnectionError):
-        cause = err.__cause__ or err
-        return "connection", f"connection failed: {type(cause).__name__}: {cause}"[:400]
-    if isinstance(err, httpx2.TransportError):  # dropped while streaming
-        return "connection", f"connection dropped: {type(err).__name__}: {err}"[:400]
-    if isinstance(err, openai.APIError):  # an error event inside the stream
-        return "stream", f"server error in stream: {str(err.message)[:300]}"
-    return "stream", f"{type(err).__name__}: {err}"[:400]
 
 
 async def stream_chat(client: Any, model: str, prompt: str, *, max_tokens: int = 8,
@@ -102,7 +78,8 @@ async def stream_chat(client: Any, model: str, prompt: str, *, max_tokens: int =
     except asyncio.CancelledError:
         raise
     except Exception as err:  # noqa: BLE001 -- every server failure is reported, not raised
-        res.error_kind, res.error = _classify(err)
+        failure = classify(err)
+        res.error_kind, res.error = failure.kind, failure.message
         res.total_s = time.perf_counter() - t0
         res.text = "".join(pieces)
         return res

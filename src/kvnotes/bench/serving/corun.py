@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvnotes.bench.serving.kit import load_now
+from kvnotes.bench.kit.machine import load_now
 from kvnotes.bench.serving.metrics import percentile
 from kvnotes.bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError

@@ -20,15 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvnotes.bench.kit.machine import MachineRecord, load_now
 from kvnotes.bench.serving import kit
 from kvnotes.bench.serving.client import Client, StreamResult, stream_chat
 from kvnotes.bench.serving.kit import (
-    MachineRecord,
     P90Ratio,
     PhaseSummary,
     ServerRecord,
     failure_lines,
-    load_now,
     p90_ratios,
     phase_line,
     summarize,

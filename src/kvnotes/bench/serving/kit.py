@@ -1,5 +1,6 @@
-"""What both serving workloads share: a measured phase, its summary, ratios between policies,
-the machine record and the number formats of the reports.
+"""What the serving workloads share: a measured phase, its summary, ratios between policies and
+the server record (the machine record, failure kinds and number formats are
+:mod:`kvnotes.bench.kit`'s).
 
 A *phase* is one policy at one concurrency level (and, for the erratum, one context length):
 ``concurrency`` asyncio workers take the phase's items one at a time and send their requests;
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
+from kvnotes.bench.kit.failures import count_kinds
+from kvnotes.bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
+from kvnotes.bench.kit.machine import load_now
 from kvnotes.bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
@@ -28,76 +31,13 @@ from kvnotes.bench.serving.metrics import (
     ttft_breakdown,
 )
 from kvnotes.core.errors import ServingError
-from kvnotes.core.machine import cpu_flags, cpu_model, load_average
 from kvnotes.serving.upstream import Client
 
-__all__ = ["count_kinds", "failure_lines", "fmt_kinds", "fmt_load", "fmt_ms", "fmt_pct", "fmt_s",
-           "load_now", "MachineRecord", "Outcome", "p90_ratios", "P90Ratio", "phase_line",
-           "PhaseRun", "PhaseSummary", "run_phase", "Sent", "ServerRecord", "summarize"]
+__all__ = ["failure_lines", "Outcome", "p90_ratios", "P90Ratio", "phase_line", "PhaseRun",
+           "PhaseSummary", "run_phase", "Sent", "ServerRecord", "summarize"]
 
 Item = TypeVar("Item")
 Rec = TypeVar("Rec", bound="Outcome")
-
-
-# ---- formats of the reports -----------------------------------------------------------------
-def fmt_s(x: float | None) -> str:
-    """Seconds, three decimals ("-" when missing)."""
-    return "-" if x is None else f"{x:.3f}s"
-
-
-def fmt_ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.0f} ms"
-
-
-def fmt_pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def fmt_kinds(counts: Mapping[str, int]) -> str:
-    """``{"timeout": 2, "http_5xx": 1}`` as "http_5xx 1, timeout 2" ("-" when empty)."""
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
-
-
-def fmt_load(load: Sequence[float] | None) -> str:
-    """The 1-minute load average of a record ("-" when missing)."""
-    return "-" if not load else f"{load[0]:.1f}"
-
-
-# ---- the machine ----------------------------------------------------------------------------
-def load_now() -> list[float]:
-    """1/5/15-minute load average, rounded for the JSON."""
-    return [round(x, 2) for x in load_average()]
-
-
-@dataclass
-class MachineRecord:
-    """The machine a run measured (the server runs on it too) and its load at start and end."""
-
-    cpus: int | None
-    cpu_model: str
-    cpu_flags: list[str]
-    load_average: list[float]
-    load_average_end: list[float] | None = None
-
-    @classmethod
-    def now(cls) -> MachineRecord:
-        return cls(cpus=os.cpu_count(), cpu_model=cpu_model(), cpu_flags=cpu_flags(),
-                   load_average=load_now())
-
-    def finish(self) -> None:
-        """Record the load at the end of the run."""
-        self.load_average_end = load_now()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MachineRecord:
-        """Read back :meth:`to_dict` (a field a record lacks reads as unknown)."""
-        return cls(cpus=d.get("cpus"), cpu_model=d.get("cpu_model", ""),
-                   cpu_flags=list(d.get("cpu_flags", [])),
-                   load_average=list(d.get("load_average", [])),
-                   load_average_end=d.get("load_average_end"))
 
 
 # ---- one phase ------------------------------------------------------------------------------
@@ -223,15 +163,6 @@ def run_phase(items: Sequence[Item], concurrency: int,
                 await cleanup()
 
     return asyncio.run(main())
-
-
-def count_kinds(outcomes: Sequence[Any]) -> dict[str, int]:
-    """Failed outcomes counted by ``error_kind`` ("other" when a record has none)."""
-    out: dict[str, int] = {}
-    for r in outcomes:
-        key = r.error_kind or "other"
-        out[key] = out.get(key, 0) + 1
-    return dict(sorted(out.items()))
 
 
 @dataclass

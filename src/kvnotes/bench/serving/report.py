@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.serving.kit import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
+from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
 from kvnotes.bench.serving.workload import ERRATA_FORMS
 from kvnotes.eval.reports import write_bundle
 

@@ -42,15 +42,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvnotes.bench.kit.formats import fmt_pct
+from kvnotes.bench.kit.machine import MachineRecord, load_now
 from kvnotes.bench.serving import kit
 from kvnotes.bench.serving.kit import (
-    MachineRecord,
     P90Ratio,
     PhaseSummary,
     ServerRecord,
     failure_lines,
-    fmt_pct,
-    load_now,
     p90_ratios,
     phase_line,
     summarize,

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.kit import fmt_pct, fmt_s
+from kvnotes.bench.kit.formats import fmt_pct, fmt_s
 from kvnotes.bench.serving.skills import SKILL_POLICIES, Fidelity, SkillsResult
 from kvnotes.eval.reports import write_bundle
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.kit import MachineRecord, load_now
+from kvnotes.bench.kit.machine import MachineRecord, load_now
 from kvnotes.bench.serving.metrics import percentile
 from kvnotes.bench.serving.soak_check import (
     DAMAGES,

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.bench.kit.failures import classify
 from kvnotes.bench.serving.metrics import parse_prometheus
 from kvnotes.core.errors import ServingError
 
-ERROR_KINDS = ("http_4xx", "http_5xx", "timeout", "connection", "stream")
 TOKEN_PREFIX = "token_id:"
 
 
@@ -28,7 +28,7 @@ class Answer:
 
     ok: bool = False
     error: str | None = None
-    error_kind: str | None = None  # one of ERROR_KINDS
+    error_kind: str | None = None  # one of kvnotes.bench.kit.failures.ERROR_KINDS
     disconnected: bool = False  # the client closed the stream early (on purpose)
     token_ids: list[int] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
@@ -47,19 +47,6 @@ def token_id(token: str) -> int:
         raise ValueError(f"expected a token spelled {TOKEN_PREFIX}N, got {token!r} (is "
                          "return_tokens_as_token_ids supported by this server?)")
     return int(token[len(TOKEN_PREFIX):])
-
-
-def error_kind(err: BaseException) -> str:
-    """The kind of a failed request (openai's exception classes, by name: no import needed)."""
-    names = {c.__name__ for c in type(err).__mro__}
-    status = getattr(err, "status_code", None)
-    if isinstance(status, int):
-        return "http_4xx" if status < 500 else "http_5xx"
-    if "APITimeoutError" in names or "TimeoutError" in names:
-        return "timeout"
-    if "APIConnectionError" in names or "ConnectionError" in names:
-        return "connection"
-    return "stream"
 
 
 def _read_chunk(ans: Answer, chunk: Any, t: float) -> int:
@@ -122,7 +109,8 @@ async def stream_completion(client: Any, model: str, ids: Sequence[int], *, max_
                 ans.error, ans.error_kind = "the stream ended without a finished answer", "stream"
     except Exception as err:  # noqa: BLE001 -- every failure is a counted outcome, not a crash
         ans.total_s = time.perf_counter() - t0
-        ans.error, ans.error_kind = f"{type(err).__name__}: {err}", error_kind(err)
+        failure = classify(err)
+        ans.error, ans.error_kind = failure.message, failure.kind
     return ans
 
 

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.kit import MachineRecord, fmt_kinds, fmt_load, fmt_ms, fmt_s
+from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_s
+from kvnotes.bench.kit.machine import MachineRecord
 from kvnotes.bench.serving.soak import SoakResult
 from kvnotes.bench.serving.soak_check import SHARED_TENANTS
 from kvnotes.eval.reports import write_bundle
