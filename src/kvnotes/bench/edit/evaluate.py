@@ -53,6 +53,7 @@ def evaluate_case(engine: Engine, case: EditCase, settings: SuiteSettings) -> Ca
     rows = []
     for label, nb, report in edits:
         d = d_new if nb is ref_nb else next(decisions)
+        assert d_new.logits is not None and d.logits is not None  # decide() always keeps them
         cmp = compare_logits(d_new.logits, d.logits)
         ttft = report.seconds + d.first_seconds
         rows.append(StrategyRow(

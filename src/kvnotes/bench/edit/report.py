@@ -120,7 +120,7 @@ def plot(result: SuiteResult, path: Path) -> None:
 
     agg = result.per_strategy
     names = list(agg)
-    recovery = [agg[s].recovery if agg[s].recovery is not None else 0.0 for s in names]
+    recovery = [0.0 if (r := agg[s].recovery) is None else r for s in names]
     identity = [agg[s].identity for s in names]
     compute = [agg[s].compute_fraction for s in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.2))

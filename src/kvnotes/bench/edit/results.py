@@ -112,7 +112,8 @@ class CaseResult:
         """Read back :meth:`to_dict` (a ``results.json`` case; older files may lack answers,
         which are then taken from the bundled suite)."""
         answers = d.get("answers") or _suite_answers().get(d["case_id"], [])
-        return cls(**{**{f.name: d.get(f.name) for f in fields(cls)},
+        options: dict[str, Any] = {f.name: d.get(f.name) for f in fields(cls)}
+        return cls(**{**options,
                       "answer_logits_old": tuple(d["answer_logits_old"]),
                       "answer_logits_new": tuple(d["answer_logits_new"]),
                       "answers": tuple(answers),
@@ -152,8 +153,9 @@ class StrategySummary:
     def from_dict(cls, d: dict[str, Any]) -> StrategySummary:
         optional = {"n_field_moved": 0, "intended_new": None, "effect_median": None,
                     "select_fraction": 0.0}
-        return cls(**{f.name: d.get(f.name, optional.get(f.name)) if f.name in optional
-                      else d[f.name] for f in fields(cls)})
+        options: dict[str, Any] = {f.name: d.get(f.name, optional.get(f.name))
+                                   if f.name in optional else d[f.name] for f in fields(cls)}
+        return cls(**options)
 
 
 PerStrategy = dict[str, StrategySummary]

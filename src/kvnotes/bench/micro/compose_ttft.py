@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from kvnotes.bench.kit.timing import median_time
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import load_note, machine_info, set_threads
@@ -68,13 +68,15 @@ def skill_text(engine: Engine, n_tokens: int) -> str:
 def decode_steps(engine: Engine, nb: Notebook, steps: int) -> None:
     """``steps`` decode forwards of one token each on top of ``nb`` (greedy picks, no EOS stop)."""
     logits = nb.last_logits
+    if logits is None:
+        raise ValueError("decode_steps needs a notebook with its last logits (a prefill's)")
     for _ in range(steps):
         step = engine.forward(nb, [int(logits.argmax())])
         nb, logits = step.notebook, step.logits
 
 
 def model_shapes(engine: Engine) -> dict[str, int]:
-    config = engine.model.config.get_text_config(decoder=True)
+    config: Any = engine.model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return {"layers": config.num_hidden_layers, "heads": heads, "head_dim": head_dim,
@@ -90,17 +92,39 @@ def decode_bytes(engine: Engine, length: int) -> int:
     return weights + kv
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def median_time(fn, reps: int) -> tuple[float, list[float]]:
-    """One warm-up call, then the median of ``reps`` timed calls (and the raw times)."""
-    fn()
-    times = [timed(fn) for _ in range(reps)]
-    return statistics.median(times), times
+def measure_length(engine: Engine, header: Notebook, request_ids: list[int],
+                   near_empty: Notebook, n: int, reps: int, decode_tokens: int
+                   ) -> dict[str, Any]:
+    """One skill length's row: recompute, compose, the request alone and over the context,
+    the splice and a decode step, each the median of ``reps`` timed calls."""
+    skill = engine.compile(skill_text(engine, n), name="policy")
+    parts = [header, skill]
+    composed = engine.compose(parts, repair=0)  # the token ids recompute uses
+    ids = composed.token_ids.tolist() + request_ids
+    prefix = composed.slice(0, len(composed) - len(skill))
+    rec, rec_raw, _ = median_time(lambda: engine.next_logits(engine.empty(0), ids), reps)
+    comp, comp_raw, _ = median_time(
+        lambda: engine.next_logits(engine.compose(parts, repair=0), request_ids), reps)
+    alone, alone_raw, _ = median_time(lambda: engine.next_logits(near_empty, request_ids), reps)
+    over, over_raw, _ = median_time(lambda: engine.next_logits(composed, request_ids), reps)
+    splice, splice_raw, _ = median_time(lambda: prefix.splice(skill), reps)
+    asked = engine.extend(composed, request_ids)
+    decode, decode_raw, _ = median_time(lambda: decode_steps(engine, asked, decode_tokens), reps)
+    per_token = decode / decode_tokens
+    return {
+        "requested_tokens": n, "skill_tokens": len(skill), "total_tokens": len(ids),
+        "request_tokens": len(request_ids), "speedup_bound": len(ids) / len(request_ids),
+        "recompute_s": rec, "compose_s": comp, "request_alone_s": alone,
+        "request_over_context_s": over, "splice_s": splice,
+        "decode_s_per_token": per_token, "decode_tokens": decode_tokens,
+        "speedup": rec / comp, "efficiency": alone / comp,
+        "prefix_hit_efficiency": over / comp, "ceiling": rec / alone,
+        "attention_flop_share": engine.cost.attention_share(len(request_ids), len(composed)),
+        "decode_bytes": decode_bytes(engine, len(asked)),
+        "raw": {"recompute_s": rec_raw, "compose_s": comp_raw, "request_alone_s": alone_raw,
+                "request_over_context_s": over_raw, "splice_s": splice_raw,
+                "decode_s": decode_raw},
+    }
 
 
 def main() -> None:
@@ -127,43 +151,14 @@ def main() -> None:
     near_empty = engine.compose([header], repair=0)
     rows = []
     for n in tqdm(lengths, desc="skill lengths"):
-        skill = engine.compile(skill_text(engine, n), name="policy")
-        parts = [header, skill]
-        composed = engine.compose(parts, repair=0)  # the token ids recompute uses
-        ids = composed.token_ids.tolist() + request_ids
-        prefix = composed.slice(0, len(composed) - len(skill))
-        rec, rec_raw = median_time(lambda ids=ids: engine.next_logits(engine.empty(0), ids),
-                                   args.reps)
-        comp, comp_raw = median_time(
-            lambda p=parts: engine.next_logits(engine.compose(p, repair=0), request_ids), args.reps)
-        alone, alone_raw = median_time(lambda: engine.next_logits(near_empty, request_ids),
-                                       args.reps)
-        over, over_raw = median_time(lambda c=composed: engine.next_logits(c, request_ids),
-                                     args.reps)
-        splice, splice_raw = median_time(lambda pre=prefix, sk=skill: pre.splice(sk), args.reps)
-        asked = engine.extend(composed, request_ids)
-        decode, decode_raw = median_time(lambda nb=asked: decode_steps(engine, nb,
-                                                                       args.decode_tokens),
-                                         args.reps)
-        per_token = decode / args.decode_tokens
-        rows.append({
-            "requested_tokens": n, "skill_tokens": len(skill), "total_tokens": len(ids),
-            "request_tokens": len(request_ids), "speedup_bound": len(ids) / len(request_ids),
-            "recompute_s": rec, "compose_s": comp, "request_alone_s": alone,
-            "request_over_context_s": over, "splice_s": splice,
-            "decode_s_per_token": per_token, "decode_tokens": args.decode_tokens,
-            "speedup": rec / comp, "efficiency": alone / comp,
-            "prefix_hit_efficiency": over / comp, "ceiling": rec / alone,
-            "attention_flop_share": engine.cost.attention_share(len(request_ids), len(composed)),
-            "decode_bytes": decode_bytes(engine, len(asked)),
-            "raw": {"recompute_s": rec_raw, "compose_s": comp_raw, "request_alone_s": alone_raw,
-                    "request_over_context_s": over_raw, "splice_s": splice_raw,
-                    "decode_s": decode_raw},
-        })
+        rows.append(measure_length(engine, header, request_ids, near_empty, n, args.reps,
+                                   args.decode_tokens))
         r = rows[-1]
-        tqdm.write(f"L={n}: recompute {rec*1e3:.0f} ms, compose {comp*1e3:.0f} ms, request alone "
-                   f"{alone*1e3:.0f} ms, over context {over*1e3:.0f} ms, splice {splice*1e3:.1f} ms, decode "
-                   f"{per_token*1e3:.1f} ms/token; speedup {r['speedup']:.1f}x, efficiency "
+        tqdm.write(f"L={n}: recompute {r['recompute_s']*1e3:.0f} ms, compose "
+                   f"{r['compose_s']*1e3:.0f} ms, request alone {r['request_alone_s']*1e3:.0f} "
+                   f"ms, over context {r['request_over_context_s']*1e3:.0f} ms, splice "
+                   f"{r['splice_s']*1e3:.1f} ms, decode {r['decode_s_per_token']*1e3:.1f} "
+                   f"ms/token; speedup {r['speedup']:.1f}x, efficiency "
                    f"{r['efficiency']:.2f}, ceiling {r['ceiling']:.1f}x")
 
     def slope(key: str) -> float:
@@ -205,7 +200,7 @@ def main() -> None:
     print(load_note(after))
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

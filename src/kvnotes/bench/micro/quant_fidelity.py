@@ -32,7 +32,7 @@ from kvnotes.core.engine import Engine
 from kvnotes.core.metrics import LogitComparison, compare_logits
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
-from kvnotes.ops.quant import quantize
+from kvnotes.ops.quant import QuantizedNotebook, quantize
 
 SKILLS = {
     "refunds": ("Refund policy: a customer may return any item within 30 days of delivery for a "
@@ -143,8 +143,8 @@ def run(model: str, max_new_tokens: int) -> QuantRun:
                     _summary(cases))
 
 
-def _case(engine: Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: str,
-          max_new_tokens: int) -> QuantCase:
+def _case(engine: Engine, skill: Notebook, q_tok: QuantizedNotebook, q_ch: QuantizedNotebook,
+          ctx: str, name: str, max_new_tokens: int) -> QuantCase:
     base = engine.compose([ctx, skill], repair=0)  # the quantization error alone
     offset = int(base.positions[base.span(skill.spans[0].name).start])
     reference = engine.prefill(base.token_ids, start=base.start_position)
@@ -154,16 +154,17 @@ def _case(engine: Engine, skill: Notebook, q_tok, q_ch, ctx: str, name: str,
         "fp32": skill,
         "int8-token": q_tok.dequantize(),
         "int8-channel": q_ch.dequantize(),
-        "int8-token-requant": q_tok.shifted(offset - q_tok.positions[0].item()).dequantize(),
+        "int8-token-requant": q_tok.shifted(offset - int(q_tok.positions[0].item())).dequantize(),
     }
     out: dict[str, Variant] = {}
-    fp32_logits = None
+    fp32_logits: torch.Tensor | None = None
     for label, notes in variants.items():
         t0 = time.perf_counter()
         nb = engine.compose([ctx, notes], repair=0)
         logits = engine.next_logits(nb, QUERY)
         elapsed = time.perf_counter() - t0
         fp32_logits = logits if label == "fp32" else fp32_logits
+        assert fp32_logits is not None  # "fp32" is the first variant
         text = engine.generate(nb, QUERY, max_new_tokens)
         out[label] = Variant(vs_recompute=compare_logits(ref_logits, logits),
                              vs_fp32_compose=compare_logits(fp32_logits, logits),

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvnotes.bench.kit.timing import median_time
 from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import LayerKV, Notebook
@@ -40,17 +43,67 @@ def random_skill(engine: Engine, n: int) -> Notebook:
                     engine.adapter, engine.fingerprint)
 
 
-def median_time(fn, reps: int) -> tuple[float, list[float]]:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+@dataclass(frozen=True)
+class SpliceBandwidthConfig:
+    """One splice-throughput run: a random skill of each of ``lengths`` tokens moved to
+    ``offset``, the medians of ``reps`` timed runs after one warm-up, on ``threads`` torch
+    threads (None: the machine's physical cores)."""
+
+    model: str = "smollm2-135m"
+    lengths: tuple[int, ...] = (256, 1024, 4096)
+    reps: int = 9
+    offset: int = 37
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1 or self.reps < 1:
+            raise InvalidArgumentError("lengths (tokens) and reps must be at least 1, got "
+                                       f"{self.lengths} and {self.reps}")
 
 
-def measure(engine: Engine, n: int, reps: int, offset: int) -> dict:
+@dataclass(frozen=True)
+class BandwidthRow:
+    """One skill length: the splice against a plain copy of the same bytes."""
+
+    tokens: int
+    bytes: int
+    splice_s: float
+    copy_s: float
+    splice_gb_s: float
+    copy_gb_s: float
+    splice_vs_copy: float
+    raw: dict[str, list[float]]  # every timed run, per side
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BandwidthRow:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class SpliceBandwidthResult:
+    """What one run measured; :meth:`to_dict` is ``splice_bandwidth.json``'s schema."""
+
+    model: str
+    reps: int
+    warmup: int
+    dtype: str
+    torch_threads: int
+    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records
+    machine_after: dict[str, Any]
+    busy: bool
+    rows: tuple[BandwidthRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SpliceBandwidthResult:
+        return cls(**{**{f.name: d[f.name] for f in fields(cls)},
+                      "rows": tuple(BandwidthRow.from_dict(r) for r in d["rows"])})
+
+
+def measure(engine: Engine, n: int, reps: int, offset: int) -> BandwidthRow:
+    """Splice and plain-copy throughput for a random skill of ``n`` tokens."""
     skill = random_skill(engine, n)
     dest = engine.empty(offset, capacity=n)
     store = dest.storage
@@ -59,7 +112,7 @@ def measure(engine: Engine, n: int, reps: int, offset: int) -> dict:
         dest.splice(skill)
         store.release(0, n)  # hand the range back: the next splice writes the same warm buffers
 
-    splice_s, splice_raw = median_time(splice, reps)
+    splice_s, splice_raw, _ = median_time(splice, reps)
     layers = skill.layers
     targets = [(torch.empty_like(l.keys), torch.empty_like(l.values)) for l in layers]
 
@@ -68,29 +121,48 @@ def measure(engine: Engine, n: int, reps: int, offset: int) -> dict:
             k.copy_(layer.keys)
             v.copy_(layer.values)
 
-    copy_s, copy_raw = median_time(copy, reps)
+    copy_s, copy_raw, _ = median_time(copy, reps)
     nbytes = skill.nbytes
-    return {"tokens": n, "bytes": nbytes, "splice_s": splice_s, "copy_s": copy_s,
-            "splice_gb_s": nbytes / splice_s / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
-            "splice_vs_copy": copy_s / splice_s,
-            "raw": {"splice_s": splice_raw, "copy_s": copy_raw}}
+    return BandwidthRow(tokens=n, bytes=nbytes, splice_s=splice_s, copy_s=copy_s,
+                        splice_gb_s=nbytes / splice_s / 1e9, copy_gb_s=nbytes / copy_s / 1e9,
+                        splice_vs_copy=copy_s / splice_s,
+                        raw={"splice_s": splice_raw, "copy_s": copy_raw})
 
 
-def plot(result: dict, path: Path) -> None:
+def run(config: SpliceBandwidthConfig, engine: Engine | None = None,
+        say: Callable[[str], None] = print) -> SpliceBandwidthResult:
+    """Every length of ``config`` (``engine``: default ``config.model`` loaded)."""
+    set_threads(config.threads)
+    before = machine_info()
+    engine = load(config.model) if engine is None else engine
+    rows = []
+    for n in config.lengths:
+        r = measure(engine, n, config.reps, config.offset)
+        rows.append(r)
+        say(f"L={n}: splice {r.splice_gb_s:.2f} GB/s, copy {r.copy_gb_s:.2f} GB/s "
+            f"({r.splice_vs_copy:.0%} of copy)")
+    after = machine_info(since=before)
+    return SpliceBandwidthResult(model=config.model, reps=config.reps, warmup=1,
+                                 dtype=str(engine.dtype), torch_threads=after["torch_threads"],
+                                 machine_before=before, machine_after=after,
+                                 busy=before["busy"] or after["busy"], rows=tuple(rows))
+
+
+def plot(result: SpliceBandwidthResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    x = [r["tokens"] for r in rows]
+    rows = result.rows
+    x = [r.tokens for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.semilogx(x, [r["copy_gb_s"] for r in rows], "o-", label="plain copy of the same bytes")
-    ax.semilogx(x, [r["splice_gb_s"] for r in rows], "o-", label="splice (re-rotate keys + copy values)")
+    ax.semilogx(x, [r.copy_gb_s for r in rows], "o-", label="plain copy of the same bytes")
+    ax.semilogx(x, [r.splice_gb_s for r in rows], "o-", label="splice (re-rotate keys + copy values)")
     ax.set_xlabel("skill tokens")
     ax.set_ylabel("GB/s (skill KV bytes / median time)")
-    busy = ", machine busy" if result["busy"] else ""
-    ax.set_title(f"Splice throughput ({result['model']}, {result['torch_threads']} threads{busy})",
+    busy = ", machine busy" if result.busy else ""
+    ax.set_title(f"Splice throughput ({result.model}, {result.torch_threads} threads{busy})",
                  fontsize=10)
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
@@ -110,23 +182,13 @@ def main() -> None:
                     help="torch threads (default: the machine's physical cores)")
     ap.add_argument("--out", type=Path, default=Path("out/bench"))
     args = ap.parse_args()
-    set_threads(args.threads)
-    before = machine_info()
-    engine = load(args.model)
-    rows = []
-    for n in [int(x) for x in args.lengths.split(",")]:
-        rows.append(measure(engine, n, args.reps, args.offset))
-        r = rows[-1]
-        print(f"L={n}: splice {r['splice_gb_s']:.2f} GB/s, copy {r['copy_gb_s']:.2f} GB/s "
-              f"({r['splice_vs_copy']:.0%} of copy)")
-    after = machine_info(since=before)
-    result = {"model": args.model, "reps": args.reps, "warmup": 1, "dtype": str(engine.dtype),
-              "torch_threads": after["torch_threads"], "machine_before": before,
-              "machine_after": after, "busy": before["busy"] or after["busy"], "rows": rows}
+    result = run(SpliceBandwidthConfig(
+        model=args.model, lengths=tuple(int(x) for x in args.lengths.split(",")),
+        reps=args.reps, offset=args.offset, threads=args.threads))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "splice_bandwidth.json").write_text(json.dumps(result, indent=2))
+    (args.out / "splice_bandwidth.json").write_text(json.dumps(result.to_dict(), indent=2))
     plot(result, args.out / "splice_bandwidth.png")
-    print(load_note(after))
+    print(load_note(result.machine_after))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class CpuCacheWrite:
 
 
 def skill_text(tokens: int, engine: Engine) -> str:
-    lines, i = [], 0
+    lines: list[str] = []
+    i = 0
     while len(engine.encode("".join(lines))) < tokens + 16:
         lines.append(f"Rule {i}: an order of type {i % 17} shipped to zone {i % 5} may be "
                      f"returned within {10 + i % 50} days for store credit.\n")

@@ -63,7 +63,7 @@ class Claim:
     project: bool = False  # kvnotes' own claim (``paper`` holds its words), not the paper's
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"id": self.id, "title": self.title, "paper": self.paper, "figure": self.figure,
+        d: dict[str, Any] = {"id": self.id, "title": self.title, "paper": self.paper, "figure": self.figure,
              "scale": self.scale, "source": self.source, "check": self.check}
         d = {**d, "timing": True} if self.timing else d
         return {**d, "project": True} if self.project else d

@@ -43,8 +43,8 @@ def stage_results(stages: dict[str, StageRecord], model: str | None = None,
     """One model's records as the typed results the verdicts read, with ``model``'s stored
     `kvnotes bench tools` runs under ``tools_results`` when both are given."""
     tools = tuple(stored_runs(tools_results, model)) if model and tools_results else ()
-    return StageResults(**{stage: record.result for stage, record in stages.items()},
-                        tools=tools)
+    results: dict[str, Any] = {stage: record.result for stage, record in stages.items()}
+    return StageResults(**results, tools=tools)
 
 
 def verdicts(per_model: PerModel, claims: Claims | None = None,

@@ -263,7 +263,9 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
     if not models:
         raise InvalidArgumentError("give at least one model (--models A,B)")
     if load is None:
-        from kvnotes.core.models import load
+        from kvnotes.core.models import load as load_model
+
+        load = load_model
     settings = RunSettings(device=str(device), dtype=str(dtype).removeprefix("torch."),
                            quick=quick, sizes=QUICK if quick else FULL)
     out = Path(out)

@@ -109,7 +109,8 @@ class CorunResult:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CorunResult:
-        config = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
+        config: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in d["config"].items()}
         return cls(config=CorunConfig(**config),
                    modes=[ModeResult.from_dict(m) for m in d["modes"]])
 

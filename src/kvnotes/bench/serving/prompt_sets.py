@@ -63,8 +63,12 @@ Log = Callable[[str], None]
 class PromptSet(Protocol):
     """A skill library and the prompts made of it (see the module doc)."""
 
-    name: str
-    decides: bool  # whether :meth:`decision` reads one from an answer
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def decides(self) -> bool:
+        """Whether :meth:`decision` reads one from an answer."""
 
     def register(self, skills: ServingSkills, *, anchor: bool, log: Log) -> None:
         """Publish the library's header and skills to the server's folder."""

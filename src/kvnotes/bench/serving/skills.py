@@ -168,8 +168,11 @@ class PolicyClients(Protocol):
     """What the benchmark sends through: ``send`` answers one prompt under a policy, ``plain``
     (vLLM itself) sends the exact references and the warm-up, ``tau`` is the guard's."""
 
-    plain: ComposeClient
-    tau: float | None
+    @property
+    def plain(self) -> ComposeClient: ...
+
+    @property
+    def tau(self) -> float | None: ...
 
     def send(self, policy: str, parts: list[str], max_tokens: int, *,
              logprobs: int | None = None) -> ComposeResult: ...
@@ -331,9 +334,8 @@ def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[l
     the decision ``prompt_set`` reads from each answer. ``concurrency`` requests of a policy are
     in flight at once (the server batches them), one pass per level given; the exact
     references are sent once, one by one."""
-    if isinstance(clients, ComposeClient):
-        clients = Clients(clients)
-    plain = clients.plain
+    senders: PolicyClients = Clients(clients) if isinstance(clients, ComposeClient) else clients
+    plain = senders.plain
     exact = [plain.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
              for parts in prompts]
     reads = prompt_set is not None and prompt_set.decides
@@ -342,7 +344,7 @@ def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[l
     for level in (max(1, c) for c in levels):
         with ThreadPoolExecutor(max_workers=level) as pool:
             for policy in policies:
-                sent = list(pool.map(lambda parts, p=policy: clients.send(p, parts, tokens,
+                sent = list(pool.map(lambda parts, p=policy: senders.send(p, parts, tokens,
                                                                           logprobs=20), prompts))
                 cases = [_fidelity_case(got, ref, prompt_set.info(parts) if prompt_set else {},
                                         prompt_set if reads else None)
@@ -553,8 +555,9 @@ def config_from_dict(d: Mapping[str, Any]) -> SkillsBenchConfig:
     """A stored run's :class:`SkillsBenchConfig` (lists back to tuples; a field an older run
     lacks takes its default)."""
     names = {f.name for f in dataclasses.fields(SkillsBenchConfig)}
-    return SkillsBenchConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                for k, v in d.items() if k in names})
+    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                               for k, v in d.items() if k in names}
+    return SkillsBenchConfig(**options)
 
 
 def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int | None, *,

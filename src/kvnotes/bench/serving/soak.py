@@ -485,7 +485,8 @@ class SoakResult:
         from kvnotes.bench.serving.corun import CorunResult
         from kvnotes.serving.launch.launcher import LaunchRecord
 
-        config = {k: tuple(v) if isinstance(v, list) else v for k, v in d["config"].items()}
+        config: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in d["config"].items()}
         launch = d.get("launch")
         corun = d.get("corun")
         return cls(config=SoakConfig(**config),

@@ -32,6 +32,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.ops.edit import erratum_text
@@ -135,7 +136,7 @@ class Session:
     order_id: str
     context_tokens: int = 0  # as measured by the count function at build time
     field_token_depth: float = 0.0  # tokens before the field / context tokens
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     question_kind: str = "decision"  # one of QUESTIONS
     errata: str = DEFAULT_ERRATA  # one of ERRATA_FORMS
 

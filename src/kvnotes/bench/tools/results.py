@@ -158,8 +158,11 @@ class StrategySummary:
 
     @classmethod
     def of(cls, strategy: str, cases: Sequence[CaseResult]) -> StrategySummary:
-        pairs = [(c, c.outcome(strategy), c.outcome("exact")) for c in cases]
-        pairs = [(c, o, e) for c, o, e in pairs if o is not None and e is not None]
+        pairs: list[tuple[CaseResult, Outcome, Outcome]] = []
+        for c in cases:
+            o, e = c.outcome(strategy), c.outcome("exact")
+            if o is not None and e is not None:
+                pairs.append((c, o, e))
         outs = [o for _, o, _ in pairs]
         greedy = [o for o in outs if o.greedy_identical is not None]
         flips = [e.margin for _, o, e in pairs if not o.identical]
@@ -180,8 +183,8 @@ class StrategySummary:
             ttft_ratio_median=_median([e.ttft_s / o.ttft_s for _, o, e in pairs if o.ttft_s]),
             guard_fires=sum(bool(o.guard_fired) for o in outs),
             guard_tau=taus.pop() if len(taus) == 1 else None,
-            variants=sum(o.variants_new or 0 for o in library) if library else None,
-            distinct_skills=sum(o.skills_new or 0 for o in library) if library else None,
+            variants=sum((o.variants_new or 0) for o in library) if library else None,
+            distinct_skills=sum((o.skills_new or 0) for o in library) if library else None,
             calls_checked=len(checked) if checked else None,
             calls_parsed=sum(bool(o.call_parsed) for o, _ in checked) if checked else None,
             calls_valid=sum(bool(o.call_valid) for o, _ in checked) if checked else None,

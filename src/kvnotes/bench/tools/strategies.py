@@ -214,7 +214,7 @@ class SkillCache:
 def exact_ids(engine: Engine, prompt: CasePrompt) -> tuple[list[int], int]:
     """The prompt's token ids exactly as :meth:`Engine.compose` lays them out (BOS when the
     tokenizer adds one, then each part encoded on its own), and where the first skill starts."""
-    ids = [engine.bos_id] if engine.adds_bos else []
+    ids = [engine.bos_id] if engine.adds_bos and engine.bos_id is not None else []
     ids += engine.encode(prompt.header)
     first_skill = len(ids)
     for text in (*prompt.skills, prompt.question):

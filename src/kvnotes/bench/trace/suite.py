@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
+from dataclasses import field as dataclass_field  # `field` names a result's figure below
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,8 @@ class Estimate:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Estimate:
         """Read back ``asdict`` as JSON holds it (non-finite values written as null)."""
-        return cls(*(_nan(d.get(k)) for k in ("mean", "lo", "hi")), int(d.get("n") or 0))
+        return cls(_nan(d.get("mean")), _nan(d.get("lo")), _nan(d.get("hi")),
+                   int(d.get("n") or 0))
 
 
 def bootstrap_mean(values: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
@@ -165,11 +167,11 @@ class FamilySummary:
     notes: Estimate  # denoising: new notes, old field KV
     noising_field: Estimate  # share lost when only the field is reverted
     noising_notes: Estimate  # share lost when only the notes are reverted
-    field_by_layer: list[float] = field(default_factory=list)  # denoising means
-    notes_by_layer: list[float] = field(default_factory=list)
-    notes_by_position: list[float] = field(default_factory=list)  # denoising, binned positions
-    grid: list[list[float]] = field(default_factory=list)  # denoising mean grid
-    noising_grid: list[list[float]] = field(default_factory=list)
+    field_by_layer: list[float] = dataclass_field(default_factory=list)  # denoising means
+    notes_by_layer: list[float] = dataclass_field(default_factory=list)
+    notes_by_position: list[float] = dataclass_field(default_factory=list)  # denoising, binned positions
+    grid: list[list[float]] = dataclass_field(default_factory=list)  # denoising mean grid
+    noising_grid: list[list[float]] = dataclass_field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(asdict(self))
@@ -219,8 +221,8 @@ class CaseOutcome:
                    sensitive=r.sensitive, field=r.field_effect, notes=r.notes_effect)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"case_id": self.case_id, "family": self.family, "status": self.status,
-             "reason": self.reason}
+        d: dict[str, Any] = {"case_id": self.case_id, "family": self.family,
+                             "status": self.status, "reason": self.reason}
         if self.sensitive is not None:
             d.update(denominator=self.denominator, sensitive=self.sensitive, field=self.field,
                      notes=self.notes)
