@@ -21,7 +21,7 @@ from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError
 # The first tokens of each spliced skill recomputed by default: on BFCL live_multiple (38 cases
 # per bundled model) this kept the tool choice identical to the exact prompt in 92% (SmolLM2)
 # and 95% (Gemma) of cases, against 68% and 66% for a bare splice, at 15-16% of the spliced
-# tokens recomputed (docs/tools-fidelity.md).
+# tokens recomputed (docs/results.md, "Tool-choice fidelity on BFCL").
 DEFAULT_FIRST = 32
 
 
