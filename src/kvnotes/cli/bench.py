@@ -66,6 +66,7 @@ def tools(
     from kvnotes.eval.tools import DEFAULT_STRATEGIES, BenchConfig, run_bench
     from kvnotes.eval.tools.data import check_set
     from kvnotes.eval.tools.report import render, write_outputs
+    from kvnotes.eval.tools.results import CaseResult
     from kvnotes.eval.tools.strategies import parse_strategies
 
     chosen = tuple(s.strip() for s in strategies.split(",")) if strategies else DEFAULT_STRATEGIES
@@ -97,7 +98,7 @@ def tools(
                       "context_limit": max_context or engine.adapter.max_positions},
          "machine_at_start": machine_info()}, indent=1, default=str) + "\n", encoding="utf-8")
 
-    def keep(case) -> None:  # noqa: ANN001
+    def keep(case: CaseResult) -> None:
         with partial.open("a", encoding="utf-8") as f:
             f.write(json.dumps(case.to_dict(), default=str) + "\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -11,6 +12,10 @@ from rich.table import Table
 from kvnotes.cli.app import app, emit_json, fail, folder_option, read_text_file
 from kvnotes.cli.options import device_option, dtype_option, load_engine
 from kvnotes.core.errors import KvnotesError
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Part
+    from kvnotes.core.notebook import Notebook
 
 console = Console(width=150)
 
@@ -107,7 +112,7 @@ def compose(
     try:
         engine = load_engine(model, device, dtype)
         lib = kvnotes.SkillLibrary(folder_option(library, "--library"), engine) if library else None
-        compiled = []
+        compiled: list[Notebook] = []
         for f in skill:
             if not f.is_file():
                 raise KvnotesError(f"no skill file at {f}")
@@ -115,7 +120,7 @@ def compose(
             compiled.append(lib.get(text, name=f.stem) if lib is not None
                             else engine.compile(text, name=f.stem))
         head, middle, tail = chat_frame(engine.tokenizer)
-        parts: list = [head] if head else []
+        parts: list[Part] = [head] if head else []
         for i, s in enumerate(compiled):
             parts.extend(["\n\n", s] if i else [s])
         parts.append(middle + context)

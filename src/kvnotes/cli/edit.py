@@ -65,7 +65,7 @@ def edit_eval(
     from kvnotes.eval.edit_suite.cases import spread, take_shard
     from kvnotes.eval.edit_suite.checkpoint import load_results
     from kvnotes.eval.edit_suite.report import strategy_table, write_outputs
-    from kvnotes.eval.edit_suite.results import SuiteSettings
+    from kvnotes.eval.edit_suite.results import SuiteResult, SuiteSettings
     from kvnotes.eval.edit_suite.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
     from kvnotes.eval.edit_suite.suite import run_suite
     from kvnotes.eval.tasks import load_suite
@@ -113,8 +113,11 @@ def edit_eval(
                 if not console.is_terminal:
                     console.print(f"case {i}/{n}")
 
+            def checkpoint(part: SuiteResult) -> None:
+                write_outputs(part, folder)
+
             result = run_suite(engine, cases, settings, progress=progress, done=done,
-                               checkpoint=lambda part: write_outputs(part, folder),
+                               checkpoint=checkpoint,
                                workers=workers, threads=threads,
                                loader=partial(load, model, device=device, dtype=dtype))
     except KvnotesError as err:

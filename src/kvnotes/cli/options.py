@@ -11,9 +11,12 @@ Both are checked before any weights are read (:func:`kvnotes.core.validate.model
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 DEVICE_HELP = "torch device for the model: cpu, cuda, cuda:1, mps (checked before loading)"
 DTYPE_HELP = "model dtype: float32, bfloat16, float16 or float64"
@@ -38,7 +41,7 @@ def checked(device: str, dtype: str) -> tuple[str, str]:
     return str(dev), str(dt).removeprefix("torch.")
 
 
-def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Any:
+def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Engine:
     """``kvnotes.load(model, device=..., dtype=...)``: every command loads through here."""
     from kvnotes.core.models import load
 

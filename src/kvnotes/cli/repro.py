@@ -6,7 +6,14 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from kvnotes.cli.app import app, fail, folder_option
 from kvnotes.cli.options import checked, device_option, dtype_option, load_engine
@@ -50,7 +57,7 @@ def repro(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())
         with Progress(*columns, transient=False) as bars:
-            tasks: dict[tuple[str, str], int] = {}
+            tasks: dict[tuple[str, str], TaskID] = {}
 
             def progress(model: str, stage: str, done: int, total: int) -> None:
                 key = (model, stage)

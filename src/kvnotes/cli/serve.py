@@ -56,10 +56,11 @@ def serve(
     from kvnotes.serving.front import FrontConfig
     from kvnotes.serving.launch import LaunchConfig, prepare
     from kvnotes.serving.manifest import SPLICE_SALT
+    from kvnotes.serving.server import check_kv_cache_gib
 
     front = None if no_front else FrontConfig(port=port, repair=repair, guard=guard)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
-                          kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                          kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
                           port=port if no_front else None,
                           skills=folder_option(skills, "--skills"), log_path=log,
                           startup_timeout=startup_timeout, vllm_python=vllm_python, front=front)

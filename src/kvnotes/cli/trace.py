@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import typer
@@ -198,7 +198,7 @@ def _heatmap(out: Path, model: str, row: FamilySummary) -> Path | None:
     return path
 
 
-def _cells(g: list[list[float]]):
+def _cells(g: list[list[float]]) -> Iterator[tuple[tuple[int, int], float]]:
     for i, r in enumerate(g):
         for j, v in enumerate(r):
             if v == v:
