@@ -1,4 +1,5 @@
-"""Options every model-loading command shares: ``--device`` and ``--dtype``, and the one loader.
+"""Options every model-loading command shares: ``--device`` and ``--dtype``, the one loader,
+and :class:`ModelOptions`, the model a command loads, gathered once.
 
 Examples::
 
@@ -11,6 +12,7 @@ Both are checked before any weights are read (:func:`kvnotes.core.validate.model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -46,3 +48,26 @@ def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Engi
     from kvnotes.core.models import load
 
     return load(model, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model a command loads and how: ``--model``, ``--device``, ``--dtype``, ``--threads``.
+
+    ``threads``: torch's CPU threads; None sets the physical cores (more only adds contention),
+    0 leaves torch's own setting (``kvnotes trace --threads 0``; the other commands' ``--threads
+    0`` means the physical cores, so they pass ``threads or None``).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+
+    def load(self) -> Engine:
+        """Set the threads, then load the engine through :func:`load_engine`."""
+        if self.threads != 0:
+            from kvnotes.core.machine import set_threads
+
+            set_threads(self.threads)
+        return load_engine(self.model, self.device, self.dtype)

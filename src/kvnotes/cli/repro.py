@@ -22,15 +22,15 @@ from kvnotes.core.errors import KvnotesError
 
 @app.command("repro")
 def repro(
-    models: str = typer.Option(None, "--models",
-                               help="comma-separated models (default: the two bundled ones, "
+    models: str | None = typer.Option(None, "--models",
+                                      help="comma-separated models (default: the two bundled ones, "
                                     "with --quick sizes)"),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    quick: bool = typer.Option(None, "--quick/--full",
-                               help="small suite sizes (default when --models is not given)"),
-    stages: str = typer.Option(None, "--stages",
-                               help="comma-separated subset of compose,edit,edit_cot,trace,agent"),
+    quick: bool | None = typer.Option(None, "--quick/--full",
+                                      help="small suite sizes (default when --models is not given)"),
+    stages: str | None = typer.Option(None, "--stages",
+                                      help="comma-separated subset of compose,edit,edit_cot,trace,agent"),
     out: Path = typer.Option(Path("out/repro"), "--out",
                              help="folder for report.md, repro.json, repro.png and the "
                                   "per-stage checkpoints (a rerun resumes from them)"),
