@@ -7,15 +7,17 @@ import torch
 from conftest import make_tiny_engine, make_tiny_model
 
 import kvnotes
-from kvnotes.core.engine import prefix_digest, split_budget
-from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError
+from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import (
     DEFAULT_FIRST,
     DEFAULT_REPAIR,
     NO_REPAIR,
+    PrefixHasher,
     Repair,
     as_repair,
+    prefix_digest,
     repaired_end,
+    split_budget,
 )
 
 HEADER = "System: you are the support agent of a small shop. Follow the policies below.\n\n"
@@ -51,6 +53,11 @@ def tiny(request, tokenizer):
     ({"budget": "0.1"}, ArgumentTypeError, r"Repair\(budget='0\.1'\): give a fraction"),
     ({"budget": None}, ArgumentTypeError, r"Repair\(budget=None\)"),
     ({"select": None}, ArgumentTypeError, r"Repair\(select=None\): give a selector name"),
+    ({"budget": -2}, InvalidArgumentError, r"Repair\(budget=-2\) is a negative token count"),
+    ({"budget": 1.5}, InvalidArgumentError, r"Repair\(budget=1\.5\) is not a fraction in \(0, 1\]"),
+    ({"budget": float("nan")}, InvalidArgumentError, r"Repair\(budget=nan\) is not a fraction"),
+    ({"select": "attention"}, UnknownNameError, r"'attention'; .*\(attention applies to edit only\)"),
+    ({"select": "random"}, UnknownNameError, r"unknown repair selector 'random'"),
 ])
 def test_repair_refuses_bad_fields(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -60,13 +67,31 @@ def test_repair_refuses_bad_fields(kwargs, error, message):
 def test_as_repair_and_tags():
     assert as_repair(DEFAULT_REPAIR) is DEFAULT_REPAIR and DEFAULT_REPAIR.first == DEFAULT_FIRST
     assert as_repair(0) == NO_REPAIR and as_repair(0.0).is_noop and not DEFAULT_REPAIR.is_noop
-    assert as_repair(0.25) == Repair(first=0, budget=0.25) and as_repair(8).budget == 8
+    # an int is each skill's first tokens, a float a shared fraction; a count budget is spelled out
+    assert as_repair(0.25) == Repair(first=0, budget=0.25) and as_repair(8) == Repair(first=8)
+    assert as_repair(16).budget == 0 and as_repair(1.0) == Repair(first=0, budget=1.0)
     assert DEFAULT_REPAIR.tag() == "f32a1" and NO_REPAIR.tag() == "f0a1"
     assert Repair(first=16, align=16, skip_exact=False).tag() == "f16a16e"
     assert Repair(first=0, budget=0.1, select="kv_deviation").tag() == "f0a1b0.1kv_deviation"
     for bad in ("0.1", True, None):
         with pytest.raises(ArgumentTypeError, match="repair must be a Repair"):
             as_repair(bad)
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(InvalidArgumentError, match="is not a fraction in"):
+            as_repair(bad)
+    with pytest.raises(InvalidArgumentError, match=r"Repair\(first=-1\)"):
+        as_repair(-1)
+
+
+def test_prefix_hasher_matches_prefix_digest_part_by_part():
+    ids = [5, 17, 3, 900, 2]
+    for cut in range(len(ids) + 1):
+        h = PrefixHasher()
+        h.update(ids[:cut])
+        assert h.digest() == prefix_digest(ids[:cut])
+        h.update([])
+        h.update(ids[cut:])
+        assert h.digest() == prefix_digest(ids)
 
 
 def test_repaired_end_rounds_up_to_align_and_caps_at_the_skill():
