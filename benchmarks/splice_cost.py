@@ -1,6 +1,6 @@
 """Splice cost per token on a server's worker, against a plain copy of the same bytes.
 
-What a vLLM worker does for a spliced load (:class:`kvnotes.serving.kv_writer.KvWriter`):
+What a vLLM worker does for a spliced load (:class:`kvnotes.serving.vllm.kv_writer.KvWriter`):
 assemble the load's keys (re-rotated from where the skill was compiled to where it is placed)
 and values for every layer, then write them through the attention backend's
 ``do_kv_cache_update`` into the paged cache. Here the cache is laid out like vLLM-CPU's
@@ -9,7 +9,7 @@ block, block size 128, blocks in shuffled order), and the write is a torch copy 
 consecutive slots into that layout, standing in for vLLM-CPU's C++
 ``cpu_attn_reshape_and_cache`` (not importable outside vLLM's environment). No server runs.
 
-Three states of the worker's bounded LRU (:class:`~kvnotes.serving.kv_writer.PieceCache`):
+Three states of the worker's bounded LRU (:class:`~kvnotes.serving.vllm.kv_writer.PieceCache`):
 ``warm`` (the piece and its keys turned to this offset are cached: slicing, one concatenation
 and the cache write), ``turn`` (the piece is cached, its rotation to this offset is not) and
 ``cold`` (nothing cached: the entry is read from the page cache, checksummed, cut to the
@@ -44,11 +44,11 @@ import torch
 import kvnotes
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import kvnotes_home
-from kvnotes.serving.kv_writer import KvWriter, PieceCache, WorkerShare
-from kvnotes.serving.manifest import read_entry
-from kvnotes.serving.plans import LoadSpec
+from kvnotes.serving.library.manifest import read_entry
+from kvnotes.serving.library.splice import Placement
 from kvnotes.serving.skills import ServingSkills
-from kvnotes.serving.splice import Placement
+from kvnotes.serving.vllm.kv_writer import KvWriter, PieceCache, WorkerShare
+from kvnotes.serving.vllm.plans import LoadSpec
 
 OFFSET = 37  # where the load is placed: not where it was compiled, so keys are re-rotated
 

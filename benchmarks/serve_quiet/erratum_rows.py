@@ -38,7 +38,7 @@ from typing import Any
 
 from kvnotes.bench.serving.erratum import BenchConfig
 from kvnotes.bench.serving.runs import run_erratum_rows
-from kvnotes.serving.launch import LaunchConfig
+from kvnotes.serving.launch.launcher import LaunchConfig
 
 OUT = Path("out/serve-bench")
 ALL = ("in-place", "erratum", "cold")

@@ -4,7 +4,7 @@ Keys are stored post-RoPE, as transformers caches hold them; every notebook oper
 new notebook. See the README for the tour and ``docs/`` for the guide.
 
 The public names below are imported on first use (PEP 562), so importing a part of kvnotes
-(``kvnotes.serving.connector`` in vLLM's process) does not import the engine or transformers.
+(``kvnotes.serving.vllm.connector`` in vLLM's process) does not import the engine or transformers.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.2"
+__version__ = "0.4.0"
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {

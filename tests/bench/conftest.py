@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.serving import launch as launch_mod
-from kvnotes.serving.server import VLLMServer
+from kvnotes.serving.launch import launcher as launch_mod
+from kvnotes.serving.launch.process import VLLMServer
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))

@@ -14,7 +14,7 @@ import pytest
 from kvnotes.bench.serving.erratum import BenchConfig
 from kvnotes.bench.serving.runs import Target, erratum_launch, run_erratum_rows
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving.launch import LaunchConfig
+from kvnotes.serving.launch.launcher import LaunchConfig
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "docs" / "results" / "serve-bench"

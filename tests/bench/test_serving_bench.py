@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvnotes.bench.serving.client import Client, check_loopback_url
 from kvnotes.bench.serving.erratum import BenchConfig, matrix_config, run_benchmark, validate_block_size
 from kvnotes.bench.serving.metrics import (
     HISTOGRAMS,
@@ -35,8 +36,7 @@ from kvnotes.bench.serving.workload import (
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
-from kvnotes.serving.client import Client, check_loopback_url
-from kvnotes.serving.server import VLLMServer, find_vllm_python
+from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -536,8 +536,8 @@ def test_async_concurrency_is_honoured(fake_server, conc):
 def test_bench_uses_async_openai_not_threads():
     import inspect
 
+    import kvnotes.bench.serving.client as client
     import kvnotes.bench.serving.erratum as bench
-    import kvnotes.serving.client as client
 
     src = inspect.getsource(bench) + inspect.getsource(client)
     for gone in ("threading", "http.client", "queue.Queue"):
@@ -771,7 +771,7 @@ def test_ctrl_c_or_sigterm_stops_the_launched_server(tmp_path, sig):
     script.write_text(textwrap.dedent(f"""\
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from kvnotes.serving.server import VLLMServer
+        from kvnotes.serving.launch.process import VLLMServer
         server = VLLMServer({str(tmp_path)!r}, served_name="fake-m", python=sys.executable,
                             module="_fake_vllm", env={{"PYTHONPATH": {str(TESTS)!r}}},
                             log_path={str(tmp_path / "server.log")!r}, startup_timeout=60)

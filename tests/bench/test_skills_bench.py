@@ -29,7 +29,8 @@ from kvnotes.bench.serving.skills import (
 )
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import ComposeClient, ComposeResult, prompt_ids
+from kvnotes.serving.compose_client import ComposeClient, ComposeResult
+from kvnotes.serving.planning.layout import prompt_ids
 
 
 def test_requests_pick_k_distinct_skills_in_random_order():

@@ -181,7 +181,7 @@ def test_soak_config_refuses_a_skill_outside_the_library():
 
 
 def test_soak_config_launches_a_small_cache(tmp_path):
-    from kvnotes.serving.launch import LaunchConfig
+    from kvnotes.serving.launch.launcher import LaunchConfig
 
     cfg = SoakConfig(kv_blocks=80, block_size=32, max_model_len=2048)
     launch = cfg.launch(LaunchConfig(model="smollm2-135m", extra_args=("--x",)), tmp_path)

@@ -261,7 +261,7 @@ def _path(seen: dict[str, str | None], module: str | None) -> str:
     return " <- ".join(chain)
 
 
-CONNECTOR = "kvnotes.serving.connector"
+CONNECTOR = "kvnotes.serving.vllm.connector"
 
 
 def test_the_connector_imports_no_engine_and_no_transformers():
@@ -274,9 +274,30 @@ def test_the_connector_imports_no_engine_and_no_transformers():
     assert {"torch", "vllm"} <= set(roots)  # the reader sees third-party imports
 
 
+# what the code under serving/vllm/ (vLLM's process) may import from kvnotes: the folder rule
+IN_VLLM = "kvnotes.serving.vllm"
+IN_VLLM_MAY_IMPORT = ("kvnotes.serving.vllm", "kvnotes.serving.library", "kvnotes.serving.planning",
+                      "kvnotes.core.errors", "kvnotes.core.fingerprint", "kvnotes.core.files",
+                      "kvnotes.core.positions", "kvnotes.core.document", "kvnotes.core.repair",
+                      "kvnotes.core.jsontext")
+
+
+def test_code_that_runs_inside_vllm_imports_only_the_serving_library_and_light_core():
+    deps = graph(third_party=True)
+    for module in (m for m in deps if m == IN_VLLM or m.startswith(IN_VLLM + ".")):
+        seen, _ = import_closure(module)
+        outside = sorted(m for m in seen if m.startswith("kvnotes.") and m.count(".") >= 2
+                         and not m.startswith(IN_VLLM_MAY_IMPORT))
+        assert not outside, f"{module} reaches {outside[0]}: {_path(seen, outside[0])}"
+    for folder in ("kvnotes.serving.library", "kvnotes.serving.planning"):
+        for module in (m for m in deps if m.startswith(folder + ".")):
+            assert not any(d.startswith(IN_VLLM) for d, _ in deps[module]), (
+                f"{module} imports vLLM-side code: serving/vllm/ sits above library/ and planning/")
+
+
 def test_the_serving_product_loads_without_the_engine_at_run_time():
     # the connector itself needs vllm; what it imports from kvnotes is these two
-    code = ("import sys, kvnotes.serving.piece_store, kvnotes.serving.splice\n"
+    code = ("import sys, kvnotes.serving.library.piece_store, kvnotes.serving.library.splice\n"
             "print(sorted(m for m in sys.modules if m == 'transformers' "
             "or m.startswith('transformers.') or m == 'kvnotes.core.engine'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kvnotes.serving.weights as weights_mod
+import kvnotes.serving.library.weights as weights_mod
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.connector_checks import (
+from kvnotes.serving.library.manifest import ServingManifest
+from kvnotes.serving.library.weights import SAMPLES, weights_digest
+from kvnotes.serving.vllm.checks import (
     ServedModel,
     check_layers,
     check_rope,
@@ -22,8 +24,6 @@ from kvnotes.serving.connector_checks import (
     check_weights,
     layer_index,
 )
-from kvnotes.serving.manifest import ServingManifest
-from kvnotes.serving.weights import SAMPLES, weights_digest
 
 HEAD_DIM = 16
 
@@ -168,7 +168,7 @@ def source_tensors() -> dict[str, torch.Tensor]:
             "model.norm.weight": torch.randn(16, generator=g)}
 
 
-def cast(tensors, dtype):  # what kvnotes.serving.export does to every floating tensor
+def cast(tensors, dtype):  # what kvnotes.serving.launch.export does to every floating tensor
     return {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
 
 
@@ -243,7 +243,7 @@ def test_the_digest_reads_headers_and_samples_not_the_weights(tmp_path, monkeypa
 def test_published_skills_record_the_weights_their_engine_was_loaded_from(tiny_folder, tmp_path):
     """The real path: skills published from a model folder, served from its bfloat16 export."""
     import kvnotes
-    from kvnotes.serving.export import export_hf_dir
+    from kvnotes.serving.launch.export import export_hf_dir
     from kvnotes.serving.skills import ServingSkills
 
     skills = ServingSkills(tmp_path / "skills", kvnotes.load(str(tiny_folder)))

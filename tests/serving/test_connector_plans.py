@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from kvnotes.serving.plans import SplicePlanner
-from kvnotes.serving.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
+from kvnotes.serving.vllm.plans import SplicePlanner
 
 BLOCK = 16
 

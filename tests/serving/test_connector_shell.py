@@ -26,8 +26,8 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.kv_writer import KvWriter, WorkerShare, rank_heads
 from kvnotes.serving.skills import ServingSkills
+from kvnotes.serving.vllm.kv_writer import KvWriter, WorkerShare, rank_heads
 
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 BLOCK = 16
@@ -80,9 +80,9 @@ def cmod():
         installed: list[str] = []
     except ImportError:
         installed = _stub_vllm()
-    sys.modules.pop("kvnotes.serving.connector", None)
-    yield importlib.import_module("kvnotes.serving.connector")
-    sys.modules.pop("kvnotes.serving.connector", None)
+    sys.modules.pop("kvnotes.serving.vllm.connector", None)
+    yield importlib.import_module("kvnotes.serving.vllm.connector")
+    sys.modules.pop("kvnotes.serving.vllm.connector", None)
     for name in installed:
         sys.modules.pop(name, None)
 
@@ -270,7 +270,7 @@ def test_the_connectors_modules_import_no_engine():
         "import sys, types, importlib\n"
         f"pkg = types.ModuleType('kvnotes'); pkg.__path__ = [{str(SRC / 'kvnotes')!r}]\n"
         "sys.modules['kvnotes'] = pkg\n"
-        "for m in ('plans', 'kv_writer', 'connector_checks', 'piece_store'):\n"
+        "for m in ('vllm.plans', 'vllm.kv_writer', 'vllm.checks', 'library.piece_store'):\n"
         "    importlib.import_module('kvnotes.serving.' + m)\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'vllm')\n"
         "       or m == 'kvnotes.core.engine' or m.startswith('kvnotes.ops')\n"

@@ -21,9 +21,10 @@ import pytest
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.compose_client import ComposeClient, cold_salt, prompt_ids
-from kvnotes.serving.launch import LaunchConfig, prepare
-from kvnotes.serving.server import find_vllm_python
+from kvnotes.serving.compose_client import ComposeClient, cold_salt
+from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+from kvnotes.serving.launch.process import find_vllm_python
+from kvnotes.serving.planning.layout import prompt_ids
 
 pytestmark = pytest.mark.vllm
 

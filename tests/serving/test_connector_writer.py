@@ -17,20 +17,20 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-import kvnotes.serving.kv_writer as kv_writer
-import kvnotes.serving.piece_store as piece_store
+import kvnotes.serving.library.piece_store as piece_store
+import kvnotes.serving.vllm.kv_writer as kv_writer
 from kvnotes.core import files
-from kvnotes.serving.kv_writer import (
+from kvnotes.serving.library.piece_store import PieceStore
+from kvnotes.serving.library.splice import PieceInfo, Placement, leading_run
+from kvnotes.serving.skills import ServingSkills
+from kvnotes.serving.vllm.kv_writer import (
     KvWriter,
     PieceCache,
     PieceUnavailable,
     WorkerShare,
     rank_heads,
 )
-from kvnotes.serving.piece_store import PieceStore
-from kvnotes.serving.plans import LoadSpec
-from kvnotes.serving.skills import ServingSkills
-from kvnotes.serving.splice import PieceInfo, Placement, leading_run
+from kvnotes.serving.vllm.plans import LoadSpec
 
 BLOCK = 16
 HEADER = "System: be brief and exact.\n"

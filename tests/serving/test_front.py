@@ -23,11 +23,11 @@ from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import part_ids
-from kvnotes.serving.front import REASON_HEADER, STATS_PATH, Front, FrontConfig
-from kvnotes.serving.front_match import SkillCatalog
-from kvnotes.serving.front_request import Unplannable, render_chat
-from kvnotes.serving.phases import part_spans, plan_phases
+from kvnotes.serving.front.app import REASON_HEADER, STATS_PATH, Front, FrontConfig
+from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.phases import part_spans, plan_phases
+from kvnotes.serving.planning.request import Unplannable, render_chat
 from kvnotes.serving.skills import ServingSkills
 
 BLOCK = 16

@@ -10,18 +10,18 @@ from transformers import AutoTokenizer
 from kvnotes.core.document import encode
 from kvnotes.core.errors import NotebookFileError
 from kvnotes.core.models import BUNDLED, kvnotes_home
-from kvnotes.serving.compose_client import part_ids, prompt_ids
-from kvnotes.serving.front_match import (
+from kvnotes.serving.library.manifest import entry_paths
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
+from kvnotes.serving.planning.front_plan import split_ids, strip_bos_text
+from kvnotes.serving.planning.layout import part_ids, prompt_ids
+from kvnotes.serving.planning.match import (
     Skill,
     SkillCatalog,
     find_skills,
     read_piece_info,
     skill_texts,
 )
-from kvnotes.serving.front_plan import split_ids, strip_bos_text
-from kvnotes.serving.manifest import entry_paths
 from kvnotes.serving.skills import ServingSkills
-from kvnotes.serving.splice import PieceIndex, PieceInfo
 
 HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
 REFUNDS = ("\nREFUNDS: a ticket is refunded in full when it is cancelled within 24 hours of "

@@ -21,10 +21,10 @@ from kvnotes.apps.agent.skills import skill_text
 from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient
-from kvnotes.serving.front import FrontConfig
-from kvnotes.serving.front_request import render_chat
-from kvnotes.serving.launch import LaunchConfig, prepare
-from kvnotes.serving.server import find_vllm_python
+from kvnotes.serving.front.app import FrontConfig
+from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+from kvnotes.serving.launch.process import find_vllm_python
+from kvnotes.serving.planning.request import render_chat
 
 pytestmark = pytest.mark.vllm
 

@@ -15,16 +15,16 @@ from typer.testing import CliRunner
 import kvnotes
 from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving import launch as launch_mod
-from kvnotes.serving.connector_path import SOURCE_ROOT
-from kvnotes.serving.front import STATS_PATH, FrontConfig
-from kvnotes.serving.launch import (
+from kvnotes.serving.front.app import STATS_PATH, FrontConfig
+from kvnotes.serving.launch import launcher as launch_mod
+from kvnotes.serving.launch.launcher import (
     Launch,
     LaunchConfig,
     kv_transfer_config,
     prepare,
 )
-from kvnotes.serving.server import VLLMServer, check_kv_cache_gib
+from kvnotes.serving.launch.paths import SOURCE_ROOT
+from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
 
 WHOLE_GIB = r"whole GiB .*e\.g\. --kv-cache-gib 1"
 
@@ -80,7 +80,7 @@ def test_serve_refuses_a_fraction_before_loading_the_model(tmp_path, monkeypatch
 def test_kv_transfer_config_recomputes_failed_loads(tmp_path):
     cfg = kv_transfer_config(tmp_path, max_gib=1.5)
     assert cfg == {"kv_connector": "KvnotesConnector",
-                   "kv_connector_module_path": "kvnotes.serving.connector",
+                   "kv_connector_module_path": "kvnotes.serving.vllm.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"skills": str(tmp_path), "max_gib": 1.5}}
 

@@ -13,7 +13,7 @@ from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
 from kvnotes.core.notebook import FILE_FORMAT, FILE_VERSION
 from kvnotes.serving.compose_client import ComposeClient
-from kvnotes.serving.manifest import (
+from kvnotes.serving.library.manifest import (
     ENTRY_FORMAT,
     ENTRY_VERSION,
     MANIFEST_NAME,

@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import NO_REPAIR, Repair, repaired_end
-from kvnotes.serving.manifest import is_splice_salt, salt_tag, salt_tenant
-from kvnotes.serving.phases import (
+from kvnotes.serving.library.manifest import is_splice_salt, salt_tag, salt_tenant
+from kvnotes.serving.library.splice import (
+    SPLICE_PARAMS_KEY,
+    PieceIndex,
+    PieceInfo,
+    SpliceRange,
+    check_ranges,
+    range_run,
+)
+from kvnotes.serving.planning.phases import (
     PartSpan,
     completion_body,
     guard_fires,
@@ -18,14 +26,6 @@ from kvnotes.serving.phases import (
     part_spans,
     plan_phases,
     server_repair,
-)
-from kvnotes.serving.splice import (
-    SPLICE_PARAMS_KEY,
-    PieceIndex,
-    PieceInfo,
-    SpliceRange,
-    check_ranges,
-    range_run,
 )
 
 

@@ -34,8 +34,8 @@ READER = textwrap.dedent("""
     import json, logging, sys, time
     from pathlib import Path
     import torch
-    from kvnotes.serving.piece_store import PieceStore
-    from kvnotes.serving.kv_writer import KvWriter, PieceUnavailable, WorkerShare
+    from kvnotes.serving.library.piece_store import PieceStore
+    from kvnotes.serving.vllm.kv_writer import KvWriter, PieceUnavailable, WorkerShare
 
     folder, ready, done, out, status = (Path(a) for a in sys.argv[1:6])
     warnings = []

@@ -15,12 +15,9 @@ from conftest import make_tiny_engine
 
 from kvnotes.core.errors import UnsupportedModelError
 from kvnotes.core.tiny import ByteTokenizer, tiny_model
-from kvnotes.serving.kv_writer import KvWriter, WorkerShare
-from kvnotes.serving.manifest import ServingManifest, read_entry
-from kvnotes.serving.piece_store import PieceStore
-from kvnotes.serving.plans import LoadSpec
-from kvnotes.serving.skills import ServingSkills, check_servable
-from kvnotes.serving.splice import (
+from kvnotes.serving.library.manifest import ServingManifest, read_entry
+from kvnotes.serving.library.piece_store import PieceStore
+from kvnotes.serving.library.splice import (
     KEY_TOKENS,
     PieceIndex,
     PieceInfo,
@@ -29,6 +26,9 @@ from kvnotes.serving.splice import (
     leading_run,
     slot_mapping,
 )
+from kvnotes.serving.skills import ServingSkills, check_servable
+from kvnotes.serving.vllm.kv_writer import KvWriter, WorkerShare
+from kvnotes.serving.vllm.plans import LoadSpec
 
 
 def piece(key: str, ids, origin: int = 0) -> PieceInfo:

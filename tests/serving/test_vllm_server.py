@@ -22,10 +22,10 @@ from kvnotes.bench.serving.erratum import BenchConfig, run_benchmark
 from kvnotes.bench.serving.kit import ServerRecord
 from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
-from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.launch import LaunchConfig, prepare
-from kvnotes.serving.server import find_vllm_python
+from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+from kvnotes.serving.launch.process import find_vllm_python
+from kvnotes.serving.upstream import Client
 
 pytestmark = pytest.mark.vllm
 

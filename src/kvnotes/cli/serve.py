@@ -53,9 +53,9 @@ def serve(
     registered skills found in a request's prompt are spliced (their first tokens recomputed in
     context) for any OpenAI client. Stops on Ctrl-C."""
     import kvnotes
-    from kvnotes.serving.front import FrontConfig
-    from kvnotes.serving.launch import LaunchConfig, prepare
-    from kvnotes.serving.manifest import SPLICE_SALT
+    from kvnotes.serving.front.app import FrontConfig
+    from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+    from kvnotes.serving.library.manifest import SPLICE_SALT
 
     front = None if no_front else FrontConfig(port=port, repair=repair, guard=guard)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,

@@ -1,7 +1,7 @@
 """``kvnotes serve-bench erratum|skills|soak``: the serving benchmarks on a real vLLM server.
 
 Both subcommands take the same server options (``--url`` of a running loopback server, or
-``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch`), gathered in
+``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch.launcher`), gathered in
 :class:`ServerOptions`; each workload's own options become its config dataclass
 (:class:`~kvnotes.bench.serving.erratum.BenchConfig`,
 :class:`~kvnotes.bench.serving.skills.SkillsBenchConfig`), which validates them.
@@ -119,7 +119,7 @@ class ServerOptions:
         """The :class:`~kvnotes.bench.serving.runs.Target` of these options (``max_model_len``
         None: fitted to the workload by the runner)."""
         from kvnotes.bench.serving.runs import Target
-        from kvnotes.serving.launch import LaunchConfig
+        from kvnotes.serving.launch.launcher import LaunchConfig
 
         if self.url:
             return Target(url=self.url, request_timeout_s=self.request_timeout)

@@ -1,17 +1,23 @@
-"""kvnotes in a vLLM server: the product side.
+"""kvnotes in a vLLM server: the product side, laid out by where the code runs.
 
-- :mod:`~kvnotes.serving.connector`: the vLLM KV connector (the only module that imports vLLM)
-  splices published skills into requests salted ``kvnotes-splice``;
-- :mod:`~kvnotes.serving.piece_store` and :mod:`~kvnotes.serving.splice`: what it may splice
-  and where (tested without vLLM);
-- :mod:`~kvnotes.serving.manifest`: what server and clients agree on (the salt, the serving
-  manifest, reading an entry), free of the engine;
-- :mod:`~kvnotes.serving.skills`: compiling and publishing skills with kvnotes' engine;
-- :mod:`~kvnotes.serving.launch`: the one way a server is started (:class:`LaunchConfig`,
-  :func:`prepare`), on :mod:`~kvnotes.serving.server` and :mod:`~kvnotes.serving.export`;
-- :mod:`~kvnotes.serving.compose_client` and :mod:`~kvnotes.serving.client`: talking to it.
+- ``vllm/``: what runs inside vLLM's process: the KV connector (:mod:`.vllm.connector`, the
+  only code that imports vLLM), its scheduler plans, the worker's KV writer and the start-up
+  checks. Its import closure holds only ``kvnotes.core``'s light modules, ``library/`` and
+  ``planning/``: never the engine or transformers (tests/core/test_layers.py).
+- ``library/``: a serving-skills folder as every side reads it: the manifest and salts, the
+  piece store that follows the folder, the pieces' index and where a server may splice them
+  (leading runs, splice ranges, slots), the served weights' digest. Free of the engine.
+- ``planning/``: pure planning shared by the front and the compose client: phased repair, the
+  prompt layout, matching registered skills in text, reading one OpenAI
+  request and turning it into vLLM request bodies. Tested without a server.
+- ``front/``: the OpenAI-compatible front that plans ordinary requests.
+- ``launch/``: the one way a server is started (:class:`LaunchConfig`, :func:`prepare`): the
+  vLLM child process and the vLLM-ready model export; :mod:`~kvnotes.serving.upstream` is the
+  loopback client of vLLM's own endpoints (health, metrics, models).
+- :mod:`~kvnotes.serving.skills` (compiling and publishing skills with kvnotes' engine) and
+  :mod:`~kvnotes.serving.compose_client` (a client that sends composed, phased requests).
 
-Importing this package imports nothing: vLLM's process imports ``kvnotes.serving.connector``,
+Importing this package imports nothing: vLLM's process imports ``kvnotes.serving.vllm.connector``,
 and its import closure must stay free of the engine and of transformers. The names below are
 loaded on first use.
 """
@@ -23,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "ComposeClient": "compose_client", "ComposeResult": "compose_client",
-    "Launch": "launch", "LaunchConfig": "launch", "LaunchRecord": "launch", "prepare": "launch",
-    "export_model": "launch",
-    "ServingManifest": "manifest", "SPLICE_SALT": "manifest", "is_splice_salt": "manifest",
-    "splice_salt": "manifest", "read_entry": "manifest",
+    "Launch": "launch.launcher", "LaunchConfig": "launch.launcher",
+    "LaunchRecord": "launch.launcher", "prepare": "launch.launcher",
+    "export_model": "launch.launcher",
+    "ServingManifest": "library.manifest", "SPLICE_SALT": "library.manifest",
+    "is_splice_salt": "library.manifest", "splice_salt": "library.manifest",
+    "read_entry": "library.manifest",
     "ServingSkills": "skills",
-    "VLLMServer": "server",
+    "VLLMServer": "launch.process",
 }
 
 __all__ = [  # the names _EXPORTS loads
@@ -39,15 +47,15 @@ __all__ = [  # the names _EXPORTS loads
 
 if TYPE_CHECKING:
     from kvnotes.serving.compose_client import ComposeClient, ComposeResult
-    from kvnotes.serving.launch import Launch, LaunchConfig, LaunchRecord, export_model, prepare
-    from kvnotes.serving.manifest import (
+    from kvnotes.serving.launch.launcher import Launch, LaunchConfig, LaunchRecord, export_model, prepare
+    from kvnotes.serving.launch.process import VLLMServer
+    from kvnotes.serving.library.manifest import (
         SPLICE_SALT,
         ServingManifest,
         is_splice_salt,
         read_entry,
         splice_salt,
     )
-    from kvnotes.serving.server import VLLMServer
     from kvnotes.serving.skills import ServingSkills
 
 

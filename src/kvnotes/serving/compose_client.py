@@ -9,7 +9,7 @@ spliced KV (docs/serving.md). Talks to the server through the ``openai`` client 
 completions, ``extra_body`` for the salt and the splice ranges).
 
 With a :class:`~kvnotes.core.repair.Repair`, a request is sent as a phased prefill
-(:mod:`kvnotes.serving.phases`): the client reads which parts are registered skills, and where
+(:mod:`kvnotes.serving.planning.phases`): the client reads which parts are registered skills, and where
 each was compiled, from the server's skills folder (the one ``kvnotes serve --skills`` and
 ``ServingSkills`` publish to), plans the phases, sends them one after the other, then the real
 request; with a guard, a first token whose top-2 margin is below it is answered by an exact
@@ -25,12 +25,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.core.repair import Repair
-from kvnotes.serving.client import check_loopback_url
-from kvnotes.serving.manifest import splice_salt
-from kvnotes.serving.phases import (
+from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.library.piece_store import PieceStore
+from kvnotes.serving.library.splice import PieceIndex
+from kvnotes.serving.planning.layout import part_ids, prompt_ids
+from kvnotes.serving.planning.phases import (
     PhasePlan,
     check_tau,
     completion_body,
@@ -39,29 +40,10 @@ from kvnotes.serving.phases import (
     part_spans,
     plan_phases,
 )
-from kvnotes.serving.piece_store import PieceStore
-from kvnotes.serving.splice import PieceIndex
+from kvnotes.serving.upstream import check_loopback_url
 
 # body keys the openai client does not know: sent through extra_body
 _EXTRA_KEYS = ("cache_salt", "kv_transfer_params", "kvnotes")  # not the SDK's own fields
-
-
-def part_ids(tokenizer: Any, parts: Sequence[str]) -> list[list[int]]:
-    """Each part's token ids as ``engine.compose`` lays them out: BOS first, as a part of its
-    own, when the tokenizer adds one, then each part encoded alone (no special tokens)."""
-    if isinstance(parts, str):
-        raise TypeError("parts is a list of strings (header, skills, user text), not one string")
-    out: list[list[int]] = []
-    bos = added_bos(tokenizer)  # the engine's BOS rule
-    if bos is not None:
-        out.append([bos])
-    out += [list(encode(tokenizer, part)) for part in parts]
-    return out
-
-
-def prompt_ids(tokenizer: Any, parts: Sequence[str]) -> list[int]:
-    """Token ids of ``parts`` as ``engine.compose`` lays them out."""
-    return [t for ids in part_ids(tokenizer, parts) for t in ids]
 
 
 @dataclass
@@ -163,7 +145,7 @@ class ComposeClient:
         ``salt`` overrides both (e.g. a fresh salt per request for a cold prefill).
 
         ``repair`` (with ``parts``): a phased prefill, each skill's first tokens computed in
-        context by vLLM (:mod:`kvnotes.serving.phases`); ``guard`` (a log-prob margin, with a
+        context by vLLM (:mod:`kvnotes.serving.planning.phases`); ``guard`` (a log-prob margin, with a
         repair): when the first answer token's top-1 minus top-2 is below it, the answer comes
         from an exact request. TTFT then counts from the first phase to the first token of the
         answer returned.

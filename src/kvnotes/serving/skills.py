@@ -2,7 +2,7 @@
 
 The skills live in an ordinary :class:`~kvnotes.SkillLibrary` (one folder per model
 fingerprint, one content-addressed notebook file per skill) beside the serving manifest
-(:mod:`kvnotes.serving.manifest` describes the folder and reads it without an engine).
+(:mod:`kvnotes.serving.library.manifest` describes the folder and reads it without an engine).
 
 Compilation happens in kvnotes' engine (float32), not in the server: an entry holds the same
 notes ``engine.compile`` gives, so a spliced request can be checked token for token against
@@ -15,7 +15,7 @@ Library entries are published atomically and are content-addressed, so a server 
 the folder sees a skill completely or not at all.
 
 The manifest records the digests of the weights the engine was loaded from
-(:mod:`kvnotes.serving.weights`), so a server running other weights of the same shape (a
+(:mod:`kvnotes.serving.library.weights`), so a server running other weights of the same shape (a
 fine-tune) is refused at start.
 """
 
@@ -28,9 +28,9 @@ from kvnotes.core.engine import Engine
 from kvnotes.core.errors import ArgumentTypeError, NotebookFileError, UnsupportedModelError
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
-from kvnotes.serving.manifest import ServingManifest, entry_paths, read_entry
-from kvnotes.serving.splice import PieceInfo
-from kvnotes.serving.weights import weight_files, weights_digest
+from kvnotes.serving.library.manifest import ServingManifest, entry_paths, read_entry
+from kvnotes.serving.library.splice import PieceInfo
+from kvnotes.serving.library.weights import weight_files, weights_digest
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
 

@@ -7,5 +7,5 @@
   :mod:`~kvnotes.bench.serving.report`: the erratum workload, its runner and its report;
 - :mod:`~kvnotes.bench.serving.skills`: the skills workload (composition inside vLLM);
 - :mod:`~kvnotes.bench.serving.runs`: either workload against a running server or one started
-  by :mod:`kvnotes.serving.launch`.
+  by :mod:`kvnotes.serving.launch.launcher`.
 """

@@ -126,9 +126,9 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
     from openai import AsyncOpenAI
 
     from kvnotes.bench.serving.prompt_sets import user_text
-    from kvnotes.serving.client import Client
-    from kvnotes.serving.compose_client import prompt_ids
-    from kvnotes.serving.manifest import splice_salt
+    from kvnotes.serving.library.manifest import splice_salt
+    from kvnotes.serving.planning.layout import prompt_ids
+    from kvnotes.serving.upstream import Client
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,
                          max_retries=0)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.serving import kit
+from kvnotes.bench.serving.client import Client, StreamResult, stream_chat
 from kvnotes.bench.serving.kit import (
     MachineRecord,
     P90Ratio,
@@ -43,10 +44,9 @@ from kvnotes.bench.serving.workload import (
 )
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
-from kvnotes.serving.client import Client, StreamResult, stream_chat
 
 if TYPE_CHECKING:
-    from kvnotes.serving.launch import LaunchRecord
+    from kvnotes.serving.launch.launcher import LaunchRecord
 
 __all__ = ["Answers", "BenchConfig", "ErratumPhase", "ErratumResult", "RequestRecord",
            "matrix_config", "run_benchmark", "validate_block_size"]

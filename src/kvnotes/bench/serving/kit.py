@@ -29,7 +29,7 @@ from kvnotes.bench.serving.metrics import (
 )
 from kvnotes.core.errors import ServingError
 from kvnotes.core.machine import cpu_flags, cpu_model, load_average
-from kvnotes.serving.client import Client
+from kvnotes.serving.upstream import Client
 
 __all__ = ["count_kinds", "failure_lines", "fmt_kinds", "fmt_load", "fmt_ms", "fmt_pct", "fmt_s",
            "load_now", "MachineRecord", "Outcome", "p90_ratios", "P90Ratio", "phase_line",

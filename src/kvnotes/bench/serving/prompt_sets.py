@@ -30,7 +30,7 @@ from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_names, skill_text
 from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.serving.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 
 if TYPE_CHECKING:
     from kvnotes.serving.skills import ServingSkills

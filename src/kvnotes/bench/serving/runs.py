@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.bench.serving.erratum import BenchConfig, ErratumResult, run_benchmark
 from kvnotes.bench.serving.report import markdown_table, write_outputs
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving import launch as launcher
-from kvnotes.serving.client import Client
+from kvnotes.serving.launch import launcher as launcher
+from kvnotes.serving.upstream import Client
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.prompt_sets import PromptSet
@@ -148,7 +148,7 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     assert target.launch is not None  # Target's invariant
     base = dataclasses.replace(target.launch, skills=skills_dir)
     if config.via == "front":
-        from kvnotes.serving.front import FrontConfig
+        from kvnotes.serving.front.app import FrontConfig
 
         base = dataclasses.replace(base, front=base.front or FrontConfig(
             timeout=target.request_timeout_s))

@@ -10,7 +10,7 @@ decision the function name the answer writes). Policies:
   exact same leading pieces in the same order;
 - ``compose``: the splice salt, so the connector supplies the leading run of known pieces and
   prefix caching reuses repeats of the same spliced order (the bare splice);
-- ``repaired``: a phased prefill (:mod:`kvnotes.serving.phases`): the first ``repair`` tokens
+- ``repaired``: a phased prefill (:mod:`kvnotes.serving.planning.phases`): the first ``repair`` tokens
   of every skill not exactly placed are computed in context by vLLM, each region ending on a
   block boundary, the rest spliced (``Repair(first=repair)`` aligned to the server's block
   size; 32, the default, is the rule ``Engine.compose`` follows by default);
@@ -66,13 +66,13 @@ from kvnotes.bench.serving.prompt_sets import (
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.eval.reports import write_bundle
-from kvnotes.serving.client import Client
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
-from kvnotes.serving.phases import check_tau, margin
+from kvnotes.serving.planning.phases import check_tau, margin
+from kvnotes.serving.upstream import Client
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.engine_check import EngineCheck
-    from kvnotes.serving.launch import LaunchRecord
+    from kvnotes.serving.launch.launcher import LaunchRecord
 
 SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
 SPLICED_POLICIES = ("compose", "repaired", "guarded")  # the ones fidelity is measured for

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from kvnotes.bench.serving.corun import CorunConfig, CorunResult
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
-    from kvnotes.serving.launch import LaunchConfig, LaunchRecord
+    from kvnotes.serving.launch.launcher import LaunchConfig, LaunchRecord
     from kvnotes.serving.skills import ServingSkills
 
 # short user turns: every reference is computed by the engine, and a distinct prompt costs its
@@ -225,7 +225,7 @@ def volatile_name(i: int) -> str:
 
 
 def salt_of(spec: RequestSpec) -> str | None:
-    from kvnotes.serving.manifest import splice_salt
+    from kvnotes.serving.library.manifest import splice_salt
 
     return None if spec.kind == "exact" else splice_salt(spec.tenant)
 
@@ -340,7 +340,7 @@ async def soak_clients(url: str, model: str, tokenizer: Any, config: SoakConfig,
 
     from openai import AsyncOpenAI
 
-    from kvnotes.serving.compose_client import prompt_ids
+    from kvnotes.serving.planning.layout import prompt_ids
 
     # the event task compiles skills in a thread with the engine's tokenizer; a fast
     # tokenizer refuses two threads at once, so the clients tokenize with their own copy
@@ -508,8 +508,8 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
 
     from kvnotes.apps.agent.prompt import HEADER
     from kvnotes.bench.serving.prompt_sets import register_skills, skill_texts
-    from kvnotes.serving import launch as launcher
-    from kvnotes.serving.client import Client
+    from kvnotes.serving.launch import launcher as launcher
+    from kvnotes.serving.upstream import Client
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     launch = launcher.prepare(config.launch(base, out / "skills"), engine)

@@ -157,7 +157,7 @@ class EngineOracle:
 
     def ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, laid out as the soak's client sends them."""
-        from kvnotes.serving.compose_client import prompt_ids
+        from kvnotes.serving.planning.layout import prompt_ids
 
         return prompt_ids(self.engine.tokenizer, self.part_texts(prompt))
 
@@ -229,7 +229,7 @@ class EngineOracle:
         """The exact prefill of the header and ``skills``, each prefix computed once (prompts
         that share leading skills share their prefill, as a prefix cache would)."""
         from kvnotes.core.document import encode
-        from kvnotes.serving.compose_client import prompt_ids
+        from kvnotes.serving.planning.layout import prompt_ids
 
         if skills not in self._exact:
             if not skills:

@@ -3,16 +3,16 @@
 :func:`prepare` exports a vLLM-ready copy of the model, builds the command line and environment
 and returns a :class:`Launch`; entering it starts the server and waits until it is healthy,
 leaving it stops the server. With ``LaunchConfig.skills`` set, the server loads
-:class:`~kvnotes.serving.connector.KvnotesConnector` over that skill library (the model is first
+:class:`~kvnotes.serving.vllm.connector.KvnotesConnector` over that skill library (the model is first
 checked to be splicable exactly, and the serving manifest written); without it, it is plain vLLM
 with prefix caching. With ``LaunchConfig.front`` set too, the OpenAI front
-(:mod:`kvnotes.serving.front`) runs in front of it: vLLM listens on a free loopback port, the
+(:mod:`kvnotes.serving.front.app`) runs in front of it: vLLM listens on a free loopback port, the
 front on ``front.port``, and :attr:`Launch.url` is the front's (it listens before vLLM starts
 and stops before vLLM does). ``kvnotes serve``, ``kvnotes serve-bench`` and the benchmark scripts all
 start their servers here.
 
 Example:
-    >>> from kvnotes.serving.launch import LaunchConfig, prepare          # doctest: +SKIP
+    >>> from kvnotes.serving.launch.launcher import LaunchConfig, prepare          # doctest: +SKIP
     >>> with prepare(LaunchConfig(model="smollm2-135m", kv_cache_gib=2)) as launch:  # doctest: +SKIP
     ...     print(launch.url)
 """
@@ -27,17 +27,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import cpu_flags
-from kvnotes.serving.connector_path import SOURCE_ROOT
-from kvnotes.serving.export import export_hf_dir
-from kvnotes.serving.server import VLLMServer, check_kv_cache_gib
+from kvnotes.serving.launch.export import export_hf_dir
+from kvnotes.serving.launch.paths import SOURCE_ROOT
+from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
-    from kvnotes.serving.front import Front, FrontConfig
+    from kvnotes.serving.front.app import Front, FrontConfig
     from kvnotes.serving.skills import ServingSkills
 
 CONNECTOR_CLASS = "KvnotesConnector"
-CONNECTOR_MODULE = "kvnotes.serving.connector"
+CONNECTOR_MODULE = "kvnotes.serving.vllm.connector"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -253,8 +253,8 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
 
 def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
            engine: Engine) -> Front:
-    from kvnotes.serving.front import Front
-    from kvnotes.serving.front_match import SkillCatalog
+    from kvnotes.serving.front.app import Front
+    from kvnotes.serving.planning.match import SkillCatalog
 
     settings = replace(front, upstream=upstream,
                        block_size=front.block_size or config.block_size)

@@ -3,7 +3,7 @@
 The scheduler matches prompts against this index (token ids, origins and keys only). Indexing an
 entry reads its JSON header and its token ids and positions, never its keys and values: those
 are read, and the whole file checksummed, by each worker when it loads
-(:mod:`kvnotes.serving.kv_writer`), so an entry damaged in its tensors is indexed and then fails
+(:mod:`kvnotes.serving.vllm.kv_writer`), so an entry damaged in its tensors is indexed and then fails
 its load (recomputed by vLLM). Imports
 nothing from vLLM or the engine, so it is tested without either. Entries published while the
 server runs are picked up at the next match (the folder is rescanned when its modification time
@@ -23,13 +23,13 @@ from pathlib import Path
 from kvnotes.core import files
 from kvnotes.core.errors import KvnotesError, NotebookFileError
 from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.serving.manifest import (
+from kvnotes.serving.library.manifest import (
     ENTRY_FORMAT,
     ENTRY_VERSION,
     ServingManifest,
     entry_paths,
 )
-from kvnotes.serving.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 
@@ -45,7 +45,7 @@ class PieceStore:
     """Index over one model's skill-library folder.
 
     Args:
-        folder: ``ROOT/<fingerprint id>`` (see :mod:`kvnotes.serving.manifest`).
+        folder: ``ROOT/<fingerprint id>`` (see :mod:`kvnotes.serving.library.manifest`).
         rescan_s: how often, at most, the folder's modification time is checked.
         max_entry_bytes: entries larger than this on disk are skipped unread.
     """

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.serving.splice import (
+from kvnotes.serving.library.splice import (
     PieceIndex,
     Placement,
     check_ranges,
@@ -80,7 +80,7 @@ class SplicePlanner:
     """Plans and loads by request id, as the scheduler's three calls hand them over.
 
     Example:
-        >>> from kvnotes.serving.splice import PieceInfo
+        >>> from kvnotes.serving.library.splice import PieceInfo
         >>> idx = PieceIndex(); idx.add(PieceInfo("k", "skill", tuple(range(40)), 0))
         >>> planner = SplicePlanner(block_size=16)
         >>> planner.match("r1", None, list(range(41)), 0, idx)

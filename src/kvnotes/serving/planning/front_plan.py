@@ -1,13 +1,13 @@
 """From one front request to the vLLM request bodies that splice it (phases, real, exact).
 
-A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serving.front_match`)
+A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serving.planning.match`)
 and tokenized part by part as ``engine.compose`` lays a prompt out (BOS when the tokenizer adds
 one, then each part alone: the layout of ``compose_client.prompt_ids``); a prompt of token ids
 is split where the pieces' tokens occur. The part layout is planned by
-:func:`kvnotes.serving.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
+:func:`kvnotes.serving.planning.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
 salt), and the bodies come from the plan's builders with the client's sampling fields laid
 over them. A prompt with no registered skill, or whose skills are all recomputed, raises
-:class:`~kvnotes.serving.front_request.Unplannable` (the request is forwarded as it came).
+:class:`~kvnotes.serving.planning.request.Unplannable` (the request is forwarded as it came).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 from kvnotes.core.document import added_bos
 from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import part_ids
-from kvnotes.serving.front_match import SkillCatalog
-from kvnotes.serving.front_request import FrontRequest, Unplannable
-from kvnotes.serving.phases import PartSpan, PhasePlan, completion_body, part_spans, plan_phases
-from kvnotes.serving.splice import PieceIndex
+from kvnotes.serving.library.splice import PieceIndex
+from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, part_spans, plan_phases
+from kvnotes.serving.planning.request import FrontRequest, Unplannable
 
 # fields of the plan's bodies the client's own values replace (or remove, when it sent none:
 # vLLM's defaults then apply, as for a request sent to vLLM directly)

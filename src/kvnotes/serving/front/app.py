@@ -5,14 +5,14 @@ on the port users are given. The front answers the OpenAI endpoints:
 
 - ``POST /v1/completions`` (a text prompt, or token ids) and ``POST /v1/chat/completions``
   (messages rendered with the model's chat template), streamed or not: registered skills found
-  in the prompt's text are spliced (:mod:`~kvnotes.serving.front_match`), the prompt is sent
+  in the prompt's text are spliced (:mod:`~kvnotes.serving.planning.match`), the prompt is sent
   part by part as ``engine.compose`` lays it out, each spliced skill's first tokens are
-  recomputed in context through phases (:mod:`~kvnotes.serving.phases`), and the answer comes
-  back in the client's format with ``usage.kvnotes`` (:mod:`~kvnotes.serving.front_format`);
+  recomputed in context through phases (:mod:`~kvnotes.serving.planning.phases`), and the answer comes
+  back in the client's format with ``usage.kvnotes`` (:mod:`~kvnotes.serving.front.format`);
 - ``GET /v1/models``, ``/health`` and every other path: passed to vLLM as they are;
 - ``GET /kvnotes/stats``: the front's counters.
 
-Per request, ``extra_body={"kvnotes": {...}}`` (:class:`~kvnotes.serving.front_request.FrontOptions`):
+Per request, ``extra_body={"kvnotes": {...}}`` (:class:`~kvnotes.serving.planning.request.FrontOptions`):
 ``splice`` (false: forwarded exactly), ``tenant``, ``repair`` (first tokens), ``guard`` (tau).
 A request the front cannot plan (no skill found, a field it does not model, a template that
 fails) is forwarded to vLLM exactly as it came, never refused; the reason is in the
@@ -43,19 +43,19 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, ServingError
 from kvnotes.core.repair import DEFAULT_FIRST, Repair
-from kvnotes.serving.client import check_loopback_url
-from kvnotes.serving.front_format import DONE, Shaper, first_top_logprobs, parse_sse_line, sse
-from kvnotes.serving.front_match import SkillCatalog
-from kvnotes.serving.front_plan import FrontPlan, exact_body, phase_bodies, plan_request, real_body
-from kvnotes.serving.front_request import (
+from kvnotes.serving.front.format import DONE, Shaper, first_top_logprobs, parse_sse_line, sse
+from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, phase_bodies, plan_request, real_body
+from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.phases import check_tau, guard_fires
+from kvnotes.serving.planning.request import (
     ENDPOINTS,
     OPTIONS_KEY,
     FrontRequest,
     Unplannable,
     read_request,
 )
-from kvnotes.serving.manifest import splice_salt
-from kvnotes.serving.phases import check_tau, guard_fires
+from kvnotes.serving.upstream import check_loopback_url
 
 STATS_PATH = "/kvnotes/stats"
 REASON_HEADER = "x-kvnotes"

@@ -3,7 +3,7 @@
 Loaded by vLLM out of tree (``kvnotes serve`` passes these flags)::
 
     --kv-transfer-config '{"kv_connector": "KvnotesConnector",
-                           "kv_connector_module_path": "kvnotes.serving.connector",
+                           "kv_connector_module_path": "kvnotes.serving.vllm.connector",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"skills": "ROOT/<fingerprint>"}}'
 
@@ -13,9 +13,9 @@ to, a prefill), a tenant's apart from other tenants' and one repair plan's (the 
 another's; the worker's tensor cache is namespaced by tenant. Every other request is served
 exactly as without kvnotes.
 
-Scheduler side (:mod:`kvnotes.serving.plans`): a request that names splice ranges
+Scheduler side (:mod:`kvnotes.serving.vllm.plans`): a request that names splice ranges
 (``kv_transfer_params={"kvnotes_splice": [[piece_start, start, end], ...]}``, sent by
-:mod:`kvnotes.serving.phases`' plans) is supplied only inside those ranges, from vLLM's local
+:mod:`kvnotes.serving.planning.phases`' plans) is supplied only inside those ranges, from vLLM's local
 prefix hit on; any other spliced request gets the prompt's leading run of registered pieces
 past the local hit. Either way the external tokens are one contiguous run right after the
 local hit (all vLLM takes), leaving at least one token to compute. The load is recorded with
@@ -23,7 +23,7 @@ the request's blocks when vLLM allocates them and handed to the workers in the s
 schedules the request: a new one, or one resumed after preemption (which the V1 model runner
 lists among its cached requests).
 
-Worker side (:mod:`kvnotes.serving.kv_writer`): before the forward, build each load's keys (re-
+Worker side (:mod:`kvnotes.serving.vllm.kv_writer`): before the forward, build each load's keys (re-
 rotated from where each piece was compiled to its place in the prompt) and values on the cache's
 device, for this rank's KV heads and this stage's layers, and write them through the attention
 backend's own ``do_kv_cache_update`` (the cache layout, fp8 scales included, stays the
@@ -31,7 +31,7 @@ backend's). A piece deleted, damaged or replaced since it was planned fails its 
 go to ``get_block_ids_with_load_errors`` and vLLM recomputes them (policy ``"recompute"``; with
 vLLM's default ``"fail"`` the request fails instead, so the connector warns at start).
 
-Refused at server start, each with the setting to change (:mod:`kvnotes.serving.connector_checks`):
+Refused at server start, each with the setting to change (:mod:`kvnotes.serving.vllm.checks`):
 a model other than the skills' (shape, or RoPE tables differing from vLLM's rotary embedding),
 speculative decoding with draft layers, LoRA, MLA, decode/prefill context parallelism,
 KV-sharing layers, a backend without a separate cache write, a cache whose heads, head size,
@@ -54,18 +54,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.serving.connector_checks import (
+from kvnotes.serving.library.manifest import ServingManifest, is_splice_salt, salt_tenant
+from kvnotes.serving.library.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
+from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY
+from kvnotes.serving.vllm.checks import (
     ServedModel,
     check_layers,
     check_rope,
     check_served,
     check_weights,
 )
-from kvnotes.serving.kv_writer import KvWriter, WorkerShare, rank_heads
-from kvnotes.serving.manifest import ServingManifest, is_splice_salt, salt_tenant
-from kvnotes.serving.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
-from kvnotes.serving.plans import LoadSpec, SplicePlanner
-from kvnotes.serving.splice import SPLICE_PARAMS_KEY
+from kvnotes.serving.vllm.kv_writer import KvWriter, WorkerShare, rank_heads
+from kvnotes.serving.vllm.plans import LoadSpec, SplicePlanner
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

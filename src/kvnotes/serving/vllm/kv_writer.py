@@ -29,9 +29,9 @@ import torch
 
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
 from kvnotes.core.positions.rope import rotate_keys
-from kvnotes.serving.manifest import ENTRY_SUFFIX, ServingManifest, read_entry
-from kvnotes.serving.plans import LoadSpec
-from kvnotes.serving.splice import PieceInfo, Placement
+from kvnotes.serving.library.manifest import ENTRY_SUFFIX, ServingManifest, read_entry
+from kvnotes.serving.library.splice import PieceInfo, Placement
+from kvnotes.serving.vllm.plans import LoadSpec
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 

@@ -11,7 +11,7 @@ connector checks, before the first request:
   another write), decode/prefill context parallel (slots interleaved across ranks);
 - :func:`check_weights` (both processes, from the model path vLLM serves): the served weights
   are the ones the skills were compiled with (digests of sampled elements,
-  :mod:`kvnotes.serving.weights`): a fine-tune of the same shape passes every other check;
+  :mod:`kvnotes.serving.library.weights`): a fine-tune of the same shape passes every other check;
 - :func:`check_layers` (each worker, with its cache tensors): every attention layer maps to a
   manifest layer, is not a KV-sharing layer, has the backend's ``(layer, key, value, kv_cache,
   slot_mapping)`` write, and holds exactly the KV heads and head size this rank writes;
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from kvnotes.core.errors import KvnotesError, ServingError
-from kvnotes.serving.manifest import ServingManifest
-from kvnotes.serving.weights import WeightsDigest, served_digest
+from kvnotes.serving.library.manifest import ServingManifest
+from kvnotes.serving.library.weights import WeightsDigest, served_digest
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 WRITE_PARAMS = ("layer", "key", "value", "kv_cache", "slot_mapping")

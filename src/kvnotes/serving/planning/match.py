@@ -29,8 +29,8 @@ from typing import Any
 from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
 from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.serving.piece_store import PieceStore, index_entry
-from kvnotes.serving.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.piece_store import PieceStore, index_entry
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class Part:
 # ---- reading entries -------------------------------------------------------------------------
 def read_piece_info(path: str | os.PathLike[str], fingerprint: dict[str, Any]) -> PieceInfo:
     """``PieceInfo`` of one library entry from its header and token ids alone (the scheduler's
-    reader, :func:`kvnotes.serving.piece_store.index_entry`).
+    reader, :func:`kvnotes.serving.library.piece_store.index_entry`).
 
     Raises :class:`NotebookFileError` for a file that is not an entry of ``fingerprint``'s
     model (another format, another model, unreadable).

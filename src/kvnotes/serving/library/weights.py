@@ -4,7 +4,7 @@ Skills hold KV that one checkpoint computed; a fine-tune of the same shape passe
 and RoPE check and answers wrongly with them. The connector cannot reach the served weights,
 only the path vLLM's config names (``vllm_config.model_config.model``), so both sides read
 files: the publisher the folder the engine was loaded from, the connector the folder vLLM
-serves (``kvnotes serve`` serves a cast copy of the former, :mod:`kvnotes.serving.export`).
+serves (``kvnotes serve`` serves a cast copy of the former, :mod:`kvnotes.serving.launch.export`).
 
 What :func:`digest` covers, exactly: the ``*.safetensors`` files directly in the folder; of each
 tensor, in name order, its name, its shape and :data:`SAMPLES` elements at the flat indices

@@ -2,7 +2,7 @@
 
 :class:`VLLMServer` runs vLLM's OpenAI entry point on a model folder with the basic settings
 (port, dtype, context length, KV cache size) and whatever extra arguments it is given;
-:mod:`kvnotes.serving.launch` exports the model, adds the connector and is where servers are
+:mod:`kvnotes.serving.launch.launcher` exports the model, adds the connector and is where servers are
 started from. The server runs as a child process on 127.0.0.1 with prefix caching on. It is stopped by its
 own process id (and the ids of the processes it started, recorded while it ran) when the
 ``with`` block ends, on error, on Ctrl-C and on SIGTERM. Errors carry the tail of its log.
@@ -23,10 +23,10 @@ from pathlib import Path
 from types import FrameType
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.serving.client import Client
+from kvnotes.serving.upstream import Client
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
-_REPO_ROOT = Path(__file__).resolve().parents[3]  # src/kvnotes/serving/server.py -> checkout
+_REPO_ROOT = Path(__file__).resolve().parents[4]  # src/kvnotes/serving/launch/process.py -> checkout
 
 
 def find_vllm_python(explicit: str | Path | None = None) -> Path:

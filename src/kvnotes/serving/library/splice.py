@@ -10,12 +10,12 @@ what can be supplied is decided one of two ways:
 - with splice ranges from the client (:class:`SpliceRange`, sent as
   ``kv_transfer_params["kvnotes_splice"]``), only tokens inside those ranges are supplied, from
   the local hit on (:func:`range_run`): a client that has vLLM compute a piece's first tokens
-  in context (:mod:`kvnotes.serving.phases`) names the rest of the piece as a range.
+  in context (:mod:`kvnotes.serving.planning.phases`) names the rest of the piece as a range.
 
 Nothing here imports vLLM: matching and slot arithmetic are pure functions over token ids,
 tested without a server. Keys are post-RoPE; moving a piece from ``origin`` to ``start`` is one
 more rotation by ``start - origin`` (:attr:`Placement.delta`) with the model's inverse
-frequencies, done where the keys are written (:mod:`kvnotes.serving.kv_writer`).
+frequencies, done where the keys are written (:mod:`kvnotes.serving.vllm.kv_writer`).
 """
 
 from __future__ import annotations

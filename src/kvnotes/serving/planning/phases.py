@@ -29,8 +29,8 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair, repaired_end
-from kvnotes.serving.manifest import splice_salt
-from kvnotes.serving.splice import SPLICE_PARAMS_KEY, PieceIndex, SpliceRange
+from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY, PieceIndex, SpliceRange
 
 # How many top log-probs the guarded real request asks for (the first token's margin).
 GUARD_LOGPROBS = 2
@@ -60,7 +60,7 @@ def part_spans(part_ids: Sequence[Sequence[int]], index: PieceIndex) -> list[Par
     piece's is that piece (the one :meth:`PieceIndex.match_exact` prefers), any other is text.
 
     Example:
-        >>> from kvnotes.serving.splice import PieceInfo
+        >>> from kvnotes.serving.library.splice import PieceInfo
         >>> idx = PieceIndex(); idx.add(PieceInfo("k", "refunds", (5, 6, 7), 0))
         >>> [(s.start, s.end, s.origin) for s in part_spans([[5, 6, 7], [9, 9]], idx)]
         [(0, 3, 0), (3, 5, None)]

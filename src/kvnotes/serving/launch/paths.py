@@ -6,4 +6,4 @@ transformers); it imports the connector from this source tree through ``PYTHONPA
 
 from pathlib import Path
 
-SOURCE_ROOT = Path(__file__).resolve().parents[2]  # .../src (or site-packages)
+SOURCE_ROOT = Path(__file__).resolve().parents[3]  # .../src (or site-packages)

@@ -28,7 +28,7 @@ import torch
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
 from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.serving.splice import PieceInfo
+from kvnotes.serving.library.splice import PieceInfo
 
 # ---- the splice salt ---------------------------------------------------------------------------
 # Requests whose cache_salt is ``kvnotes-splice[:<tenant>][+<tag>]`` are the ones the connector
@@ -128,7 +128,7 @@ class ServingManifest:
     vocab_size: int
     bos_id: int | None
     inv_freqs: list[list[float]]  # per layer: RoPE inverse frequencies (float64 values)
-    # digests of the weights the skills were compiled with (kvnotes.serving.weights.WeightsDigest
+    # digests of the weights the skills were compiled with (kvnotes.serving.library.weights.WeightsDigest
     # .to_dict()); None in a manifest written before they were recorded: the connector refuses it
     weights: dict[str, Any] | None = None
     format: str = MANIFEST_FORMAT

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.core.errors import KvnotesError
-from kvnotes.serving.manifest import splice_salt
+from kvnotes.serving.library.manifest import splice_salt
 
 OPTIONS_KEY = "kvnotes"
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
