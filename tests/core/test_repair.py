@@ -236,3 +236,44 @@ def test_fidelity_defaults_to_the_repaired_compose(tiny):
     assert repaired.tokens_repaired == DEFAULT_FIRST and bare.tokens_repaired == 0
     assert repaired.tokens_reused == len(skill) - DEFAULT_FIRST
     assert repaired.kl < bare.kl, (repaired.kl, bare.kl)
+
+
+# ---- the plan, without a model ------------------------------------------------------------------
+def test_plan_repair_exact_chain_regions_budgets_and_costs():
+    from kvnotes.core.repair_plan import Piece, Text, plan_repair
+
+    head = (1, 2, 3, 4)
+    header = Piece(4, origin=0, ids=head, prefix_len=0, prefix_digest=prefix_digest([]))
+    behind = Piece(10, origin=4, ids=tuple(range(10)), prefix_len=4,
+                   prefix_digest=prefix_digest(head))
+    moved = Piece(20, origin=4, prefix_len=4, prefix_digest=prefix_digest(head))
+    parts = [header, behind, Text(2, (9, 9)), moved, Text(3)]
+    plan = plan_repair(parts, Repair(first=8, budget=0.5))
+    assert plan.exact == (0, 1) and plan.regions == [(16, 24)] and plan.length == 39
+    assert [p.budget for p in plan.pieces] == [6]  # half of the 12 tokens after the region
+    assert plan.repaired == 14 and plan.select_tokens(num_layers=4) == 0.0
+    assert plan.exact_prefix(parts) == 30  # the region and the budget's first tokens after it
+    deviation = plan_repair(parts, Repair(first=8, budget=0.5, select="kv_deviation"))
+    assert deviation.select_tokens(num_layers=4, layer=1) == 12 * 2 / 4
+    assert deviation.exact_prefix(parts) == 24  # chosen tokens need not follow the region
+    # the same layout without the text's ids: no later digest can match, the chain still holds
+    blind = plan_repair([Text(1), header], Repair())
+    assert blind.exact == () and blind.regions == [(1, 5)]
+    assert plan_repair(parts, Repair(skip_exact=False)).exact == ()
+
+
+def test_plan_repair_trusts_a_server_chain_and_splices_opaque_pieces_as_they_are():
+    from kvnotes.core.repair_plan import Piece, Text, plan_repair
+
+    served = [Piece(1, 0, trust_chain=True), Piece(40, 1, trust_chain=True),
+              Piece(60, 1, trust_chain=True), Piece(30, 101, trust_chain=True)]
+    plan = plan_repair(served, Repair(first=16, align=16))
+    # the last piece sits at its origin, but behind a piece that was moved: not trusted
+    assert plan.exact == (0, 1) and plan.regions == [(41, 64), (101, 128)]
+    assert plan_repair([Text(1), *served[1:]], Repair()).exact == ()
+    image = Piece(8, 0, consecutive=False)
+    opaque = plan_repair([Text(2), image, Text(1)], Repair())
+    assert opaque.opaque == (1,) and opaque.pieces == () and opaque.exact_prefix(
+        [Text(2), image, Text(1)]) == 2
+    with pytest.raises(InvalidArgumentError, match="layout part 0 is empty"):
+        plan_repair([Text(0)], Repair())
