@@ -139,9 +139,9 @@ def build(engine: Engine, plan: TurnPlan, old: Notebook | None, exact: int, anch
         if part.end <= keep:
             continue
         if part.piece.spliced:
-            got = anchors.notes(part.piece, plan.anchors.get(i))
-            steps.append((len(parts), part, got))
-            parts.append(_skill_part(part, got))
+            notes = anchors.notes(part.piece, plan.anchors.get(i))
+            steps.append((len(parts), part, notes))
+            parts.append(_skill_part(part, notes))
             continue
         carried = (carried_record(old, part) if config.carry_record and part.start >= keep
                    else None)
@@ -160,14 +160,14 @@ def build(engine: Engine, plan: TurnPlan, old: Notebook | None, exact: int, anch
     if old is not None and keep:
         nb = Notebook.concat([nb, old.slice(0, keep)])
     b = _Builder(engine, nb, TurnCounts(kept=keep))
-    for index, part, got in steps:
-        if isinstance(got, AnchoredNotes):
-            b.splice_skill(got, part, repairs.get(index), config)
-        elif got is None:
+    for index, part, made in steps:
+        if isinstance(made, AnchoredNotes):
+            b.splice_skill(made, part, repairs.get(index), config)
+        elif made is None:
             b.feed(part.ids[max(0, keep - part.start):])
         else:
-            b.splice_carried(got)
-            b.feed(part.ids[len(got):])
+            b.splice_carried(made)
+            b.feed(part.ids[len(made):])
     b.flush()
     assert b.logits is not None, "the last piece is text, fed every turn"
     return Built(b.nb.with_spans(layout.spans()), b.logits, todo.exact_prefix(parts), b.counts)
