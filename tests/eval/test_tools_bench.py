@@ -12,9 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
-from kvnotes.core.engine import prefix_digest
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import DEFAULT_REPAIR
+from kvnotes.core.repair import DEFAULT_REPAIR, prefix_digest
 from kvnotes.eval.tools import BenchConfig, HeldOutDataError, load_cases, run_bench
 from kvnotes.eval.tools.choice import choose, name_trie
 from kvnotes.eval.tools.data import category_file, first_call_name, spread

@@ -141,9 +141,9 @@ class ComposeDemoResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ComposeDemoResult:
         """Read back :meth:`to_dict` (the demo's ``results.json`` or a repro stage)."""
-        repair = d.get("repair", 0)  # a number: a shared budget (as_repair), 0 the bare splice
+        repair = d.get("repair", 0)  # older results: a number, a shared budget (0: bare splice)
         return cls(d["model"], {n: CompiledSkill.from_dict(s) for n, s in d["skills"].items()},
-                   repair if isinstance(repair, str) else as_repair(repair).tag(),
+                   repair if isinstance(repair, str) else Repair(first=0, budget=repair).tag(),
                    tuple(ComposeCase.from_dict(c) for c in d["cases"]),
                    d["max_new_tokens"],
                    DemoTiming.from_dict(d["timing"]) if d.get("timing") else None)
