@@ -196,7 +196,7 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     live_multiple this kept the tool choice of the exact prompt in 92% (SmolLM2) and 95%
     (Gemma 3) of cases, against 68% and 66% for the bare splice, and costs a prefill of those
     tokens, about 15% of the spliced tokens for tool descriptions of ~200 tokens
-    (docs/tools-fidelity.md). A skill placed at the very position it was compiled at, right
+    (docs/results.md). A skill placed at the very position it was compiled at, right
     after the very prefix it was compiled behind (``meta["prefix_digest"]``), with every note
     before it exact (text, or skills so placed), already holds a prefill's notes and is not
     repaired (``repair.skip_exact``): e.g. a header compiled alone, then a skill compiled
