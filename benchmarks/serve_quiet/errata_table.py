@@ -1,7 +1,7 @@
-"""The table of docs/serving.md's errata-form comparison, from the errata-{form}-b32 rows of
+"""The table of docs/results.md's errata-form comparison, from the errata-{form}-b32 rows of
 erratum_rows.py: per form and context, how many answers name the current value, by edit, and how
 many name an earlier correction's value or the original one. Run from the repository root:
-`python benchmarks/serve_quiet/errata_table.py [RESULTS_DIR]` (docs/serving.md's table came from
+`python benchmarks/serve_quiet/errata_table.py [RESULTS_DIR]` (docs/results.md's table came from
 `python benchmarks/serve_quiet/errata_table.py docs/results/serve-bench`)."""
 import json
 import sys

@@ -24,7 +24,7 @@ The calls that measure each folder, one server per call (``R=benchmarks/serve_qu
     python $R errata-follow-up-latest-b32 errata-followup-latest-b32-c1-8k
     python $R errata-followup-b32-c16-8k
 
-docs/serving.md reads these results; errata_table.py and plot_matrix.py make its errata table
+docs/results.md reads these results; errata_table.py and plot_matrix.py make its errata table
 and its matrix figure from them.
 """
 

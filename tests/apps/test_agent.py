@@ -33,6 +33,7 @@ from kvnotes.core.errors import (
     UnknownFieldError,
     UnknownNameError,
 )
+from kvnotes.core.repair import Repair
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +218,11 @@ def test_repair_recomputes_the_first_tokens_of_inexact_splices(engine, book):
         KvnotesAgent(engine, book, AgentConfig(select="best"))
     with pytest.raises(KvnotesError, match="repair"):
         KvnotesAgent(engine, book, AgentConfig(repair=-1))
+    # an int is each skill's first tokens: a selector chooses a fraction's tokens only
+    with pytest.raises(KvnotesError, match="give repair as a float in"):
+        AgentConfig(repair=4, select="kv_deviation")
+    assert AgentConfig(repair=0.1, select="kv_deviation").repair_plan == Repair(
+        first=0, budget=0.1, select="kv_deviation")
 
 
 def test_both_agents_read_the_same_tokens_and_decide_alike(engine, book):

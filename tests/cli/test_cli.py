@@ -85,3 +85,21 @@ def test_edit_eval_workers_match_one_process(tiny_folder, tmp_path):
     assert "2 worker processes ran the cases" in (tmp_path / "two" / "report.md").read_text()
     bad = runner.invoke(app, [*base, "--workers", "0"])
     assert bad.exit_code == 2 and "--workers must be at least 1, got 0" in bad.output
+
+
+def test_trace_on_tiny_folder_writes_the_report(tiny_folder, tmp_path):
+    """``kvnotes trace`` end to end: every traced case streamed to cases.jsonl, the summary
+    table printed, report.md and summary.json written."""
+    out = tmp_path / "trace"
+    result = runner.invoke(app, ["trace", "--model", str(tiny_folder), "--task", "scheduling",
+                                 "--cases", "1", "--boot", "10", "--position-bins", "2",
+                                 "--grid-bins", "0", "--no-by-layer", "--threads", "1",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| scheduling |" in result.output, result.output
+    streamed = (out / "cases.jsonl").read_text().splitlines()
+    assert len(streamed) == 1, result.output
+    assert json.loads(streamed[0])["case_id"].startswith("scheduling-")
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(f["family"], f["n_cases"]) for f in summary["families"]] == [("scheduling", 1)]
+    assert (out / "report.md").read_text().startswith("# Notes tracing: ")

@@ -89,3 +89,19 @@ def test_compose_on_tiny_folder_in_bfloat16(tmp_path, tokenizer):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output[result.output.index("{"):])
     assert data["tokens_reused"] > 0 and data["logit_cosine"] > 0.9
+
+
+def test_model_options_set_threads_then_load(monkeypatch):
+    from kvnotes.cli.options import ModelOptions
+
+    monkeypatch.setattr(models, "load", lambda model, *, device, dtype: (model, device, dtype))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        # 0: torch's own setting is left alone (kvnotes trace --threads 0)
+        assert ModelOptions("m", "cpu", "bfloat16", threads=0).load() == ("m", "cpu", "bfloat16")
+        assert torch.get_num_threads() == 1
+        assert ModelOptions("m", threads=2).load() == ("m", "cpu", "float32")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

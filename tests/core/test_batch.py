@@ -8,6 +8,7 @@ import torch
 from conftest import make_tiny_engine
 
 import kvnotes
+from kvnotes.core.batch import _batch_positions
 from kvnotes.core.cache import build_padded_cache
 from kvnotes.core.errors import EmptyInputError, InvalidArgumentError, KvnotesError
 from kvnotes.ops.decisions import decide, decide_batch
@@ -42,7 +43,8 @@ def test_padding_mask_is_what_makes_rows_exact(tiny_llama):
     cache, pads = build_padded_cache(notebooks)
     assert pads[2] == 0 < pads[1]  # the extended notebook is the longest
     starts = [nb.next_position for nb in notebooks]
-    unmasked = tiny_llama._call(cache, [ids] * 3, tiny_llama._batch_positions(starts, len(ids)))
+    unmasked = tiny_llama.call_model(cache, [ids] * 3, _batch_positions(tiny_llama, starts,
+                                                                         len(ids)))
     logits = unmasked.logits[:, -1].float()
     assert torch.allclose(logits[2], tiny_llama.next_logits(notebooks[2], ids), atol=1e-5)
     assert not torch.allclose(logits[1], tiny_llama.next_logits(notebooks[1], ids), atol=1e-3)

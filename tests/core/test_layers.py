@@ -1,12 +1,13 @@
 """The package's import graph: one direction of dependency, no cycles, a light connector.
 
-Layers, lowest first: core (errors <- positions <- document/storage <- notebook/cache <- engine <-
-models) <- ops <- eval <- serving <- apps <- bench <- cli. The graph is read from the source with
-``ast`` (function-level imports included, so a lazy import cannot hide an upward dependency or a
-cycle). ``if TYPE_CHECKING:`` blocks never run: the direction and whole-graph checks leave them
-out, the in-package circle check counts them (no package imports itself in a circle, not even
-for type hints). The connector's import closure (what vLLM's process loads) is followed through
-every import that runs, third-party roots included.
+Layers, lowest first: core (errors <- positions/repair <- document/storage <- notebook/cache <-
+runner <- batch/compose <- engine <- models) <- ops <- eval <- serving <- apps <- bench <- cli.
+The graph is read from the source with ``ast`` (function-level imports included, so a lazy
+import cannot hide an upward dependency or a cycle). ``if TYPE_CHECKING:`` blocks never run: the
+direction and whole-graph checks leave them out, the in-package circle check counts them (no
+package imports itself in a circle, not even for type hints). The connector's import closure
+(what vLLM's process loads) is followed through every import that runs, third-party roots
+included.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CORE_RANKS = {
     "kvnotes.core.metrics": 1,
     "kvnotes.core.work": 1,
     "kvnotes.core.repair": 1,
+    "kvnotes.core.repair_plan": 1,
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
@@ -39,9 +41,12 @@ CORE_RANKS = {
     "kvnotes.core.notebook": 3,
     "kvnotes.core.cache": 3,
     "kvnotes.core.attention": 3,
-    "kvnotes.core.engine": 4,
-    "kvnotes.core.models": 5,
-    "kvnotes.core.tiny": 5,
+    "kvnotes.core.runner": 4,
+    "kvnotes.core.batch": 5,
+    "kvnotes.core.compose": 5,
+    "kvnotes.core.engine": 6,
+    "kvnotes.core.models": 7,
+    "kvnotes.core.tiny": 7,
 }
 LAYER_RANKS = {"kvnotes.core": 10, "kvnotes.ops": 20, "kvnotes.eval": 30, "kvnotes.serving": 35,
                "kvnotes.apps": 40, "kvnotes.bench": 42, "kvnotes.cli": 50}

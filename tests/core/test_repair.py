@@ -7,15 +7,17 @@ import torch
 from conftest import make_tiny_engine, make_tiny_model
 
 import kvnotes
-from kvnotes.core.engine import prefix_digest, split_budget
-from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError
+from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import (
     DEFAULT_FIRST,
     DEFAULT_REPAIR,
     NO_REPAIR,
+    PrefixHasher,
     Repair,
     as_repair,
+    prefix_digest,
     repaired_end,
+    split_budget,
 )
 
 HEADER = "System: you are the support agent of a small shop. Follow the policies below.\n\n"
@@ -51,6 +53,11 @@ def tiny(request, tokenizer):
     ({"budget": "0.1"}, ArgumentTypeError, r"Repair\(budget='0\.1'\): give a fraction"),
     ({"budget": None}, ArgumentTypeError, r"Repair\(budget=None\)"),
     ({"select": None}, ArgumentTypeError, r"Repair\(select=None\): give a selector name"),
+    ({"budget": -2}, InvalidArgumentError, r"Repair\(budget=-2\) is a negative token count"),
+    ({"budget": 1.5}, InvalidArgumentError, r"Repair\(budget=1\.5\) is not a fraction in \(0, 1\]"),
+    ({"budget": float("nan")}, InvalidArgumentError, r"Repair\(budget=nan\) is not a fraction"),
+    ({"select": "attention"}, UnknownNameError, r"'attention'; .*\(attention applies to edit only\)"),
+    ({"select": "random"}, UnknownNameError, r"unknown repair selector 'random'"),
 ])
 def test_repair_refuses_bad_fields(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -60,13 +67,31 @@ def test_repair_refuses_bad_fields(kwargs, error, message):
 def test_as_repair_and_tags():
     assert as_repair(DEFAULT_REPAIR) is DEFAULT_REPAIR and DEFAULT_REPAIR.first == DEFAULT_FIRST
     assert as_repair(0) == NO_REPAIR and as_repair(0.0).is_noop and not DEFAULT_REPAIR.is_noop
-    assert as_repair(0.25) == Repair(first=0, budget=0.25) and as_repair(8).budget == 8
+    # an int is each skill's first tokens, a float a shared fraction; a count budget is spelled out
+    assert as_repair(0.25) == Repair(first=0, budget=0.25) and as_repair(8) == Repair(first=8)
+    assert as_repair(16).budget == 0 and as_repair(1.0) == Repair(first=0, budget=1.0)
     assert DEFAULT_REPAIR.tag() == "f32a1" and NO_REPAIR.tag() == "f0a1"
     assert Repair(first=16, align=16, skip_exact=False).tag() == "f16a16e"
     assert Repair(first=0, budget=0.1, select="kv_deviation").tag() == "f0a1b0.1kv_deviation"
     for bad in ("0.1", True, None):
         with pytest.raises(ArgumentTypeError, match="repair must be a Repair"):
             as_repair(bad)
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(InvalidArgumentError, match="is not a fraction in"):
+            as_repair(bad)
+    with pytest.raises(InvalidArgumentError, match=r"Repair\(first=-1\)"):
+        as_repair(-1)
+
+
+def test_prefix_hasher_matches_prefix_digest_part_by_part():
+    ids = [5, 17, 3, 900, 2]
+    for cut in range(len(ids) + 1):
+        h = PrefixHasher()
+        h.update(ids[:cut])
+        assert h.digest() == prefix_digest(ids[:cut])
+        h.update([])
+        h.update(ids[cut:])
+        assert h.digest() == prefix_digest(ids)
 
 
 def test_repaired_end_rounds_up_to_align_and_caps_at_the_skill():
@@ -211,3 +236,44 @@ def test_fidelity_defaults_to_the_repaired_compose(tiny):
     assert repaired.tokens_repaired == DEFAULT_FIRST and bare.tokens_repaired == 0
     assert repaired.tokens_reused == len(skill) - DEFAULT_FIRST
     assert repaired.kl < bare.kl, (repaired.kl, bare.kl)
+
+
+# ---- the plan, without a model ------------------------------------------------------------------
+def test_plan_repair_exact_chain_regions_budgets_and_costs():
+    from kvnotes.core.repair_plan import Piece, Text, plan_repair
+
+    head = (1, 2, 3, 4)
+    header = Piece(4, origin=0, ids=head, prefix_len=0, prefix_digest=prefix_digest([]))
+    behind = Piece(10, origin=4, ids=tuple(range(10)), prefix_len=4,
+                   prefix_digest=prefix_digest(head))
+    moved = Piece(20, origin=4, prefix_len=4, prefix_digest=prefix_digest(head))
+    parts = [header, behind, Text(2, (9, 9)), moved, Text(3)]
+    plan = plan_repair(parts, Repair(first=8, budget=0.5))
+    assert plan.exact == (0, 1) and plan.regions == [(16, 24)] and plan.length == 39
+    assert [p.budget for p in plan.pieces] == [6]  # half of the 12 tokens after the region
+    assert plan.repaired == 14 and plan.select_tokens(num_layers=4) == 0.0
+    assert plan.exact_prefix(parts) == 30  # the region and the budget's first tokens after it
+    deviation = plan_repair(parts, Repair(first=8, budget=0.5, select="kv_deviation"))
+    assert deviation.select_tokens(num_layers=4, layer=1) == 12 * 2 / 4
+    assert deviation.exact_prefix(parts) == 24  # chosen tokens need not follow the region
+    # the same layout without the text's ids: no later digest can match, the chain still holds
+    blind = plan_repair([Text(1), header], Repair())
+    assert blind.exact == () and blind.regions == [(1, 5)]
+    assert plan_repair(parts, Repair(skip_exact=False)).exact == ()
+
+
+def test_plan_repair_trusts_a_server_chain_and_splices_opaque_pieces_as_they_are():
+    from kvnotes.core.repair_plan import Piece, Text, plan_repair
+
+    served = [Piece(1, 0, trust_chain=True), Piece(40, 1, trust_chain=True),
+              Piece(60, 1, trust_chain=True), Piece(30, 101, trust_chain=True)]
+    plan = plan_repair(served, Repair(first=16, align=16))
+    # the last piece sits at its origin, but behind a piece that was moved: not trusted
+    assert plan.exact == (0, 1) and plan.regions == [(41, 64), (101, 128)]
+    assert plan_repair([Text(1), *served[1:]], Repair()).exact == ()
+    image = Piece(8, 0, consecutive=False)
+    opaque = plan_repair([Text(2), image, Text(1)], Repair())
+    assert opaque.opaque == (1,) and opaque.pieces == () and opaque.exact_prefix(
+        [Text(2), image, Text(1)]) == 2
+    with pytest.raises(InvalidArgumentError, match="layout part 0 is empty"):
+        plan_repair([Text(0)], Repair())

@@ -7,7 +7,7 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes import Document, Field
-from kvnotes.core.engine import _runs
+from kvnotes.core.compose import _runs
 from kvnotes.core.errors import EmptyInputError, NotebookMismatchError, UnknownFieldError, UnknownNameError
 from kvnotes.ops.edit import (
     ERRATUM_TEMPLATES,

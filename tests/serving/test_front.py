@@ -22,12 +22,13 @@ import pytest
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
-from kvnotes.core.repair import Repair
+from kvnotes.core.repair import Repair, as_repair
 from kvnotes.serving.front.app import REASON_HEADER, STATS_PATH, Front, FrontConfig
+from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.phases import part_spans, plan_phases
-from kvnotes.serving.planning.request import Unplannable, render_chat
+from kvnotes.serving.planning.request import Unplannable, read_request, render_chat
 from kvnotes.serving.skills import ServingSkills
 
 BLOCK = 16
@@ -234,6 +235,28 @@ def test_tenant_and_repair_options_set_salt_and_plan(front, fake, client, tokeni
     assert {b["cache_salt"] for b in sent} == {plan.salt}
     assert sent[-1]["kv_transfer_params"] == plan.kv_params()
     assert "kvnotes" not in sent[-1]
+
+
+@pytest.mark.parametrize("block", [1, BLOCK])
+def test_a_front_request_with_repair_16_recomputes_what_compose_with_repair_16_does(
+        published, tokenizer, block):
+    """One meaning of ``repair=16``: each spliced skill's first 16 tokens, in the engine and
+    through the front (whose regions end on its block size: ``align`` = the block)."""
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    req = read_request("completion", {"model": MODEL, "prompt": "".join(texts),
+                                      "kvnotes": {"repair": 16}}, tokenizer)
+    assert req.options.repair == 16
+    fp = plan_request(req, SkillCatalog(published.folder, tokenizer),
+                      as_repair(req.options.repair), block, None)
+    lib, engine = published.library, published.engine
+    parts = [lib.get(HEADER, name="header"), lib.get(BAGGAGE, name="baggage", after=HEADER),
+             lib.get(REFUNDS, name="refunds", after=HEADER), USER]
+    repair = 16 if block == 1 else Repair(first=16, align=block)
+    nb = engine.compose(parts, repair=repair)
+    stats = nb.meta["compose"]
+    assert fp.ids == nb.token_ids.tolist()
+    assert [list(r) for r in fp.plan.regions] == stats["regions"] != []
+    assert stats["exact"] == [0, 1]  # the header and the skill right behind it
 
 
 # ---- chat --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ bodies, the guard, and that the connector's rule reaches every range the plan se
 from __future__ import annotations
 
 import pytest
+from conftest import make_tiny_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,3 +252,65 @@ def test_every_range_is_reached_by_its_phase_and_validated_by_the_connector(layo
 def test_range_json_form_round_trips():
     r = SpliceRange(40, 64, 300)
     assert SpliceRange.from_value(r.to_list()) == r and r.offset == 24 and len(r) == 236
+
+
+# ---- the server's plan is the engine's: one repair plan, executed twice --------------------------
+AGREE_HEADER = "System: you are the support agent of a small shop. Follow the policies below.\n"
+AGREE_SKILLS = (
+    "Refunds are issued within five days of the return reaching the warehouse.",
+    "Shipping takes three days inside the country, ten days abroad; express costs extra.",
+    "Gift cards are never refunded in cash.",
+)
+AGREE_TEXTS = (" Then: ", "\nCustomer: where is my parcel? It has been a week now.\nAgent:", "x")
+
+
+@pytest.fixture(scope="module")
+def agree_pool(tokenizer):
+    """A tiny engine and compiled pieces: the header alone, each skill alone (at 0) and behind
+    the header. No piece is as long as the header, so a chain of pieces at their origins is
+    what each was compiled behind (the server's rule and the engine's digests agree)."""
+    engine = make_tiny_engine("llama", tokenizer)
+    assert engine.bos_id is None
+    header = engine.compile(AGREE_HEADER, name="header")
+    pieces = [header]
+    for i, text in enumerate(AGREE_SKILLS):
+        pieces += [engine.compile(text, name=f"s{i}"),
+                   engine.compile(text, name=f"s{i}@h", after=AGREE_HEADER)]
+    assert all(len(p) != len(header) for p in pieces[1:])
+    return engine, pieces
+
+
+def _merged_regions(regions):
+    out: list[tuple[int, int]] = []
+    for a, b in regions:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(choice=st.lists(st.integers(0, len(AGREE_SKILLS) * 2 + len(AGREE_TEXTS)), min_size=1,
+                       max_size=5),
+       lead=st.booleans(), first=st.sampled_from([0, 1, 5, 16, 32]),
+       block=st.sampled_from([1, 4, 16]))
+def test_the_phase_plan_recomputes_what_engine_compose_recomputes(agree_pool, choice, lead, first,
+                                                                  block):
+    engine, pieces = agree_pool
+    parts = ([pieces[0]] if lead else []) + [
+        pieces[c] if c < len(pieces) else AGREE_TEXTS[c - len(pieces)] for c in choice]
+    nb = engine.compose(parts, repair=Repair(first=first, align=block))
+    stats = nb.meta["compose"]
+    spans, pos = [], 0
+    for part in parts:
+        n = len(part) if not isinstance(part, str) else len(engine.encode(part))
+        origin = None if isinstance(part, str) else part.start_position
+        spans.append(PartSpan(pos, pos + n, origin))
+        pos += n
+    plan = plan_phases(spans, Repair(first=first), block)
+    assert plan.regions == _merged_regions(tuple(r) for r in stats["regions"])
+    if first:  # a piece spliced whole by the server is an exact placement of the engine's
+        whole = [i for i, s in enumerate(spans) if s.is_piece
+                 and not any(a <= s.start < b for a, b in plan.regions)]
+        assert whole == stats["exact"]

@@ -8,11 +8,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from kvnotes.core.chat import chat_frame
+from kvnotes.core.compose import Part
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import load_note, machine_info
 from kvnotes.core.notebook import Notebook
@@ -42,14 +44,14 @@ def demo_data() -> tuple[dict[str, str], list[DemoCase]]:
     return skills, cases
 
 
-def case_parts(engine: Engine, case: DemoCase, compiled: dict[str, Notebook]) -> tuple[list, str]:
+def case_parts(engine: Engine, case: DemoCase, compiled: dict[str, Notebook]) -> tuple[list[Part], str]:
     """Compose parts and the request for one case.
 
     The system header and every policy are compiled skills (a deployment caches them); what
     arrives with the request (the customer's context and the question) is the query, fed once.
     """
     _, middle, tail = chat_frame(engine.tokenizer)
-    parts: list[Any] = [compiled[HEADER], *(compiled[name] for name in case.skills)]
+    parts: list[Part] = [compiled[HEADER], *(compiled[name] for name in case.skills)]
     return parts, middle + case.context + "\n\n" + case.question + tail
 
 
@@ -140,9 +142,9 @@ class ComposeDemoResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ComposeDemoResult:
         """Read back :meth:`to_dict` (the demo's ``results.json`` or a repro stage)."""
-        repair = d.get("repair", 0)  # a number: a shared budget (as_repair), 0 the bare splice
+        repair = d.get("repair", 0)  # older results: a number, a shared budget (0: bare splice)
         return cls(d["model"], {n: CompiledSkill.from_dict(s) for n, s in d["skills"].items()},
-                   repair if isinstance(repair, str) else as_repair(repair).tag(),
+                   repair if isinstance(repair, str) else Repair(first=0, budget=repair).tag(),
                    tuple(ComposeCase.from_dict(c) for c in d["cases"]),
                    d["max_new_tokens"],
                    DemoTiming.from_dict(d["timing"]) if d.get("timing") else None)
@@ -174,8 +176,8 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
     for name, text in texts.items():
         after = None if name == HEADER else texts[HEADER]  # policies: behind the real header
         compiled[name] = engine.compile(text, name=name, after=after)  # also the warm-up
-        compile_s[name] = median_seconds(
-            lambda t=text, n=name, a=after: engine.compile(t, name=n, after=a), repeats)
+        compile_s[name] = median_seconds(partial(engine.compile, text, name=name, after=after),
+                                         repeats)
     rows: list[ComposeCase] = []
     for case in cases:
         parts, query = case_parts(engine, case, compiled)
@@ -184,16 +186,14 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
         # splice the skills, then one forward over the request
         query_ids = engine.tokens_of(query, bos=False)[0]
         all_ids = engine.compose(parts, repair=0).token_ids.tolist() + query_ids  # ids only
-        recompute = median_seconds(lambda i=all_ids: engine.next_logits(engine.empty(0), i),
-                                   repeats)
-        compose = median_seconds(
-            lambda p=parts, q=query_ids: engine.next_logits(engine.compose(p, repair=repair), q),
-            repeats)
+        recompute = median_seconds(partial(_recompute_ttft, engine, all_ids), repeats)
+        compose = median_seconds(partial(_compose_ttft, engine, parts, query_ids, repair),
+                                 repeats)
         rows.append(ComposeCase(case.name, tuple(case.skills), replace(
             report, ttft_recompute_s=recompute, ttft_compose_s=compose)))
         if progress is not None:
             progress(case.name)
-    after = machine_info(since=before)
+    load_after = machine_info(since=before)
     return ComposeDemoResult(
         model=engine.name,
         skills={n: CompiledSkill(len(nb), compile_s[n], nb.meta.get("anchor"),
@@ -201,7 +201,19 @@ def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int =
                 for n, nb in compiled.items()},
         repair=as_repair(repair).tag(), cases=tuple(rows), max_new_tokens=max_new_tokens,
         timing=DemoTiming(repeats=repeats, warmup=1, statistic="median", machine_before=before,
-                          machine_after=after, busy=before["busy"] or after["busy"]))
+                          machine_after=load_after,
+                          busy=bool(before["busy"] or load_after["busy"])))
+
+
+def _recompute_ttft(engine: Engine, token_ids: list[int]) -> object:
+    """One forward over every token id from an empty cache (the reference's TTFT)."""
+    return engine.next_logits(engine.empty(0), token_ids)
+
+
+def _compose_ttft(engine: Engine, parts: Sequence[Part], query_ids: list[int],
+                  repair: Repair | float | int) -> object:
+    """Splice the skills, then one forward over the request (compose's TTFT)."""
+    return engine.next_logits(engine.compose(parts, repair=repair), query_ids)
 
 
 def render_table(result: ComposeDemoResult) -> str:

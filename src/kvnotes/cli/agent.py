@@ -4,25 +4,19 @@ interactive episode in the terminal)."""
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
 from kvnotes.cli.app import app, emit_json, fail, folder_option
-from kvnotes.cli.options import device_option, dtype_option, load_engine
+from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import KvnotesError
 
-if TYPE_CHECKING:
-    from kvnotes.core.engine import Engine
-
-
-def _load(model: str, threads: int | None, device: str = "cpu", dtype: str = "float32"
-          ) -> Engine:
-    from kvnotes.core.machine import set_threads
-
-    set_threads(threads)  # None: physical cores
-    return load_engine(model, device, dtype)
+if TYPE_CHECKING:  # the CLI starts fast: the agent is imported when a command runs
+    from kvnotes.bench.agent.run import AgentBenchConfig
+    from kvnotes.bench.agent.summary import BenchSummary
 
 
 def _guard_option() -> Any:
@@ -95,50 +89,74 @@ def agent_bench(
     interrupted run keeps what it measured).
     """
     from kvnotes.apps.agent import AgentConfig
-    from kvnotes.bench.agent.run import AgentBenchConfig, run_bench, write_outputs
+    from kvnotes.bench.agent.run import AgentBenchConfig
 
     try:
-        folder_option(out, "--out")
-        config = AgentBenchConfig(
-            agent=AgentConfig(order=order, history=None if history < 0 else history,
-                              tool_calls=tool_calls, anchored=anchored, variants=variants,
-                              guard=guard, repair=repair if 0 < repair < 1 else int(repair),
-                              carry_record=carry_record),
-            n_episodes=episodes, turns=turns, first_episode=first, stale=stale,
-            skill_root=skills_dir)
-        engine = _load(model, threads, device, dtype)
-        summary = run_bench(engine, config, progress=lambda line: typer.echo(line, err=True),
-                            on_episode=lambda partial: write_outputs(partial, out),
-                            on_skill=_compiling)
-        paths = write_outputs(summary, out)
+        command = AgentBenchCommand(
+            bench=AgentBenchConfig(
+                agent=AgentConfig(order=order, history=None if history < 0 else history,
+                                  tool_calls=tool_calls, anchored=anchored, variants=variants,
+                                  guard=guard, repair=repair if 0 < repair < 1 else int(repair),
+                                  carry_record=carry_record),
+                n_episodes=episodes, turns=turns, first_episode=first, stale=stale,
+                skill_root=skills_dir),
+            model=ModelOptions(model, device, dtype, threads or None), out=out)
+        summary, paths = command.run()
     except KvnotesError as err:
         fail(err)
-        return
     if as_json:
         emit_json(summary.to_dict(records=False))
         return
+    typer.echo(_bench_lines(summary))
+    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+@dataclass(frozen=True)
+class AgentBenchCommand:
+    """What ``agent-bench`` runs: the benchmark's config, the model, and the output folder."""
+
+    bench: AgentBenchConfig
+    model: ModelOptions
+    out: Path
+
+    def __post_init__(self) -> None:
+        folder_option(self.out, "--out")
+
+    def run(self) -> tuple[BenchSummary, dict[str, Path]]:
+        """Run the benchmark, rewriting the bundle in ``out`` after every episode."""
+        from kvnotes.bench.agent.run import run_bench, write_outputs
+
+        engine = self.model.load()
+        summary = run_bench(engine, self.bench, progress=lambda line: typer.echo(line, err=True),
+                            on_episode=lambda partial: write_outputs(partial, self.out),
+                            on_skill=_compiling)
+        return summary, write_outputs(summary, self.out)
+
+
+def _bench_lines(summary: BenchSummary) -> str:
+    """The terminal summary of an agent-bench run: identity, flips, guard, latency, tokens."""
     lat = summary.latency
-    typer.echo(f"decision identity: {summary.identity:.1%} "
-               f"({summary.decisions - summary.flip_count}/{summary.decisions}), "
-               f"flips: {summary.flip_count}")
-    for f in summary.flips:
-        typer.echo(f"  flip {f.episode} turn {f.turn + 1} {f.kind}: kvnotes "
-                   f"{f.kvnotes!r} vs recompute {f.recompute!r} "
-                   f"(recompute margin {f.recompute_margin:.3f})")
+    lines = [f"decision identity: {summary.identity:.1%} "
+             f"({summary.decisions - summary.flip_count}/{summary.decisions}), "
+             f"flips: {summary.flip_count}"]
+    lines += [f"  flip {f.episode} turn {f.turn + 1} {f.kind}: kvnotes "
+              f"{f.kvnotes!r} vs recompute {f.recompute!r} "
+              f"(recompute margin {f.recompute_margin:.3f})" for f in summary.flips]
     g = summary.guard
     if g is not None:
-        typer.echo(f"guard (tau {g.tau}): fired {g.fired}/{g.decisions}, changed "
-                   f"{g.changed}, cost {g.tokens} tokens / {g.seconds:.2f}s")
-    typer.echo(f"total latency: recompute {lat.recompute_total_s:.2f}s, kvnotes "
-               f"{lat.kvnotes_total_s:.2f}s, ratio {lat.ratio:.2f}x")
+        lines.append(f"guard (tau {g.tau}): fired {g.fired}/{g.decisions}, changed "
+                     f"{g.changed}, cost {g.tokens} tokens / {g.seconds:.2f}s")
+    lines.append(f"total latency: recompute {lat.recompute_total_s:.2f}s, kvnotes "
+                 f"{lat.kvnotes_total_s:.2f}s, ratio {lat.ratio:.2f}x")
     tok = summary.tokens
-    typer.echo(f"tokens computed: recompute {tok.recompute_computed}, kvnotes "
-               f"{tok.kvnotes_computed} (reused {tok.kvnotes_reused})")
+    lines.append(f"tokens computed: recompute {tok.recompute_computed}, kvnotes "
+                 f"{tok.kvnotes_computed} (reused {tok.kvnotes_reused})")
     comp = summary.compute
     if comp is not None:
-        typer.echo(f"arithmetic: recompute / kvnotes {comp.flop_ratio:.1f}x FLOPs (fast path "
-                   f"{comp.fast_flop_ratio:.1f}x FLOPs, {comp.fast_latency_ratio:.1f}x latency)")
-    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+        lines.append(f"arithmetic: recompute / kvnotes {comp.flop_ratio:.1f}x FLOPs (fast path "
+                     f"{comp.fast_flop_ratio:.1f}x FLOPs, {comp.fast_latency_ratio:.1f}x "
+                     "latency)")
+    return "\n".join(lines)
 
 
 HELP = """Type a customer request, or:
@@ -175,7 +193,7 @@ def agent_interactive(
     try:
         config = AgentConfig(order=order, tool_calls=tool_calls, guard=guard, variants=variants,
                              carry_record=carry_record)
-        engine = _load(model, threads, device, dtype)
+        engine = ModelOptions(model, device, dtype, threads or None).load()
         book = SkillBook(engine, skills_dir)
         agent = KvnotesAgent(engine, book, config)
         agent.prepare(progress=_compiling)  # all it splices, ready before the first request

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import typer
 from typer._click import exceptions as click  # typer vendors click: its own error classes
+from typer._click.core import Context
 from typer.core import TyperGroup
 
 from kvnotes.core import errors
@@ -69,7 +70,7 @@ def _print_and_exit(err: BaseException) -> NoReturn:
 class _Commands(TyperGroup):
     """The root command group: runs every subcommand inside the one error wrapper."""
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: Context) -> Any:
         try:
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):

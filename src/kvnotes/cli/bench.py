@@ -6,12 +6,20 @@ import datetime
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvnotes.cli.app import app, emit_json, folder_option
-from kvnotes.cli.options import device_option, dtype_option, load_engine
+from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+
+if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when a command runs
+    from kvnotes.bench.tools import ToolsBenchConfig
+    from kvnotes.bench.tools.results import BenchResult, CaseResult
 
 bench_app = typer.Typer(help="Benchmarks on public data (BFCL v4 tool choice).",
                         no_args_is_help=True)
@@ -24,7 +32,7 @@ def tools(
     set_name: str = typer.Option("live_multiple", "--set",
                                  help="development set: live_multiple or multi_turn"),
     cases: int = typer.Option(40, "--cases", help="cases spread over the set (0: all)"),
-    strategies: str = typer.Option(
+    strategies: str | None = typer.Option(
         None, "--strategies", help="comma-separated: exact, default, splice, first:F, kvdev:F, "
                                    "epic:K, anchor, anchor+first:F, anchor+epic:K, pred, "
                                    "pred+epic:K, ape:T, ape:T+epic:K, "
@@ -36,8 +44,8 @@ def tools(
     call_tokens: int = typer.Option(0, "--call-tokens", help="decode N greedy tokens (at "
                                     "least --greedy) and run BFCL's AST checker on the call "
                                     "each answer writes, where it parses (live_multiple)"),
-    max_context: int = typer.Option(None, "--max-context",
-                                    help="skip (and count) cases longer than this many tokens "
+    max_context: int | None = typer.Option(None, "--max-context",
+                                           help="skip (and count) cases longer than this many tokens "
                                          "(default: the model's maximum positions)"),
     guard_target: float = typer.Option(1.0, "--guard-target",
                                        help="calibrated guards match exact on this share of "
@@ -47,10 +55,10 @@ def tools(
                                     "the exact and the composed prompt alike, e.g. "
                                     "'Function:\\n' (\\n and \\t are read as a newline and a "
                                     "tab; default: none)"),
-    out: Path = typer.Option(None, "--out", help="folder for results.json, report.md, "
+    out: Path | None = typer.Option(None, "--out", help="folder for results.json, report.md, "
                                                  "identity.png (default: out/bench-tools-"
                                                  "<model>-<set>)"),
-    data: Path = typer.Option(None, "--data", help="a folder in BFCL's data layout (default: "
+    data: Path | None = typer.Option(None, "--data", help="a folder in BFCL's data layout (default: "
                                                    "the installed bfcl-eval package's data)"),
     device: str = device_option(),
     dtype: str = dtype_option(),
@@ -59,64 +67,91 @@ def tools(
     as_json: bool = typer.Option(False, "--json", help="print the summaries as JSON"),
 ) -> None:
     """Tool choice after ``{"name": "`` with composed tool skills vs the exact prompt."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvnotes.bench.tools import DEFAULT_STRATEGIES, ToolsBenchConfig, run_bench
+    from kvnotes.bench.tools import DEFAULT_STRATEGIES, ToolsBenchConfig
     from kvnotes.bench.tools.data import check_set
-    from kvnotes.bench.tools.report import render, write_outputs
+    from kvnotes.bench.tools.report import render
     from kvnotes.bench.tools.strategies import parse_strategies
-    from kvnotes.core.machine import set_threads
 
     chosen = tuple(s.strip() for s in strategies.split(",")) if strategies else DEFAULT_STRATEGIES
     check_set(set_name)  # a held-out or unknown set fails before the model loads
     parse_strategies(list(chosen))
     folder = folder_option(out or Path(f"out/bench-tools-{Path(model).name}-{set_name}"),
                            "--out")
-    set_threads(threads)
-    command = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    line = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     opening = skill_opening.replace("\\n", "\n").replace("\\t", "\t")
     config = ToolsBenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
                          call_tokens=call_tokens, max_context=max_context, guard_target=guard_target,
                          skill_opening=opening, data_root=data,
                          settings={"date": datetime.datetime.now(datetime.UTC).strftime(
-                             "%Y-%m-%d %H:%M UTC"), "command": command, "device": device,
+                             "%Y-%m-%d %H:%M UTC"), "command": line, "device": device,
                              "dtype": dtype})
-    engine = load_engine(model, device, dtype)
     console = Console(stderr=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / "cases.jsonl"  # a stopped run keeps what it measured
-    partial.write_text("", encoding="utf-8")
-    from kvnotes.core.machine import machine_info
-
-    (folder / "run.json").write_text(json.dumps(
-        {"model": model, "set": set_name, "strategies": list(chosen),
-         "settings": {**config.settings, "cases_asked": cases, "greedy_tokens": greedy,
-                      "call_tokens": call_tokens,
-                      "guard_target": guard_target, "skill_opening": opening,
-                      "context_limit": max_context or engine.adapter.max_positions},
-         "machine_at_start": machine_info()}, indent=1, default=str) + "\n", encoding="utf-8")
-
-    def keep(case) -> None:  # noqa: ANN001
-        with partial.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(case.to_dict(), default=str) + "\n")
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=False) as bars:
-        task = bars.add_task(f"{set_name} cases", total=None)
-
-        def progress(done: int, total: int, case_id: str) -> None:
-            bars.update(task, completed=done, total=total,
-                        description=f"{set_name} {case_id}".strip())
-
-        result = run_bench(engine, config, model=model, progress=progress, on_case=keep)
-    paths = write_outputs(result, folder, command)
+    command = ToolsCommand(bench=config, model=ModelOptions(model, device, dtype, threads or None),
+                           folder=folder, command=line)
+    result, paths = command.run(console)
     if as_json:
         emit_json([s.to_dict() for s in result.summaries])
     else:
-        console.print(render(result, command).split("## Flipped")[0])
+        console.print(render(result, line).split("## Flipped")[0])
         console.print(f"wrote {paths['report']}, {paths['json']}, {paths['plot']}")
+
+
+@dataclass(frozen=True)
+class ToolsCommand:
+    """What ``bench tools`` runs: the benchmark's config, the model, the output folder and the
+    command line the report quotes."""
+
+    bench: ToolsBenchConfig
+    model: ModelOptions
+    folder: Path
+    command: str
+
+    def run(self, console: Console) -> tuple[BenchResult, dict[str, Path]]:
+        """Run it with a progress bar on ``console``; every measured case is appended to
+        ``cases.jsonl`` at once (``bench tools-report`` rebuilds a stopped run from it)."""
+        from kvnotes.bench.tools import run_bench
+        from kvnotes.bench.tools.report import write_outputs
+
+        engine = self.model.load()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / "cases.jsonl"  # a stopped run keeps what it measured
+        partial.write_text("", encoding="utf-8")
+        self._write_run_record(engine.adapter.max_positions)
+
+        def keep(case: CaseResult) -> None:
+            with partial.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(case.to_dict(), default=str) + "\n")
+
+        set_name = self.bench.set
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=False) as bars:
+            task = bars.add_task(f"{set_name} cases", total=None)
+
+            def progress(done: int, total: int, case_id: str) -> None:
+                bars.update(task, completed=done, total=total,
+                            description=f"{set_name} {case_id}".strip())
+
+            result = run_bench(engine, self.bench, model=self.model.model, progress=progress,
+                               on_case=keep)
+        return result, write_outputs(result, self.folder, self.command)
+
+    def _write_run_record(self, max_positions: int | None) -> None:
+        """``run.json``: what ``bench tools-report`` needs besides the cases."""
+        from kvnotes.core.machine import machine_info
+
+        config = self.bench
+        record = {"model": self.model.model, "set": config.set,
+                  "strategies": list(config.strategies),
+                  "settings": {**config.settings, "cases_asked": config.cases,
+                               "greedy_tokens": config.greedy_tokens,
+                               "call_tokens": config.call_tokens,
+                               "guard_target": config.guard_target,
+                               "skill_opening": config.skill_opening,
+                               "context_limit": config.max_context or max_positions},
+                  "machine_at_start": machine_info()}
+        (self.folder / "run.json").write_text(json.dumps(record, indent=1, default=str) + "\n",
+                                              encoding="utf-8")
 
 
 @bench_app.command("tools-report")

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from kvnotes.cli.app import app, emit_json, fail, folder_option, read_text_file
-from kvnotes.cli.options import device_option, dtype_option, load_engine
+from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import KvnotesError
+
+if TYPE_CHECKING:
+    from kvnotes.core.compose import Part
+    from kvnotes.core.notebook import Notebook
 
 console = Console(width=150)
 
@@ -29,7 +34,7 @@ def models_list() -> None:
 
 
 @models_app.command("prepare")
-def models_prepare(alias: list[str] = typer.Argument(None, help="aliases (default: all)")) -> None:
+def models_prepare(alias: list[str] | None = typer.Argument(None, help="aliases (default: all)")) -> None:
     """Convert bundled GGUF models to cached safetensors copies (first load does this too)."""
     from kvnotes.core.models import BUNDLED, resolve
 
@@ -53,13 +58,11 @@ def demo(
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     from kvnotes.apps.demo import run_compose_demo, write_report
     from kvnotes.bench.edit.demo import edit_section
-    from kvnotes.core.machine import set_threads
 
-    set_threads(threads)
     try:
         folder_option(out, "--out")
         with console.status(f"loading {model}"):
-            engine = load_engine(model, device, dtype)
+            engine = ModelOptions(model, device, dtype, threads or None).load()
         console.print(f"[bold]{engine}[/bold]  position scheme: {engine.adapter.describe()}")
         with console.status("compiling skills and composing contexts") as status:
             result = run_compose_demo(engine, max_new_tokens=max_new_tokens,
@@ -92,7 +95,7 @@ def compose(
     max_new_tokens: int = typer.Option(24),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    library: Path = typer.Option(None, help="skill library folder (compile once, reuse)"),
+    library: Path | None = typer.Option(None, help="skill library folder (compile once, reuse)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     threads: int | None = typer.Option(None, "--threads",
                                        help="torch CPU threads (default: physical cores)"),
@@ -100,14 +103,11 @@ def compose(
     """Compose one case (skills + context), answer the query, compare with full recompute."""
     import kvnotes
     from kvnotes.core.chat import chat_frame
-    from kvnotes.core.machine import set_threads
-
-    set_threads(threads)
 
     try:
-        engine = load_engine(model, device, dtype)
+        engine = ModelOptions(model, device, dtype, threads or None).load()
         lib = kvnotes.SkillLibrary(folder_option(library, "--library"), engine) if library else None
-        compiled = []
+        compiled: list[Notebook] = []
         for f in skill:
             if not f.is_file():
                 raise KvnotesError(f"no skill file at {f}")
@@ -115,7 +115,7 @@ def compose(
             compiled.append(lib.get(text, name=f.stem) if lib is not None
                             else engine.compile(text, name=f.stem))
         head, middle, tail = chat_frame(engine.tokenizer)
-        parts: list = [head] if head else []
+        parts: list[Part] = [head] if head else []
         for i, s in enumerate(compiled):
             parts.extend(["\n\n", s] if i else [s])
         parts.append(middle + context)

@@ -83,8 +83,8 @@ def _tiny_engine(arch: str, device: str = "cpu", dtype: str = "float32") -> Engi
 
 @app.command()
 def doctor(
-    model: str = typer.Option(None, help="model alias, local HF folder, .gguf file or hub id"),
-    tiny: str = typer.Option(None, help="instead: a tiny random model of this architecture "
+    model: str | None = typer.Option(None, help="model alias, local HF folder, .gguf file or hub id"),
+    tiny: str | None = typer.Option(None, help="instead: a tiny random model of this architecture "
                                         "(model_type, e.g. llama, deepseek_v2, qwen2_vl, gpt2)"),
     check: bool = typer.Option(False, help="also prefill, shift by 37 and measure the error"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
@@ -102,6 +102,7 @@ def doctor(
             except ValueError as err:  # no tiny recipe for that name: the message lists them
                 raise typer.BadParameter(str(err)) from err
         else:
+            assert model is not None  # exactly one of --model and --tiny, checked above
             with console.status(f"loading {model}"):
                 engine = load_engine(model, device, dtype)
         report = diagnose(engine, check=check)

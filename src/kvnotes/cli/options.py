@@ -1,4 +1,5 @@
-"""Options every model-loading command shares: ``--device`` and ``--dtype``, and the one loader.
+"""Options every model-loading command shares: ``--device`` and ``--dtype``, the one loader,
+and :class:`ModelOptions`, the model a command loads, gathered once.
 
 Examples::
 
@@ -11,9 +12,13 @@ Both are checked before any weights are read (:func:`kvnotes.core.validate.model
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 DEVICE_HELP = "torch device for the model: cpu, cuda, cuda:1, mps (checked before loading)"
 DTYPE_HELP = "model dtype: float32, bfloat16, float16 or float64"
@@ -38,8 +43,31 @@ def checked(device: str, dtype: str) -> tuple[str, str]:
     return str(dev), str(dt).removeprefix("torch.")
 
 
-def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Any:
+def load_engine(model: str, device: str = "cpu", dtype: str = "float32") -> Engine:
     """``kvnotes.load(model, device=..., dtype=...)``: every command loads through here."""
     from kvnotes.core.models import load
 
     return load(model, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model a command loads and how: ``--model``, ``--device``, ``--dtype``, ``--threads``.
+
+    ``threads``: torch's CPU threads; None sets the physical cores (more only adds contention),
+    0 leaves torch's own setting (``kvnotes trace --threads 0``; the other commands' ``--threads
+    0`` means the physical cores, so they pass ``threads or None``).
+    """
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+
+    def load(self) -> Engine:
+        """Set the threads, then load the engine through :func:`load_engine`."""
+        if self.threads != 0:
+            from kvnotes.core.machine import set_threads
+
+            set_threads(self.threads)
+        return load_engine(self.model, self.device, self.dtype)

@@ -6,7 +6,14 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from kvnotes.cli.app import app, fail, folder_option
 from kvnotes.cli.options import checked, device_option, dtype_option, load_engine
@@ -15,15 +22,15 @@ from kvnotes.core.errors import KvnotesError
 
 @app.command("repro")
 def repro(
-    models: str = typer.Option(None, "--models",
-                               help="comma-separated models (default: the two bundled ones, "
+    models: str | None = typer.Option(None, "--models",
+                                      help="comma-separated models (default: the two bundled ones, "
                                     "with --quick sizes)"),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    quick: bool = typer.Option(None, "--quick/--full",
-                               help="small suite sizes (default when --models is not given)"),
-    stages: str = typer.Option(None, "--stages",
-                               help="comma-separated subset of compose,edit,edit_cot,trace,agent"),
+    quick: bool | None = typer.Option(None, "--quick/--full",
+                                      help="small suite sizes (default when --models is not given)"),
+    stages: str | None = typer.Option(None, "--stages",
+                                      help="comma-separated subset of compose,edit,edit_cot,trace,agent"),
     out: Path = typer.Option(Path("out/repro"), "--out",
                              help="folder for report.md, repro.json, repro.png and the "
                                   "per-stage checkpoints (a rerun resumes from them)"),
@@ -50,7 +57,7 @@ def repro(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())
         with Progress(*columns, transient=False) as bars:
-            tasks: dict[tuple[str, str], int] = {}
+            tasks: dict[tuple[str, str], TaskID] = {}
 
             def progress(model: str, stage: str, done: int, total: int) -> None:
                 key = (model, stage)

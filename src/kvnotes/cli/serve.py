@@ -22,13 +22,13 @@ def serve(
     model: str = typer.Option("smollm2-135m", "--model", help="Model alias, .gguf file or HF folder"),
     skills: Path = typer.Option(..., "--skills", help="Skill-library folder (created if missing); "
                                 "skills registered there are spliced, also while the server runs"),
-    skill: list[Path] = typer.Option(None, "--skill", help="Text file to register as a skill at "
-                                     "start (repeatable; its name is the file's stem)"),
-    header: Path = typer.Option(None, "--header", help="Text file of the system header requests "
-                                "start with: registered as a piece, and --skill files are "
-                                "compiled behind it (closer to a full prefill)"),
-    port: int = typer.Option(None, "--port", help="Port on 127.0.0.1 clients use (the OpenAI "
-                             "front's, or vLLM's with --no-front; default: a free one)"),
+    skill: list[Path] | None = typer.Option(None, "--skill", help="Text file to register as a skill at "
+                                            "start (repeatable; its name is the file's stem)"),
+    header: Path | None = typer.Option(None, "--header", help="Text file of the system header requests "
+                                       "start with: registered as a piece, and --skill files are "
+                                       "compiled behind it (closer to a full prefill)"),
+    port: int | None = typer.Option(None, "--port", help="Port on 127.0.0.1 clients use (the OpenAI "
+                                    "front's, or vLLM's with --no-front; default: a free one)"),
     no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
                                   "with no OpenAI front (clients send token ids and the splice "
                                   "salt themselves, e.g. ComposeClient)"),
@@ -39,14 +39,14 @@ def serve(
                                 "never)"),
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
-    block_size: int = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
-                                   "multiple of 32; default 128)"),
+    block_size: int | None = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
+                                          "multiple of 32; default 128)"),
     max_model_len: int = typer.Option(4096, "--max-model-len"),
     kv_cache_gib: float = typer.Option(2, "--kv-cache-gib", help="CPU KV cache size in whole "
                                        "GiB (vLLM's CPU build takes no fractions)"),
-    vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the vLLM environment "
-                                    "(default .venv-vllm/bin/python)"),
-    log: Path = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
+    vllm_python: str | None = typer.Option(None, "--vllm-python", help="Python of the vLLM environment "
+                                           "(default .venv-vllm/bin/python)"),
+    log: Path | None = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
 ) -> None:
     """Run vLLM (prefix caching on) with kvnotes' connector behind an OpenAI-compatible front:
@@ -55,11 +55,12 @@ def serve(
     import kvnotes
     from kvnotes.serving.front.app import FrontConfig
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+    from kvnotes.serving.launch.process import check_kv_cache_gib
     from kvnotes.serving.library.manifest import SPLICE_SALT
 
     front = None if no_front else FrontConfig(port=port, repair=repair, guard=guard)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
-                          kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
+                          kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
                           port=port if no_front else None,
                           skills=folder_option(skills, "--skills"), log_path=log,
                           startup_timeout=startup_timeout, vllm_python=vllm_python, front=front)
@@ -104,8 +105,8 @@ def skills_add(
     files: list[Path] = typer.Argument(..., help="Text files, one skill each (name: file stem)"),
     model: str = typer.Option("smollm2-135m", "--model"),
     skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
-    header: Path = typer.Option(None, "--header", help="Compile the skills behind this system "
-                                "header (as `kvnotes serve --header`)"),
+    header: Path | None = typer.Option(None, "--header", help="Compile the skills behind this system "
+                                       "header (as `kvnotes serve --header`)"),
 ) -> None:
     """Compile skills with kvnotes and publish them (a running server picks them up)."""
     import kvnotes

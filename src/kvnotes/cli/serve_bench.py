@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -109,11 +109,6 @@ class ServerOptions:
                                      "its /metrics")
         validate_block_size(self.block_size)
         folder_option(self.out, "--out")
-
-    @classmethod
-    def pick(cls, options: dict[str, Any]) -> ServerOptions:
-        """The server options out of a command's options (its ``locals()``)."""
-        return cls(**{f.name: options[f.name] for f in fields(cls)})
 
     def target(self, *, max_model_len: int | None = None) -> Target:
         """The :class:`~kvnotes.bench.serving.runs.Target` of these options (``max_model_len``
@@ -226,7 +221,10 @@ def erratum(
     from kvnotes.bench.serving.report import markdown_table
     from kvnotes.bench.serving.workload import POLICIES
 
-    server = ServerOptions.pick(locals())
+    server = ServerOptions(
+        url=url, launch=launch, model=model, dtype=dtype, block_size=block_size,
+        kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout, vllm_python=vllm_python,
+        request_timeout=request_timeout, out=out)
     per_row = requests_per_row if requests_per_row is not None else (
         MATRIX_REQUESTS_PER_ROW if matrix else 0)
     bench = ErratumBenchConfig(
@@ -364,7 +362,10 @@ def skills(
         data, paths = _recheck_skills(model, out, skills_dir)
         _print(data, paths, markdown(data), as_json)
         return
-    server = ServerOptions.pick(locals())
+    server = ServerOptions(
+        url=url, launch=launch, model=model, dtype=dtype, block_size=block_size,
+        kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout, vllm_python=vllm_python,
+        request_timeout=request_timeout, out=out)
     bench = SkillsBenchConfig(
         model=model, k=k, requests=requests,
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),

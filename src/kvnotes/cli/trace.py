@@ -5,25 +5,30 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvnotes.bench.trace.suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 from kvnotes.cli.app import app, fail
-from kvnotes.cli.options import device_option, dtype_option, load_engine
+from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import KvnotesError
 from kvnotes.ops.trace import TraceOptions
+
+if TYPE_CHECKING:
+    from kvnotes.eval.tasks import EditCase
 
 
 @app.command("trace")
 def trace_command(
     model: str = typer.Option(..., "--model", "-m", help="Model alias, HF directory or GGUF file."),
-    task: list[str] = typer.Option(None, "--task", "-t",
-                                   help="Task family (repeatable); default: every family."),
+    task: list[str] | None = typer.Option(None, "--task", "-t",
+                                          help="Task family (repeatable); default: every family."),
     cases: int = typer.Option(4, "--cases", "-n", help="Cases per family (spread over the family)."),
-    out: Path = typer.Option(None, "--out", "-o", help="Output folder (default out/trace-MODEL)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default out/trace-MODEL)."),
     position_bins: int = typer.Option(8, help="Downstream position bins (0 = every token)."),
     grid_bins: int = typer.Option(4, help="Notes columns of the layer x position heatmap."),
     grid_layer_groups: int = typer.Option(6, help="Layer rows of the heatmap (0 = every layer)."),
@@ -39,44 +44,61 @@ def trace_command(
     """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
     from kvnotes.eval.tasks import load_suite
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    folder = out or Path("out") / f"trace-{model.replace('/', '_')}"
     try:
-        suite = load_suite(task or None)
-        engine = load_engine(model, device, dtype)
+        command = TraceCommand(
+            model=ModelOptions(model, device, dtype, threads), suite=tuple(load_suite(task or None)),
+            per_family=cases, options=TraceOptions(
+                by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
+                grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,
+                detail_when_insensitive=detail_insensitive, batch_size=batch_size),
+            out=folder, boot=boot)
+        rows, pool = command.run()
     except KvnotesError as err:
         fail(err)
-        return
-    families = list(dict.fromkeys(c.family for c in suite))
-    picks = pick_cases(engine, suite, cases)
-    picked, pool = list(picks.cases), picks.pool
-    options = TraceOptions(
-        by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
-        grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,
-        detail_when_insensitive=detail_insensitive, batch_size=batch_size,
-    )
-    out = out or Path("out") / f"trace-{model.replace('/', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    log = (out / "cases.jsonl").open("w")
-
-    def progress(item: CaseTrace) -> None:
-        log.write(json.dumps(item.to_dict()) + "\n")
-        log.flush()
-        r = item.result
-        what = (f"d={r.denominator:+.2f} field={r.field_effect:+.3f} notes={r.notes_effect:+.3f}"
-                f"{'' if r.sensitive else ' (insensitive)'}" if r else item.reason[:90])
-        typer.echo(f"[{time.perf_counter() - t0:6.0f}s] {item.case_id}: {what}", err=True)
-
-    traces = trace_cases(engine, picked, options, progress=progress)
-    log.close()
-    rows = summarize(traces, min_denominator=min_denominator, n_boot=boot, families=families)
-    write_report(out, engine.name, traces, rows, min_denominator, pool=pool,
-                 command=" ".join(["kvnotes", *sys.argv[1:]]), seconds=time.perf_counter() - t0)
     typer.echo(summary_table(rows, pool))
-    typer.echo(f"\nwrote {out}/report.md", err=True)
+    typer.echo(f"\nwrote {folder}/report.md", err=True)
+
+
+@dataclass(frozen=True)
+class TraceCommand:
+    """What ``trace`` runs: the model, the suite's cases (``per_family`` traced of each family,
+    among those of equal token lengths), what is traced, the output folder, and the bootstrap
+    resamples of the confidence intervals. Threads 0 leave torch's own setting."""
+
+    model: ModelOptions
+    suite: tuple[EditCase, ...]
+    per_family: int
+    options: TraceOptions
+    out: Path
+    boot: int = 2000
+
+    def run(self) -> tuple[list[FamilySummary], dict[str, tuple[int, int]]]:
+        """Trace the picked cases (each appended to ``cases.jsonl`` as it is done), write the
+        report; returns the summary rows and the equal-length pool per family."""
+        engine = self.model.load()
+        families = list(dict.fromkeys(c.family for c in self.suite))
+        picks = pick_cases(engine, self.suite, self.per_family)
+        self.out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with (self.out / "cases.jsonl").open("w") as log:
+            def progress(item: CaseTrace) -> None:
+                log.write(json.dumps(item.to_dict()) + "\n")
+                log.flush()
+                r = item.result
+                what = (f"d={r.denominator:+.2f} field={r.field_effect:+.3f} "
+                        f"notes={r.notes_effect:+.3f}{'' if r.sensitive else ' (insensitive)'}"
+                        if r else item.reason[:90])
+                typer.echo(f"[{time.perf_counter() - t0:6.0f}s] {item.case_id}: {what}", err=True)
+
+            traces = trace_cases(engine, list(picks.cases), self.options, progress=progress)
+        min_denominator = self.options.min_denominator
+        rows = summarize(traces, min_denominator=min_denominator, n_boot=self.boot,
+                         families=families)
+        write_report(self.out, engine.name, traces, rows, min_denominator, pool=picks.pool,
+                     command=" ".join(["kvnotes", *sys.argv[1:]]),
+                     seconds=time.perf_counter() - t0)
+        return rows, picks.pool
 
 
 def summary_table(rows: Sequence[FamilySummary],
@@ -198,7 +220,7 @@ def _heatmap(out: Path, model: str, row: FamilySummary) -> Path | None:
     return path
 
 
-def _cells(g: list[list[float]]):
+def _cells(g: list[list[float]]) -> Iterator[tuple[tuple[int, int], float]]:
     for i, r in enumerate(g):
         for j, v in enumerate(r):
             if v == v:

@@ -12,7 +12,7 @@ Writing never leaves a partial file or folder: data goes to a temporary beside t
 target in one step. A temporary whose process died (killed mid-save) is swept at the next write
 into that folder by a writer on the same host: a folder shared between machines (several servers
 reading one skills library) holds other hosts' temporaries, whose pids mean nothing here, so they
-are never swept from another host. See ``docs/reliability.md``.
+are never swept from another host. See ``docs/guide/reliability.md``.
 """
 
 from __future__ import annotations

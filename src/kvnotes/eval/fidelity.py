@@ -6,9 +6,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvnotes.core.engine import Engine, Part, TokenInput
+from kvnotes.core.compose import Part
+from kvnotes.core.engine import Engine
 from kvnotes.core.metrics import compare_logits
 from kvnotes.core.repair import DEFAULT_REPAIR, Repair
+from kvnotes.core.runner import TokenInput
 
 
 @dataclass(frozen=True, slots=True)

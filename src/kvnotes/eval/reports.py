@@ -16,7 +16,7 @@ from typing import Any
 
 
 def write_bundle(out: str | Path, result: Any, *, report: str, json_name: str,
-                 plot_name: str, plot: Callable[[Path], None] | None = None) -> dict[str, Path]:
+                 plot_name: str, plot: Callable[[Path], object] | None = None) -> dict[str, Path]:
     """Write ``result`` as JSON, ``report`` as ``report.md`` and the chart ``plot`` draws.
 
     Args:

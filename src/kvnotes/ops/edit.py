@@ -37,9 +37,10 @@ import torch
 from kvnotes.core import validate
 from kvnotes.core.chat import chat_turn, has_template
 from kvnotes.core.document import Document, Field, document_meta, remembered_document
-from kvnotes.core.engine import Engine, repair_selector
+from kvnotes.core.engine import Engine
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
+from kvnotes.core.repair import repair_budget, repair_selector
 
 STRATEGIES = ("recompute", "prefix", "overwrite", "erratum", "repair")
 
@@ -248,17 +249,30 @@ def attention_scores(engine: Engine, nb: Notebook, fs: int, fe: int) -> torch.Te
     return total / len(out.attentions)
 
 
+@dataclass(frozen=True, slots=True)
+class _Repaired:
+    """What the ``repair`` strategy did: the notebook, the notes recomputed and kept, and the
+    selection's cost (token-equivalents, seconds, and the seconds a memoized selection did not
+    spend now but is charged)."""
+
+    notebook: Notebook
+    computed: int
+    reused: int
+    select_tokens: float
+    select_seconds: float
+    unpaid: float
+
+
 def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, layer: int,
-            memo: dict[Any, Any] | None) -> tuple[Notebook, int, int, float, float, float]:
+            memo: dict[Any, Any] | None) -> _Repaired:
     repair_selector(select, "edit")
-    if k < 0:
-        raise ValueError(f"repair budget k must be >= 0, got {k}")
     base, _, _ = _overwrite(engine, nb, plan)
     n = len(plan.new_ids)
     down = plan.fe_new
+    k = repair_budget(k, n - down)  # a token count, capped at the downstream tokens
     t0 = time.perf_counter()
     key = (select, layer, plan.fs, tuple(plan.new_ids))
-    if n - down == 0 or k == 0:
+    if k == 0:
         scores, select_tokens = torch.zeros(n - down), 0.0
     elif memo is not None and key in memo:
         scores, select_tokens = memo[key]
@@ -271,15 +285,15 @@ def _repair(engine: Engine, nb: Notebook, plan: _Plan, k: int, select: str, laye
         select_tokens = (n - plan.fs) * (layer + 1) / engine.adapter.num_layers
     paid = time.perf_counter() - t0
     select_seconds = paid
-    if memo is not None and k and n - down:
+    if memo is not None and k:
         select_seconds = memo.setdefault(("seconds", *key), paid)
         memo[key] = (scores, select_tokens)
-    unpaid = select_seconds - paid  # a memoized selection is charged as if run again
-    k = min(k, n - down)
     chosen = (torch.topk(scores, k).indices + down).tolist() if k else []
     recompute = sorted({*range(plan.fs, plan.fe_new), *chosen})
     out = engine.recompute(base, recompute)  # the one selective-recompute step (compose's too)
-    return out, len(recompute), n - len(recompute), select_tokens, select_seconds, unpaid
+    # a memoized selection is charged as if run again
+    return _Repaired(out, len(recompute), n - len(recompute), select_tokens, select_seconds,
+                     select_seconds - paid)
 
 
 # ---- the entry point ---------------------------------------------------------------------------
@@ -298,7 +312,7 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
         strategy: one of ``recompute``, ``prefix``, ``overwrite``, ``erratum``, ``repair``.
         k: ``repair`` budget, the number of downstream tokens recomputed besides the field.
         select: ``repair`` selection, a repair selector that edits take
-            (:data:`~kvnotes.core.engine.REPAIR_SELECTORS`): ``"attention"`` or
+            (:data:`~kvnotes.core.repair.REPAIR_SELECTORS`): ``"attention"`` or
             ``"kv_deviation"``.
         layer: the early layer ``kv_deviation`` compares at (1 = the second layer).
         template: ``erratum`` wording: a name in :data:`ERRATUM_TEMPLATES` or a format string.
@@ -339,10 +353,11 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
     elif strategy == "overwrite":
         out, computed, reused = _overwrite(engine, nb, plan)
     else:
-        out, computed, reused, sel_tokens, sel_seconds, unpaid = _repair(
-            engine, nb, plan, k, select, layer, memo)
-        t0 -= unpaid
-        extra = dict(select=select, k=k, select_tokens=sel_tokens, select_seconds=sel_seconds)
+        done = _repair(engine, nb, plan, k, select, layer, memo)
+        out, computed, reused = done.notebook, done.computed, done.reused
+        t0 -= done.unpaid
+        extra = dict(select=select, k=k, select_tokens=done.select_tokens,
+                     select_seconds=done.select_seconds)
     out = _finish(engine, out, plan, field)
     seconds = time.perf_counter() - t0
     report = EditReport(strategy, field, old_value, new_value, len(plan.new_ids), computed,

@@ -5,7 +5,7 @@ when the tokenizer adds one, then each part's tokens with no special tokens: exa
 ``engine.compose`` feeds), so registered skills in it match the server's pieces token for
 token. Spliced requests carry the ``cache_salt`` ``kvnotes-splice`` (``kvnotes-splice:<tenant>``
 for a client with a tenant); the same prompt without it is an exact request that never sees
-spliced KV (docs/serving.md). Talks to the server through the ``openai`` client (streaming
+spliced KV (docs/guide/serving.md). Talks to the server through the ``openai`` client (streaming
 completions, ``extra_body`` for the salt and the splice ranges).
 
 With a :class:`~kvnotes.core.repair.Repair`, a request is sent as a phased prefill

@@ -28,9 +28,8 @@ from kvnotes.bench.tools.strategies import (
     variants,
 )
 from kvnotes.cli import app
-from kvnotes.core.engine import prefix_digest
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import DEFAULT_REPAIR
+from kvnotes.core.repair import DEFAULT_REPAIR, prefix_digest
 
 HELD_OUT = ("multiple", "parallel_multiple", "simple_python", "simple_java", "live_simple",
             "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")

@@ -2,9 +2,10 @@
 the kept prefix of the last notebook, then text prefilled in place and skills re-rotated and
 spliced, in as few forwards as the splices allow.
 
-Alongside the notes it tracks ``exact``: notes ``[0, exact)`` equal a recompute's (text fed on
-exact notes is exact; a skill is exact where it sits behind exactly what it was compiled
-behind), so the decision guard recomputes only the rest.
+Which spliced notes are recomputed, and how many leading notes are exact (equal a recompute's,
+so the decision guard recomputes only the rest), is the turn's repair plan
+(:func:`~kvnotes.core.repair_plan.plan_repair`, the rule ``engine.compose`` follows): the
+builder lays the turn out, plans it and executes the plan.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ import torch
 
 from kvnotes.apps.agent.config import AgentConfig
 from kvnotes.apps.agent.layout import AnchoredNotes, Anchors, Part, TurnPlan, common_prefix
-from kvnotes.core.engine import Engine, repair_budget
+from kvnotes.core.compose import execute_piece_repair
+from kvnotes.core.engine import Engine
 from kvnotes.core.notebook import Notebook
+from kvnotes.core.repair import prefix_digest
+from kvnotes.core.repair_plan import Part as LayoutPart
+from kvnotes.core.repair_plan import Piece as LayoutPiece
+from kvnotes.core.repair_plan import PieceRepair, Text, plan_repair
 
 MIN_CARRY = 8  # a shorter shared run of the record is fed again (a splice has a fixed cost)
 
@@ -71,10 +77,9 @@ class _Builder:
     """The notebook under construction: text waits in ``pending`` until a splice (or the end)
     needs the notebook, so consecutive text is fed in one forward."""
 
-    def __init__(self, engine: Engine, notebook: Notebook, exact: int, counts: TurnCounts) -> None:
+    def __init__(self, engine: Engine, notebook: Notebook, counts: TurnCounts) -> None:
         self.engine = engine
         self.nb = notebook
-        self.exact = exact
         self.counts = counts
         self.pending: list[int] = []
         self.logits: torch.Tensor | None = None
@@ -86,8 +91,6 @@ class _Builder:
         if not self.pending:
             return
         step = self.engine.forward(self.nb, self.pending)
-        if self.exact == len(self.nb):  # text fed on exact notes is exact
-            self.exact = len(step.notebook)
         self.nb, self.logits = step.notebook, step.logits
         self.counts.fed += len(self.pending)
         self.pending = []
@@ -98,31 +101,27 @@ class _Builder:
         self.counts.carried += len(notes)
         self.logits = None
 
-    def splice_skill(self, got: AnchoredNotes, part: Part, prefix: list[int],
+    def splice_skill(self, got: AnchoredNotes, part: Part, repair: PieceRepair | None,
                      config: AgentConfig) -> None:
-        """Splice ``got`` (the notes of ``part``, whose prompt before it is ``prefix``); repair
-        its first tokens when it is not exact where it lands."""
+        """Splice ``got`` (the notes of ``part``) and do its planned repair (None: spliced as
+        it is, exactly placed)."""
         self.flush()
         if got.compiled:  # compiled during the turn: it counts as computed
             self.counts.compiled += len(got.anchor) + len(part.ids)
-        n0 = len(self.nb)
         self.nb = self.nb.splice(got.notes)  # re-rotated to follow nb (moved only when it must be)
-        in_place = (self.exact == n0 and int(got.notes.positions[0]) == n0
-                    and prefix == got.anchor)
-        if in_place:  # compiled behind exactly what precedes it, where it now sits
-            self.exact = len(self.nb)
-        else:
-            k = repair_budget(config.repair, len(part.ids))
-            chosen, cost = self.engine.repair_choice(self.nb, n0, k, select=config.select,
-                                                     layer=config.select_layer)
+        if repair is not None:
+            self.nb, cost = execute_piece_repair(self.engine, self.nb, repair,
+                                                 select=config.select, layer=config.select_layer)
             self.counts.selected += int(cost)
-            if chosen:
-                self.nb = self.engine.recompute(self.nb, chosen)
-                self.counts.repaired += k
-                if self.exact == n0 and chosen[-1] == n0 + k - 1:  # the skill's first k tokens
-                    self.exact = n0 + k
+            self.counts.repaired += repair.repaired
         self.counts.spliced += len(part.ids)
         self.logits = None
+
+
+def _skill_part(part: Part, got: AnchoredNotes) -> LayoutPiece:
+    """A spliced part as the repair plan sees it: where and behind what it was compiled."""
+    return LayoutPiece(len(part.ids), int(got.notes.positions[0]), tuple(part.ids),
+                       prefix_len=len(got.anchor), prefix_digest=prefix_digest(got.anchor))
 
 
 def build(engine: Engine, plan: TurnPlan, old: Notebook | None, exact: int, anchors: Anchors,
@@ -130,26 +129,45 @@ def build(engine: Engine, plan: TurnPlan, old: Notebook | None, exact: int, anch
     """The notebook of ``plan`` after ``old`` (whose notes ``[0, exact)`` are exact)."""
     layout, keep = plan.layout, plan.keep
     flat = layout.token_ids
+    # the turn laid out for its repair plan: the kept notes (exact up to ``exact``), then each
+    # part from ``keep`` on as it will be made (fed, carried or spliced)
+    exact = min(exact, keep)
+    parts: list[LayoutPart] = [Text(n, tuple(flat[a:b]), exact=a < exact)
+                               for a, b, n in ((0, exact, exact), (exact, keep, keep - exact)) if n]
+    steps: list[tuple[int, Part, AnchoredNotes | Notebook | None]] = []
+    for i, part in enumerate(layout.parts):
+        if part.end <= keep:
+            continue
+        if part.piece.spliced:
+            notes = anchors.notes(part.piece, plan.anchors.get(i))
+            steps.append((len(parts), part, notes))
+            parts.append(_skill_part(part, notes))
+            continue
+        carried = (carried_record(old, part) if config.carry_record and part.start >= keep
+                   else None)
+        steps.append((len(parts), part, carried))
+        fed = part.ids[max(0, keep - part.start):]
+        if carried is not None:  # the record's old notes (its leading ids) spliced, not exact
+            parts.append(Text(len(carried), tuple(fed[:len(carried)]), exact=False))
+            fed = fed[len(carried):]
+        if fed:
+            parts.append(Text(len(fed), tuple(fed)))
+    todo = plan_repair(parts, config.repair_plan)
+    repairs = todo.by_index()
     # one store sized for the whole prompt: the kept notes are copied once (the old notebook
     # is never written), and every splice and feed after them writes in place
     nb = engine.empty(0, capacity=len(flat) + 64)
     if old is not None and keep:
         nb = Notebook.concat([nb, old.slice(0, keep)])
-    b = _Builder(engine, nb, min(exact, keep), TurnCounts(kept=keep))
-    for i, part in enumerate(layout.parts):
-        if part.end <= keep:
-            continue
-        if part.piece.spliced:
-            b.splice_skill(anchors.notes(part.piece, plan.anchors.get(i)), part,
-                           flat[:part.start], config)
-            continue
-        carried = (carried_record(old, part) if config.carry_record and part.start >= keep
-                   else None)
-        if carried is None:
+    b = _Builder(engine, nb, TurnCounts(kept=keep))
+    for index, part, made in steps:
+        if isinstance(made, AnchoredNotes):
+            b.splice_skill(made, part, repairs.get(index), config)
+        elif made is None:
             b.feed(part.ids[max(0, keep - part.start):])
-        else:  # the record's old notes (its leading ids) spliced, the rest fed
-            b.splice_carried(carried)
-            b.feed(part.ids[len(carried):])
+        else:
+            b.splice_carried(made)
+            b.feed(part.ids[len(made):])
     b.flush()
     assert b.logits is not None, "the last piece is text, fed every turn"
-    return Built(b.nb.with_spans(layout.spans()), b.logits, b.exact, b.counts)
+    return Built(b.nb.with_spans(layout.spans()), b.logits, todo.exact_prefix(parts), b.counts)

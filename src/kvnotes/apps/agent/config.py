@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvnotes.core import validate
-from kvnotes.core.engine import repair_budget, repair_selector
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError
+from kvnotes.core.repair import Repair, as_repair, repair_selector
 from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_text
 
 UPDATES = ("rewrite", "errata", "ignore")
@@ -44,10 +44,13 @@ class AgentConfig:
         guard: re-decide on exactly recomputed notes when the top-two margin (log-prob) is
             below this and some note is inexact (:func:`kvnotes.ops.decisions.guarded`); None:
             never.
-        repair: after splicing a skill that is not exact, recompute its first tokens in
-            context: an int (that many tokens) or a float in (0, 1] (that fraction of it).
-        select: which spliced tokens a repair recomputes, a compose selector of
-            :data:`kvnotes.core.engine.REPAIR_SELECTORS` (``"first"`` or ``"kv_deviation"``,
+        repair: which notes of the skills spliced where they are not exact are recomputed in
+            context, as ``engine.compose``'s ``repair=`` reads it
+            (:func:`~kvnotes.core.repair.as_repair`): an int ``K`` each such skill's first
+            ``K`` tokens, a float in (0, 1] that fraction of their tokens shared among them
+            and chosen by ``select``; 0 none.
+        select: which spliced tokens a fraction ``repair`` recomputes, a compose selector of
+            :data:`kvnotes.core.repair.REPAIR_SELECTORS` (``"first"`` or ``"kv_deviation"``,
             :meth:`Engine.repair_choice`); ``select_layer``: the layer ``kv_deviation`` reads.
         carry_record: when the skills before the record change, splice the record's last-turn
             notes (re-rotated) instead of prefilling it again: faster turns, record notes that
@@ -96,9 +99,20 @@ class AgentConfig:
                                        or not self.guard >= 0):
             raise InvalidArgumentError(f"guard must be a margin >= 0 (log-prob) or None (no "
                                        f"guard), got {self.guard!r}")
-        repair_budget(self.repair, 1)  # the same check a splice's repair makes
+        as_repair(self.repair)  # the check compose's repair= makes
         repair_selector(self.select, "compose")
+        if self.select != "first" and isinstance(self.repair, int) and self.repair:
+            raise InvalidArgumentError(
+                f"repair={self.repair} recomputes each skill's first {self.repair} tokens; "
+                f"select={self.select!r} chooses a fraction's tokens: give repair as a float "
+                "in (0, 1], or select='first'")
         validate.integer(self.select_layer, "select_layer", minimum=0)
+
+    @property
+    def repair_plan(self) -> Repair:
+        """``repair`` and ``select`` as the :class:`~kvnotes.core.repair.Repair` a turn runs."""
+        plan = as_repair(self.repair)
+        return Repair(plan.first, plan.align, plan.skip_exact, plan.budget, self.select)
 
     @property
     def uses_variants(self) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvnotes.core.engine import Engine
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def edit_section(engine: Engine, console: Any = None, case_id: str = "refund-000") -> list[str]:
+
+def edit_section(engine: Engine, console: Console | None = None, case_id: str = "refund-000") -> list[str]:
     """Run every edit strategy on one bundled case; print a table; return markdown lines."""
     from kvnotes.bench.edit.evaluate import compare_strategies
     from kvnotes.eval.tasks import load_suite
@@ -47,5 +50,5 @@ def edit_section(engine: Engine, console: Any = None, case_id: str = "refund-000
     return lines
 
 
-def _num(x: Any, digits: int) -> str:
+def _num(x: float | None, digits: int) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"

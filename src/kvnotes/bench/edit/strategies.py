@@ -18,7 +18,7 @@ def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
     """``"repair:kv_deviation:32"`` -> ``("repair", {"select": "kv_deviation", "k": 32})``;
     ``"erratum:strong"`` -> ``("erratum", {"template": "strong"})``; the options are keyword
     arguments of :func:`kvnotes.edit`."""
-    from kvnotes.core.engine import repair_selector, selectors_for
+    from kvnotes.core.repair import repair_selector, selectors_for
     from kvnotes.ops.edit import ERRATUM_TEMPLATES, STRATEGIES
 
     name, *rest = spec.split(":")

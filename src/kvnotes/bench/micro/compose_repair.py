@@ -32,11 +32,10 @@ from typing import Any
 
 from kvnotes.apps.demo import SYSTEM_INTRO, DemoCase, demo_data
 from kvnotes.core.chat import chat_frame
-from kvnotes.core.engine import selectors_for
 from kvnotes.core.machine import machine_info, set_threads
 from kvnotes.core.metrics import LogitComparison, compare_logits
 from kvnotes.core.models import load
-from kvnotes.core.repair import Repair
+from kvnotes.core.repair import Repair, selectors_for
 
 BUDGETS = (0, 0.025, 0.05, 0.10)
 SELECTORS = selectors_for("compose")

@@ -68,7 +68,7 @@ ERRATA_FORMS: dict[str, str] = {
 ONE_CORRECTION = frozenset({"latest", "follow-up-latest"})
 AFTER_QUESTION = frozenset({"follow-up", "follow-up-latest"})
 # the default: the fastest form and the only one SmolLM2 read right after every edit
-# (docs/serving.md, "Where the erratum goes")
+# (docs/results.md, "Where the corrections go")
 DEFAULT_ERRATA = "follow-up-latest"
 REASK = "Answer again."
 # longest first: parse_answer breaks ties at one position by order ("delivered late" over

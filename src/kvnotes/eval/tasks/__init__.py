@@ -22,4 +22,4 @@ def load_suite(families: Iterable[str] | None = None) -> list[EditCase]:
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise UnknownNameError("family", unknown[0], sorted(FAMILIES))
-    return [case for n in names for case in FAMILIES[n]()]  # type: ignore[operator]
+    return [case for n in names for case in FAMILIES[n]()]

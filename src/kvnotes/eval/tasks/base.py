@@ -7,7 +7,8 @@ decision parses to. The families live in their own modules and register in :data
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvnotes.core.document import Document
 from kvnotes.core.errors import InvalidArgumentError
@@ -33,7 +34,7 @@ class EditCase:
     answers: tuple[str, ...]
     expected_old: str | None = None  # the decision the task author intends for the old value
     expected_new: str | None = None
-    tags: tuple[str, ...] = field(default_factory=tuple)
+    tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.document.value(self.field) != self.old_value:
@@ -45,12 +46,14 @@ class EditCase:
         return self.document.with_value(self.field, self.new_value)
 
 
+CaseFamily = Callable[[], list[EditCase]]
+
 # family name -> zero-argument function returning that family's cases
-FAMILIES: dict[str, object] = {}
+FAMILIES: dict[str, CaseFamily] = {}
 
 
-def register_family(name: str):
-    def wrap(fn):
+def register_family(name: str) -> Callable[[CaseFamily], CaseFamily]:
+    def wrap(fn: CaseFamily) -> CaseFamily:
         FAMILIES[name] = fn
         return fn
     return wrap

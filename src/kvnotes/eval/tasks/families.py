@@ -14,7 +14,7 @@ allow or deny) and ``lookup`` (the answer is the field's own value).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvnotes.core.document import Document, Field
 from kvnotes.eval.tasks.base import EditCase, register_family
@@ -75,7 +75,12 @@ def _record_lines(rng: random.Random, n: int = 9) -> str:
     return "\n".join(pool[:n]) + "\n"
 
 
-def _cases(family: str, make, pairs: Sequence[tuple[str, str]], per_pair: int) -> list[EditCase]:
+# one case from (seeded rng, old value, new value, case id)
+CaseMaker = Callable[[random.Random, str, str, str], EditCase]
+
+
+def _cases(family: str, make: CaseMaker, pairs: Sequence[tuple[str, str]],
+           per_pair: int) -> list[EditCase]:
     out: list[EditCase] = []
     for i, (old, new) in enumerate(pairs):
         for j in range(per_pair):
@@ -124,6 +129,7 @@ def _eligibility(rng: random.Random, old: str, new: str, case_id: str) -> EditCa
                           "the Small Business Starter Loan", "the Adult Education Bursary"])
     head = (f"APPLICATION FILE {rng.randint(1000, 9999)}\nProgram: {program}\n"
             f"Applicant: {_name(rng)}\n")
+    parts: list[str | Field]
     if kind == "age":
         parts = [head + "Applicant age: ", Field("age", old), " years\n"]
         rule = ("Applicants must be at least 18 years old on the date of the application. "

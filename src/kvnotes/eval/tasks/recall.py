@@ -55,7 +55,7 @@ def capital_recall_cases() -> list[EditCase]:
     """24 cases: each country paired with the ones 5 and 7 places further in the list."""
     countries = list(CAPITALS)
     k = len(countries)
-    out = []
+    out: list[EditCase] = []
     for step in (5, 7):
         for i, old in enumerate(countries):
             new = countries[(i + step) % k]

@@ -42,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, ServingError
-from kvnotes.core.repair import DEFAULT_FIRST, Repair
+from kvnotes.core.repair import DEFAULT_FIRST, Repair, as_repair
 from kvnotes.serving.front.format import DONE, Shaper, first_top_logprobs, parse_sse_line, sse
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, phase_bodies, plan_request, real_body
@@ -272,7 +272,7 @@ class Front:
             with self._plan_lock:
                 req = read_request(kind, data, self.catalog.tokenizer)
                 opts = req.options
-                repair = Repair(first=self.config.repair if opts.repair is None else opts.repair)
+                repair = as_repair(self.config.repair if opts.repair is None else opts.repair)
                 fp = plan_request(req, self.catalog, repair, self.block_size(),
                                   opts.tenant if opts.tenant is not None else self.config.tenant)
             tau = self.config.guard if opts.guard is None else opts.guard

@@ -2,8 +2,8 @@
 
 A *piece* is a compiled skill as the server will use it: its token ids, the position its first
 token was prefilled at (``origin``) and its per-layer keys/values. vLLM asks a connector once per
-admission for one contiguous run right after its local prefix-cache hit (docs/serving.md), so
-what can be supplied is decided one of two ways:
+admission for one contiguous run right after its local prefix-cache hit (docs/design.md,
+"Serving architecture"), so what can be supplied is decided one of two ways:
 
 - without instructions, the prompt is matched from token 0 against the registered pieces and the
   longest run of consecutive pieces (the *leading run*) is supplied;

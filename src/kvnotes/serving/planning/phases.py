@@ -9,7 +9,7 @@ phase (or the real request) then hits those blocks locally, and the connector su
 of the piece from that hit on. Regions end on block boundaries (``repaired_end`` with
 ``align`` = the server's block size), since only whole blocks are prefix-cache hits.
 
-The repair rule is :mod:`kvnotes.core.repair`'s, the one ``Engine.compose`` follows: each
+The repair rule is :mod:`kvnotes.core.repair_plan`'s, the one ``Engine.compose`` executes: each
 spliced piece's first ``first`` tokens are recomputed in order, except the pieces of the unbroken
 chain at their own origins from token 0 (BOS, the header, the first skill compiled behind it),
 whose notes are already a prefill's (``skip_exact``).
@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import Repair, repaired_end
+from kvnotes.core.repair import Repair
+from kvnotes.core.repair_plan import Part as LayoutPart
+from kvnotes.core.repair_plan import Piece, Text, plan_repair
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY, PieceIndex, SpliceRange
 
@@ -190,13 +192,14 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
                 tenant: str | None = None) -> PhasePlan:
     """The phases, ranges and salt of a prompt laid out as ``spans`` (contiguous from 0).
 
-    Each piece not in the exact chain from token 0 (see the module docstring) is recomputed
-    on ``[start, r)`` with ``r = repaired_end(start, end, first, block_size)`` and supplied on
-    ``[r, end)``. Ranges that follow one another without a gap form one group the connector
-    supplies from a single local hit; a group that starts past token 0 needs a phase ending
-    where it starts, and one that starts off a block boundary (a piece right after text with
-    nothing recomputed, ``first=0``) can never be a local hit: it is left out, vLLM computes
-    it (slower, never wrong).
+    The repair plan is :func:`~kvnotes.core.repair_plan.plan_repair`'s (the one
+    ``Engine.compose`` executes): each piece not in the exact chain from token 0 (see the
+    module docstring) is recomputed on ``[start, r)`` with ``r = repaired_end(start, end,
+    first, block_size)`` and supplied on ``[r, end)``. Ranges that follow one another
+    without a gap form one group the connector supplies from a single local hit; a group
+    that starts past token 0 needs a phase ending where it starts, and one that starts off a
+    block boundary (a piece right after text with nothing recomputed, ``first=0``) can never
+    be a local hit: it is left out, vLLM computes it (slower, never wrong).
 
     Example:
         >>> spans = [PartSpan(0, 40, 0), PartSpan(40, 140, 40), PartSpan(140, 240, 40),
@@ -208,21 +211,21 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
     repair = server_repair(repair, block_size)
     salt = splice_salt(tenant, tag=repair.tag())
     pos = 0
-    chain = True  # every piece so far sits at its origin, from token 0 on
-    ranges: list[SpliceRange] = []
-    regions: list[tuple[int, int]] = []
     for span in spans:
         if span.start != pos or span.end <= span.start:
             raise InvalidArgumentError(f"part spans must tile the prompt from token 0 without "
                                        f"gaps or empty parts; [{span.start}, {span.end}) follows "
                                        f"token {pos}")
         pos = span.end
+    plan = plan_repair([layout_part(span) for span in spans], repair)
+    by_index = plan.by_index()
+    ranges: list[SpliceRange] = []
+    regions: list[tuple[int, int]] = []
+    for i, span in enumerate(spans):
         if span.origin is None:
-            chain = False
             continue
-        chain = chain and span.origin == span.start
-        r = span.start if chain and repair.skip_exact else repaired_end(
-            span.start, span.end, repair.first, repair.align)
+        piece = by_index.get(i)
+        r = span.start if piece is None else piece.first_end  # exactly placed: spliced whole
         if r > span.start:
             if regions and regions[-1][1] == span.start:
                 regions[-1] = (regions[-1][0], r)
@@ -241,6 +244,15 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
         kept += group
     return PhasePlan(prompt_len=pos, block_size=int(block_size), repair=repair, salt=salt,
                      ranges=tuple(kept), regions=tuple(regions), phase_ends=tuple(ends))
+
+
+def layout_part(span: PartSpan) -> LayoutPart:
+    """A part span as the repair plan sees it: text vLLM computes, or a registered piece whose
+    compile prefix the server cannot see, trusted at its origin behind a chain of pieces so
+    placed from token 0 (``trust_chain``)."""
+    if span.origin is None:
+        return Text(len(span))
+    return Piece(len(span), span.origin, trust_chain=True)
 
 
 def _groups(ranges: Sequence[SpliceRange]) -> list[list[SpliceRange]]:
