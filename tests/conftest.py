@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import kvnotes
+from kvnotes.apps.agent.skills import skill_text
+from kvnotes.core.errors import ServingError
 from kvnotes.core.models import BUNDLED, kvnotes_home
 
 REAL_FIXTURES = {"smollm2", "gemma3", "real_engine"}
@@ -119,3 +122,67 @@ def _quiet_threads():
 
 def home() -> Path:
     return kvnotes_home()
+
+
+# ---- the session's one vLLM server ---------------------------------------------------------------
+# Starting vLLM's CPU build takes minutes, so every test that needs a real server shares one.
+# Its KV cache is small on purpose: 128 blocks of 32 tokens (32: the CPU attention backend takes
+# block sizes in steps of 32; one block is vLLM's null block, so 4064 tokens are usable) hold the
+# longest prompt any test sends (about 1.6k tokens) with room to spare, and the working set of the
+# erratum benchmark (two sessions of 1.5k tokens kept cached while their edits arrive), while
+# eight concurrent spliced requests of about 730 tokens each (prompt and answer) do not fit, so
+# vLLM preempts some of them.
+VLLM_BLOCK = 32
+VLLM_KV_BLOCKS = 128
+VLLM_MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def vllm_launch(smollm2, tmp_path_factory):
+    """The running :class:`~kvnotes.serving.launch.launcher.Launch` every vLLM test shares:
+    SmolLM2 in float32 (kvnotes' own numerics, so spliced output can be compared token for
+    token with ``engine.compose``), prefix caching on, kvnotes' connector loaded over an empty
+    skill library, and the OpenAI front in front of it (``launch.url``; vLLM itself is at
+    ``launch.server.url``). Tests skip only when the vLLM environment is absent.
+
+    Each module publishes the skills it needs under names of its own (see :func:`skill_copy`)
+    while the server runs, and keeps its requests in a cache namespace of its own (a tenant, or
+    a salt), so what one module leaves in the skill library or the prefix cache does not change
+    what another asserts.
+    """
+    from kvnotes.serving.front.app import FrontConfig
+    from kvnotes.serving.launch.launcher import LaunchConfig, prepare
+    from kvnotes.serving.launch.process import find_vllm_python
+
+    try:
+        python = find_vllm_python()
+    except ServingError as err:
+        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
+    root = tmp_path_factory.mktemp("vllm")
+    launch = prepare(LaunchConfig(
+        model="smollm2-135m", skills=root / "skills", dtype="float32", kv_cache_gib=1,
+        block_size=VLLM_BLOCK, max_model_len=VLLM_MAX_MODEL_LEN, vllm_python=str(python),
+        log_path=root / "server.log", startup_timeout=1800,
+        extra_args=("--num-gpu-blocks-override", str(VLLM_KV_BLOCKS)), front=FrontConfig()),
+        smollm2)
+    assert launch.skills is not None and launch.front is not None
+    with launch:
+        yield launch
+    # the server process (and every process it started) is gone
+    assert launch.server.proc is not None and launch.server.proc.poll() is not None
+    assert launch.server.alive_pids() == [], f"left running: {launch.server.alive_pids()}"
+
+
+def skill_copy(name: str, owner: str) -> str:
+    """The bundled skill ``name`` with ``owner`` (a test module) in its heading: a text no other
+    module registers. The session's server has one skill library, and among entries with the
+    same tokens it splices the one compiled where it is placed, so one text registered by two
+    modules with different anchors would change the other module's answers."""
+    heading, rest = skill_text(name).split("\n", 1)
+    return f"{heading} ({owner})\n{rest}"
+
+
+def wait_for_rescan() -> None:
+    """Let the running server see skills just published: the connector and the front rescan
+    the library folder at most every 0.25 s."""
+    time.sleep(1.0)

@@ -1,29 +1,26 @@
 """The connector on a real vLLM CPU server whose KV cache is too small for its load: spliced
-requests preempted and resumed answer exactly as alone, and a skill damaged after it was
-indexed is recomputed, not failed.
+requests preempted and resumed answer exactly as the same requests never preempted, and a
+skill damaged after it was indexed is recomputed, not failed.
 
-Its own server (40 KV blocks of 128 tokens, a 1024-token model length: settings the shared
-server of test_vllm_server.py does not have). SmolLM2 in float32; 8 concurrent spliced requests
-of about 460 prompt tokens (4 blocks), each in its own tenant (so no two share a block),
-generating 256 tokens each with ``ignore_eos``, need 48 blocks, so vLLM preempts some and
-resumes them later.
+On the session's server (``vllm_launch``: 128 KV blocks of 32 tokens). SmolLM2 in float32; 8
+concurrent spliced requests of about 480 prompt tokens, each in its own tenant (so no two share
+a block), generating 128 tokens each with ``ignore_eos``, need about 156 blocks, so vLLM
+preempts some and resumes them later.
 """
 
 from __future__ import annotations
 
+import math
 import re
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import VLLM_BLOCK, VLLM_KV_BLOCKS, skill_copy, wait_for_rescan
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.apps.agent.skills import skill_text
-from kvnotes.core.errors import ServingError
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.launch.launcher import LaunchConfig, prepare
-from kvnotes.serving.launch.process import find_vllm_python
+from kvnotes.serving.launch.launcher import Launch
 from kvnotes.serving.planning.layout import prompt_ids
 
 pytestmark = pytest.mark.vllm
@@ -31,29 +28,27 @@ pytestmark = pytest.mark.vllm
 USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and want to cancel. "
         "List every step I have to take and what I get back.\nAgent:")
 SKILLS = ("refunds", "baggage", "cancellation", "compensation")
+OWNER = "connector"  # this module's skill texts and names
 COPIES = 2
-ANSWER_TOKENS = 256
-KV_BLOCKS = 40
+ANSWER_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
-def small(smollm2, tmp_path_factory):
-    try:
-        python = find_vllm_python()
-    except ServingError as err:
-        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
-    root = tmp_path_factory.mktemp("vllm-small")
-    launch = prepare(LaunchConfig(model="smollm2-135m", skills=root / "skills", dtype="float32",
-                                  kv_cache_gib=1, max_model_len=1024, vllm_python=str(python),
-                                  log_path=root / "server.log", startup_timeout=1800,
-                                  extra_args=("--num-gpu-blocks-override", str(KV_BLOCKS))),
-                     smollm2)
-    assert launch.skills is not None
-    launch.skills.add(HEADER, name="header")
+def small(vllm_launch):
+    """The session's server with this module's skills published."""
+    assert vllm_launch.skills is not None
+    vllm_launch.skills.add(HEADER, name="header")
     for name in SKILLS:
-        launch.skills.add(skill_text(name), name=name)
-    with launch:
-        yield launch
+        vllm_launch.skills.add(skill_copy(name, OWNER), name=f"{OWNER}-{name}")
+    wait_for_rescan()
+    return vllm_launch
+
+
+def log_since(launch: Launch, offset: int) -> str:
+    """What the server logged after ``offset`` bytes (the log is the whole session's)."""
+    with open(launch.server.log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", errors="replace")
 
 
 def openai_client(url: str):
@@ -69,8 +64,13 @@ def preemptions(url: str) -> float:
 
 
 def test_preempted_spliced_requests_answer_as_alone(small, smollm2):
-    client = openai_client(small.url)
-    prompts = [prompt_ids(smollm2.tokenizer, [HEADER, skill_text(name), USER]) for name in SKILLS]
+    url = small.server.url
+    client = openai_client(url)
+    prompts = [prompt_ids(smollm2.tokenizer, [HEADER, skill_copy(name, OWNER), USER])
+               for name in SKILLS]
+    jobs = [(i, prompts[i]) for _ in range(COPIES) for i in range(len(prompts))]
+    need = sum(math.ceil((len(ids) + ANSWER_TOKENS) / VLLM_BLOCK) for _, ids in jobs)
+    assert need > VLLM_KV_BLOCKS, f"{need} blocks of load fit the cache: no preemption"
 
     def complete(ids, salt):
         r = client.completions.create(
@@ -78,41 +78,51 @@ def test_preempted_spliced_requests_answer_as_alone(small, smollm2):
             temperature=0.0, extra_body={"cache_salt": salt, "ignore_eos": True})
         return r.choices[0].text
 
-    before = preemptions(small.url)
-    jobs = [(i, prompts[i]) for _ in range(COPIES) for i in range(len(prompts))]
+    before, log_start = preemptions(url), small.server.log_path.stat().st_size
     with ThreadPoolExecutor(len(jobs)) as pool:  # a tenant each: no block is shared
         under_load = list(pool.map(lambda k: complete(jobs[k][1], f"kvnotes-splice:load-{k}"),
                                    range(len(jobs))))
-    preempted = preemptions(small.url) - before
+    after = preemptions(url)
+    preempted = after - before
     assert preempted > 0, "no preemption: the test needs a smaller KV cache or more requests"
-    # each prompt alone, in a fresh tenant namespace: spliced from scratch, never preempted
-    alone = [complete(ids, f"kvnotes-splice:alone-{i}") for i, ids in enumerate(prompts)]
-    wrong = [k for k, (i, _) in enumerate(jobs) if under_load[k] != alone[i]]
+    # each prompt once, in a fresh tenant namespace: spliced from scratch; the four fit the
+    # cache together, so none is preempted
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        unpreempted = list(pool.map(
+            lambda i: complete(prompts[i], f"kvnotes-splice:alone-{i}"), range(len(prompts))))
+    assert preemptions(url) == after
+    wrong = [k for k, (i, _) in enumerate(jobs) if under_load[k] != unpreempted[i]]
     assert wrong == [], f"{len(wrong)} of {len(jobs)} differ ({preempted:.0f} preemptions)"
-    log = small.server.log_path.read_text("utf-8", errors="replace")
+    log = log_since(small, log_start)
     splices = len(re.findall(r"request \S+ \(tenant load-\d+\): spliced tokens", log))
     # a resumed request is spliced again unless its blocks are still in the prefix cache
-    print(f"{len(jobs)} requests, {preempted:.0f} preemptions, {splices} splices")
+    print(f"{len(jobs)} requests, {need} blocks of load, {preempted:.0f} preemptions, "
+          f"{splices} splices")
     assert splices >= len(jobs)
 
 
 def test_a_skill_damaged_after_indexing_is_recomputed(small, smollm2):
     assert small.skills is not None
-    client = ComposeClient(small.url, small.server.served_name, smollm2.tokenizer,
+    client = ComposeClient(small.server.url, small.server.served_name, smollm2.tokenizer,
                            tenant="damage")
     text = ("LOST ITEMS POLICY: items left on board are kept for 30 days at the arrival "
             "airport; valuables are released only against photo identification.\n\n")
-    info = small.skills.add(text, name="lost-items")
-    time.sleep(1.0)  # the scheduler rescans at most every 0.25 s
+    log_start = small.server.log_path.stat().st_size
+    info = small.skills.add(text, name=f"{OWNER}-lost-items")
+    wait_for_rescan()
     other = client.complete([HEADER, USER], max_tokens=1)  # indexes the new skill
     assert other.ok, other.error
     path = small.skills.folder / f"{info.key}.safetensors"
-    data = bytearray(path.read_bytes())
+    intact = path.read_bytes()
+    data = bytearray(intact)
     data[-10] ^= 0xFF  # one byte of its tensors, in place: the index keeps the entry
     path.write_bytes(bytes(data))
-    got = client.complete([HEADER, text, USER], max_tokens=16)
-    cold = client.complete([HEADER, text, USER], max_tokens=16, salt=cold_salt())
+    try:
+        got = client.complete([HEADER, text, USER], max_tokens=16)
+        cold = client.complete([HEADER, text, USER], max_tokens=16, salt=cold_salt())
+    finally:
+        path.write_bytes(intact)  # the library is the session's: leave it readable
     assert got.ok and cold.ok, (got.error, cold.error)
     assert got.text == cold.text  # recomputed: the exact answer
-    log = small.server.log_path.read_text("utf-8", errors="replace")
-    assert "skill 'lost-items'" in log and "are recomputed" in log
+    log = log_since(small, log_start)
+    assert f"skill '{OWNER}-lost-items'" in log and "are recomputed" in log

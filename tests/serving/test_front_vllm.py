@@ -1,11 +1,11 @@
 """The OpenAI front on a real vLLM server (CPU build, .venv-vllm): plain OpenAI clients get the
 answer kvnotes' own phased client gets on the same plan.
 
-One server start: SmolLM2 in float32 with the connector, blocks of 32 tokens, the front in
-front of it (``LaunchConfig.front``). The openai SDK (sync, async, streaming) and one raw HTTP
-request go through the front; :class:`~kvnotes.serving.compose_client.ComposeClient` sends the
-same parts to vLLM directly with the same repair; an opted-out request equals the same request
-sent to vLLM itself.
+On the session's server (``vllm_launch``): SmolLM2 in float32 with the connector, blocks of 32
+tokens, the front in front of it (``LaunchConfig.front``). The openai SDK (sync, async,
+streaming) and one raw HTTP request go through the front;
+:class:`~kvnotes.serving.compose_client.ComposeClient` sends the same parts to vLLM directly with
+the same repair; an opted-out request equals the same request sent to vLLM itself.
 """
 
 from __future__ import annotations
@@ -15,15 +15,12 @@ import asyncio
 import httpx2
 import openai
 import pytest
+from conftest import wait_for_rescan
 
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.apps.agent.skills import skill_text
-from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient
-from kvnotes.serving.front.app import FrontConfig
-from kvnotes.serving.launch.launcher import LaunchConfig, prepare
-from kvnotes.serving.launch.process import find_vllm_python
 from kvnotes.serving.planning.request import render_chat
 
 pytestmark = pytest.mark.vllm
@@ -35,23 +32,17 @@ NAMES = ("refunds", "baggage")
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, tmp_path_factory):
-    try:
-        python = find_vllm_python()
-    except ServingError as err:
-        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
-    root = tmp_path_factory.mktemp("front-vllm")
-    launch = prepare(LaunchConfig(model="smollm2-135m", skills=root / "skills", dtype="float32",
-                                  kv_cache_gib=1, block_size=BLOCK, max_model_len=2048,
-                                  vllm_python=str(python), log_path=root / "server.log",
-                                  front=FrontConfig()), smollm2)
+def served(vllm_launch):
+    """The session's server (blocks of 32 tokens, the front in front of it) with this module's
+    skills; its requests use the shared splice salt, which no other module uses."""
+    launch = vllm_launch
+    assert launch.config.block_size == BLOCK
     assert launch.skills is not None and launch.front is not None
     launch.skills.add(HEADER, name="header")
     for name in NAMES:
         launch.skills.add(skill_text(name), name=name, after=HEADER)
-    with launch:
-        yield launch
-    assert launch.server.alive_pids() == []
+    wait_for_rescan()
+    return launch
 
 
 def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2):

@@ -1,59 +1,50 @@
 """kvnotes on a real vLLM server (CPU build, .venv-vllm): the erratum keeps the prefix cache
 aligned, and composition splices skills inside the server.
 
-One server serves every test here (startup costs minutes; this module holds all vLLM tests): it
-runs SmolLM2 in float32 (kvnotes' own numerics, so spliced output can be compared token for
-token with ``engine.compose``) with prefix caching on and kvnotes' connector loaded; requests
-without the splice salt are served exactly as without kvnotes, so the erratum benchmark shares
-it. CI builds the vLLM environment (`make test` depends on `make vllm`); elsewhere these tests
-skip only when that environment is absent.
+On the session's server (``vllm_launch``): SmolLM2 in float32 (kvnotes' own numerics, so spliced
+output can be compared token for token with ``engine.compose``) with prefix caching on, blocks
+of 32 tokens and kvnotes' connector loaded; requests without the splice salt are served exactly
+as without kvnotes, so the erratum benchmark shares it. This module's spliced requests use a
+tenant of its own and its skills are its own copies (``skill_copy``), so what other modules
+leave in the server does not reach them. CI builds the vLLM environment (`make test` depends
+on `make vllm`); elsewhere these tests skip only when that environment is absent.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import uuid
 
 import pytest
+from conftest import skill_copy, wait_for_rescan
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.apps.agent.skills import skill_text
 from kvnotes.bench.serving.erratum import ErratumBenchConfig, run_benchmark
 from kvnotes.bench.serving.kit import ServerRecord
-from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.launch.launcher import LaunchConfig, prepare
-from kvnotes.serving.launch.process import find_vllm_python
 from kvnotes.serving.upstream import Client
 
 pytestmark = pytest.mark.vllm
 
+OWNER = "server"  # this module's tenant, skill texts and skill names
+
+
+def own_text(name: str) -> str:
+    """This module's copy of the bundled skill ``name``."""
+    return skill_copy(name, OWNER)
+
 
 @pytest.fixture(scope="module")
-def vllm_python():
-    try:
-        return find_vllm_python()
-    except ServingError as err:
-        pytest.skip(f"vLLM environment absent (run `make vllm`): {err}")
-
-
-@pytest.fixture(scope="module")
-def serving(vllm_python, smollm2, tmp_path_factory):
-    """``(server, skills)``: a started server with the connector and its skill folder, the
-    system header already registered."""
-    root = tmp_path_factory.mktemp("vllm")
-    launch = prepare(LaunchConfig(model="smollm2-135m", skills=root / "skills", dtype="float32",
-                                  kv_cache_gib=1, vllm_python=str(vllm_python),
-                                  log_path=root / "server.log", max_model_len=4096), smollm2)
-    server, skills = launch.server, launch.skills
+def serving(vllm_launch):
+    """``(server, skills)``: the session's vLLM server and its skill library, the system header
+    registered."""
+    server, skills = vllm_launch.server, vllm_launch.skills
     assert skills is not None
     skills.add(HEADER, name="header")
-    with launch:
-        yield server, skills
-    # the server process (and every process it started) is gone
-    assert server.proc is not None and server.proc.poll() is not None
-    assert server.alive_pids() == [], f"left running: {server.alive_pids()}"
+    return server, skills
+
 
 USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and want to cancel. "
         "What do I get back?\nAgent:")
@@ -61,10 +52,10 @@ USER = ("\n\nCustomer Mei Lin (booking C48213) writes: I booked 2 days ago and w
 
 def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
     server, _ = serving
-    # vLLM's CPU backend caches in blocks of 128 tokens: the partly filled last block and the
-    # appended correction stay uncached, so the context must be long enough (3000)
-    # for the erratum's hit rate to clear 0.9 with a margin
-    config = ErratumBenchConfig(context_tokens=(3000,), field_depth=0.1, sessions=2, edits=2,
+    # the partly filled last block (up to 31 tokens) and the appended correction stay
+    # uncached: 1500 tokens of context put the erratum's hit rate above 0.9 with a margin, and
+    # both sessions stay in the server's small KV cache while their edits arrive
+    config = ErratumBenchConfig(context_tokens=(1500,), field_depth=0.1, sessions=2, edits=2,
                          concurrency=(1,), policies=("in-place", "erratum"),
                          request_timeout_s=300, time_budget_s=900)
     result = run_benchmark(Client(server.url), config, log=print).to_dict()
@@ -81,15 +72,16 @@ def test_erratum_keeps_vllm_prefix_cache_aligned(serving):
 @pytest.fixture(scope="module")
 def client(serving, smollm2):
     server, _ = serving
-    return ComposeClient(server.url, server.served_name, smollm2.tokenizer)
+    return ComposeClient(server.url, server.served_name, smollm2.tokenizer, tenant=OWNER)
 
 
 @pytest.mark.parametrize("order", [("refunds", "baggage"), ("baggage", "refunds")])
 def test_spliced_output_equals_engine_compose(serving, client, smollm2, order):
     _, skills = serving
-    texts = [skill_text(name) for name in order]
+    texts = [own_text(name) for name in order]
     for name, text in zip(order, texts, strict=True):
-        skills.add(text, name=name)
+        skills.add(text, name=f"{OWNER}-{name}")
+    wait_for_rescan()
     parts = [HEADER, *texts, USER]
     got = client.complete(parts, max_tokens=16, logprobs=1)
     assert got.ok, got.error
@@ -110,9 +102,10 @@ def test_anchored_skills_spliced_equal_engine_compose(serving, client, smollm2):
     position in the prompt; the result equals kvnotes' own composition of the same skills."""
     _, skills = serving
     names = ("cancellation", "compensation")
-    texts = [skill_text(n) for n in names]
+    texts = [own_text(n) for n in names]
     for name, text in zip(names, texts, strict=True):
-        skills.add(text, name=name, after=HEADER)
+        skills.add(text, name=f"{OWNER}-{name}", after=HEADER)
+    wait_for_rescan()
     parts = [HEADER, *texts[::-1], USER]
     got = client.complete(parts, max_tokens=16)
     assert got.ok, got.error
@@ -124,12 +117,15 @@ def test_anchored_skills_spliced_equal_engine_compose(serving, client, smollm2):
 
 def test_exact_requests_never_see_spliced_kv(serving, client):
     _, skills = serving
-    texts = [skill_text("insurance"), skill_text("membership")]
+    texts = [own_text("insurance"), own_text("membership")]
     for text, name in zip(texts, ("insurance", "membership"), strict=True):
-        skills.add(text, name=name)
+        skills.add(text, name=f"{OWNER}-{name}")
+    wait_for_rescan()
     parts = [HEADER, *texts, USER]
     spliced = client.complete(parts, max_tokens=8, logprobs=5)  # first: these tokens are new
-    exact = client.complete(parts, max_tokens=8, logprobs=5, splice=False)
+    # exact (a salt that is not a splice salt) in a namespace of its own: other modules' exact
+    # requests that start with the header leave its first block in the shared prefix cache
+    exact = client.complete(parts, max_tokens=8, logprobs=5, salt=f"{OWNER}-exact")
     cold = client.complete(parts, max_tokens=8, logprobs=5, salt=cold_salt())  # from scratch
     assert spliced.ok and exact.ok and cold.ok
     assert spliced.cached_tokens > 700 and exact.cached_tokens == 0  # nothing exact was cached
@@ -142,8 +138,9 @@ def test_exact_requests_never_see_spliced_kv(serving, client):
 
 def test_unknown_lead_or_skill_after_text_is_computed(serving, client, smollm2):
     _, skills = serving
-    text = skill_text("escalation")
-    skills.add(text, name="escalation")
+    text = own_text("escalation")
+    skills.add(text, name=f"{OWNER}-escalation")
+    wait_for_rescan()
     after_text = client.complete(["Some text nothing has cached. ", text, USER], max_tokens=1)
     assert after_text.ok and after_text.cached_tokens == 0  # a hole cannot be expressed
     unknown = client.complete(["A prompt of unregistered text only." + USER], max_tokens=1)
@@ -155,9 +152,7 @@ def test_skill_registered_while_running_is_used(serving, client, smollm2):
     text = ("LOST ITEMS POLICY: items left on board are kept for 30 days at the arrival airport. "
             "Customers file a lost-item report online; agents never promise that an item will "
             "be found, and valuables are released only against photo identification.")
-    skills.add(text, name="lost-items")  # the server has been running since the session began
-    import time
-
+    skills.add(text, name=f"{OWNER}-lost-items")  # the server has been running all along
     time.sleep(1.0)  # the connector rescans its folder at most every 0.25 s
     got = client.complete([HEADER, text, USER], max_tokens=1)
     assert got.ok and got.cached_tokens == len(smollm2.encode(HEADER)) + len(smollm2.encode(text))
@@ -174,10 +169,11 @@ def phased(serving, smollm2):
     server, skills = serving
     block = ServerRecord.read(Client(server.url), server.served_name).block_size
     assert block, "the server reports no block size"
-    texts = [skill_text(n) for n in PHASED]
+    texts = [own_text(n) for n in PHASED]
     for name, text in zip(PHASED, texts, strict=True):
-        skills.add(text, name=name, after=HEADER)
-    client = ComposeClient(server.url, server.served_name, smollm2.tokenizer,
+        skills.add(text, name=f"{OWNER}-{name}", after=HEADER)
+    wait_for_rescan()
+    client = ComposeClient(server.url, server.served_name, smollm2.tokenizer, tenant=OWNER,
                            skills=skills.folder, block_size=block)
     return client, block, [HEADER, *texts, USER]
 
