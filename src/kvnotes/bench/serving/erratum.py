@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.machine import MachineRecord, load_now
@@ -120,6 +120,15 @@ class ErratumBenchConfig:
             raise InvalidArgumentError("--request-timeout must be positive")
         validate_block_size(self.block_size)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ErratumBenchConfig:
+        """Read back ``asdict(config)``; a run stored before ``errata`` existed appended its
+        corrections."""
+        names = {f.name for f in fields(cls)}
+        options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in d.items() if k in names}
+        return cls(**{"errata": "append", **options})
+
     def sessions_for(self, concurrency: int) -> int:
         """Sessions of a row at this concurrency."""
         return max(self.sessions, concurrency, math.ceil(self.requests_per_row / self.edits))
@@ -166,6 +175,10 @@ class RequestRecord:
     error_kind: str | None = None
     stale: str | None = None  # the answer the session's original value gives
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestRecord:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
 
 class _Deadline:
     def __init__(self, seconds: float | None) -> None:
@@ -211,6 +224,12 @@ class ErratumPhase:
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.phase.to_dict(), **asdict(self.answers)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ErratumPhase:
+        """Read back :meth:`to_dict` (one flat row: the shared figures and the answers')."""
+        answers = {f.name: d[f.name] for f in fields(Answers) if f.name in d}
+        return cls(PhaseSummary.from_dict(d), Answers(**answers))
 
 
 @dataclass
@@ -263,6 +282,38 @@ class ErratumResult:
         if self.how is not None:
             out["how"] = self.how
         return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ErratumResult:
+        """Read back :meth:`to_dict` (a stored ``result.json``)."""
+        config = ErratumBenchConfig.from_dict(d["config"])
+        launch = d.get("launch")
+        return cls(config=config, contexts=list(d.get("contexts") or config.context_tokens),
+                   contexts_skipped=[SkippedContext(s["context_tokens"], s["reason"])
+                                     for s in d.get("contexts_skipped") or []],
+                   server=ServerRecord.from_dict(d["server"]),
+                   machine=MachineRecord.from_dict(d.get("machine") or {}),
+                   run_id=d.get("run_id", ""), wall_s=d["wall_s"],
+                   phases=[ErratumPhase.from_dict(s) for s in d["summaries"]],
+                   sessions=[dict(s) for s in d.get("sessions") or []],
+                   requests=[RequestRecord.from_dict(r) for r in d.get("requests") or []],
+                   launch=_launch_record(launch) if launch else None, how=d.get("how"))
+
+
+def _launch_record(d: Mapping[str, Any]) -> LaunchRecord:
+    """A stored launch record; the shorter notes the quiet-machine scripts wrote read with
+    neutral values for the fields they lack (no model folder, no process)."""
+    from kvnotes.serving.launch.launcher import LaunchRecord
+
+    command = d.get("command")
+    return LaunchRecord(model_dir=d.get("model_dir", ""), dtype=d.get("dtype", "?"),
+                        block_size=d.get("block_size"), max_model_len=d.get("max_model_len", 0),
+                        kv_cache_gib=d.get("kv_cache_gib", 0),
+                        connector=d.get("connector", False),
+                        command=command if isinstance(command, list) else
+                        [command] if command else [],
+                        startup_s=d.get("startup_s"), pid=d.get("pid"),
+                        stopped=d.get("stopped", True))
 
 
 def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, config: ErratumBenchConfig,
