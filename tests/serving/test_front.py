@@ -349,12 +349,17 @@ def test_unplannable_completion_is_forwarded_as_it_came(front, fake, body):
     assert fake.posted() == [json.loads(raw)]
 
 
-@pytest.mark.parametrize("kvnotes", [{"colour": "red"}, {"tenant": "a b"}, {"guard": -1}])
-def test_bad_options_forward_without_them(front, fake, client, kvnotes):
-    client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
-                              extra_body={"kvnotes": kvnotes})
-    assert fake.posted() == [{"model": MODEL, "prompt": HEADER + REFUNDS + USER,
-                              "max_tokens": 2}]
+@pytest.mark.parametrize(("kvnotes", "param"), [
+    ({"colour": "red"}, "kvnotes.colour"), ({"tenat": "acme"}, "kvnotes.tenat"),
+    ({"tenant": "a b"}, "kvnotes.tenant"), ({"guard": -1}, "kvnotes.guard"),
+    ({"repair": -1}, "kvnotes.repair"), ({"splice": "no"}, "kvnotes.splice"),
+    ("on", "kvnotes")])
+def test_bad_options_are_a_400_naming_the_field(front, fake, client, kvnotes, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
+                                  extra_body={"kvnotes": kvnotes})
+    assert caught.value.body["param"] == param
+    assert fake.posted() == []
 
 
 def test_chat_the_front_cannot_render_is_forwarded(front, fake, client):
@@ -373,12 +378,14 @@ def test_upstream_errors_pass_through_with_their_status(front, fake, client):
         client.completions.create(model=MODEL, prompt="no skill", stream=True)
 
 
-def test_other_endpoints_are_proxied(front, fake):
+def test_other_endpoints_are_proxied_or_404(front, fake):
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 200
     assert httpx2.get(front.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
-    assert httpx2.get(front.url + "/nowhere", timeout=10).status_code == 404
+    missing = httpx2.get(front.url + "/nowhere", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    assert ("GET", "/nowhere", None) not in fake.requests  # never passed on
     stats = httpx2.get(front.url + STATS_PATH, timeout=10).json()
-    assert stats["stats"] == {}  # proxied GETs are no requests of the front's own
+    assert stats["requests"] == 0  # proxied GETs are no requests of the front's own
 
 
 def test_front_stops_cleanly(fake, published, tokenizer):
