@@ -183,8 +183,11 @@ class Front:
             raise ServingError("this front is already started")
         c = self.config
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+        # so, and with it on, a reply's head and body written apart wait for a delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((c.host, c.port or 0))
             sock.listen(c.backlog)
