@@ -432,3 +432,16 @@ def test_metrics_count_outcomes_reasons_and_tokens(front):
     assert "kvnotes_front_overhead_seconds_bucket" in text
     assert "kvnotes_front_ttft_seconds_count" in text
     assert f"block_size={BLOCK}" not in text
+
+
+def test_one_log_line_per_request(front, caplog):
+    caplog.set_level("INFO", logger="kvnotes.serving.front")
+    completion(front, headers={"x-request-id": "req-1\u00e9".encode("latin-1")})
+    completion(front, {"prompt": "no skill here"})
+    lines = [json.loads(r.getMessage().removeprefix("request ")) for r in caplog.records
+             if r.name == "kvnotes.serving.front"]
+    assert [(x["outcome"], x["reason"]) for x in lines] == [("spliced", None),
+                                                           ("forwarded", "no_skill")]
+    assert lines[0]["id"] == "req-1\\u00e9" and lines[0]["plan"]["skills"] == ["header",
+                                                                               "refunds"]
+    assert lines[0]["status"] == 200 and lines[1]["tenant"] is None

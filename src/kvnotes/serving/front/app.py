@@ -678,7 +678,13 @@ def build_app(front: Front) -> Any:
         finally:
             await front.closed()
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    settings: dict[str, Any] = {"lifespan": lifespan, "docs_url": None, "redoc_url": None,
+                                "openapi_url": None}
+    try:  # FastAPI's own OpenTelemetry hooks cost a context lookup per request: the front has
+        # its own metrics
+        app = FastAPI(**settings, telemetry={"tracing": False, "metrics": False})
+    except TypeError:  # a FastAPI without telemetry
+        app = FastAPI(**settings)
 
     def error(err: ApiError) -> Response:
         headers = {"connection": "close"} if err.status in (408, 413) else None
