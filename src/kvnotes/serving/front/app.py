@@ -71,6 +71,7 @@ from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, InvalidEvent, Shaper, first_top_logprobs, parse_sse_line, sse
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.upstream import COMPLETIONS, HEALTH, MODELS, ROUTES, Upstream
+from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, phase_bodies, plan_request, real_body
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.phases import guard_fires
@@ -91,6 +92,7 @@ STATS_PATH = "/kvnotes/stats"
 REASON_HEADER = "x-kvnotes"
 REQUEST_ID_HEADER = "x-request-id"
 TENANT_SALT = "kvnotes-tenant"  # a tenant's exact requests: kvnotes-tenant:<tenant>[:<salt>]
+_TENANT_SALTS = (f"{SPLICE_SALT}:", f"{TENANT_SALT}:")
 log = logging.getLogger("kvnotes.serving.front")
 # headers of vLLM's answers not passed on: hop-by-hop (RFC 9110 7.6.1) and those uvicorn sets
 _DROP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -274,9 +276,10 @@ class Front:
         if not self.keys.enabled:
             return client_salt if isinstance(client_salt, str) else None
         if tenant is None:
-            if isinstance(client_salt, str) and client_salt.startswith("kvnotes-"):
-                raise ApiError(400, "cache_salt values starting with 'kvnotes-' are the "
-                               "front's own", "cache_salt")
+            # the shared tenant may not name a tenant's salts (it would hit that tenant's blocks)
+            if isinstance(client_salt, str) and client_salt.startswith(_TENANT_SALTS):
+                raise ApiError(400, f"cache_salt values starting with {_TENANT_SALTS} are "
+                               "the front's own", "cache_salt")
             return client_salt if isinstance(client_salt, str) else None
         base = f"{TENANT_SALT}:{tenant}"
         return base if not isinstance(client_salt, str) else f"{base}:{client_salt}"
@@ -632,6 +635,10 @@ class _Answer(StarletteResponse):
             if not self.call.outcome or self.call.outcome == "forwarded":
                 self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
             reply = error_reply(err)
+        except Exception as err:  # noqa: BLE001 -- a bug answers 500, in the OpenAI shape
+            log.exception("request %s failed", self.call.id)
+            self.call.outcome = "upstream_error"
+            reply = error_reply(ApiError(500, f"kvnotes front: {type(err).__name__}: {err}"))
         self.call.status = reply.status
         headers = [(k.encode("latin-1"), header_value(v, 500).encode("latin-1"))
                    for k, v in reply.headers.items()]
