@@ -60,7 +60,8 @@ class FrontConfig:
         max_connections: connections plus requests uvicorn serves at once (503 beyond it).
         backlog: the listen backlog (a burst of connections waits, not reset).
         keep_alive_s: seconds an idle keep-alive connection is held.
-        max_header_bytes: the largest request head, line and headers (h11's bound).
+        max_header_bytes: the most of a request head (line and headers) buffered before it is
+            complete (h11's bound: a longer head is refused with 400 as it arrives).
         upstream_connections: the pool of connections to vLLM.
         plan_workers: threads that plan requests (each with its own tokenizer copy).
     """
