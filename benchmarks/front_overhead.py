@@ -282,7 +282,7 @@ def main() -> None:
               "command": shlex.join([sys.executable, *sys.argv]),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, args.out / f"{stem}.png", f"{args.front} front over an instant upstream; "
+    plot(rows, args.out / f"{stem}.png", f"{args.front} front over an instant upstream\n"
          f"{load_note(after)}")
     print(f"wrote {args.out / stem}.json and .png; {load_note(after)}")
 

@@ -158,12 +158,18 @@ def test_an_oversized_body_is_a_413_without_reading_it(front):
     still_serving(front)
 
 
-def test_slow_and_truncated_bodies(front):
+def test_slow_and_truncated_bodies(make_front):
+    front = make_front(body_timeout=3.0)
     head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"content-length: 100\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", front.port)) as slow:
+        slow.sendall(head + b'{"pro')  # a client that holds its body back blocks nobody else
+        t0 = time.perf_counter()
+        still_serving(front)
+        assert time.perf_counter() - t0 < 2.5  # answered before the slow body's 408
     t0 = time.perf_counter()
     reply = raw_request(front, head + b'{"prompt": ')  # then nothing: a slow client
-    assert status_of(reply) == 408 and time.perf_counter() - t0 < 5
+    assert status_of(reply) == 408 and time.perf_counter() - t0 < 8
     raw_request(front, head + b'{"pro', read=False)  # truncated: the client leaves
     for bad in (b"content-length: abc\r\n", b"content-length: 5\r\ncontent-length: 6\r\n",
                 b"transfer-encoding: chunked\r\n"):
