@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx2
 import openai
 import pytest
+from _front_fakes import BAGGAGE, BLOCK, HEADER, MODEL, REFUNDS, USER, FakeVLLM
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
@@ -30,118 +29,6 @@ from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.phases import part_spans, plan_phases
 from kvnotes.serving.planning.request import Unplannable, read_request, render_chat
 from kvnotes.serving.skills import ServingSkills
-
-BLOCK = 16
-MODEL = "tiny"
-HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
-REFUNDS = ("\nREFUNDS: a ticket is refunded in full when it is cancelled within 24 hours of "
-           "booking; after that, only taxes are refunded, and a voucher covers the fare. Ask "
-           "for the booking code first, and never promise a refund the policy does not give.")
-BAGGAGE = ("\nBAGGAGE: one cabin bag of 8 kg is free; a checked bag costs 30 euros, and a "
-           "torn bag is repaired or paid for when it is reported within 7 days of the flight, "
-           "with the tag number and a photo of the damage.")
-USER = "\n\nCustomer: my bag arrived torn.\nAgent:"
-
-
-class FakeVLLM:
-    """A loopback stand-in for vLLM's OpenAI server (records bodies; answers completions)."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, str, Any]] = []  # (method, path, body)
-        self.margin = {"spliced": 3.0, "exact": 3.0}
-        self.fail: tuple[int, dict[str, Any]] | None = None
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                return
-
-            def do_GET(self) -> None:  # noqa: N802
-                fake.requests.append(("GET", self.path, None))
-                if self.path == "/v1/models":
-                    self._json(200, {"object": "list", "data": [{"id": MODEL}]})
-                elif self.path == "/metrics":
-                    self._send(200, f'vllm:cache_config_info{{block_size="{BLOCK}"}} 1.0\n'
-                               .encode(), "text/plain")
-                elif self.path == "/health":
-                    self._send(200, b"", "text/plain")
-                else:
-                    self._json(404, {"error": {"message": "not found"}})
-
-            def do_POST(self) -> None:  # noqa: N802
-                raw = self.rfile.read(int(self.headers["content-length"]))
-                body = json.loads(raw)
-                fake.requests.append(("POST", self.path, body))
-                if fake.fail is not None:
-                    self._json(*fake.fail)
-                elif self.path == "/v1/chat/completions":
-                    self._json(200, {"object": "chat.completion", "choices": [
-                        {"index": 0, "message": {"role": "assistant", "content": "vllm chat"},
-                         "finish_reason": "stop"}]})
-                else:
-                    fake.complete(self, body)
-
-            def _json(self, status: int, obj: Any) -> None:
-                self._send(status, json.dumps(obj).encode(), "application/json")
-
-            def _send(self, status: int, data: bytes, ctype: str) -> None:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def complete(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
-        kind = "spliced" if body.get("cache_salt") else "exact"
-        words = ["one"] if body.get("max_tokens") == 1 else [kind, " answer"]
-        k = body.get("logprobs")
-        choices = []
-        for i, w in enumerate(words):
-            lp = None
-            if k is not None:
-                top = {w: -0.1, "other": -0.1 - self.margin[kind], "third": -9.0}
-                lp = {"tokens": [w], "token_logprobs": [-0.1], "text_offset": [0],
-                      "top_logprobs": [dict(list(top.items())[:max(k, 1)])]}
-            choices.append({"index": 0, "text": w, "logprobs": lp, "stop_reason": None,
-                            "finish_reason": "length" if i == len(words) - 1 else None})
-        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(words),
-                 "total_tokens": len(body["prompt"]) + len(words),
-                 "prompt_tokens_details": {"cached_tokens": 7}}
-        head = {"id": "cmpl-abc", "created": 1, "model": body["model"]}
-        if not body.get("stream"):
-            text = "".join(c["text"] for c in choices)
-            lp = None
-            if k is not None:
-                lp = {key: [v for c in choices for v in c["logprobs"][key]]
-                      for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs")}
-            data = {**head, "object": "text_completion", "usage": usage, "choices": [
-                {"index": 0, "text": text, "logprobs": lp, "finish_reason": "length",
-                 "stop_reason": None}]}
-            handler._json(200, data)  # type: ignore[attr-defined]
-            return
-        handler.send_response(200)
-        handler.send_header("content-type", "text/event-stream")
-        handler.end_headers()
-        for c in choices:
-            chunk = {**head, "object": "text_completion", "choices": [c], "usage": None}
-            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            handler.wfile.flush()
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunk = {**head, "object": "text_completion", "choices": [], "usage": usage}
-            handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        handler.wfile.write(b"data: [DONE]\n\n")
-
-    def posted(self, path: str = "/v1/completions") -> list[dict[str, Any]]:
-        return [b for m, p, b in self.requests if m == "POST" and p == path]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -372,12 +259,17 @@ def test_unplannable_completion_is_forwarded_as_it_came(front, fake, body):
     assert fake.posted() == [json.loads(raw)]
 
 
-@pytest.mark.parametrize("kvnotes", [{"colour": "red"}, {"tenant": "a b"}, {"guard": -1}])
-def test_bad_options_forward_without_them(front, fake, client, kvnotes):
-    client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
-                              extra_body={"kvnotes": kvnotes})
-    assert fake.posted() == [{"model": MODEL, "prompt": HEADER + REFUNDS + USER,
-                              "max_tokens": 2}]
+@pytest.mark.parametrize(("kvnotes", "param"), [
+    ({"colour": "red"}, "kvnotes.colour"), ({"tenat": "acme"}, "kvnotes.tenat"),
+    ({"tenant": "a b"}, "kvnotes.tenant"), ({"guard": -1}, "kvnotes.guard"),
+    ({"repair": -1}, "kvnotes.repair"), ({"splice": "no"}, "kvnotes.splice"),
+    ("on", "kvnotes")])
+def test_bad_options_are_a_400_naming_the_field(front, fake, client, kvnotes, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=2,
+                                  extra_body={"kvnotes": kvnotes})
+    assert caught.value.body["param"] == param
+    assert fake.posted() == []
 
 
 def test_chat_the_front_cannot_render_is_forwarded(front, fake, client):
@@ -396,12 +288,14 @@ def test_upstream_errors_pass_through_with_their_status(front, fake, client):
         client.completions.create(model=MODEL, prompt="no skill", stream=True)
 
 
-def test_other_endpoints_are_proxied(front, fake):
+def test_other_endpoints_are_proxied_or_404(front, fake):
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 200
     assert httpx2.get(front.url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
-    assert httpx2.get(front.url + "/nowhere", timeout=10).status_code == 404
+    missing = httpx2.get(front.url + "/nowhere", timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+    assert ("GET", "/nowhere", None) not in fake.requests  # never passed on
     stats = httpx2.get(front.url + STATS_PATH, timeout=10).json()
-    assert stats["stats"] == {}  # proxied GETs are no requests of the front's own
+    assert stats["requests"] == 0  # proxied GETs are no requests of the front's own
 
 
 def test_front_stops_cleanly(fake, published, tokenizer):

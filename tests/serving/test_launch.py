@@ -196,3 +196,53 @@ def test_serve_without_front_keeps_vllm_on_the_port(tmp_path, monkeypatch):
         assert config.port == port
         assert (config.front.port if config.front else None) == front
         assert config.front is None or config.front.repair == 8
+
+
+def test_serve_passes_vllm_flags_after_the_double_dash(tmp_path, monkeypatch):
+    seen: list[LaunchConfig] = []
+
+    def fake_prepare(config, engine=None):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(kvnotes, "load", lambda model: None)
+    monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
+    CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--host", "0.0.0.0",
+                             "--api-key", "sk-1", "--", "--tensor-parallel-size", "2",
+                             "--gpu-memory-utilization=0.8", "--api-key", "vllm-key"])
+    config = seen.pop()
+    assert config.extra_args == ("--tensor-parallel-size", "2", "--gpu-memory-utilization=0.8",
+                                 "--api-key", "vllm-key")
+    assert config.front is not None and config.front.host == "0.0.0.0"
+    assert config.front.api_key == "sk-1"
+    assert launch_mod.vllm_api_key(config.extra_args) == "vllm-key"
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["--enable-lora"], "LoRA"), (["--speculative-config", '{"model": "draft"}'], "draft"),
+    (["--decode-context-parallel-size", "2"], "context parallel"),
+    (["--port", "9"], "use its --port option"), (["--kv-transfer-config={}"], "--skills")])
+def test_serve_refuses_what_the_connector_cannot_run_before_loading(tmp_path, monkeypatch, flags,
+                                                                    match):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(kvnotes, "load", no_load)
+    result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--", *flags])
+    assert result.exit_code != 0
+    assert match in result.output, result.output
+
+
+def test_serve_allows_ngram_speculation(tmp_path):
+    from kvnotes.serving.vllm.checks import check_vllm_args
+
+    check_vllm_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+
+
+def test_a_bad_key_file_fails_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvnotes, "load", lambda model: pytest.fail("loaded"))
+    bad = tmp_path / "keys.json"
+    bad.write_text('{"keys": {"k": {"tenant": "a b"}}}')
+    result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--key-file",
+                                      str(bad)])
+    assert result.exit_code != 0 and "tenant 'a b'" in result.output, result.output

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
-from kvnotes.core.errors import ServingError
+from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.core.repair import DEFAULT_FIRST
 
 
@@ -23,12 +23,19 @@ def serve(
     skills: Path = typer.Option(..., "--skills", help="Skill-library folder (created if missing); "
                                 "skills registered there are spliced, also while the server runs"),
     skill: list[Path] | None = typer.Option(None, "--skill", help="Text file to register as a skill at "
-                                            "start (repeatable; its name is the file's stem)"),
+                                     "start (repeatable; its name is the file's stem)"),
     header: Path | None = typer.Option(None, "--header", help="Text file of the system header requests "
-                                       "start with: registered as a piece, and --skill files are "
-                                       "compiled behind it (closer to a full prefill)"),
-    port: int | None = typer.Option(None, "--port", help="Port on 127.0.0.1 clients use (the OpenAI "
-                                    "front's, or vLLM's with --no-front; default: a free one)"),
+                                "start with: registered as a piece, and --skill files are "
+                                "compiled behind it (closer to a full prefill)"),
+    port: int | None = typer.Option(None, "--port", help="Port clients use (the OpenAI front's, or "
+                             "vLLM's with --no-front; default: a free one)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the front listens on "
+                             "(0.0.0.0: every interface; give --api-key or --key-file then). "
+                             "vLLM itself stays on 127.0.0.1"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="KVNOTES_API_KEY", help="Key clients "
+                                "must send (Authorization: Bearer KEY) on /v1 and /kvnotes"),
+    key_file: Path | None = typer.Option(None, "--key-file", help='JSON {"keys": {"KEY": {"tenant": '
+                                  '"NAME"}}}: each key\'s requests are spliced in its tenant'),
     no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
                                   "with no OpenAI front (clients send token ids and the splice "
                                   "salt themselves, e.g. ComposeClient)"),
@@ -48,6 +55,10 @@ def serve(
                                            "(default .venv-vllm/bin/python)"),
     log: Path | None = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
+    vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
+                                          "flags after --, passed unchanged (e.g. -- "
+                                          "--tensor-parallel-size 2 --gpu-memory-utilization "
+                                          "0.8); what the connector cannot run with is refused"),
 ) -> None:
     """Run vLLM (prefix caching on) with kvnotes' connector behind an OpenAI-compatible front:
     registered skills found in a request's prompt are spliced (their first tokens recomputed in
@@ -57,13 +68,22 @@ def serve(
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
     from kvnotes.serving.launch.process import check_kv_cache_gib
     from kvnotes.serving.library.manifest import SPLICE_SALT
+    from kvnotes.serving.vllm.checks import check_vllm_args
 
-    front = None if no_front else FrontConfig(port=port, repair=repair, guard=guard)
+    if no_front and (api_key or key_file or host != "127.0.0.1"):
+        raise InvalidArgumentError("--host, --api-key and --key-file are the front's: drop "
+                                   "--no-front, or pass vLLM's own flags after --")
+    check_vllm_args(vllm_args or [])
+    front = None if no_front else FrontConfig(port=port, host=host, repair=repair, guard=guard,
+                                              api_key=api_key, key_file=key_file)
+    if front is not None:
+        front.keys  # noqa: B018 -- a bad key file fails before the model loads
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
                           kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
                           port=port if no_front else None,
                           skills=folder_option(skills, "--skills"), log_path=log,
-                          startup_timeout=startup_timeout, vllm_python=vllm_python, front=front)
+                          startup_timeout=startup_timeout, vllm_python=vllm_python, front=front,
+                          extra_args=tuple(vllm_args or ()))
     texts = _skill_files(skill)
     head = read_text_file(header, "--header") if header else None
     launch = prepare(config, kvnotes.load(model))
@@ -78,9 +98,13 @@ def serve(
                err=True)
     with launch:
         if launch.front is not None:
-            typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; vLLM pid "
-                       f"{server.pid} at {server.url}); registered skills in prompts are "
-                       "spliced; Ctrl-C stops", err=True)
+            keys = len(launch.front.keys)
+            typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
+                       f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
+                       "prompts are spliced; Ctrl-C stops", err=True)
+            typer.echo(f"  front metrics: {launch.url}/metrics", err=True)
+            typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
+                       err=True)
         else:
             typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); "
                        f"send prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; "

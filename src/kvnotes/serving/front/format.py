@@ -16,22 +16,36 @@ from typing import Any
 DONE = b"data: [DONE]\n\n"
 
 
+class InvalidEvent(str):
+    """A ``data:`` line whose payload is not JSON (the stream is then ended with an error)."""
+
+
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def parse_sse_line(line: str) -> Any | None:
-    """The JSON of a ``data:`` line; ``DONE`` for ``[DONE]``; None for anything else."""
+    """The JSON of a ``data:`` line; ``DONE`` for ``[DONE]``; an :class:`InvalidEvent` for a
+    payload that is not JSON; None for any other line.
+
+    Example:
+        >>> parse_sse_line('data: {"a": 1}'), parse_sse_line(": ping"), parse_sse_line("data: {")
+        ({'a': 1}, None, '{')
+    """
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
     if data == "[DONE]":
         return DONE
     try:
-        return json.loads(data)
-    except ValueError:
-        return None
+        return json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return InvalidEvent(data[:200])
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def first_top_logprobs(answer: Any) -> dict[str, float] | None:

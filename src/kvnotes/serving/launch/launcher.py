@@ -230,7 +230,9 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
                 "(prepare(config, kvnotes.load(config.model))) so its skills can be checked "
                 "and published")
         from kvnotes.serving.skills import ServingSkills
+        from kvnotes.serving.vllm.checks import check_vllm_args
 
+        check_vllm_args(config.extra_args)  # what the connector cannot run with, before anything
         skills = ServingSkills(config.skills, engine)  # checks the scheme, writes the manifest
         extra += ["--kv-transfer-config",
                   json.dumps(kv_transfer_config(skills.folder, max_gib=config.connector_max_gib))]
@@ -251,11 +253,25 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
     return Launch(config, exported, server, max_model_len, skills, front)
 
 
+def vllm_api_key(args: tuple[str, ...]) -> str | None:
+    """The key vLLM checks: its ``--api-key`` flag, else ``$VLLM_API_KEY`` (None: none)."""
+    from kvnotes.serving.front.config import VLLM_API_KEY_ENV
+
+    for i, arg in enumerate(args):
+        if arg == "--api-key" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return os.environ.get(VLLM_API_KEY_ENV) or None
+
+
 def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
            engine: Engine) -> Front:
     from kvnotes.serving.front.app import Front
     from kvnotes.serving.planning.match import SkillCatalog
 
     settings = replace(front, upstream=upstream,
-                       block_size=front.block_size or config.block_size)
+                       block_size=front.block_size or config.block_size,
+                       model=front.model or config.name,
+                       upstream_api_key=front.upstream_api_key or vllm_api_key(config.extra_args))
     return Front(settings, SkillCatalog(skills.folder, engine.tokenizer))

@@ -77,25 +77,28 @@ def strip_bos_text(tokenizer: Any, text: str) -> str:
 
 
 def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block_size: int,
-                 tenant: str | None) -> FrontPlan:
-    """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced."""
+                 tenant: str | None, tokenizer: Any = None) -> FrontPlan:
+    """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced.
+    ``tokenizer``: the catalog's, or a copy of it (one per planning thread)."""
+    tokenizer = catalog.tokenizer if tokenizer is None else tokenizer
     index = catalog.index()
     if req.ids is not None:
         parts = split_ids(req.ids, index)
     else:
         text = req.text or ""
         if req.kind == "chat":
-            text = strip_bos_text(catalog.tokenizer, text)
+            text = strip_bos_text(tokenizer, text)
         found = catalog.find(text)
         if not any(p.skill is not None for p in found):
-            raise Unplannable("no registered skill in the prompt")
-        parts = part_ids(catalog.tokenizer, [p.text for p in found if p.text])
+            raise Unplannable("no registered skill in the prompt", "no_skill")
+        parts = part_ids(tokenizer, [p.text for p in found if p.text])
     spans = part_spans(parts, index)
     if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
-        raise Unplannable("no registered skill in the prompt")
+        raise Unplannable("no registered skill in the prompt", "no_skill")
     plan = plan_phases(spans, repair, block_size, tenant=tenant)
     if not plan.ranges:
-        raise Unplannable("nothing left to splice: every skill found is recomputed")
+        raise Unplannable("nothing left to splice: every skill found is recomputed",
+                          "nothing_left")
     return FrontPlan([t for p in parts for t in p], spans, plan)
 
 

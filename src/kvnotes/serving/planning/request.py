@@ -7,14 +7,18 @@ sampling fields passed on to vLLM's completions endpoint, streaming, what the cl
 {...}}``: :class:`FrontOptions`). A chat's messages are rendered with the tokenizer's chat
 template (``add_generation_prompt=True``), the text vLLM itself would tokenize.
 
-Anything the front does not model exactly raises :class:`Unplannable` with the reason (a field
-outside :data:`COMPLETION_FIELDS` / :data:`CHAT_FIELDS`, several prompts or choices, a client
-``cache_salt``, non-text chat content, tools, a template that fails, a bad kvnotes option):
-the front then forwards the request to vLLM as it came. Pure functions, no HTTP.
+A body that is wrong (a field of the wrong type, a number that is not finite, an unknown or
+invalid kvnotes option) raises :class:`BadRequest` naming the field: the front answers 400.
+A valid request the front does not model exactly raises :class:`Unplannable` with a reason code
+from :data:`REASONS` and a message (a field outside :data:`COMPLETION_FIELDS` /
+:data:`CHAT_FIELDS`, several prompts or choices, a client ``cache_salt``, non-text chat content,
+tools, a template that fails): the front then forwards the request to vLLM as it came.
+Pure functions, no HTTP.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,8 +48,98 @@ CHAT_FIELDS = SAMPLING_FIELDS | _COMMON_OWN | {"messages", "logprobs", "top_logp
 OPTION_NAMES = ("splice", "tenant", "repair", "guard")
 
 
+# why a valid request is forwarded exactly: a fixed vocabulary (metric labels stay bounded)
+REASONS = ("opted_out", "unmodelled_field", "choices", "stream_options", "echo",
+           "special_tokens", "prompt_shape", "chat_shape", "chat_template", "no_skill",
+           "nothing_left", "block_size_unknown", "model_unknown", "phase_failed", "not_planned")
+
+
 class Unplannable(Exception):
-    """The request is forwarded exactly; ``str(err)`` says why (sent back in a header)."""
+    """The request is forwarded exactly; ``code`` (one of :data:`REASONS`) and ``str(err)``
+    say why (sent back in the ``x-kvnotes`` header)."""
+
+    def __init__(self, message: str, code: str = "not_planned") -> None:
+        super().__init__(message)
+        self.code = code if code in REASONS else "not_planned"
+
+
+class BadRequest(Exception):
+    """The body is wrong: ``param`` names the field (``kvnotes.repair``), ``str(err)`` says how
+    (the front answers 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# the type of each field both endpoints know, checked before anything is planned or forwarded
+_INT, _REAL, _BOOL, _STR = "an integer", "a finite number", "true or false", "a string"
+FIELD_TYPES = {
+    **dict.fromkeys(("max_tokens", "min_tokens", "top_k", "seed", "n", "top_logprobs",
+                     "max_completion_tokens", "priority"), _INT),
+    **dict.fromkeys(("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"), _REAL),
+    **dict.fromkeys(("stream", "echo", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "add_special_tokens", "add_generation_prompt"), _BOOL),
+    **dict.fromkeys(("model", "user", "cache_salt", "request_id", "suffix"), _STR),
+}
+
+
+def _is_type(value: object, kind: str) -> bool:
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _REAL:
+        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(float(value)))
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def check_body(kind: str, body: object) -> dict[str, Any]:
+    """``body`` when its known fields have the right types; :class:`BadRequest` otherwise.
+
+    Example:
+        >>> check_body("completion", {"prompt": "hi", "temperature": 0.5})["temperature"]
+        0.5
+        >>> check_body("completion", {"prompt": "hi", "max_tokens": "5"})
+        Traceback (most recent call last):
+        ...
+        kvnotes.serving.planning.request.BadRequest: max_tokens must be an integer, got '5'
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("", "the body must be a JSON object")
+    for key, value in body.items():
+        want = FIELD_TYPES.get(key)
+        if want is not None and value is not None and not _is_type(value, want):
+            raise BadRequest(key, f"{key} must be {want}, got {_short(value)}")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise BadRequest("stop", f"stop must be a string or a list of strings, got {_short(stop)}")
+    if kind == "completion":
+        if not isinstance(body.get("prompt"), (str, list)):
+            raise BadRequest("prompt", "prompt must be a string, a list of strings, or token ids")
+        lp = body.get("logprobs")
+        if lp is not None and not _is_type(lp, _INT):
+            raise BadRequest("logprobs", f"logprobs must be an integer, got {_short(lp)}")
+    elif kind == "chat":
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("messages", "messages must be a non-empty list")
+        lp = body.get("logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise BadRequest("logprobs", f"logprobs must be true or false, got {_short(lp)}")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, Mapping):
+        raise BadRequest("stream_options", "stream_options must be an object")
+    read_options(body.get(OPTIONS_KEY))
+    return body
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,29 +160,41 @@ class FrontOptions:
 
 
 def read_options(raw: object) -> FrontOptions:
-    """The ``kvnotes`` object of a body as options; a bad value raises :class:`Unplannable`."""
+    """The ``kvnotes`` object of a body as options; a bad one raises :class:`BadRequest` naming
+    the option.
+
+    Example:
+        >>> try:
+        ...     read_options({"tenat": "acme"})
+        ... except BadRequest as err:
+        ...     print(err.param, "|", err)
+        kvnotes.tenat | unknown kvnotes option 'tenat': use splice, tenant, repair, guard
+    """
     if raw is None:
         return FrontOptions()
     if not isinstance(raw, Mapping):
-        raise Unplannable(f"{OPTIONS_KEY} must be an object of {', '.join(OPTION_NAMES)}")
-    unknown = sorted(set(raw) - set(OPTION_NAMES))
+        raise BadRequest(OPTIONS_KEY, f"{OPTIONS_KEY} must be an object of "
+                         f"{', '.join(OPTION_NAMES)}")
+    unknown = sorted(str(k) for k in set(raw) - set(OPTION_NAMES))
     if unknown:
-        raise Unplannable(f"unknown {OPTIONS_KEY} option(s) {unknown}: use {OPTION_NAMES}")
+        raise BadRequest(f"{OPTIONS_KEY}.{unknown[0]}"[:80], f"unknown {OPTIONS_KEY} option "
+                         f"{_short(unknown[0])}: use {', '.join(OPTION_NAMES)}")
     splice, tenant = raw.get("splice", True), raw.get("tenant")
     repair, guard = raw.get("repair"), raw.get("guard")
     if not isinstance(splice, bool):
-        raise Unplannable(f"{OPTIONS_KEY}.splice must be true or false, got {splice!r}")
+        raise BadRequest(f"{OPTIONS_KEY}.splice", f"{OPTIONS_KEY}.splice must be true or false, "
+                         f"got {_short(splice)}")
     if tenant is not None:
         try:
             splice_salt(tenant)  # the tenant's spelling rule
         except KvnotesError as err:
-            raise Unplannable(str(err)) from err
-    if repair is not None and (isinstance(repair, bool) or not isinstance(repair, int)
-                               or repair < 0):
-        raise Unplannable(f"{OPTIONS_KEY}.repair must be a token count >= 0, got {repair!r}")
-    if guard is not None and (isinstance(guard, bool) or not isinstance(guard, numbers.Real)
-                              or not 0 <= float(guard) < float("inf")):
-        raise Unplannable(f"{OPTIONS_KEY}.guard must be a log-prob margin >= 0, got {guard!r}")
+            raise BadRequest(f"{OPTIONS_KEY}.tenant", str(err)) from err
+    if repair is not None and (not _is_type(repair, _INT) or repair < 0):
+        raise BadRequest(f"{OPTIONS_KEY}.repair", f"{OPTIONS_KEY}.repair must be a token count "
+                         f">= 0, got {_short(repair)}")
+    if guard is not None and (not _is_type(guard, _REAL) or float(guard) < 0):
+        raise BadRequest(f"{OPTIONS_KEY}.guard", f"{OPTIONS_KEY}.guard must be a log-prob margin "
+                         f">= 0, got {_short(guard)}")
     return FrontOptions(splice, tenant, repair, None if guard is None else float(guard))
 
 
@@ -109,48 +215,50 @@ class FrontRequest:
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise Unplannable(f"{what} field(s) {unknown} are passed to vLLM as they are")
+        raise Unplannable(f"{what} field(s) {_short(unknown)} are passed to vLLM as they are",
+                          "unmodelled_field")
 
 
 def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
-        raise Unplannable("stream must be true or false")
+        raise Unplannable("stream must be true or false", "stream_options")
     opts = body.get("stream_options")
     if opts is None:
         return stream, False
     if not isinstance(opts, Mapping) or set(opts) - {"include_usage"}:
         raise Unplannable("stream_options other than include_usage are passed to vLLM as "
-                          "they are")
+                          "they are", "stream_options")
     return stream, bool(opts.get("include_usage")) and stream
 
 
 def _one_choice(body: Mapping[str, Any]) -> None:
     if body.get("n", 1) not in (1, None):
-        raise Unplannable("n > 1 is passed to vLLM as it is")
+        raise Unplannable("n > 1 is passed to vLLM as it is", "choices")
 
 
 def render_chat(tokenizer: Any, messages: object) -> str:
     """The prompt text of a chat, as vLLM renders it (the model's chat template,
     ``add_generation_prompt=True``); text content only, else :class:`Unplannable`."""
     if not isinstance(messages, list) or not messages:
-        raise Unplannable("messages must be a non-empty list")
+        raise Unplannable("messages must be a non-empty list", "chat_shape")
     plain = []
     for m in messages:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
                 or set(m) - {"role", "content", "name"}:
-            raise Unplannable("only messages of role and text content are planned")
+            raise Unplannable("only messages of role and text content are planned", "chat_shape")
         if not isinstance(m.get("content"), str):
-            raise Unplannable("only text content (a string) is planned")
+            raise Unplannable("only text content (a string) is planned", "chat_shape")
         plain.append(dict(m))
     if not getattr(tokenizer, "chat_template", None):
-        raise Unplannable("the tokenizer has no chat template")
+        raise Unplannable("the tokenizer has no chat template", "chat_template")
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # noqa: BLE001 -- a template's own failure: vLLM answers it
-        raise Unplannable(f"the chat template failed: {type(err).__name__}: {err}") from err
+        raise Unplannable(f"the chat template failed: {type(err).__name__}: {err}",
+                          "chat_template") from err
     if not isinstance(text, str) or not text:
-        raise Unplannable("the chat template rendered no text")
+        raise Unplannable("the chat template rendered no text", "chat_template")
     return text
 
 
@@ -158,10 +266,10 @@ def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
     """A :class:`FrontRequest` of a client's body (``kind``: a value of :data:`ENDPOINTS`);
     :class:`Unplannable` when it must be forwarded as it came."""
     if not isinstance(body, dict):
-        raise Unplannable("the body is not a JSON object")
+        raise Unplannable("the body is not a JSON object", "prompt_shape")
     options = read_options(body.get(OPTIONS_KEY))
     if not options.splice:
-        raise Unplannable(f"{OPTIONS_KEY}.splice is false")
+        raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     _one_choice(body)
     stream, include_usage = _stream_fields(body)
     sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
@@ -169,9 +277,10 @@ def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
     if kind == "completion":
         _check_fields(body, COMPLETION_FIELDS, "completion")
         if body.get("echo"):
-            raise Unplannable("echo is passed to vLLM as it is")
+            raise Unplannable("echo is passed to vLLM as it is", "echo")
         if body.get("add_special_tokens", True) is not True:
-            raise Unplannable("add_special_tokens=false is passed to vLLM as it is")
+            raise Unplannable("add_special_tokens=false is passed to vLLM as it is",
+                              "special_tokens")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -181,15 +290,17 @@ def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
               and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
             req.ids = [int(t) for t in prompt]
         else:
-            raise Unplannable("the prompt is not one text or one list of token ids")
+            raise Unplannable("the prompt is not one text or one list of token ids",
+                              "prompt_shape")
         lp = body.get("logprobs")
         if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or lp < 0):
-            raise Unplannable("logprobs must be a count")
+            raise Unplannable("logprobs must be a count", "prompt_shape")
         req.logprobs = lp
     elif kind == "chat":
         _check_fields(body, CHAT_FIELDS, "chat")
         if body.get("add_generation_prompt", True) is not True:
-            raise Unplannable("add_generation_prompt=false is passed to vLLM as it is")
+            raise Unplannable("add_generation_prompt=false is passed to vLLM as it is",
+                              "special_tokens")
         req.text = render_chat(tokenizer, body.get("messages"))
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
@@ -197,8 +308,8 @@ def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
         if body.get("logprobs"):
             top = body.get("top_logprobs") or 0
             if isinstance(top, bool) or not isinstance(top, int) or top < 0:
-                raise Unplannable("top_logprobs must be a count")
+                raise Unplannable("top_logprobs must be a count", "chat_shape")
             req.logprobs = top
     else:
-        raise Unplannable(f"no plan for {kind!r} requests")
+        raise Unplannable(f"no plan for {kind!r} requests", "not_planned")
     return req

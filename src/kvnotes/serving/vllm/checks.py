@@ -75,8 +75,14 @@ def check_served(manifest: ServingManifest, served: ServedModel, folder: object)
     if manifest.scheme != "rope":
         raise ServingError(f"kvnotes connector: position scheme {manifest.scheme!r} cannot be "
                            "moved exactly inside vLLM; serve without --skills")
+    check_features(served)
+
+
+def check_features(served: ServedModel) -> None:
+    """Refuse the features the connector cannot write correctly (MLA, draft speculation, LoRA,
+    context parallelism), with the setting to change."""
     if served.mla:
-        raise ServingError(f"kvnotes connector: {manifest.model} uses MLA (a latent KV cache "
+        raise ServingError("kvnotes connector: the model uses MLA (a latent KV cache "
                            f"with its own write); the connector writes keys and values. {_FIX} "
                            "serve a model with standard attention.")
     if served.speculative_method:
@@ -96,6 +102,68 @@ def check_served(manifest: ServingManifest, served: ServedModel, folder: object)
             f"{served.decode_context_parallel}, prefill {served.prefill_context_parallel}) "
             f"interleaves a request's slots across ranks. {_FIX} set "
             "--decode-context-parallel-size 1 and --prefill-context-parallel-size 1.")
+
+
+# vLLM flags the launcher sets itself (each from its own option of `kvnotes serve`)
+LAUNCHER_FLAGS = {
+    "--model": "--model", "--served-model-name": "--model", "--host": "--host",
+    "--port": "--port", "--kv-transfer-config": "--skills", "--dtype": "--dtype",
+    "--max-model-len": "--max-model-len", "--block-size": "--block-size",
+    "--no-enable-prefix-caching": "(prefix caching must stay on)",
+}
+_NO_DRAFT_KV = ("ngram", "suffix")  # speculation methods without draft-model KV
+
+
+def check_vllm_args(args: Iterable[str]) -> None:
+    """Refuse, before anything starts, vLLM command-line flags a connector server cannot run
+    with (those :func:`check_features` refuses at start, and those the launcher sets itself);
+    every other flag is passed to vLLM unchanged.
+
+    Example:
+        >>> check_vllm_args(["--tensor-parallel-size", "2", "--gpu-memory-utilization=0.8"])
+        >>> try:
+        ...     check_vllm_args(["--enable-lora"])
+        ... except ServingError as err:
+        ...     print(str(err)[:35])
+        kvnotes connector: LoRA is enabled;
+    """
+    args = list(args)
+    values: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        nxt = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+        values[name] = value if eq else nxt
+        if name in LAUNCHER_FLAGS:
+            raise ServingError(f"vLLM flag {name} is set by `kvnotes serve` itself: use its "
+                               f"{LAUNCHER_FLAGS[name]} option instead of passing it after --")
+    speculative = values.get("--speculative-config")
+    method = None
+    if speculative is not None:
+        try:
+            import json
+
+            method = str(json.loads(speculative).get("method") or "draft_model")
+        except (ValueError, AttributeError):
+            method = "draft_model"
+        method = None if method in _NO_DRAFT_KV else method
+
+    def size(*names: str) -> int:
+        for n in names:
+            if values.get(n) is not None:
+                try:
+                    return int(str(values[n]))
+                except ValueError:
+                    return 1
+        return 1
+
+    check_features(ServedModel(
+        num_layers=0, num_kv_heads=0, head_dim=0, speculative_method=method,
+        lora="--enable-lora" in values or "--lora-modules" in values,
+        decode_context_parallel=size("--decode-context-parallel-size", "-dcp"),
+        prefill_context_parallel=size("--prefill-context-parallel-size", "-pcp")))
 
 
 def check_weights(manifest: ServingManifest, model: str | os.PathLike[str], folder: object

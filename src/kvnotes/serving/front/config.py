@@ -1,0 +1,182 @@
+"""The front's settings (:class:`FrontConfig`, every limit a named field) and its keys.
+
+Keys: with ``api_key`` or ``key_file`` set, every ``/v1`` and ``/kvnotes`` request needs
+``Authorization: Bearer <key>`` (401 otherwise). The key file maps keys to tenants::
+
+    {"keys": {"sk-acme-1": {"tenant": "acme"}, "sk-globex": {"tenant": "globex"},
+              "sk-ops": {}}}
+
+A request's tenant (its splice salt) is then its key's: ``api_key``'s is ``tenant``, a key with
+no tenant is in the shared one. :class:`Keys` looks a presented key up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import DEFAULT_FIRST, Repair
+from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.planning.phases import check_tau
+from kvnotes.serving.upstream import check_loopback_url
+
+API_KEY_ENV = "KVNOTES_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class FrontConfig:
+    """How the front runs.
+
+    Args:
+        upstream: the vLLM server's URL (loopback only; None in a ``LaunchConfig``, whose
+            launcher fills in the server it starts).
+        port: the front's port (None: a free one).
+        host: the address it listens on (``0.0.0.0``: every interface; set a key then).
+        repair: the first tokens of each spliced skill recomputed (a request's
+            ``kvnotes.repair`` overrides it; 0: a bare splice).
+        guard: tau, the first token's top-2 log-prob margin under which the exact answer is
+            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never).
+        tenant: the tenant of requests that name none, and of ``api_key`` (None: shared).
+        block_size: the server's KV block size (None: read once from its ``/metrics``).
+        model: the served model's name (None: read once from its ``/v1/models``).
+        api_key: the key clients must send (None: no key, unless ``key_file``).
+        key_file: a JSON file of keys and their tenants (see the module docstring).
+        upstream_api_key: the key sent to vLLM on every request (None: none; the client's own
+            ``Authorization`` header is passed on only when the front checks no key).
+        timeout: seconds the front waits for vLLM's next bytes (read); 504 past it.
+        connect_timeout: seconds to connect to vLLM; 502 when it refuses, 504 past it.
+        discover_timeout: seconds one read of vLLM's ``/metrics`` or ``/v1/models`` may take.
+        max_body_bytes: the largest request body (413 beyond it, checked while reading).
+        body_timeout: seconds a client may take to send its body (408 past it).
+        max_json_depth: the deepest nesting of a body's JSON (400 beyond it).
+        max_concurrent: requests in flight on ``/v1`` (429 beyond it).
+        max_connections: connections plus requests uvicorn serves at once (503 beyond it).
+        backlog: the listen backlog (a burst of connections waits, not reset).
+        keep_alive_s: seconds an idle keep-alive connection is held.
+        max_header_bytes: the most of a request head (line and headers) buffered before it is
+            complete (h11's bound: a longer head is refused with 400 as it arrives).
+        upstream_connections: the pool of connections to vLLM.
+        plan_workers: threads that plan requests (each with its own tokenizer copy).
+    """
+
+    upstream: str | None = None
+    port: int | None = None
+    host: str = "127.0.0.1"
+    repair: int = DEFAULT_FIRST
+    guard: float = 0.0
+    tenant: str | None = None
+    block_size: int | None = None
+    model: str | None = None
+    api_key: str | None = None
+    key_file: Path | None = None
+    upstream_api_key: str | None = None
+    timeout: float = 600.0
+    connect_timeout: float = 5.0
+    discover_timeout: float = 5.0
+    max_body_bytes: int = 8 << 20
+    body_timeout: float = 30.0
+    max_json_depth: int = 64
+    max_concurrent: int = 512
+    max_connections: int = 2048
+    backlog: int = 2048
+    keep_alive_s: float = 5.0
+    max_header_bytes: int = 16 << 10
+    upstream_connections: int = 512
+    plan_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if self.upstream is not None:
+            check_loopback_url(self.upstream)
+        Repair(first=self.repair)  # checks the count
+        check_tau(self.guard)
+        splice_salt(self.tenant)  # checks the spelling
+        if self.block_size is not None and (isinstance(self.block_size, bool)
+                                            or self.block_size < 1):
+            raise InvalidArgumentError(f"block_size {self.block_size!r}: give the server's KV "
+                                       "block size in tokens, or None to read it")
+        for name in ("timeout", "connect_timeout", "discover_timeout", "body_timeout",
+                     "keep_alive_s"):
+            if not float(getattr(self, name)) > 0:
+                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive number of "
+                                           "seconds")
+        for name in ("max_body_bytes", "max_json_depth", "max_concurrent", "max_connections",
+                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "
+                                           f"got {value!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidArgumentError("FrontConfig.api_key is empty: give a key, or None")
+        if self.key_file is not None:
+            object.__setattr__(self, "key_file", Path(self.key_file))
+
+    @property
+    def keys(self) -> Keys:
+        """The keys clients may send (read from ``key_file`` at each call)."""
+        return Keys.of(self)
+
+
+class Keys:
+    """The accepted keys and each one's tenant; :meth:`tenant_of` looks a key up."""
+
+    def __init__(self, keys: dict[str, str | None]) -> None:
+        # hashed: a lookup compares digests in constant time, never the keys themselves
+        self._tenants = {_digest(k): t for k, t in keys.items()}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tenants)
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def tenant_of(self, key: str) -> tuple[bool, str | None]:
+        """``(known, tenant)`` of a presented key."""
+        want = _digest(key)
+        for digest, tenant in self._tenants.items():
+            if hmac.compare_digest(digest, want):
+                return True, tenant
+        return False, None
+
+    @classmethod
+    def of(cls, config: FrontConfig) -> Keys:
+        keys: dict[str, str | None] = {}
+        if config.key_file is not None:
+            keys.update(read_key_file(config.key_file))
+        if config.api_key is not None:
+            keys[config.api_key] = config.tenant
+        return cls(keys)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def read_key_file(path: str | os.PathLike[str]) -> dict[str, str | None]:
+    """``{key: tenant}`` of a key file (``{"keys": {"<key>": {"tenant": "acme"}}}``)."""
+    path = Path(path)
+    try:
+        raw: Any = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise InvalidArgumentError(f"key file {path}: {err}; write "
+                                   '{"keys": {"<key>": {"tenant": "<name>"}}}') from err
+    entries = raw.get("keys") if isinstance(raw, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise InvalidArgumentError(f"key file {path}: no keys; write "
+                                   '{"keys": {"<key>": {"tenant": "<name>"}}}')
+    out: dict[str, str | None] = {}
+    for key, entry in entries.items():
+        if not key.strip() or not isinstance(entry, dict) or set(entry) - {"tenant"}:
+            raise InvalidArgumentError(f"key file {path}: each key maps to "
+                                       '{"tenant": "<name>"} or {} (the shared tenant)')
+        tenant = entry.get("tenant")
+        splice_salt(tenant)  # the tenant's spelling rule
+        out[key] = tenant
+    return out

@@ -1,0 +1,86 @@
+"""The front's Prometheus metrics (``GET /metrics``) and its bounded counters.
+
+Label values come from fixed vocabularies only (:data:`OUTCOMES`, the planning reasons of
+:data:`~kvnotes.serving.planning.request.REASONS`, :data:`ROUTES`): no client-chosen string
+becomes a label or a key, so the set of series stays bounded whatever clients send.
+Each front has its own registry (several fronts in one process do not share counters).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from kvnotes.serving.planning.request import REASONS
+
+OUTCOMES = ("spliced", "forwarded", "guard_fired", "phase_failed", "upstream_error",
+            "bad_request", "unauthorized", "rejected", "disconnected")
+ROUTES = ("completion", "chat")
+TOKEN_KINDS = ("spliced", "repaired", "computed")
+_LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+            60, 120)
+
+
+class FrontMetrics:
+    """Counters and histograms of one front (thread-safe, like prometheus_client's own)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, Histogram
+        from prometheus_client import Counter as PCounter
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = PCounter("kvnotes_front_requests", "Requests by route and outcome",
+                                 ["route", "outcome"], registry=r)
+        self.forwarded = PCounter("kvnotes_front_forwarded",
+                                  "Requests forwarded exactly, by reason", ["reason"], registry=r)
+        self.tokens = PCounter("kvnotes_front_prompt_tokens",
+                               "Prompt tokens of spliced requests by kind", ["kind"], registry=r)
+        self.phases = PCounter("kvnotes_front_phases", "Phase requests sent", registry=r)
+        self.in_flight = Gauge("kvnotes_front_requests_in_flight", "Requests in flight",
+                               registry=r)
+        self.overhead = Histogram("kvnotes_front_overhead_seconds", "Time from a request's "
+                                  "arrival to its first upstream request (reading, checking, "
+                                  "planning)", ["route"], buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("kvnotes_front_ttft_seconds", "Time from a request's arrival to "
+                              "the first byte of its answer", ["route"], buckets=_LATENCY,
+                              registry=r)
+        self._lock = threading.Lock()
+        self.counts: Counter[str] = Counter()  # the outcomes, for /kvnotes/stats
+        self.reasons: Counter[str] = Counter()
+        for route in ROUTES:
+            for outcome in OUTCOMES:
+                self.requests.labels(route, outcome)
+        for reason in REASONS:
+            self.forwarded.labels(reason)
+        for kind in TOKEN_KINDS:
+            self.tokens.labels(kind)
+
+    def outcome(self, route: str, outcome: str, reason: str | None = None) -> None:
+        route = route if route in ROUTES else "completion"
+        outcome = outcome if outcome in OUTCOMES else "upstream_error"
+        self.requests.labels(route, outcome).inc()
+        with self._lock:
+            self.counts[outcome] += 1
+            if reason is not None:
+                reason = reason if reason in REASONS else "not_planned"
+                self.reasons[reason] += 1
+            if reason is not None:
+                self.forwarded.labels(reason).inc()
+
+    def spliced_tokens(self, spliced: int, repaired: int, computed: int, phases: int) -> None:
+        for kind, n in zip(TOKEN_KINDS, (spliced, repaired, computed), strict=True):
+            self.tokens.labels(kind).inc(n)
+        self.phases.inc(phases)
+
+    def stats(self) -> dict[str, Any]:
+        """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
+        with self._lock:
+            return {"requests": sum(self.counts.values()), "outcomes": dict(self.counts),
+                    "forwarded": dict(self.reasons)}
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.registry))
