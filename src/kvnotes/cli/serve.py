@@ -55,6 +55,9 @@ def serve(
                                            "(default .venv-vllm/bin/python)"),
     log: Path | None = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
     startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
+    request_log: bool = typer.Option(True, "--request-log/--no-request-log", help="One JSON "
+                                     "line per request on stderr (the front's INFO log: id, "
+                                     "tenant, plan, outcome)"),
     vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
                                           "flags after --, passed unchanged (e.g. -- "
                                           "--tensor-parallel-size 2 --gpu-memory-utilization "
@@ -96,13 +99,16 @@ def serve(
         typer.echo(f"skill {name}: {len(info)} tokens", err=True)
     typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
                err=True)
+    if request_log and front is not None:
+        log_requests_to_stderr()
     with launch:
         if launch.front is not None:
             keys = len(launch.front.keys)
             typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
                        f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
                        "prompts are spliced; Ctrl-C stops", err=True)
-            typer.echo(f"  front metrics: {launch.url}/metrics", err=True)
+            typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
+                       f"{'stderr, one JSON line each' if request_log else 'off'}", err=True)
             typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
                        err=True)
         else:
@@ -118,6 +124,19 @@ def serve(
             return
     raise ServingError(f"the vLLM server exited with code {server.proc.returncode if server.proc else '?'}"
                        f"; log: {server.log_path}\n{server.log_tail(20)}")
+
+
+def log_requests_to_stderr() -> None:
+    """The front's per-request INFO lines (JSON objects) on stderr, as they are."""
+    import logging
+    import sys
+
+    front_log = logging.getLogger("kvnotes.serving.front")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    front_log.addHandler(handler)
+    front_log.setLevel(logging.INFO)
+    front_log.propagate = False  # the line is printed once, whatever the root logger does
 
 
 skills_app = typer.Typer(help="Skills a `kvnotes serve` server splices.", no_args_is_help=True)
