@@ -22,7 +22,8 @@ from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
 from kvnotes.core.repair import Repair, as_repair
-from kvnotes.serving.front.app import REASON_HEADER, STATS_PATH, Front, FrontConfig
+from kvnotes.serving.front.app import STATS_PATH, Front, FrontConfig
+from kvnotes.serving.front.proxy import REASON_HEADER
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.match import SkillCatalog

@@ -21,7 +21,8 @@ import pytest
 from _front_fakes import BLOCK, HEADER, MODEL, REFUNDS, USER, FakeVLLM
 from conftest import make_tiny_engine
 
-from kvnotes.serving.front.app import REASON_HEADER, STATS_PATH, Front, FrontConfig
+from kvnotes.serving.front.app import STATS_PATH, Front, FrontConfig
+from kvnotes.serving.front.proxy import REASON_HEADER
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.skills import ServingSkills
 

@@ -116,7 +116,8 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     case in the text prompt and answers as ComposeClient does with the same repair; the
     benchmark's fidelity reads the same decision from both."""
     from kvnotes.bench.serving.prompt_sets import BfclPrompts, bfcl_prompts
-    from kvnotes.bench.serving.skills import FrontClients, measure_fidelity
+    from kvnotes.bench.serving.skills_clients import FrontClients
+    from kvnotes.bench.serving.skills_fidelity import measure_fidelity
 
     launch = served
     name = launch.server.served_name

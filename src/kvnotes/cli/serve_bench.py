@@ -4,7 +4,7 @@ Both subcommands take the same server options (``--url`` of a running loopback s
 ``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch.launcher`), gathered in
 :class:`ServerOptions`; each workload's own options become its config dataclass
 (:class:`~kvnotes.bench.serving.erratum.ErratumBenchConfig`,
-:class:`~kvnotes.bench.serving.skills.SkillsBenchConfig`), which validates them.
+:class:`~kvnotes.bench.serving.skills_config.SkillsBenchConfig`), which validates them.
 
 Examples::
 
@@ -31,8 +31,8 @@ if TYPE_CHECKING:  # the CLI starts fast: the benchmarks are imported when a com
     from kvnotes.bench.serving.corun import CorunConfig
     from kvnotes.bench.serving.erratum import ErratumBenchConfig
     from kvnotes.bench.serving.runs import Target
-    from kvnotes.bench.serving.skills import SkillsBenchConfig
-    from kvnotes.bench.serving.soak import SoakConfig
+    from kvnotes.bench.serving.skills_config import SkillsBenchConfig
+    from kvnotes.bench.serving.soak_workload import SoakConfig
 
 Written = tuple[dict[str, Any], dict[str, Path]]  # a result's JSON form and the files written
 
@@ -352,7 +352,7 @@ def skills(
     Skills are spliced by kvnotes' connector, bare (compose) or with each skill's first tokens
     computed in context by phased requests (repaired, guarded); fidelity compares each
     spliced policy's answers with the same prompts sent exactly."""
-    from kvnotes.bench.serving.skills import SKILL_POLICIES, SkillsBenchConfig
+    from kvnotes.bench.serving.skills_config import SKILL_POLICIES, SkillsBenchConfig
     from kvnotes.bench.serving.skills_report import markdown
 
     if recheck_engine:
@@ -460,8 +460,8 @@ def soak(
     kvnotes' engine."""
 
     from kvnotes.bench.serving.corun import CorunConfig
-    from kvnotes.bench.serving.soak import SoakConfig
     from kvnotes.bench.serving.soak_report import markdown
+    from kvnotes.bench.serving.soak_workload import SoakConfig
 
     server = ServerOptions(launch=True, model=model, dtype=dtype, kv_cache_gib=1,
                            startup_timeout=startup_timeout, vllm_python=vllm_python,

@@ -7,7 +7,7 @@ import pytest
 
 from kvnotes.bench.serving.engine_check import EngineAnswer, check_against_engine, engine_answers
 from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts
-from kvnotes.bench.serving.skills import Fidelity
+from kvnotes.bench.serving.skills_fidelity import Fidelity
 from kvnotes.bench.serving.skills_report import markdown
 from kvnotes.ops.store import SkillLibrary
 
@@ -82,7 +82,8 @@ def test_recheck_engine_reads_a_stored_run_and_its_skill_folder(fake_server, tok
     from kvnotes.apps.agent.prompt import HEADER as AIRLINE_HEADER
     from kvnotes.bench.serving.prompt_sets import skill_texts
     from kvnotes.bench.serving.runs import recheck_engine
-    from kvnotes.bench.serving.skills import SkillsBenchConfig, run_skills_benchmark
+    from kvnotes.bench.serving.skills import run_skills_benchmark
+    from kvnotes.bench.serving.skills_config import SkillsBenchConfig
     from kvnotes.bench.serving.skills_report import write_outputs
     from kvnotes.core.errors import InvalidArgumentError
     from kvnotes.serving.compose_client import ComposeClient

@@ -17,16 +17,10 @@ from kvnotes.bench.serving.prompt_sets import (
     make_requests,
     skill_texts,
 )
-from kvnotes.bench.serving.skills import (
-    Fidelity,
-    FrontClients,
-    HalfCounts,
-    SkillsBenchConfig,
-    SkillsResult,
-    make_clients,
-    measure_fidelity,
-    run_skills_benchmark,
-)
+from kvnotes.bench.serving.skills import SkillsResult, run_skills_benchmark
+from kvnotes.bench.serving.skills_clients import FrontClients, make_clients
+from kvnotes.bench.serving.skills_config import SkillsBenchConfig
+from kvnotes.bench.serving.skills_fidelity import Fidelity, HalfCounts, measure_fidelity
 from kvnotes.bench.serving.skills_report import fidelity_lines, markdown, report, write_outputs
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair

@@ -11,19 +11,6 @@ import pytest
 
 from kvnotes.bench.kit.machine import MachineRecord
 from kvnotes.bench.serving.corun import CorunConfig, inter_token_gaps
-from kvnotes.bench.serving.soak import (
-    EventRecord,
-    SoakConfig,
-    SoakRecord,
-    SoakResult,
-    damage_file,
-    damage_times,
-    next_spec,
-    record_from_dict,
-    salt_of,
-    summarize,
-    volatile_name,
-)
 from kvnotes.bench.serving.soak_check import (
     SHARED_TENANTS,
     EngineOracle,
@@ -36,7 +23,10 @@ from kvnotes.bench.serving.soak_check import (
     trimmed,
 )
 from kvnotes.bench.serving.soak_client import Answer, stream_completion, token_id
+from kvnotes.bench.serving.soak_events import EventRecord, damage_file, damage_times
 from kvnotes.bench.serving.soak_report import markdown, report
+from kvnotes.bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
+from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, salt_of, volatile_name
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
 PROMPT = Prompt(("refunds", "volatile-0"), "\n\nCustomer: hi\nAgent:", 4, volatile_at=1)

@@ -8,9 +8,11 @@
 - :mod:`~kvnotes.bench.serving.workload`, :mod:`~kvnotes.bench.serving.erratum`,
   :mod:`~kvnotes.bench.serving.report`: the erratum workload, its runner and its report;
 - :mod:`~kvnotes.bench.serving.skills`, :mod:`~kvnotes.bench.serving.skills_report`: the skills
-  workload (composition inside vLLM) and its report;
+  workload (composition inside vLLM) and its report; its configuration, clients and fidelity
+  pass in ``skills_config``, ``skills_clients`` and ``skills_fidelity``;
 - :mod:`~kvnotes.bench.serving.soak`, :mod:`~kvnotes.bench.serving.soak_report`: the connector
-  under load, every answer checked, and its report;
+  under load, every answer checked, and its report; what it sends, its skill events and its
+  records in ``soak_workload``, ``soak_events`` and ``soak_result``;
 - :mod:`~kvnotes.bench.serving.runs`: either workload against a running server or one started
   by :mod:`kvnotes.serving.launch.launcher`.
 """

@@ -112,7 +112,7 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
 
 
 class FidelityRow(Protocol):
-    """What the check reads of a fidelity row (``kvnotes.bench.serving.skills.Fidelity``)."""
+    """What the check reads of a fidelity row (``kvnotes.bench.serving.skills_fidelity.Fidelity``)."""
 
     policy: str
     concurrency: int

@@ -25,7 +25,8 @@ from kvnotes.serving.upstream import Client
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.prompt_sets import PromptSet
-    from kvnotes.bench.serving.skills import SkillsBenchConfig, SkillsResult
+    from kvnotes.bench.serving.skills import SkillsResult
+    from kvnotes.bench.serving.skills_config import SkillsBenchConfig
     from kvnotes.core.engine import Engine
 
 __all__ = ["Target", "erratum_launch", "recheck_engine", "run_erratum", "run_erratum_rows",
@@ -127,7 +128,8 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     fidelity run. ``config.via == "front"`` needs ``launch``: the launched server gets kvnotes'
     OpenAI front, and the measured requests go through it."""
     # the skills workload imports the agent's library: only loaded when it runs
-    from kvnotes.bench.serving.skills import config_prompt_set, run_skills_benchmark
+    from kvnotes.bench.serving.skills import run_skills_benchmark
+    from kvnotes.bench.serving.skills_config import config_prompt_set
     from kvnotes.serving.compose_client import ComposeClient
 
     prompts = config_prompt_set(config, engine.tokenizer)
@@ -180,7 +182,7 @@ def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
     """``result`` with the engine's answers to its fidelity prompts beside the server's, when
     the run asked for them (``config.engine_check``) and measured fidelity."""
     from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes.bench.serving.skills import fidelity_prompts
+    from kvnotes.bench.serving.skills_fidelity import fidelity_prompts
 
     config = result.config
     block = result.server.block_size if result.server is not None else None
@@ -206,12 +208,8 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     import json
 
     from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes.bench.serving.skills import (
-        Fidelity,
-        config_from_dict,
-        config_prompt_set,
-        fidelity_prompts,
-    )
+    from kvnotes.bench.serving.skills_config import config_from_dict, config_prompt_set
+    from kvnotes.bench.serving.skills_fidelity import Fidelity, fidelity_prompts
 
     path = out / "results.json"
     if not path.is_file():

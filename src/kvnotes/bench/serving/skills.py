@@ -19,8 +19,9 @@ decision the function name the answer writes). Policies:
 
 ``via="vllm"`` sends each policy's requests to vLLM as token ids, planned by
 :class:`~kvnotes.serving.compose_client.ComposeClient`; ``via="front"`` sends the prompt's text
-to kvnotes' OpenAI front (:class:`FrontClients`), which finds the skills and plans the same
-phases and guard itself: what an ordinary OpenAI client gets.
+to kvnotes' OpenAI front (:class:`~kvnotes.bench.serving.skills_clients.FrontClients`), which
+finds the skills and plans the same phases and guard itself: what an ordinary OpenAI client
+gets.
 
 Phases run on the shared kit (:mod:`kvnotes.bench.serving.kit`). The reported hit rate counts
 what the server did not compute: ``cached_tokens / prompt_tokens`` summed over a phase (vLLM's
@@ -30,6 +31,11 @@ phases' blocks are hits). TTFT of a phased request counts from its first phase. 
 sample of prompts, each spliced policy's answer against the same token ids sent to vLLM without
 a salt (exact prefill or exact prefix hits): the first token, 16 greedy tokens, the top-20
 logprob sets and, where the prompt set reads one, the decision.
+
+This module runs the workload and holds its result; the configuration is
+:mod:`~kvnotes.bench.serving.skills_config`'s, the policies' clients
+:mod:`~kvnotes.bench.serving.skills_clients`', the fidelity pass and the guard's calibration
+:mod:`~kvnotes.bench.serving.skills_fidelity`'s.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.formats import fmt_pct
 from kvnotes.bench.kit.machine import MachineRecord, load_now
@@ -54,91 +60,28 @@ from kvnotes.bench.serving.kit import (
     phase_line,
     summarize,
 )
-from kvnotes.bench.serving.prompt_sets import (
-    PROMPT_SETS,
-    AirlinePrompts,
-    PromptSet,
-    same_decision,
+from kvnotes.bench.serving.prompt_sets import AirlinePrompts, PromptSet
+from kvnotes.bench.serving.skills_clients import Clients, FrontClients, PolicyClients, make_clients
+from kvnotes.bench.serving.skills_config import (
+    PHASED_POLICIES,
+    SPLICED_POLICIES,
+    SkillsBenchConfig,
+    config_from_dict,
 )
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.bench.serving.skills_fidelity import (
+    Calibration,
+    Fidelity,
+    calibrate_tau,
+    fidelity_prompts,
+    measure_fidelity,
+)
 from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
-from kvnotes.serving.planning.phases import check_tau, margin
+from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.upstream import Client
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.engine_check import EngineCheck
     from kvnotes.serving.launch.launcher import LaunchRecord
-
-SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
-SPLICED_POLICIES = ("compose", "repaired", "guarded")  # the ones fidelity is measured for
-PHASED_POLICIES = ("repaired", "guarded")
-VIAS = ("vllm", "front")
-# the phased policies' repair: each skill's first 32 tokens (the engine's default), aligned to
-# the server's block size when planned
-DEFAULT_REPAIR_TOKENS = 32
-# the guard's tau when calibration finds no first token that differs from the exact prompt's
-DEFAULT_TAU = 0.5
-
-
-@dataclass(frozen=True)
-class SkillsBenchConfig:
-    """What one skills run measures: ``requests`` prompts per (concurrency, policy) row, then
-    ``fidelity_samples`` prompts per spliced policy against exact ones. ``prompts`` names the
-    prompt set (``k`` skills per airline prompt; ``cases`` BFCL cases within ``max_context``
-    tokens), ``via`` where the requests go (vLLM itself, or kvnotes' OpenAI front), ``repair``
-    the phased policies' tokens computed in context at the start of each spliced skill."""
-
-    model: str = "smollm2-135m"
-    k: int = 4
-    requests: int = 16
-    concurrency: tuple[int, ...] = (1, 4)
-    policies: tuple[str, ...] = SKILL_POLICIES
-    max_tokens: int = 1  # TTFT phases: the first token is what is measured
-    fidelity_samples: int = 20
-    fidelity_tokens: int = 16
-    seed: int = 0
-    warmup: int = 2
-    guard_tau: float | None = None  # None: calibrated on ``calibration_samples`` prompts
-    calibration_samples: int = 6
-    prompts: str = "airline"
-    cases: int = 40
-    max_context: int = 2048
-    via: str = "vllm"
-    fidelity_concurrency: tuple[int, ...] = (1,)
-    repair: int = DEFAULT_REPAIR_TOKENS
-    engine_check: bool = False  # compose the fidelity prompts in kvnotes' engine too
-
-    def __post_init__(self) -> None:
-        unknown = [p for p in self.policies if p not in SKILL_POLICIES]
-        if unknown:
-            raise UnknownNameError("policy", unknown[0], SKILL_POLICIES)
-        if self.prompts not in PROMPT_SETS:
-            raise UnknownNameError("prompt set", self.prompts, PROMPT_SETS)
-        if self.via not in VIAS:
-            raise UnknownNameError("--via", self.via, VIAS)
-        if self.prompts == "airline":
-            AirlinePrompts(self.k)  # checks k against the library
-        if self.requests < 1:
-            raise InvalidArgumentError(f"--requests must be at least 1, got {self.requests}")
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise InvalidArgumentError("concurrency levels must be at least 1")
-        if self.fidelity_samples < 0:
-            raise InvalidArgumentError(f"--fidelity-samples must be 0 or more, got "
-                                       f"{self.fidelity_samples}")
-        if self.guard_tau is not None:
-            check_tau(self.guard_tau)
-        if self.calibration_samples < 1 and self.guard_tau is None and "guarded" in \
-                self.policies:
-            raise InvalidArgumentError("the guarded policy needs --guard-tau or at least one "
-                                       "calibration sample")
-        if not self.fidelity_concurrency or min(self.fidelity_concurrency) < 1:
-            raise InvalidArgumentError("--fidelity-concurrency levels must be at least 1")
-        if isinstance(self.repair, bool) or not isinstance(self.repair, int) or self.repair < 1:
-            raise InvalidArgumentError(f"--repair must be a positive number of tokens, got "
-                                       f"{self.repair!r}")
-        if self.cases < 1 or self.max_context < 1:
-            raise InvalidArgumentError("--cases and --max-context must be at least 1")
 
 
 @dataclass
@@ -164,90 +107,6 @@ class Record:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-class PolicyClients(Protocol):
-    """What the benchmark sends through: ``send`` answers one prompt under a policy, ``plain``
-    (vLLM itself) sends the exact references and the warm-up, ``tau`` is the guard's."""
-
-    @property
-    def plain(self) -> ComposeClient: ...
-
-    @property
-    def tau(self) -> float | None: ...
-
-    def send(self, policy: str, parts: list[str], max_tokens: int, *,
-             logprobs: int | None = None) -> ComposeResult: ...
-
-
-@dataclass(frozen=True)
-class Clients:
-    """The benchmark's clients straight to vLLM: ``plain`` for cold/prefix/compose and the exact
-    references, ``repaired`` and ``guarded`` for the phased policies (each its own tenant, so
-    one phased policy's blocks never serve the other), and the guard's ``tau``."""
-
-    plain: ComposeClient
-    repaired: ComposeClient | None = None
-    guarded: ComposeClient | None = None
-    tau: float | None = None
-    repair: Repair = Repair(first=DEFAULT_REPAIR_TOKENS)
-
-    def send(self, policy: str, parts: list[str], max_tokens: int, *,
-             logprobs: int | None = None) -> ComposeResult:
-        if policy == "cold":
-            return self.plain.complete(parts, max_tokens=max_tokens, salt=cold_salt(),
-                                       logprobs=logprobs)
-        if policy in ("prefix", "compose"):
-            return self.plain.complete(parts, max_tokens=max_tokens, splice=policy == "compose",
-                                       logprobs=logprobs)
-        client = self.repaired if policy == "repaired" else self.guarded
-        if client is None:
-            raise InvalidArgumentError(f"policy {policy!r} needs a phased client")
-        return client.complete(parts, max_tokens=max_tokens, logprobs=logprobs,
-                               repair=self.repair, guard=self.tau if policy == "guarded" else None)
-
-
-@dataclass(frozen=True)
-class FrontClients:
-    """The policies sent as text to kvnotes' OpenAI front (``front``: a client of its URL),
-    each spliced policy in its own tenant; the front finds the skills, plans the phases and
-    runs the guard. ``plain`` talks to vLLM itself (the exact references)."""
-
-    plain: ComposeClient
-    front: ComposeClient
-    tau: float | None = None
-    repair: Repair = Repair(first=DEFAULT_REPAIR_TOKENS)
-
-    def options(self, policy: str) -> dict[str, Any]:
-        """The request's ``kvnotes`` options under ``policy`` (cold also sends its own salt,
-        which the front forwards as it came)."""
-        if policy in ("cold", "prefix"):
-            return {"splice": False}
-        if policy == "compose":
-            return {"tenant": "compose", "repair": 0, "guard": 0}
-        return {"tenant": policy, "repair": self.repair.first,
-                "guard": (self.tau or 0.0) if policy == "guarded" else 0}
-
-    def send(self, policy: str, parts: list[str], max_tokens: int, *,
-             logprobs: int | None = None) -> ComposeResult:
-        if policy not in SKILL_POLICIES:
-            raise UnknownNameError("policy", policy, SKILL_POLICIES)
-        body: dict[str, Any] = {"model": self.front.model, "prompt": "".join(parts),
-                                "max_tokens": int(max_tokens), "temperature": 0.0,
-                                "kvnotes": self.options(policy)}
-        if logprobs is not None:
-            body["logprobs"] = int(logprobs)
-        if policy == "cold":
-            body["cache_salt"] = cold_salt()
-        res = self.front.send(body)
-        info = res.usage_kvnotes
-        if info is not None:  # planned and spliced by the front (else forwarded exactly)
-            res.phases = int(info.get("phases") or 0)
-            res.spliced_tokens = info.get("spliced_tokens")
-            res.guard_fired = bool(info.get("guard_fired")) if policy == "guarded" else None
-            res.plan = info.get("plan")
-        res.margin = margin(res.top_logprobs[0]) if res.top_logprobs else None
-        return res
-
-
 def run_phase(clients: PolicyClients, policy: str, concurrency: int, prompts: Sequence[list[str]],
               max_tokens: int, *, metrics: Client | None = None,
               log: Callable[[str], None] = lambda s: None) -> tuple[PhaseSummary, list[Record]]:
@@ -271,181 +130,6 @@ def run_phase(clients: PolicyClients, policy: str, concurrency: int, prompts: Se
         log(line)
     return (summarize(run.records, policy=policy, concurrency=concurrency, wall_s=run.wall_s,
                       run=run), run.records)
-
-
-@dataclass
-class HalfCounts:
-    """One half's counts of a fidelity pass (cases, and how many agreed by each measure)."""
-
-    n: int = 0
-    decision_identical: int = 0
-    first_token_agree: int = 0
-    continuation_identical: int = 0
-    guard_fired: int = 0
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, int]) -> HalfCounts:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
-
-
-@dataclass
-class Fidelity:
-    """One spliced policy's answers against the same prompts sent exactly (no splice salt).
-
-    Where the prompt set reads a decision (BFCL: the function name written): how often it is
-    the exact prompt's (``decision_identity``), and how often each picks a tool BFCL's ground
-    truth accepts (``right_exact`` / ``right_spliced``, counts); ``halves`` splits the counts by
-    the case's half (the guard's tau is chosen on the calibration half)."""
-
-    samples: int
-    failed: int
-    first_token_agreement: float | None
-    continuation_identity: float | None
-    continuation_tokens: int
-    top20_overlap_mean: float | None
-    cases: list[dict[str, Any]]
-    policy: str = "compose"
-    guard_fires: int | None = None  # guarded: answers that came from the exact request
-    decision_identity: float | None = None
-    right_exact: int | None = None
-    right_spliced: int | None = None
-    forwarded: int = 0  # sent through the front, but forwarded exactly (nothing planned)
-    halves: dict[str, HalfCounts] = field(default_factory=dict)
-    concurrency: int = 1  # the policy's requests in flight at once
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Fidelity:
-        """Read back :meth:`to_dict` (a field an older run lacks takes its default)."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"halves", "cases"}
-        return cls(**{k: v for k, v in d.items() if k in known},
-                   cases=[dict(c) for c in d.get("cases", [])],
-                   halves={h: HalfCounts.from_dict(c) for h, c in (d.get("halves") or {}).items()})
-
-
-def measure_fidelity(clients: PolicyClients | ComposeClient, prompts: Sequence[list[str]],
-                     tokens: int, policies: Sequence[str] = ("compose",), *,
-                     prompt_set: PromptSet | None = None,
-                     concurrency: int | Sequence[int] = 1) -> list[Fidelity]:
-    """Each prompt sent exactly, then under each of ``policies``: first token, ``tokens``
-    greedy tokens and the first token's top-20 logprob set compared with the exact answer, and
-    the decision ``prompt_set`` reads from each answer. ``concurrency`` requests of a policy are
-    in flight at once (the server batches them), one pass per level given; the exact
-    references are sent once, one by one."""
-    senders: PolicyClients = Clients(clients) if isinstance(clients, ComposeClient) else clients
-    plain = senders.plain
-    exact = [plain.complete(parts, max_tokens=tokens, splice=False, logprobs=20)
-             for parts in prompts]
-    reads = prompt_set is not None and prompt_set.decides
-    levels = [concurrency] if isinstance(concurrency, int) else list(concurrency)
-    out = []
-    for level in (max(1, c) for c in levels):
-        with ThreadPoolExecutor(max_workers=level) as pool:
-            for policy in policies:
-                sent = list(pool.map(lambda parts, p=policy: senders.send(p, parts, tokens,
-                                                                          logprobs=20), prompts))
-                cases = [_fidelity_case(got, ref, prompt_set.info(parts) if prompt_set else {},
-                                        prompt_set if reads else None)
-                         for parts, got, ref in zip(prompts, sent, exact, strict=True)]
-                out.append(_fidelity(policy, cases, tokens, decisions=reads, concurrency=level))
-    return out
-
-
-def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
-                   prompt_set: PromptSet | None) -> dict[str, Any]:
-    if not (got.ok and ref.ok):
-        return {**info, "error": got.error or ref.error}
-    case: dict[str, Any] = {
-        **info,
-        "first_token_agree": bool(got.tokens and ref.tokens and got.tokens[0] == ref.tokens[0]),
-        "continuation_identical": got.text == ref.text, "spliced": got.text, "exact": ref.text,
-        "spliced_cached": got.cached_tokens, "prompt_tokens": got.prompt_tokens,
-        "exact_prompt_tokens": ref.prompt_tokens, "margin": got.margin,
-        "guard_fired": got.guard_fired, "phases": got.phases,
-        "spliced_tokens": got.spliced_tokens,
-        "skills_found": (got.plan or {}).get("skills") if got.usage_kvnotes is not None
-        else None,
-        "forwarded": got.usage_kvnotes is None and got.plan is None}
-    if got.top_logprobs and ref.top_logprobs:
-        a, b = set(got.top_logprobs[0]), set(ref.top_logprobs[0])
-        case["top20_overlap"] = len(a & b) / max(1, len(b))
-    if prompt_set is not None:
-        mine, theirs = prompt_set.decision(got.text), prompt_set.decision(ref.text)
-        case["decision"], case["exact_decision"] = mine, theirs
-        case["decision_identical"] = same_decision(prompt_set, got.text, ref.text)
-        if "answers" in info:
-            case["right"], case["exact_right"] = mine in info["answers"], theirs in info["answers"]
-    return case
-
-
-def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decisions: bool,
-              concurrency: int = 1) -> Fidelity:
-    ok = [c for c in cases if "error" not in c]
-    n = len(ok)
-
-    def share(key: str) -> float | None:
-        return sum(bool(c.get(key)) for c in ok) / n if n else None
-
-    overlaps = [c["top20_overlap"] for c in ok if "top20_overlap" in c]
-    halves: dict[str, HalfCounts] = {}
-    for c in ok:
-        if "half" in c:
-            h = halves.setdefault(c["half"], HalfCounts())
-            h.n += 1
-            h.decision_identical += bool(c.get("decision_identical"))
-            h.first_token_agree += bool(c.get("first_token_agree"))
-            h.continuation_identical += bool(c.get("continuation_identical"))
-            h.guard_fired += bool(c.get("guard_fired"))
-    answered = [c for c in ok if "right" in c]
-    return Fidelity(
-        samples=n, failed=len(cases) - n,
-        first_token_agreement=share("first_token_agree"),
-        continuation_identity=share("continuation_identical"), continuation_tokens=tokens,
-        top20_overlap_mean=sum(overlaps) / len(overlaps) if overlaps else None,
-        cases=cases, policy=policy,
-        guard_fires=sum(bool(c.get("guard_fired")) for c in ok) if policy == "guarded" else None,
-        decision_identity=share("decision_identical") if decisions else None,
-        right_exact=sum(c["exact_right"] for c in answered) if answered else None,
-        right_spliced=sum(c["right"] for c in answered) if answered else None,
-        forwarded=sum(bool(c.get("forwarded")) for c in ok), halves=halves,
-        concurrency=concurrency)
-
-
-@dataclass
-class Calibration:
-    """How the guard's tau was chosen: the repaired first token's top-2 margin on development
-    prompts (not measured ones) and whether that token equals the exact prompt's."""
-
-    tau: float
-    rule: str
-    cases: list[dict[str, Any]]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
-        return cls(tau=d["tau"], rule=d["rule"], cases=[dict(c) for c in d.get("cases", [])])
-
-
-def calibrate_tau(clients: PolicyClients, prompts: Sequence[list[str]]) -> Calibration:
-    """tau just above the largest margin at which a repaired first token still differed from the
-    exact prompt's (every such development prompt would have been answered exactly); with no
-    such prompt, :data:`DEFAULT_TAU`."""
-    cases: list[dict[str, Any]] = []
-    for parts in prompts:
-        got = clients.send("repaired", parts, 1, logprobs=2)
-        ref = clients.plain.complete(parts, max_tokens=1, splice=False)
-        if got.ok and ref.ok and got.margin is not None:
-            cases.append({"margin": got.margin, "agree": got.text == ref.text})
-    wrong = [c["margin"] for c in cases if not c["agree"]]
-    if wrong:
-        return Calibration(tau=round(max(wrong) * 1.05 + 1e-3, 4),
-                           rule="largest margin of a differing first token, +5%", cases=cases)
-    return Calibration(tau=DEFAULT_TAU, rule="no differing first token: the default",
-                       cases=cases)
 
 
 @dataclass(frozen=True)
@@ -551,38 +235,6 @@ class SkillsResult:
                    command=d.get("command", ""))
 
 
-def config_from_dict(d: Mapping[str, Any]) -> SkillsBenchConfig:
-    """A stored run's :class:`SkillsBenchConfig` (lists back to tuples; a field an older run
-    lacks takes its default)."""
-    names = {f.name for f in dataclasses.fields(SkillsBenchConfig)}
-    options: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                               for k, v in d.items() if k in names}
-    return SkillsBenchConfig(**options)
-
-
-def make_clients(client: ComposeClient, policies: Sequence[str], block_size: int | None, *,
-                 anchor: bool = True, tau: float | None = None,
-                 prompt_set: PromptSet | None = None,
-                 repair_tokens: int = DEFAULT_REPAIR_TOKENS) -> Clients:
-    """``client`` and, for the phased policies, clients that plan with the server's block size
-    (the library's pieces from ``client``'s skills folder when it has one, else the prompt
-    set's own index)."""
-    if not set(policies) & set(PHASED_POLICIES):
-        return Clients(client)
-    if block_size is None:
-        raise InvalidArgumentError("the repaired and guarded policies need the server's block "
-                                   "size: it reports none in /metrics (vllm:cache_config_info)")
-    skills = client.store.folder if client.store is not None else (
-        prompt_set or AirlinePrompts()).index(client.tokenizer, anchor=anchor)
-
-    def phased(tenant: str) -> ComposeClient:
-        return ComposeClient(client.url, client.model, client.tokenizer, timeout=client.timeout,
-                             tenant=tenant, skills=skills, block_size=block_size)
-
-    return Clients(client, repaired=phased("repaired"), guarded=phased("guarded"), tau=tau,
-                   repair=Repair(first=repair_tokens))
-
-
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                          anchor: bool = True, prompt_set: PromptSet | None = None,
                          front: ComposeClient | None = None,
@@ -650,19 +302,6 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                         prompt_set=prompts_of.describe(),
                         skipped=list(getattr(prompts_of, "skipped", [])),
                         started=started, finished=utc_minute())
-
-
-def config_prompt_set(config: SkillsBenchConfig, tokenizer: Any) -> PromptSet:
-    """The prompt set a run of ``config`` sends (the same every time for one config)."""
-    from kvnotes.bench.serving.prompt_sets import make_prompt_set
-
-    return make_prompt_set(config.prompts, tokenizer, k=config.k, cases=config.cases,
-                           max_context=config.max_context, answer_tokens=config.fidelity_tokens)
-
-
-def fidelity_prompts(prompt_set: PromptSet, config: SkillsBenchConfig) -> list[list[str]]:
-    """The prompts a run's fidelity pass sends (the same every time for one config)."""
-    return prompt_set.requests(config.fidelity_samples, config.seed + 7777, "fidelity")
 
 
 def utc_minute() -> str:

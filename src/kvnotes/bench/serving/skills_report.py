@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.formats import fmt_pct, fmt_s
-from kvnotes.bench.serving.skills import SKILL_POLICIES, Fidelity, SkillsResult
+from kvnotes.bench.serving.skills import SkillsResult
+from kvnotes.bench.serving.skills_config import SKILL_POLICIES
+from kvnotes.bench.serving.skills_fidelity import Fidelity
 from kvnotes.eval.reports import write_bundle
 
 if TYPE_CHECKING:

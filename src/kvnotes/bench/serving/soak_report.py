@@ -1,5 +1,5 @@
 """The soak's report (markdown) and its plot (latency over time, skill events marked), both
-rendered from a typed :class:`~kvnotes.bench.serving.soak.SoakResult` (a stored
+rendered from a typed :class:`~kvnotes.bench.serving.soak_result.SoakResult` (a stored
 ``result.json`` is read back with ``SoakResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_s
 from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.soak import SoakResult
 from kvnotes.bench.serving.soak_check import SHARED_TENANTS
+from kvnotes.bench.serving.soak_result import SoakResult
 from kvnotes.eval.reports import write_bundle
 
 if TYPE_CHECKING:

@@ -1,0 +1,54 @@
+"""What one request carries through the front: its record (:class:`Call`, what its log line
+and metrics say) and the answer to send (:class:`Reply`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvnotes.serving.front.errors import ApiError, error_body
+
+JSON = "application/json"
+
+
+@dataclass
+class Reply:
+    """An answer to send: a whole body, or a stream of byte chunks."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    stream: AsyncGenerator[bytes, None] | None = None
+
+
+def json_reply(status: int, obj: Any, **headers: str) -> Reply:
+    return Reply(status, {"content-type": JSON, **headers}, json.dumps(obj).encode())
+
+
+def error_reply(err: ApiError) -> Reply:
+    headers = {"connection": "close"} if err.status in (408, 413) else {}
+    return json_reply(err.status, error_body(err.status, str(err), err.param), **headers)
+
+
+@dataclass
+class Call:
+    """One request's record: what its log line and metrics say."""
+
+    route: str
+    id: str
+    t0: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None
+    outcome: str = ""
+    reason: str | None = None
+    status: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+    first_upstream: float | None = None
+    finished: bool = False
+
+    def upstream_started(self) -> None:
+        if self.first_upstream is None:
+            self.first_upstream = time.perf_counter()
+

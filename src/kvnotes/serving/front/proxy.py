@@ -1,0 +1,213 @@
+"""What the front sends vLLM for one request, and what it answers the client with.
+
+A request is either forwarded exactly (:meth:`Proxy.forward`: vLLM's answer relayed as it
+comes, the reason in the :data:`REASON_HEADER` header) or spliced (:meth:`Proxy.spliced`: the
+phase requests, then the real one, answered in the client's format by
+:class:`~kvnotes.serving.front.format.Shaper`; when the guard fires, the exact request's answer
+instead). A stream holds its first token back until the guard has decided; an upstream stream
+that breaks ends with an error event and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from kvnotes.serving.front.body import no_constant
+from kvnotes.serving.front.call import JSON, Call, Reply, json_reply
+from kvnotes.serving.front.errors import ApiError, error_body, header_value
+from kvnotes.serving.front.format import DONE, InvalidEvent, Shaper, first_top_logprobs, parse_sse_line, sse
+from kvnotes.serving.front.metrics import FrontMetrics
+from kvnotes.serving.front.upstream import COMPLETIONS, ROUTES, Upstream
+from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, phase_bodies, real_body
+from kvnotes.serving.planning.phases import guard_fires
+from kvnotes.serving.planning.request import FrontRequest, Unplannable
+
+REASON_HEADER = "x-kvnotes"
+# headers of vLLM's answers not passed on: hop-by-hop (RFC 9110 7.6.1) and those uvicorn sets
+_DROP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                 "proxy-authenticate", "proxy-authorization", "content-length", "content-encoding",
+                 "date", "server"}
+
+
+class Proxy:
+    """Forwards or splices one request through ``up``, counting spliced tokens in ``metrics``."""
+
+    def __init__(self, up: Upstream, metrics: FrontMetrics) -> None:
+        self.up, self.metrics = up, metrics
+
+    async def forward(self, kind: str, body: dict[str, Any], call: Call, why: Unplannable,
+                      auth: str | None) -> Reply:
+        """The request passed to vLLM as it is (``auth``: the Authorization vLLM gets); its
+        answer relayed as it comes."""
+        call.outcome, call.reason = "forwarded", why.code
+        call.upstream_started()
+        resp = await self.up.open_stream("POST", ROUTES[kind], body, self.up.headers(auth))
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
+        headers[REASON_HEADER] = header_value(f"forwarded: {why.code}: {why}")
+        if resp.status_code >= 500:
+            call.outcome = "upstream_error"
+        sse_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
+        return Reply(resp.status_code, headers, stream=self._relay(resp, sse_stream, call))
+
+    async def _relay(self, resp: Any, sse_stream: bool, call: Call) -> AsyncGenerator[bytes, None]:
+        import httpx2
+
+        ended = False
+        try:
+            async for chunk in resp.aiter_bytes():
+                ended = chunk.endswith(DONE) or ended and not chunk
+                yield chunk
+        except httpx2.HTTPError as err:
+            call.outcome = "upstream_error"
+            if sse_stream and not ended:
+                yield sse(error_body(502, f"the vLLM server's stream broke: {type(err).__name__}"))
+                yield DONE
+        finally:
+            await resp.aclose()
+
+    async def spliced(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float, call: Call,
+                      exact: dict[str, Any], salt: str | None) -> Reply:
+        info: dict[str, Any] = {"spliced_tokens": fp.plan.spliced_tokens, "phases": 0,
+                                "guard_fired": False, "plan": fp.to_dict()}
+        call.upstream_started()
+        for body in phase_bodies(fp, model):
+            status, data = await self.up.post_json(COMPLETIONS, body)
+            if status != 200:
+                reply = await self.forward(req.kind, exact, call, Unplannable(
+                    f"a phase failed: HTTP {status}: {data[:200].decode(errors='replace')}",
+                    "phase_failed"), None)
+                if call.outcome == "forwarded":
+                    call.outcome = "phase_failed"
+                return reply
+            info["phases"] += 1
+        shaper = Shaper(req.kind, req.logprobs, req.include_usage)
+        headers = {REASON_HEADER: header_value(f"spliced {','.join(fp.skills)}")}
+        exact_ids = exact_body(fp.ids, req, model)
+        if salt is not None:
+            exact_ids["cache_salt"] = salt
+        if req.stream:
+            return await self._stream(req, fp, model, tau, info, shaper, headers, call, exact_ids)
+        status, data = await self.up.post_json(COMPLETIONS, real_body(fp, req, model, tau))
+        if status != 200:
+            return self._upstream_failed(status, data, call)
+        answer = _loads(data)
+        if guard_fires(first_top_logprobs(answer), tau):
+            info["guard_fired"] = True
+            status, data = await self.up.post_json(COMPLETIONS, exact_ids)
+            if status != 200:
+                return self._upstream_failed(status, data, call)
+            answer = _loads(data)
+        self._spliced_done(fp, info, call)
+        return json_reply(200, shaper.body(answer, info), **headers)
+
+    def _spliced_done(self, fp: FrontPlan, info: dict[str, Any], call: Call) -> None:
+        call.outcome = "guard_fired" if info["guard_fired"] else "spliced"
+        plan = fp.plan
+        self.metrics.spliced_tokens(plan.spliced_tokens, plan.repaired_tokens,
+                                    plan.prompt_len - plan.spliced_tokens - plan.repaired_tokens,
+                                    info["phases"])
+
+    def _upstream_failed(self, status: int, data: bytes, call: Call) -> Reply:
+        call.outcome = "upstream_error"
+        return Reply(status, {"content-type": JSON}, data)
+
+    async def _begin_stream(self, body: dict[str, Any], call: Call) -> Any:
+        resp = await self.up.open_stream("POST", COMPLETIONS, body)
+        if resp.status_code != 200:
+            try:
+                data = await resp.aread()
+            finally:
+                await resp.aclose()
+            return self._upstream_failed(resp.status_code, data, call)
+        return resp
+
+    async def _stream(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float,
+                      info: dict[str, Any], shaper: Shaper, headers: dict[str, str], call: Call,
+                      exact_ids: dict[str, Any]) -> Reply:
+        resp = await self._begin_stream(real_body(fp, req, model, tau), call)
+        if isinstance(resp, Reply):
+            return resp
+        events = _events(resp)
+        held: list[Any] = []
+        try:
+            if tau > 0:
+                # hold the stream until the first token's log-probs have come
+                async for event in events:
+                    held.append(event)
+                    if not isinstance(event, dict) or first_top_logprobs(event) is not None \
+                            or any(c.get("finish_reason") for c in event.get("choices") or []):
+                        break  # [DONE], an error, the first token's log-probs, or the end
+                top = next((t for t in map(first_top_logprobs, held) if t is not None), None)
+                if guard_fires(top, tau):
+                    await events.aclose()
+                    info["guard_fired"] = True
+                    resp = await self._begin_stream(exact_ids, call)
+                    if isinstance(resp, Reply):
+                        return resp
+                    events, held = _events(resp), []
+        except BaseException:
+            await events.aclose()
+            raise
+        return Reply(200, {"content-type": "text/event-stream", "cache-control": "no-cache",
+                           **headers}, stream=self._shaped(held, events, shaper, info, fp, call))
+
+    async def _shaped(self, held: list[Any], events: AsyncGenerator[Any, None], shaper: Shaper,
+                      info: dict[str, Any], fp: FrontPlan, call: Call
+                      ) -> AsyncGenerator[bytes, None]:
+        """The client's events; a stream that breaks or sends what is not JSON ends with an
+        error event and ``[DONE]``."""
+        import httpx2
+
+        failure = "the vLLM server's stream ended before [DONE]"
+        try:
+            async for event in _chain(held, events):
+                if event is DONE:
+                    self._spliced_done(fp, info, call)
+                    yield DONE
+                    return
+                if isinstance(event, InvalidEvent):
+                    failure = "the vLLM server sent an event that is not JSON"
+                    break
+                if not isinstance(event, dict) or "error" in event:
+                    call.outcome = "upstream_error"
+                    yield sse(event)
+                    continue
+                for out in shaper.chunk(event, info):
+                    yield sse(out)
+        except httpx2.HTTPError as err:
+            failure = f"the vLLM server's stream broke: {type(err).__name__}"
+        finally:
+            await events.aclose()
+        call.outcome = "upstream_error"
+        yield sse(error_body(502, failure))
+        yield DONE
+
+
+async def _events(resp: Any) -> AsyncGenerator[Any, None]:
+    """The events of an upstream SSE response (closing it when done or closed)."""
+    try:
+        async for line in resp.aiter_lines():
+            event = parse_sse_line(line)
+            if event is not None:
+                yield event
+    finally:
+        await resp.aclose()
+
+
+async def _chain(held: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for event in held:
+        yield event
+    async for event in rest:
+        yield event
+
+
+def _loads(data: bytes) -> dict[str, Any]:
+    try:
+        out = json.loads(data, parse_constant=no_constant)
+    except (ValueError, RecursionError) as err:
+        raise ApiError(502, "the vLLM server answered with what is not JSON") from err
+    if not isinstance(out, dict):
+        raise ApiError(502, "the vLLM server answered with what is not a JSON object")
+    return out

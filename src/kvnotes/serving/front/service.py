@@ -1,0 +1,203 @@
+"""The front's work on a request, apart from HTTP: keys and tenants, counting, planning.
+
+:class:`FrontService` holds what one front shares across requests (its config, the skill
+catalog, the keys, the metrics, the pooled client to vLLM, the planning threads) and answers a
+checked body: planned on a small thread pool (each thread with its own tokenizer copy, no
+global lock), then spliced, or forwarded exactly with the reason
+(:class:`~kvnotes.serving.front.proxy.Proxy`). :class:`~kvnotes.serving.front.app.Front`
+serves it over HTTP.
+
+Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request's tenant is
+its key's (a ``kvnotes.tenant`` naming another is a 400), and a tenant's exact requests are
+salted as its own too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvnotes.core.errors import KvnotesError, ServingError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.front.call import Call, Reply
+from kvnotes.serving.front.config import FrontConfig, Keys
+from kvnotes.serving.front.errors import ApiError, header_value
+from kvnotes.serving.front.metrics import FrontMetrics
+from kvnotes.serving.front.proxy import Proxy
+from kvnotes.serving.front.upstream import Upstream
+from kvnotes.serving.library.manifest import SPLICE_SALT
+from kvnotes.serving.planning.front_plan import FrontPlan, plan_request
+from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.request import (
+    OPTIONS_KEY,
+    FrontOptions,
+    FrontRequest,
+    Unplannable,
+    read_options,
+    read_request,
+)
+
+TENANT_SALT = "kvnotes-tenant"  # a tenant's exact requests: kvnotes-tenant:<tenant>[:<salt>]
+_TENANT_SALTS = (f"{SPLICE_SALT}:", f"{TENANT_SALT}:")
+log = logging.getLogger("kvnotes.serving.front")
+
+
+class FrontService:
+    """One front's shared state and its answer to a checked request (see the module
+    docstring)."""
+
+    def __init__(self, config: FrontConfig, catalog: SkillCatalog) -> None:
+        if config.upstream is None:
+            raise ServingError("FrontConfig.upstream is None: give the vLLM server's URL")
+        self.config, self.catalog = config, catalog
+        self.upstream = config.upstream.rstrip("/")
+        self.keys: Keys = config.keys  # read once: a bad key file fails here, not per request
+        self.metrics = FrontMetrics()
+        self.up = Upstream(config)
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._in_flight = 0
+        self.proxy = Proxy(self.up, self.metrics)
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Requests by outcome (a copy)."""
+        return Counter(self.metrics.counts)
+
+    async def opened(self) -> None:
+        """Inside the serving loop, before the first request."""
+        self._pool = ThreadPoolExecutor(self.config.plan_workers, thread_name_prefix="kvnotes-plan")
+        await self.up.open()
+        with contextlib.suppress(Exception):  # vLLM may not be up yet: read again when needed
+            await asyncio.wait_for(self.up.discover(), self.config.discover_timeout)
+
+    async def closed(self) -> None:
+        await self.up.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    # ---- keys ------------------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant of a request's key; 401 when keys are on and it has none that is known."""
+        if not self.keys.enabled:
+            return self.config.tenant
+        scheme, _, key = (authorization or "").partition(" ")
+        known, tenant = self.keys.tenant_of(key.strip()) if scheme.lower() == "bearer" \
+            else (False, None)
+        if not known:
+            raise ApiError(401, "a valid API key is needed: send Authorization: Bearer <key>")
+        return tenant
+
+    def tenant_of(self, opts: FrontOptions, key_tenant: str | None) -> str | None:
+        """The request's tenant: its key's when keys are on (a different ``kvnotes.tenant`` is
+        a 400), else the one it names, else the front's."""
+        if self.keys.enabled:
+            if opts.tenant is not None and opts.tenant != key_tenant:
+                raise ApiError(400, f"{OPTIONS_KEY}.tenant {opts.tenant!r} is not this key's "
+                               "tenant: leave it out (the key sets the tenant)",
+                               f"{OPTIONS_KEY}.tenant")
+            return key_tenant
+        return opts.tenant if opts.tenant is not None else self.config.tenant
+
+    def exact_salt(self, tenant: str | None, client_salt: object) -> str | None:
+        """The ``cache_salt`` of an exact request when keys are on: the tenant's own (a client's
+        salt inside it), so no tenant shares another's cached blocks; ``client_salt`` otherwise."""
+        if not self.keys.enabled:
+            return client_salt if isinstance(client_salt, str) else None
+        if tenant is None:
+            # the shared tenant may not name a tenant's salts (it would hit that tenant's blocks)
+            if isinstance(client_salt, str) and client_salt.startswith(_TENANT_SALTS):
+                raise ApiError(400, f"cache_salt values starting with {_TENANT_SALTS} are "
+                               "the front's own", "cache_salt")
+            return client_salt if isinstance(client_salt, str) else None
+        base = f"{TENANT_SALT}:{tenant}"
+        return base if not isinstance(client_salt, str) else f"{base}:{client_salt}"
+
+    def _passed_auth(self, client_auth: str | None) -> str | None:
+        # the client's key is vLLM's only when the front checks none of its own
+        return None if self.keys.enabled else client_auth
+
+    # ---- requests --------------------------------------------------------------------------
+    def begin(self) -> None:
+        self._in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def end(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.dec()
+
+    def finish(self, call: Call) -> None:
+        """A request's end: its metrics and its log line (once, before its last bytes are sent,
+        so a client that has its answer sees it counted)."""
+        if call.finished:
+            return
+        call.finished = True
+        self.end()
+        m = self.metrics
+        if call.first_upstream is not None:
+            m.overhead.labels(call.route).observe(call.first_upstream - call.t0)
+        outcome = call.outcome or "upstream_error"
+        m.outcome(call.route, outcome, call.reason)
+        log.info("request %s", json.dumps({
+            "id": call.id, "route": call.route, "tenant": call.tenant, "status": call.status,
+            "outcome": outcome, "reason": call.reason, "plan": call.plan,
+            "ms": round((time.perf_counter() - call.t0) * 1e3, 2)}))
+
+    def new_call(self, route: str, request_id: str | None) -> Call:
+        rid = header_value(request_id, 64) if request_id else ""
+        return Call(route, rid or uuid.uuid4().hex)
+
+    async def answer(self, kind: str, data: dict[str, Any], call: Call,
+                     key_tenant: str | None, client_auth: str | None) -> Reply:
+        """The answer to a checked body: spliced, or forwarded exactly with the reason."""
+        opts = read_options(data.get(OPTIONS_KEY))
+        tenant = call.tenant = self.tenant_of(opts, key_tenant)
+        exact = {k: v for k, v in data.items() if k != OPTIONS_KEY}
+        salt = self.exact_salt(tenant, exact.get("cache_salt"))
+        if salt is not None:
+            exact["cache_salt"] = salt
+        try:
+            if not opts.splice:
+                raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
+            block_size = await self.up.block_size()
+            req, fp = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._plan, kind, data, opts, tenant, block_size)
+            model = str(req.sampling.get("model") or await self.up.model())
+        except Unplannable as err:
+            return await self.proxy.forward(kind, exact, call, err, self._passed_auth(client_auth))
+        except (KvnotesError, ValueError) as err:
+            return await self.proxy.forward(kind, exact, call, Unplannable(f"not planned: {err}"),
+                                            self._passed_auth(client_auth))
+        tau = self.config.guard if opts.guard is None else opts.guard
+        call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
+                     "spliced_tokens": fp.plan.spliced_tokens}
+        return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
+
+    def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
+              block_size: int) -> tuple[FrontRequest, FrontPlan]:
+        tokenizer = self._tokenizer()
+        req = read_request(kind, data, tokenizer)
+        repair = Repair(first=self.config.repair if opts.repair is None else opts.repair)
+        return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+
+    def _tokenizer(self) -> Any:
+        """This planning thread's own copy of the tokenizer (fast tokenizers are not meant to
+        be shared by threads)."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            try:
+                tok = copy.deepcopy(self.catalog.tokenizer)
+            except Exception:  # noqa: BLE001 -- a tokenizer that cannot be copied is shared
+                tok = self.catalog.tokenizer
+            self._local.tokenizer = tok
+        return tok
