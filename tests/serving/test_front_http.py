@@ -459,3 +459,29 @@ def test_one_log_line_per_request(front, caplog):
     assert lines[0]["id"] == "req-1\\u00e9" and lines[0]["plan"]["skills"] == ["header",
                                                                                "refunds"]
     assert lines[0]["status"] == 200 and lines[1]["tenant"] is None
+
+
+def test_every_planning_thread_has_its_tokenizer_before_the_first_request(make_front):
+    front = make_front(plan_workers=3)
+    pool = front._pool
+    assert pool is not None and len(pool._threads) == 3  # started with the front, not per request
+    copies = {id(t) for t in _planner_tokenizers(front)}
+    assert len(copies) == 3 and id(front.catalog.tokenizer) not in copies
+
+
+def _planner_tokenizers(front: Front) -> list[Any]:
+    """The tokenizer each planning thread holds, read on the threads themselves."""
+    import threading
+
+    held: list[Any] = []
+    ready = threading.Barrier(front.config.plan_workers)
+
+    def read() -> None:
+        held.append(front._local.tokenizer)
+        ready.wait(timeout=10)
+
+    assert front._pool is not None
+    futures = [front._pool.submit(read) for _ in range(front.config.plan_workers)]
+    for f in futures:
+        f.result(timeout=10)
+    return held

@@ -75,7 +75,14 @@ class FrontService:
 
     async def opened(self) -> None:
         """Inside the serving loop, before the first request."""
-        self._pool = ThreadPoolExecutor(self.config.plan_workers, thread_name_prefix="kvnotes-plan")
+        workers = self.config.plan_workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvnotes-plan")
+        # every planning thread starts now with its tokenizer copy (~70 ms each): made lazily,
+        # the copies would land on the first concurrent requests' time to first token
+        ready = threading.Barrier(workers)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, self._warm_planner, ready)
+                               for _ in range(workers)))
         await self.up.open()
         with contextlib.suppress(Exception):  # vLLM may not be up yet: read again when needed
             await asyncio.wait_for(self.up.discover(), self.config.discover_timeout)
@@ -189,6 +196,13 @@ class FrontService:
         req = read_request(kind, data, tokenizer)
         repair = Repair(first=self.config.repair if opts.repair is None else opts.repair)
         return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+
+    def _warm_planner(self, ready: threading.Barrier) -> None:
+        """Make this planning thread's tokenizer copy; the barrier holds each warm-up task on a
+        thread of its own until all have one."""
+        self._tokenizer()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            ready.wait(timeout=30)
 
     def _tokenizer(self) -> Any:
         """This planning thread's own copy of the tokenizer (fast tokenizers are not meant to
