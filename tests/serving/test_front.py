@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvnotes.serving.front.app import STATS_PATH, Front, FrontConfig
 from kvnotes.serving.front.proxy import REASON_HEADER
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.layout import part_ids
-from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.match import Part, SkillCatalog
 from kvnotes.serving.planning.phases import part_spans, plan_phases
 from kvnotes.serving.planning.request import Unplannable, read_request, render_chat
 from kvnotes.serving.skills import ServingSkills
@@ -145,6 +146,34 @@ def test_a_front_request_with_repair_16_recomputes_what_compose_with_repair_16_d
     assert fp.ids == nb.token_ids.tolist()
     assert [list(r) for r in fp.plan.regions] == stats["regions"] != []
     assert stats["exact"] == [0, 1]  # the header and the skill right behind it
+
+
+def test_a_skill_removed_between_match_and_plan_is_computed_not_spliced(
+        published, tokenizer, tmp_path, monkeypatch):
+    """The plan is built from the match's pieces, each checked against the folder as indexed
+    when planning: an entry gone in between leaves its part to vLLM (text), never a range."""
+    folder = tmp_path / published.folder.name
+    shutil.copytree(published.folder, folder)
+    catalog = SkillCatalog(folder, tokenizer, rescan_s=0.0)
+    refunds = next(p for p in catalog.pieces() if p.name == "refunds")
+    find = catalog.find
+
+    def find_then_remove(text: str) -> list[Part]:
+        found = find(text)
+        assert "refunds" in [p.skill.name for p in found if p.skill]
+        (folder / f"{refunds.key}.safetensors").unlink()
+        return found
+
+    monkeypatch.setattr(catalog, "find", find_then_remove)
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    req = read_request("completion", {"model": MODEL, "prompt": "".join(texts)}, tokenizer)
+    fp = plan_request(req, catalog, Repair(first=16), BLOCK, None)
+    assert fp.skills == ["header", "baggage"]
+    at = sum(map(len, part_ids(tokenizer, texts[:2])))  # where the removed skill's text starts
+    gone = next(s for s in fp.spans if s.start == at)
+    assert not gone.is_piece and len(gone) == len(refunds)
+    assert all(r.end <= gone.start or r.start >= gone.end for r in fp.plan.ranges)
+    assert (fp.ids, fp.plan) == expected_plan(tokenizer, catalog, texts, first=16)
 
 
 # ---- chat --------------------------------------------------------------------------------------

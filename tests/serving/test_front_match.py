@@ -18,9 +18,11 @@ from kvnotes.serving.planning.match import (
     Skill,
     SkillCatalog,
     find_skills,
+    lay_out,
     read_piece_info,
     skill_texts,
 )
+from kvnotes.serving.planning.phases import part_spans, sent_spans
 from kvnotes.serving.skills import ServingSkills
 
 HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
@@ -61,6 +63,28 @@ def test_part_ids_are_compose_layout(tokenizer):
     parts = part_ids(tokenizer, texts)
     assert [t for p in parts for t in p] == prompt_ids(tokenizer, texts)
     assert parts[1] == encode(tokenizer, REFUNDS)  # each part alone
+
+
+def test_lay_out_carries_the_pieces_part_spans_would_find(tokenizer):
+    n = len(encode(tokenizer, HEADER))
+    pieces = [PieceInfo("h", "header", tuple(encode(tokenizer, HEADER)), 0),
+              PieceInfo("r0", "refunds", tuple(encode(tokenizer, REFUNDS)), 0),
+              PieceInfo("rn", "refunds", tuple(encode(tokenizer, REFUNDS)), n)]
+    idx = PieceIndex()
+    for p in pieces:
+        idx.add(p)
+    skills, _ = skill_texts(tokenizer, pieces)
+    for text in (HEADER + REFUNDS + "\nAgent:", "Hi" + REFUNDS + HEADER + REFUNDS):
+        sent = lay_out(tokenizer, find_skills(text, skills), (), idx)
+        assert sent_spans(sent) == part_spans([list(p.token_ids) for p in sent], idx)
+    sent = lay_out(tokenizer, find_skills(HEADER + REFUNDS, skills), (), idx)
+    assert [p.piece.key for p in sent] == ["h", "rn"]  # the one compiled behind the header
+    idx.remove("rn")  # no longer registered: the other anchoring, then none
+    assert [p.piece.key for p in lay_out(tokenizer, find_skills(HEADER + REFUNDS, skills),
+                                         (), idx)] == ["h", "r0"]
+    idx.remove("r0")
+    sent = lay_out(tokenizer, find_skills(HEADER + REFUNDS, skills), (), idx)
+    assert sent[1].piece is None and sent_spans(sent)[1].origin is None
 
 
 def test_split_ids_finds_pieces_anywhere(tokenizer):
@@ -154,15 +178,21 @@ def test_gemma_newlines_across_a_boundary_stay_per_part(gemma_tokenizer):
     apart = encode(tok, HEADER) + encode(tok, REFUNDS)
     assert whole != apart  # the whole text merges the two "\n" into one token
     assert len(whole) == len(apart) - 1
-    skills, left_out = skill_texts(tok, [
-        PieceInfo("h", "header", tuple(encode(tok, HEADER)), 1),
-        PieceInfo("r", "refunds", tuple(encode(tok, REFUNDS)), 1),
-        PieceInfo("b", "bos", (tok.bos_token_id,), 0)])
+    pieces = [PieceInfo("h", "header", tuple(encode(tok, HEADER)), 1),
+              PieceInfo("r", "refunds", tuple(encode(tok, REFUNDS)), 1),
+              PieceInfo("b", "bos", (tok.bos_token_id,), 0)]
+    skills, left_out = skill_texts(tok, pieces)
     assert left_out == ["bos"]  # placed by the BOS rule, not by its text
     text = HEADER + REFUNDS + "\nAgent:"
     parts = part_ids(tok, [p.text for p in find_skills(text, skills)])
     assert parts[0] == [tok.bos_token_id]
     assert parts[1] == encode(tok, HEADER) and parts[2] == encode(tok, REFUNDS)
     assert [t for p in parts for t in p] == prompt_ids(tok, [HEADER, REFUNDS, "\nAgent:"])
+    idx = PieceIndex()
+    for p in pieces:
+        idx.add(p)
+    sent = lay_out(tok, find_skills(text, skills), [pieces[2]], idx)
+    assert [p.piece.name if p.piece else None for p in sent] == ["bos", "header", "refunds", None]
+    assert sent_spans(sent) == part_spans(parts, idx)
     # a chat template's leading BOS text is the layout's BOS part, not text
     assert strip_bos_text(tok, tok.bos_token + text) == text

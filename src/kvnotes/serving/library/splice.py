@@ -21,7 +21,7 @@ frequencies, done where the keys are written (:mod:`kvnotes.serving.vllm.kv_writ
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -150,12 +150,25 @@ class PieceIndex:
         if n <= 0 or start < 0 or end > len(tokens):
             return None
         want = tuple(tokens[start:end])
-        best: PieceInfo | None = None
-        for piece in self._by_head.get(want[:KEY_TOKENS], ()):
-            if len(piece) == n and piece.token_ids == want and (
-                    best is None or _rank(piece, start) > _rank(best, start)):
-                best = piece
-        return best
+        return preferred((piece for piece in self._by_head.get(want[:KEY_TOKENS], ())
+                          if len(piece) == n and piece.token_ids == want), start)
+
+
+def preferred(pieces: Iterable[PieceInfo], pos: int) -> PieceInfo | None:
+    """Which of ``pieces`` (one skill's tokens, compiled behind different prefixes) is placed at
+    token ``pos``: the one prefilled at ``pos`` itself, then the one prefilled latest (the first
+    of equals in ``pieces``' order); None when there is none.
+
+    Example:
+        >>> a, b = PieceInfo("a", "s", (5,), 0), PieceInfo("b", "s", (5,), 40)
+        >>> preferred([a, b], 0).key, preferred([a, b], 7).key
+        ('a', 'b')
+    """
+    best: PieceInfo | None = None
+    for piece in pieces:
+        if best is None or _rank(piece, pos) > _rank(best, pos):
+            best = piece
+    return best
 
 
 def _rank(piece: PieceInfo, pos: int) -> tuple[bool, int]:

@@ -2,8 +2,9 @@
 
 A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serving.planning.match`)
 and tokenized part by part as ``engine.compose`` lays a prompt out (BOS when the tokenizer adds
-one, then each part alone: the layout of ``compose_client.prompt_ids``); a prompt of token ids
-is split where the pieces' tokens occur. The part layout is planned by
+one, then each part alone: the layout of ``layout.prompt_ids``); a prompt of token ids
+is split where the pieces' tokens occur. Either way the match says which piece each part is,
+and the layout is built from it (matched once). The part layout is planned by
 :func:`kvnotes.serving.planning.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
 salt), and the bodies come from the plan's builders with the client's sampling fields laid
 over them. A prompt with no registered skill, or whose skills are all recomputed, raises
@@ -19,9 +20,9 @@ from typing import Any
 from kvnotes.core.document import added_bos
 from kvnotes.core.repair import Repair
 from kvnotes.serving.library.splice import PieceIndex
-from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.layout import SentPart
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, part_spans, plan_phases
+from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 
 # fields of the plan's bodies the client's own values replace (or remove, when it sent none:
@@ -29,9 +30,10 @@ from kvnotes.serving.planning.request import FrontRequest, Unplannable
 _CLIENT_FIELDS = ("temperature", "max_tokens")
 
 
-def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
-    """Token ids split where registered pieces occur (longest piece first at each token)."""
-    parts: list[list[int]] = []
+def split_pieces(ids: Sequence[int], index: PieceIndex) -> list[SentPart]:
+    """Token ids split where registered pieces occur (longest piece first at each token), each
+    piece part with the piece :meth:`PieceIndex.match_at` found there."""
+    parts: list[SentPart] = []
     text: list[int] = []
     pos = 0
     while pos < len(ids):
@@ -41,13 +43,18 @@ def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
             pos += 1
             continue
         if text:
-            parts.append(text)
+            parts.append(SentPart(tuple(text)))
             text = []
-        parts.append([int(t) for t in piece.token_ids])
+        parts.append(SentPart(tuple(int(t) for t in piece.token_ids), piece))
         pos += len(piece)
     if text:
-        parts.append(text)
+        parts.append(SentPart(tuple(text)))
     return parts
+
+
+def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
+    """Token ids split where registered pieces occur (:func:`split_pieces`'s parts' ids)."""
+    return [list(p.token_ids) for p in split_pieces(ids, index)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +88,8 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
     """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced.
     ``tokenizer``: the catalog's, or a copy of it (one per planning thread)."""
     tokenizer = catalog.tokenizer if tokenizer is None else tokenizer
-    index = catalog.index()
     if req.ids is not None:
-        parts = split_ids(req.ids, index)
+        parts = split_pieces(req.ids, catalog.index())
     else:
         text = req.text or ""
         if req.kind == "chat":
@@ -91,15 +97,15 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
         found = catalog.find(text)
         if not any(p.skill is not None for p in found):
             raise Unplannable("no registered skill in the prompt", "no_skill")
-        parts = part_ids(tokenizer, [p.text for p in found if p.text])
-    spans = part_spans(parts, index)
+        parts = catalog.lay_out(found, tokenizer)
+    spans = sent_spans(parts)
     if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
         raise Unplannable("no registered skill in the prompt", "no_skill")
     plan = plan_phases(spans, repair, block_size, tenant=tenant)
     if not plan.ranges:
         raise Unplannable("nothing left to splice: every skill found is recomputed",
                           "nothing_left")
-    return FrontPlan([t for p in parts for t in p], spans, plan)
+    return FrontPlan([t for p in parts for t in p.token_ids], spans, plan)
 
 
 def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:

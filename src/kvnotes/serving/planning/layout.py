@@ -7,9 +7,20 @@ plan and the engine's composition see the same token ids at the same positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.core.document import added_bos, encode
+from kvnotes.serving.library.splice import PieceInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SentPart:
+    """One part of a prompt as sent: its token ids, and the registered piece they are at their
+    position (None: text the server computes)."""
+
+    token_ids: tuple[int, ...]
+    piece: PieceInfo | None = None
 
 
 def part_ids(tokenizer: Any, parts: Sequence[str]) -> list[list[int]]:

@@ -7,10 +7,11 @@ knows each entry's tokens; a skill's text is its tokens decoded, kept only when 
 text alone gives the same tokens back (otherwise the per-part ids could never match the piece).
 :func:`find_skills` splits a prompt's text into parts at the registered texts it contains,
 leftmost first and, among texts starting at the same character, longest first; each part is
-then tokenized alone (``compose_client.prompt_ids``), so a skill's tokens in the request are
+then tokenized alone (``layout.prompt_ids``), so a skill's tokens in the request are
 exactly its piece's, whatever the text around it (Gemma's tokenizer would merge a ``"\\n"``
 ending the header with one opening a skill into a single token if the whole text were encoded
-at once).
+at once). :func:`lay_out` then gives each found skill the piece it is at its position, so the
+plan is built from this one match (no second lookup by tokens).
 
 Entries are read lightly: the safetensors header, the ``token_ids`` and the first of the
 ``positions``, never the KV tensors (the connector checks every entry fully before it splices;
@@ -30,7 +31,8 @@ from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.serving.library.piece_store import PieceStore, index_entry
-from kvnotes.serving.library.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred
+from kvnotes.serving.planning.layout import SentPart, part_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,31 @@ def find_skills(text: str, skills: Sequence[Skill]) -> list[Part]:
     return parts
 
 
+def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInfo],
+            registered: PieceIndex) -> list[SentPart]:
+    """``found`` (a :func:`find_skills` result) as sent: laid out by
+    :func:`~kvnotes.serving.planning.layout.part_ids` (BOS first when the tokenizer adds one,
+    then each part encoded alone), each skill with the piece it is at its position (the
+    :func:`~kvnotes.serving.library.splice.preferred` one among its pieces), the BOS with one
+    of ``bos_pieces``. Only pieces still in ``registered`` count: a skill removed since the
+    match (or whose tokens differ from its part's) is text, computed, never spliced.
+    """
+    def sent(tokens: Sequence[int], pieces: Sequence[PieceInfo], pos: int) -> SentPart:
+        ids = tuple(tokens)
+        return SentPart(ids, preferred((p for p in pieces if p.token_ids == ids
+                                        and registered.get(p.key) == p), pos))
+
+    parts = [p for p in found if p.text]
+    ids = part_ids(tokenizer, [p.text for p in parts])
+    lead = len(ids) - len(parts)  # the BOS part, when the tokenizer adds one
+    out = [sent(tokens, bos_pieces, 0) for tokens in ids[:lead]]
+    pos = sum(len(tokens) for tokens in ids[:lead])
+    for part, tokens in zip(parts, ids[lead:], strict=True):
+        out.append(sent(tokens, () if part.skill is None else part.skill.pieces, pos))
+        pos += len(tokens)
+    return out
+
+
 class SkillCatalog:
     """The registered skills of one model's serving folder, as texts; follows the folder.
 
@@ -151,6 +178,7 @@ class SkillCatalog:
         self._store = PieceStore(self.folder, rescan_s=rescan_s)
         self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
         self._skills: list[Skill] = []
+        self._bos: tuple[PieceInfo, ...] = ()  # the one-token BOS entries
         self._index = PieceIndex()
         self.left_out: list[str] = []
         self.refresh(force=True)
@@ -165,6 +193,10 @@ class SkillCatalog:
                     index.add(piece)
                 self._pieces, self._index = pieces, index
                 self._skills, self.left_out = skill_texts(self.tokenizer, pieces.values())
+                bos = added_bos(self.tokenizer)
+                self._bos = tuple(sorted((p for p in pieces.values()
+                                          if bos is not None and p.token_ids == (bos,)),
+                                         key=lambda p: (p.origin, p.key)))
 
     def skills(self) -> list[Skill]:
         """The matchable skills now, longest text first."""
@@ -183,3 +215,11 @@ class SkillCatalog:
 
     def find(self, text: str) -> list[Part]:
         return find_skills(text, self.skills())
+
+    def lay_out(self, found: Sequence[Part], tokenizer: Any = None) -> list[SentPart]:
+        """``found`` (a :meth:`find` result) as sent, its pieces checked against the folder as
+        indexed now (:func:`lay_out`). ``tokenizer``: the catalog's, or a copy of it."""
+        self.refresh()
+        with self._lock:
+            bos, index = self._bos, self._index
+        return lay_out(self.tokenizer if tokenizer is None else tokenizer, found, bos, index)

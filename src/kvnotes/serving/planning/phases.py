@@ -33,6 +33,7 @@ from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY, PieceIndex, SpliceRange
+from kvnotes.serving.planning.layout import SentPart
 
 # How many top log-probs the guarded real request asks for (the first token's margin).
 GUARD_LOGPROBS = 2
@@ -68,12 +69,32 @@ def part_spans(part_ids: Sequence[Sequence[int]], index: PieceIndex) -> list[Par
         [(0, 3, 0), (3, 5, None)]
     """
     ids = [int(t) for part in part_ids for t in part]
-    spans: list[PartSpan] = []
+    sent: list[SentPart] = []
     pos = 0
     for part in part_ids:
         end = pos + len(part)
+        sent.append(SentPart(tuple(ids[pos:end]), index.match_exact(ids, pos, end)))
+        pos = end
+    return sent_spans(sent)
+
+
+def sent_spans(parts: Sequence[SentPart]) -> list[PartSpan]:
+    """The layout of a prompt whose parts already say which piece each one is (the front's
+    match carries them; :func:`part_spans` finds them for raw parts). Empty parts take no span.
+
+    Example:
+        >>> from kvnotes.serving.library.splice import PieceInfo
+        >>> p = PieceInfo("k", "refunds", (5, 6, 7), 0)
+        >>> [(s.start, s.end, s.origin) for s in sent_spans([SentPart((5, 6, 7), p),
+        ...                                                  SentPart((9, 9))])]
+        [(0, 3, 0), (3, 5, None)]
+    """
+    spans: list[PartSpan] = []
+    pos = 0
+    for part in parts:
+        end = pos + len(part.token_ids)
         if end > pos:
-            piece = index.match_exact(ids, pos, end)
+            piece = part.piece
             spans.append(PartSpan(pos, end, None if piece is None else piece.origin,
                                   "" if piece is None else piece.name))
         pos = end

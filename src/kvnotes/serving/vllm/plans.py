@@ -112,6 +112,7 @@ class SplicePlanner:
             run = leading_run(tokens, index)
             ext = external_tokens(run, len(tokens), num_computed_tokens)
         else:
+            # the server checks each range itself: no client, the front included, is trusted
             checked = check_ranges(tokens, index, ranges)
             if checked.reason is not None and req_id not in self._warned:
                 self._warned.add(req_id)
