@@ -6,7 +6,9 @@ over the softmax distributions; top-1 agreement of the argmax tokens.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
@@ -29,6 +31,11 @@ class LogitComparison:
 
     def to_dict(self) -> dict[str, float | int | bool]:
         return {**asdict(self), "top1_agree": self.top1_agree}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LogitComparison:
+        """Reads :meth:`to_dict`'s output (``top1_agree`` is derived, so not read)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def logit_cosine(reference: torch.Tensor, method: torch.Tensor) -> float:

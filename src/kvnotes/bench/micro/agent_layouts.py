@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,45 +25,139 @@ from kvnotes.apps.agent import AgentConfig
 from kvnotes.apps.agent.config import ORDERS
 from kvnotes.bench.agent.run import AgentBenchConfig, run_bench, write_outputs
 from kvnotes.bench.agent.summary import BenchSummary, fast_margin_errors
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, set_threads
 from kvnotes.core.models import load
 
 
-def summary(order: str, result: BenchSummary) -> dict[str, Any]:
-    """One layout's row of ``agent-layouts.json``."""
+@dataclass(frozen=True)
+class AgentLayoutsConfig:
+    """One run: agent-bench for each of ``orders`` on ``episodes`` scripted episodes of
+    ``turns`` turns, decision guard ``guard``, on ``threads`` torch threads (None: the
+    machine's physical cores); ``skill_root``: the skill library (None: the kvnotes home's)."""
+
+    model: str = "smollm2-135m"
+    episodes: int = 10
+    guard: float = 1.0
+    orders: tuple[str, ...] = ORDERS
+    turns: int = 5
+    threads: int | None = None
+    skill_root: Path | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.orders if o not in ORDERS]
+        if not self.orders or unknown:
+            raise InvalidArgumentError(f"unknown or no orders {unknown or list(self.orders)}; "
+                                       f"valid orders: {', '.join(ORDERS)}")
+        if self.episodes < 1 or self.turns < 1:
+            raise InvalidArgumentError(f"episodes and turns must be at least 1, got "
+                                       f"{self.episodes} and {self.turns}")
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """One layout's row of ``agent-layouts.json``: its identity and flips, what the guard did,
+    the arithmetic and latency ratios (recompute / kvnotes), the fast decision's margin errors."""
+
+    order: str
+    decisions: int
+    identity: float
+    fast_flips: int
+    guard_fired: int
+    guard_tokens: int
+    latency_ratio: float
+    fast_latency_ratio: float
+    flop_ratio: float
+    fast_flop_ratio: float
+    margin_error: dict[str, float]  # median, p90, max, under_0.001
+    margin_errors: list[float]  # sorted
+    machine: dict[str, Any] | None  # agent-bench's machine record, before and after
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayoutRow:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class AgentLayoutsResult:
+    """What one run measured; :meth:`to_dict` is ``agent-layouts.json``'s schema."""
+
+    model: str
+    episodes: int
+    guard: float
+    rows: tuple[LayoutRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AgentLayoutsResult:
+        return cls(model=d["model"], episodes=d["episodes"], guard=d["guard"],
+                   rows=tuple(LayoutRow.from_dict(r) for r in d["rows"]))
+
+
+def summary(order: str, result: BenchSummary) -> LayoutRow:
+    """One layout's row from its agent-bench summary."""
     comp, guard = result.compute, result.guard
-    assert comp is not None and result.fast_margin_error is not None  # run_bench fills them in
-    return {
-        "order": order, "decisions": result.decisions, "identity": result.identity,
-        "fast_flips": guard.would_flip_without if guard else result.flip_count,
-        "guard_fired": guard.fired if guard else 0,
-        "guard_tokens": guard.tokens if guard else 0,
-        "latency_ratio": result.latency.ratio, "fast_latency_ratio": comp.fast_latency_ratio,
-        "flop_ratio": comp.flop_ratio, "fast_flop_ratio": comp.fast_flop_ratio,
-        "margin_error": result.fast_margin_error.to_dict(),
-        "margin_errors": sorted(fast_margin_errors(result.records)),
-        "machine": result.machine,
-    }
+    if comp is None or result.fast_margin_error is None:
+        raise InvalidArgumentError(f"the {order} summary has no arithmetic or margin error: "
+                                   "pass run_bench's own summary, not one read back without them")
+    return LayoutRow(
+        order=order, decisions=result.decisions, identity=result.identity,
+        fast_flips=guard.would_flip_without if guard else result.flip_count,
+        guard_fired=guard.fired if guard else 0, guard_tokens=guard.tokens if guard else 0,
+        latency_ratio=result.latency.ratio, fast_latency_ratio=comp.fast_latency_ratio,
+        flop_ratio=comp.flop_ratio, fast_flop_ratio=comp.fast_flop_ratio,
+        margin_error=result.fast_margin_error.to_dict(),
+        margin_errors=sorted(fast_margin_errors(result.records)), machine=result.machine)
 
 
-def _prefixed(order: str) -> Callable[[str], None]:
-    def say(line: str) -> None:
-        print(f"[{order}] {line}")
+def prefixed(order: str, say: Callable[[str], None]) -> Callable[[str], None]:
+    def said(line: str) -> None:
+        say(f"[{order}] {line}")
 
-    return say
+    return said
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def run(config: AgentLayoutsConfig, engine: Engine | None = None,
+        say: Callable[[str], None] = print,
+        saved: Callable[[str, BenchSummary], None] | None = None) -> AgentLayoutsResult:
+    """agent-bench for every order of ``config`` (``engine``: default ``config.model``
+    loaded); ``saved`` gets each layout's full agent-bench summary as it is done."""
+    set_threads(config.threads)
+    engine = load(config.model) if engine is None else engine
+    rows: list[LayoutRow] = []
+    for order in config.orders:
+        bench = AgentBenchConfig(agent=AgentConfig(order=order, guard=config.guard),
+                                 n_episodes=config.episodes, turns=config.turns, stale=False,
+                                 skill_root=config.skill_root)
+        result = run_bench(engine, bench, progress=prefixed(order, say))
+        if saved is not None:
+            saved(order, result)
+        row = summary(order, result)
+        rows.append(row)
+        machine = result.machine or {}  # run_bench records it
+        load_line = load_note(machine["after"]) if "after" in machine else "load not recorded"
+        say(f"{order}: identity {result.identity:.1%}, fast flips {row.fast_flips}, FLOPs "
+            f"{row.fast_flop_ratio:.1f}x fast / {row.flop_ratio:.1f}x guarded, latency "
+            f"{row.fast_latency_ratio:.1f}x / {row.latency_ratio:.1f}x; {load_line}")
+    return AgentLayoutsResult(model=engine.name, episodes=config.episodes, guard=config.guard,
+                              rows=tuple(rows))
+
+
+def plot(result: AgentLayoutsResult, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = result.rows
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for row in rows:
-        errors = row["margin_errors"]
+        errors = row.margin_errors
         left.step(errors, [(i + 1) / len(errors) for i in range(len(errors))], where="post",
-                  label=f"{row['order']} (max {errors[-1]:.2f})")
+                  label=f"{row.order} (max {errors[-1]:.2f})")
     left.set_xlabel("fast decision's margin error vs recompute (log-prob)")
     left.set_ylabel("share of decisions")
     left.grid(True, alpha=0.3)
@@ -72,8 +167,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     bars = (("fast_flop_ratio", "fast path, FLOPs"), ("fast_latency_ratio", "fast path, latency"),
             ("flop_ratio", "with the guard, FLOPs"), ("latency_ratio", "with the guard, latency"))
     for k, (key, label) in enumerate(bars):
-        right.bar([i + (k - 1.5) * width for i in x], [r[key] for r in rows], width, label=label)
-    right.set_xticks(list(x), [r["order"] for r in rows])
+        right.bar([i + (k - 1.5) * width for i in x], [getattr(r, key) for r in rows], width,
+                  label=label)
+    right.set_xticks(list(x), [r.order for r in rows])
     right.set_ylabel("recompute / kvnotes")
     right.grid(True, axis="y", alpha=0.3)
     right.legend(fontsize=8)
@@ -92,30 +188,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="out/agent-layouts")
     args = parser.parse_args()
-    orders = args.orders.split(",")
+    orders = tuple(args.orders.split(","))
     for order in orders:
         if order not in ORDERS:
             parser.error(f"unknown order {order!r}; valid orders: {', '.join(ORDERS)}")
-    set_threads(args.threads)
-    engine = load(args.model)
+    config = AgentLayoutsConfig(model=args.model, episodes=args.episodes, guard=args.guard,
+                                orders=orders, threads=args.threads)
     out = Path(args.out)
-    rows = []
-    for order in orders:
-        config = AgentBenchConfig(agent=AgentConfig(order=order, guard=args.guard),
-                             n_episodes=args.episodes, stale=False)
-        result = run_bench(engine, config, progress=_prefixed(order))
-        write_outputs(result, out / order)
-        rows.append(summary(order, result))
-        machine = result.machine or {}  # run_bench records it
-        print(f"{order}: identity {result.identity:.1%}, fast flips {rows[-1]['fast_flips']}, "
-              f"FLOPs {rows[-1]['fast_flop_ratio']:.1f}x fast / {rows[-1]['flop_ratio']:.1f}x "
-              f"guarded, latency {rows[-1]['fast_latency_ratio']:.1f}x / "
-              f"{rows[-1]['latency_ratio']:.1f}x; {load_note(machine['after'])}")
-    data = {"model": engine.name, "episodes": args.episodes, "guard": args.guard, "rows": rows}
+
+    def save(order: str, bench: BenchSummary) -> None:  # each layout's full bundle
+        write_outputs(bench, out / order)
+
+    result = run(config, saved=save)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "agent-layouts.json").write_text(json.dumps(data, indent=1))
-    plot(rows, out / "agent-layouts.png",
-         f"{engine.name}: {args.episodes} episodes x 5 turns, guard tau {args.guard}")
+    (out / "agent-layouts.json").write_text(json.dumps(result.to_dict(), indent=1))
+    plot(result, out / "agent-layouts.png",
+         f"{result.model}: {result.episodes} episodes x {config.turns} turns, guard tau "
+         f"{result.guard}")
     print(f"wrote {out / 'agent-layouts.json'} and {out / 'agent-layouts.png'}")
 
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from kvnotes.apps.demo import SYSTEM_INTRO, DemoCase, demo_data
 from kvnotes.core.chat import chat_frame
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import machine_info, set_threads
 from kvnotes.core.metrics import LogitComparison, compare_logits
 from kvnotes.core.models import load
@@ -88,6 +90,13 @@ class RepairRow:
                 "spliced": self.spliced, "compute_fraction": self.compute_fraction,
                 **self.logits.to_dict()}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RepairRow:
+        logits = LogitComparison.from_dict(d)
+        return cls(case=d["case"], fresh=d["fresh"], anchor=d["anchor"], select=d["select"],
+                   budget=d["budget"], repaired=d["repaired"], spliced=d["spliced"],
+                   compute_fraction=d["compute_fraction"], logits=logits)
+
 
 @dataclass(frozen=True, slots=True)
 class BudgetSummary:
@@ -106,9 +115,15 @@ class BudgetSummary:
     compute_fraction_median: float
     repaired_fraction: float
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BudgetSummary:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
 
 @dataclass(frozen=True, slots=True)
 class ModelRun:
+    """One model's rows (every case under every condition) and their summary per condition."""
+
     model: str
     cases: tuple[str, ...]
     rows: tuple[RepairRow, ...]
@@ -120,8 +135,53 @@ class ModelRun:
                 "summary": [asdict(s) for s in self.summary]}
 
 
-def run_model(name: str, progress: bool = True, fresh: int = len(FRESH)) -> ModelRun:
-    engine = load(name)
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelRun:
+        return cls(model=d["model"], cases=tuple(d["cases"]),
+                   rows=tuple(RepairRow.from_dict(r) for r in d["rows"]),
+                   summary=tuple(BudgetSummary.from_dict(s) for s in d["summary"]))
+
+
+@dataclass(frozen=True)
+class ComposeRepairConfig:
+    """One run: every model of ``models``, on the demo's cases and the first ``fresh`` of
+    ``FRESH``, on ``threads`` torch threads (None: the machine's physical cores)."""
+
+    models: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
+    threads: int | None = 2
+    fresh: int = len(FRESH)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise InvalidArgumentError("models is empty: name at least one (e.g. smollm2-135m)")
+        if not 0 <= self.fresh <= len(FRESH):
+            raise InvalidArgumentError(f"fresh must be between 0 and {len(FRESH)} (the fresh "
+                                       f"cases there are), got {self.fresh}")
+
+
+@dataclass(frozen=True)
+class ComposeRepairResult:
+    """What one run measured; :meth:`to_dict` is ``compose-repair.json``'s schema."""
+
+    machine: dict[str, Any]  # a kvnotes.core.machine.machine_info record, before the run
+    budgets: tuple[float, ...]
+    near_tie: float
+    models: tuple[ModelRun, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine, "budgets": list(self.budgets), "near_tie": self.near_tie,
+                "models": [m.to_dict() for m in self.models]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ComposeRepairResult:
+        return cls(machine=d["machine"], budgets=tuple(d["budgets"]), near_tie=d["near_tie"],
+                   models=tuple(ModelRun.from_dict(m) for m in d["models"]))
+
+
+def run_model(engine: Engine, name: str, fresh: int = len(FRESH),
+              say: Callable[[str], None] | None = print) -> ModelRun:
+    """Every case under every condition on ``engine`` (``name`` labels it); ``say`` gets the
+    rows so far, one JSON line per case (a killed run keeps them)."""
     skills, cases = demo_data()
     cases = [*cases, *FRESH[:fresh]]
     head, middle, tail = chat_frame(engine.tokenizer)
@@ -157,10 +217,9 @@ def run_model(name: str, progress: bool = True, fresh: int = len(FRESH)) -> Mode
                         repaired=stats["repaired"], spliced=stats["reused"] + stats["repaired"],
                         compute_fraction=stats["compute_fraction"],
                         logits=compare_logits(reference, engine.next_logits(nb, query))))
-        if progress:  # the rows so far, one JSON line per case (a killed run keeps them)
-            print(json.dumps({"model": name, "case": case.name,
-                              "rows": [r.to_dict() for r in rows if r.case == case.name]}),
-                  flush=True)
+        if say is not None:
+            say(json.dumps({"model": name, "case": case.name,
+                            "rows": [r.to_dict() for r in rows if r.case == case.name]}))
     return ModelRun(name, tuple(c.name for c in cases), tuple(rows), summarize(rows))
 
 
@@ -224,6 +283,26 @@ def plot(models: Sequence[ModelRun], path: Path) -> None:
     plt.close(fig)
 
 
+def run(config: ComposeRepairConfig, engine: Engine | None = None,
+        say: Callable[[str], None] | None = print,
+        saved: Callable[[ComposeRepairResult], None] | None = None) -> ComposeRepairResult:
+    """Every model of ``config`` (``engine``: the one model's, instead of loading it; only when
+    ``config`` names one); ``saved`` gets the result so far after each model."""
+    if engine is not None and len(config.models) != 1:
+        raise InvalidArgumentError(f"an engine stands for one model, but the config names "
+                                   f"{len(config.models)}: pass one model, or no engine")
+    set_threads(config.threads)
+    machine = machine_info()
+    runs: list[ModelRun] = []
+    result = ComposeRepairResult(machine, BUDGETS, NEAR_TIE, ())
+    for name in config.models:
+        runs.append(run_model(load(name) if engine is None else engine, name, config.fresh, say))
+        result = ComposeRepairResult(machine, BUDGETS, NEAR_TIE, tuple(runs))
+        if saved is not None:
+            saved(result)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
@@ -231,18 +310,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fresh", type=int, default=len(FRESH), help="fresh cases to add")
     args = ap.parse_args()
-    set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = machine_info()
-    runs: list[ModelRun] = []
-    for name in args.models:
-        runs.append(run_model(name, fresh=args.fresh))
-        result = {"machine": machine, "budgets": BUDGETS, "near_tie": NEAR_TIE,
-                  "models": [r.to_dict() for r in runs]}
-        (args.out / "compose-repair.json").write_text(json.dumps(result, indent=1))
-    plot(runs, args.out / "compose-repair.png")
-    (args.out / "compose-repair.md").write_text(table(runs) + "\n")
-    print(table(runs))
+
+    def save(result: ComposeRepairResult) -> None:
+        (args.out / "compose-repair.json").write_text(json.dumps(result.to_dict(), indent=1))
+
+    config = ComposeRepairConfig(models=tuple(args.models), threads=args.threads,
+                                 fresh=args.fresh)
+    result = run(config, say=lambda line: print(line, flush=True), saved=save)
+    plot(result.models, args.out / "compose-repair.png")
+    (args.out / "compose-repair.md").write_text(table(result.models) + "\n")
+    print(table(result.models))
 
 
 if __name__ == "__main__":

@@ -22,13 +22,16 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.machine import set_threads
 from kvnotes.core.metrics import LogitComparison, compare_logits
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
@@ -72,9 +75,18 @@ class Variant:
                 "continuation_identical_to_recompute": self.continuation_identical_to_recompute,
                 "continuation": self.continuation, "ttft_compose_s": self.ttft_compose_s}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Variant:
+        return cls(vs_recompute=LogitComparison.from_dict(d["vs_recompute"]),
+                   vs_fp32_compose=LogitComparison.from_dict(d["vs_fp32_compose"]),
+                   continuation_identical_to_recompute=d["continuation_identical_to_recompute"],
+                   continuation=d["continuation"], ttft_compose_s=d["ttft_compose_s"])
+
 
 @dataclass(frozen=True, slots=True)
 class QuantCase:
+    """One skill composed into one context: every variant against recompute."""
+
     case: str
     tokens: int
     skill_tokens: int
@@ -85,6 +97,12 @@ class QuantCase:
         return {"case": self.case, "tokens": self.tokens, "skill_tokens": self.skill_tokens,
                 "recompute_continuation": self.recompute_continuation,
                 "variants": {k: v.to_dict() for k, v in self.variants.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantCase:
+        return cls(case=d["case"], tokens=d["tokens"], skill_tokens=d["skill_tokens"],
+                   recompute_continuation=d["recompute_continuation"],
+                   variants={k: Variant.from_dict(v) for k, v in d["variants"].items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,26 +118,58 @@ class VariantSummary:
     top1_vs_fp32_compose: float
     continuation_identical: float
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VariantSummary:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class QuantFidelityConfig:
+    """One run: every skill of ``SKILLS`` in every context of ``CONTEXTS`` on ``model``, greedy
+    continuations of ``max_new_tokens``, on ``threads`` torch threads (None: the machine's
+    physical cores)."""
+
+    model: str = "smollm2-135m"
+    max_new_tokens: int = 12
+    threads: int | None = 2
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be at least 1, got "
+                                       f"{self.max_new_tokens}")
+
 
 @dataclass(frozen=True, slots=True)
 class QuantRun:
+    """What one run measured; :meth:`to_dict` is ``quant_fidelity_MODEL.json``'s schema."""
+
     model: str
     scheme: str
+    query: str
     max_new_tokens: int
     sizes_bytes: dict[str, dict[str, int]]  # skill -> {"tokens", "fp32", "int8-token", ...}
     cases: tuple[QuantCase, ...]
     summary: dict[str, VariantSummary]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "scheme": self.scheme, "query": QUERY,
+        return {"model": self.model, "scheme": self.scheme, "query": self.query,
                 "max_new_tokens": self.max_new_tokens, "sizes_bytes": self.sizes_bytes,
                 "cases": [c.to_dict() for c in self.cases],
                 "summary": {k: asdict(v) for k, v in self.summary.items()}}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantRun:
+        return cls(model=d["model"], scheme=d["scheme"], query=d["query"],
+                   max_new_tokens=d["max_new_tokens"], sizes_bytes=d["sizes_bytes"],
+                   cases=tuple(QuantCase.from_dict(c) for c in d["cases"]),
+                   summary={k: VariantSummary.from_dict(v) for k, v in d["summary"].items()})
 
-def run(model: str, max_new_tokens: int) -> QuantRun:
-    torch.set_num_threads(2)
-    engine = load(model)
+
+def run(config: QuantFidelityConfig, engine: Engine | None = None,
+        say: Callable[[str], None] = print) -> QuantRun:
+    """Every case of ``config`` (``engine``: default ``config.model`` loaded)."""
+    set_threads(config.threads)
+    engine = load(config.model) if engine is None else engine
     cases: list[QuantCase] = []
     sizes: dict[str, dict[str, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,13 +184,12 @@ def run(model: str, max_new_tokens: int) -> QuantRun:
             }
             for ctx_name, ctx in CONTEXTS.items():
                 case = _case(engine, skill, q_tok, q_ch, ctx, f"{skill_name}+{ctx_name}",
-                             max_new_tokens)
+                             config.max_new_tokens)
                 cases.append(case)
-                print(json.dumps({"case": case.case, "tokens": case.tokens}),
-                      {v: round(r.vs_recompute.cosine, 5) for v, r in case.variants.items()},
-                      flush=True)
-    return QuantRun(engine.name, engine.adapter.name, max_new_tokens, sizes, tuple(cases),
-                    _summary(cases))
+                cosines = {v: round(r.vs_recompute.cosine, 5) for v, r in case.variants.items()}
+                say(f"{json.dumps({'case': case.case, 'tokens': case.tokens})} {cosines}")
+    return QuantRun(engine.name, engine.adapter.name, QUERY, config.max_new_tokens, sizes,
+                    tuple(cases), _summary(cases))
 
 
 def _case(engine: Engine, skill: Notebook, q_tok: QuantizedNotebook, q_ch: QuantizedNotebook,
@@ -196,8 +245,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", type=Path, default=Path("out/quant"))
     parser.add_argument("--max-new-tokens", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (0: the machine's physical cores)")
     args = parser.parse_args()
-    result = run(args.model, args.max_new_tokens).to_dict()
+    config = QuantFidelityConfig(model=args.model, max_new_tokens=args.max_new_tokens,
+                                 threads=args.threads or None)
+    result = run(config, say=lambda line: print(line, flush=True)).to_dict()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant_fidelity_{args.model.replace('/', '_')}.json"
     path.write_text(json.dumps(result, indent=2))

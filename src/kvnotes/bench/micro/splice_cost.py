@@ -34,7 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import kvnotes_home, load
 from kvnotes.core.notebook import Notebook
@@ -52,6 +54,78 @@ from kvnotes.serving.vllm.kv_writer import KvWriter, PieceCache, WorkerShare
 from kvnotes.serving.vllm.plans import LoadSpec
 
 OFFSET = 37  # where the load is placed: not where it was compiled, so keys are re-rotated
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SpliceCostConfig:
+    """One run: loads of each of ``lengths`` tokens into a ``dtype`` cache of ``block_size``
+    blocks, the medians of ``reps`` timed runs after one warm-up, on ``threads`` torch threads
+    (None: the machine's physical cores); the long skill is kept in the serving library under
+    ``library`` (None: ``$KVNOTES_HOME/bench/splice-cost``)."""
+
+    model: str = "smollm2-135m"
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    reps: int = 7
+    dtype: str = "float32"
+    block_size: int = 128
+    threads: int | None = None
+    library: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 1 or self.reps < 1 or self.block_size < 1:
+            raise InvalidArgumentError("lengths (tokens), reps and block_size must be at least 1, "
+                                       f"got {self.lengths}, {self.reps} and {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgumentError(f"dtype must be one of {', '.join(DTYPES)}, got "
+                                       f"{self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class SpliceCostRow:
+    """One load length: seconds per token of the plain copy and of each worker state
+    (``copy``, ``warm``, ``turn``, ``cold``), and each state against the copy."""
+
+    tokens: int
+    bytes_written: int
+    per_token_s: dict[str, float]
+    vs_copy: dict[str, float]
+    raw_s: dict[str, list[float]]  # every timed run, per state
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SpliceCostRow:
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class SpliceCostResult:
+    """What one run measured; :meth:`to_dict` is ``splice_cost.json``'s schema."""
+
+    benchmark: str
+    date: str
+    command: str
+    model: str
+    dtype: str
+    block_size: int
+    offset: int
+    reps: int
+    warmup: int
+    compile_or_reuse_s: float
+    torch_threads: int
+    load_average_before: list[float]
+    load_average_after: list[float]
+    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records
+    machine_after: dict[str, Any]
+    busy: bool
+    rows: tuple[SpliceCostRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SpliceCostResult:
+        return cls(**{**{f.name: d[f.name] for f in fields(cls)},
+                      "rows": tuple(SpliceCostRow.from_dict(r) for r in d["rows"])})
 
 
 class CpuCacheWrite:
@@ -84,9 +158,10 @@ def skill_text(tokens: int, engine: Engine) -> str:
     return "".join(lines)
 
 
-def long_skill(engine: Engine, tokens: int) -> Path:
-    """The library entry of one compiled skill of at least ``tokens`` tokens (compiled once)."""
-    skills = ServingSkills(kvnotes_home() / "bench" / "splice-cost", engine)
+def long_skill(engine: Engine, tokens: int, library: Path) -> Path:
+    """The library entry of one compiled skill of at least ``tokens`` tokens (compiled once,
+    kept in the serving library at ``library``)."""
+    skills = ServingSkills(library, engine)
     info = skills.add(skill_text(tokens, engine), name="rules")
     return skills.folder / f"{info.key}.safetensors"
 
@@ -102,7 +177,7 @@ def median_per_token(fn: Callable[[], None], reps: int, n: int) -> tuple[float, 
 
 
 def measure(engine: Engine, entry: Path, n: int, skills: ServingSkills, reps: int,
-            dtype: torch.dtype, block_size: int) -> dict[str, Any]:
+            dtype: torch.dtype, block_size: int) -> SpliceCostRow:
     folder, manifest = skills.folder, skills.manifest
     path = Notebook.load(entry, engine).slice(0, n).save(folder / f"first-{n}.safetensors")
     info, _, _ = read_entry(path, engine.fingerprint)
@@ -149,30 +224,64 @@ def measure(engine: Engine, entry: Path, n: int, skills: ServingSkills, reps: in
 
     copy_s, copy_raw = median_per_token(copy, reps, n)
     path.unlink()
-    return {"tokens": n, "bytes_written": nbytes,
-            "per_token_s": {"copy": copy_s, "warm": warm_s, "turn": turn_s, "cold": cold_s},
-            "vs_copy": {"warm": warm_s / copy_s, "turn": turn_s / copy_s, "cold": cold_s / copy_s},
-            "raw_s": {"copy": copy_raw, "warm": warm_raw, "turn": turn_raw, "cold": cold_raw}}
+    return SpliceCostRow(
+        tokens=n, bytes_written=nbytes,
+        per_token_s={"copy": copy_s, "warm": warm_s, "turn": turn_s, "cold": cold_s},
+        vs_copy={"warm": warm_s / copy_s, "turn": turn_s / copy_s, "cold": cold_s / copy_s},
+        raw_s={"copy": copy_raw, "warm": warm_raw, "turn": turn_raw, "cold": cold_raw})
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def run(config: SpliceCostConfig, engine: Engine | None = None, command: str = "",
+        say: Callable[[str], None] = print) -> SpliceCostResult:
+    """Every length of ``config`` (``engine``: default ``config.model`` loaded); ``command`` is
+    recorded as the run's command line."""
+    set_threads(config.threads)
+    before = machine_info()
+    started = datetime.datetime.now(datetime.UTC)
+    engine = load(config.model) if engine is None else engine
+    library = kvnotes_home() / "bench" / "splice-cost" if config.library is None else config.library
+    t0 = time.perf_counter()
+    entry = long_skill(engine, max(config.lengths), library)
+    compile_s = time.perf_counter() - t0
+    dtype = getattr(torch, config.dtype)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        skills = ServingSkills(tmp, engine)  # a manifest; the loads' entries are written beside it
+        for n in config.lengths:
+            row = measure(engine, entry, n, skills, config.reps, dtype, config.block_size)
+            rows.append(row)
+            r = row.per_token_s
+            say(f"n={n}: copy {1e6 * r['copy']:.2f} us/token, splice warm "
+                f"{1e6 * r['warm']:.2f}, turn {1e6 * r['turn']:.2f}, cold {1e6 * r['cold']:.2f}")
+    after = machine_info(since=before)
+    return SpliceCostResult(
+        benchmark="splice_cost", date=started.isoformat(timespec="seconds"), command=command,
+        model=config.model, dtype=config.dtype, block_size=config.block_size, offset=OFFSET,
+        reps=config.reps, warmup=1, compile_or_reuse_s=compile_s,
+        torch_threads=after["torch_threads"],
+        load_average_before=list(before["load_average"]),
+        load_average_after=list(after["load_average"]), machine_before=before,
+        machine_after=after, busy=before["busy"] or after["busy"], rows=tuple(rows))
+
+
+def plot(result: SpliceCostResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    x = [r["tokens"] for r in rows]
+    rows = result.rows
+    x = [r.tokens for r in rows]
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     labels = {"copy": "plain copy of the same bytes", "warm": "splice, warm (rotation cached)",
               "turn": "splice, piece cached, rotation not", "cold": "splice, cold (read entry)"}
     for key, label in labels.items():
-        ax.loglog(x, [1e6 * r["per_token_s"][key] for r in rows], "o-", label=label)
+        ax.loglog(x, [1e6 * r.per_token_s[key] for r in rows], "o-", label=label)
     ax.set_xlabel("tokens loaded")
     ax.set_ylabel("microseconds per token (median)")
-    busy = ", machine shared" if result["busy"] else ""
-    ax.set_title(f"Worker splice cost ({result['model']}, {result['dtype']} cache, block "
-                 f"{result['block_size']}, {result['torch_threads']} threads{busy})", fontsize=9)
+    busy = ", machine shared" if result.busy else ""
+    ax.set_title(f"Worker splice cost ({result.model}, {result.dtype} cache, block "
+                 f"{result.block_size}, {result.torch_threads} threads{busy})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -185,44 +294,23 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", default="256,512,1024,2048,4096")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="the served (cache) dtype")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="the served (cache) dtype")
     ap.add_argument("--block-size", type=int, default=128, help="vLLM-CPU's default")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: the machine's physical cores)")
     ap.add_argument("--out", type=Path, default=Path("out/bench/splice-cost"))
     args = ap.parse_args()
-    set_threads(args.threads)
-    before = machine_info()
-    started = datetime.datetime.now(datetime.UTC)
-    engine = load(args.model)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    t0 = time.perf_counter()
-    entry = long_skill(engine, max(lengths))
-    compile_s = time.perf_counter() - t0
-    dtype = getattr(torch, args.dtype)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        skills = ServingSkills(tmp, engine)  # a manifest; the loads' entries are written beside it
-        for n in lengths:
-            rows.append(measure(engine, entry, n, skills, args.reps, dtype, args.block_size))
-            r = rows[-1]["per_token_s"]
-            print(f"n={n}: copy {1e6 * r['copy']:.2f} us/token, splice warm "
-                  f"{1e6 * r['warm']:.2f}, turn {1e6 * r['turn']:.2f}, cold {1e6 * r['cold']:.2f}")
-    after = machine_info(since=before)
-    result = {"benchmark": "splice_cost", "date": started.isoformat(timespec="seconds"),
-              "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-              "model": args.model, "dtype": args.dtype, "block_size": args.block_size,
-              "offset": OFFSET, "reps": args.reps, "warmup": 1,
-              "compile_or_reuse_s": compile_s,
-              "torch_threads": after["torch_threads"], "load_average_before":
-              before["load_average"], "load_average_after": after["load_average"],
-              "machine_before": before, "machine_after": after,
-              "busy": before["busy"] or after["busy"], "rows": rows}
+    config = SpliceCostConfig(model=args.model,
+                              lengths=tuple(int(x) for x in args.lengths.split(",")),
+                              reps=args.reps, dtype=args.dtype, block_size=args.block_size,
+                              threads=args.threads)
+    command = shlex.join([sys.executable, "-m", __spec__.name if __spec__ else __name__,
+                          *sys.argv[1:]])
+    result = run(config, command=command)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "splice_cost.json").write_text(json.dumps(result, indent=2))
+    (args.out / "splice_cost.json").write_text(json.dumps(result.to_dict(), indent=2))
     plot(result, args.out / "splice_cost.png")
-    print(load_note(after))
+    print(load_note(result.machine_after))
 
 
 if __name__ == "__main__":
