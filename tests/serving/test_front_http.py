@@ -485,3 +485,41 @@ def _planner_tokenizers(front: Front) -> list[Any]:
     for f in futures:
         f.result(timeout=10)
     return held
+
+
+def test_a_planning_failure_is_answered_exactly(make_front, fake, monkeypatch):
+    front = make_front()
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("Already borrowed")
+
+    monkeypatch.setattr(front, "_plan", broken)
+    resp = completion(front)
+    assert resp.status_code == 200
+    assert resp.headers[REASON_HEADER].startswith("forwarded: plan_error")
+    (sent,) = fake.posted()
+    assert sent["prompt"] == PROMPT and "kvnotes" not in sent  # the client's request, exactly
+    monkeypatch.undo()
+    still_serving(front)  # and plans again once planning works
+
+
+def test_an_answer_closes_its_upstream_response_even_before_its_stream_starts():
+    import asyncio
+
+    from kvnotes.serving.front.call import Reply
+
+    class Upstream:
+        closed = 0
+
+        async def aclose(self) -> None:
+            Upstream.closed += 1
+
+    async def chunks() -> Any:
+        try:
+            yield b"data: {}\n\n"
+        finally:  # never reached: the generator is closed before its first step
+            Upstream.closed += 100
+
+    reply = Reply(200, stream=chunks(), upstream=Upstream())
+    asyncio.run(reply.close())
+    assert Upstream.closed == 1

@@ -202,14 +202,14 @@ class _Answer(StarletteResponse):
         headers.append((REQUEST_ID_HEADER.encode(), self.call.id.encode("latin-1")))
         if reply.stream is None:
             headers.append((b"content-length", str(len(reply.body)).encode()))
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-        if reply.stream is None:
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             self.front.metrics.ttft.labels(self.call.route).observe(time.perf_counter() - self.call.t0)
             self.front.finish(self.call)
             await send({"type": "http.response.body", "body": reply.body})
             return
         first = True
-        try:
+        try:  # from the start of the answer on: a client leaving at any await closes upstream
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             async for chunk in reply.stream:
                 if chunk:
                     if first:
@@ -218,7 +218,7 @@ class _Answer(StarletteResponse):
                             time.perf_counter() - self.call.t0)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         finally:
-            await reply.stream.aclose()
+            await reply.close()
         self.front.finish(self.call)
         await send({"type": "http.response.body", "body": b""})
 

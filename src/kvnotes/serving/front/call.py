@@ -22,6 +22,18 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
     stream: AsyncGenerator[bytes, None] | None = None
+    # the upstream response a stream reads: closed when the answer ends, however it ends (a
+    # generator closed before its first step never runs its own ``finally``)
+    upstream: Any = None
+
+    async def close(self) -> None:
+        """Close the stream and the upstream response (both idempotent)."""
+        try:
+            if self.stream is not None:
+                await self.stream.aclose()
+        finally:
+            if self.upstream is not None:
+                await self.upstream.aclose()
 
 
 def json_reply(status: int, obj: Any, **headers: str) -> Reply:

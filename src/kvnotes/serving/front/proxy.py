@@ -49,7 +49,8 @@ class Proxy:
         if resp.status_code >= 500:
             call.outcome = "upstream_error"
         sse_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return Reply(resp.status_code, headers, stream=self._relay(resp, sse_stream, call))
+        return Reply(resp.status_code, headers, stream=self._relay(resp, sse_stream, call),
+                     upstream=resp)
 
     async def _relay(self, resp: Any, sse_stream: bool, call: Call) -> AsyncGenerator[bytes, None]:
         import httpx2
@@ -149,9 +150,11 @@ class Proxy:
                     events, held = _events(resp), []
         except BaseException:
             await events.aclose()
+            await resp.aclose()  # events may never have started: its own finally has not run
             raise
         return Reply(200, {"content-type": "text/event-stream", "cache-control": "no-cache",
-                           **headers}, stream=self._shaped(held, events, shaper, info, fp, call))
+                           **headers}, stream=self._shaped(held, events, shaper, info, fp, call),
+                     upstream=resp)
 
     async def _shaped(self, held: list[Any], events: AsyncGenerator[Any, None], shaper: Shaper,
                       info: dict[str, Any], fp: FrontPlan, call: Call

@@ -185,6 +185,11 @@ class FrontService:
         except (KvnotesError, ValueError) as err:
             return await self.proxy.forward(kind, exact, call, Unplannable(f"not planned: {err}"),
                                             self._passed_auth(client_auth))
+        except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
+            log.exception("request %s: planning failed; forwarded exactly", call.id)
+            return await self.proxy.forward(
+                kind, exact, call, Unplannable(f"planning failed: {type(err).__name__}",
+                                               "plan_error"), self._passed_auth(client_auth))
         tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}

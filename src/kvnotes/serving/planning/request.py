@@ -51,7 +51,8 @@ OPTION_NAMES = ("splice", "tenant", "repair", "guard")
 # why a valid request is forwarded exactly: a fixed vocabulary (metric labels stay bounded)
 REASONS = ("opted_out", "unmodelled_field", "choices", "stream_options", "echo",
            "special_tokens", "prompt_shape", "chat_shape", "chat_template", "no_skill",
-           "nothing_left", "block_size_unknown", "model_unknown", "phase_failed", "not_planned")
+           "nothing_left", "block_size_unknown", "model_unknown", "phase_failed", "not_planned",
+           "plan_error")
 
 
 class Unplannable(Exception):
