@@ -20,7 +20,7 @@ from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, InvalidEvent, Shaper, first_top_logprobs, parse_sse_line, sse
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.upstream import COMPLETIONS, ROUTES, Upstream
-from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, phase_bodies, real_body
+from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, real_body
 from kvnotes.serving.planning.phases import guard_fires
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 
@@ -73,7 +73,7 @@ class Proxy:
         info: dict[str, Any] = {"spliced_tokens": fp.plan.spliced_tokens, "phases": 0,
                                 "guard_fired": False, "plan": fp.to_dict()}
         call.upstream_started()
-        for body in phase_bodies(fp, model):
+        for body in fp.plan.phase_bodies(fp.ids, model):
             status, data = await self.up.post_json(COMPLETIONS, body)
             if status != 200:
                 reply = await self.forward(req.kind, exact, call, Unplannable(

@@ -63,6 +63,7 @@ class PieceStore:
         self._mtime: int | None = None
         self._listed_ns = 0  # wall clock when the folder was last listed
         self._checked = 0.0
+        self.generation = 0  # counts the changes to the index: a reader rebuilds only on a new one
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False) -> int:
@@ -82,6 +83,7 @@ class PieceStore:
         for key in [k for k in self._paths if k not in present]:
             self.index.remove(key)
             self._paths.pop(key)
+            self.generation += 1
             log.info("kvnotes: skill file %s removed; no longer spliced", key)
         for key, path in present.items():
             if key not in self._paths:
@@ -114,6 +116,7 @@ class PieceStore:
             return
         self.index.add(piece)
         self._paths[key] = path
+        self.generation += 1
         log.info("kvnotes: skill %r (%d tokens, origin %d) registered", piece.name, len(piece),
                  piece.origin)
 

@@ -115,9 +115,6 @@ def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:
     return body
 
 
-def phase_bodies(fp: FrontPlan, model: str) -> list[dict[str, Any]]:
-    return fp.plan.phase_bodies(fp.ids, model)
-
 
 def real_body(fp: FrontPlan, req: FrontRequest, model: str, tau: float) -> dict[str, Any]:
     """The spliced request: all ranges, the client's sampling, the guard's log-probs."""

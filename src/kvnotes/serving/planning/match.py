@@ -180,14 +180,16 @@ class SkillCatalog:
         self._skills: list[Skill] = []
         self._bos: tuple[PieceInfo, ...] = ()  # the one-token BOS entries
         self._index = PieceIndex()
+        self._generation = -1  # the store's generation the snapshot above was built from
         self.left_out: list[str] = []
         self.refresh(force=True)
 
     def refresh(self, *, force: bool = False) -> None:
         with self._lock:
             self._store.refresh(force=force)
-            pieces = {p.key: p for p in self._store.index.pieces()}
-            if pieces.keys() != self._pieces.keys() or force:
+            if force or self._store.generation != self._generation:
+                self._generation = self._store.generation
+                pieces = {p.key: p for p in self._store.index.pieces()}
                 index = PieceIndex()
                 for piece in pieces.values():
                     index.add(piece)
