@@ -18,7 +18,7 @@ from typing import Any
 import httpx2
 import openai
 import pytest
-from _front_fakes import BAGGAGE, BLOCK, HEADER, MODEL, REFUNDS, USER, FakeVLLM
+from _front_fakes import BAGGAGE, BLOCK, HEADER, MODEL, REFUNDS, USER
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
@@ -41,13 +41,6 @@ def published(tmp_path_factory, tokenizer):
     for name, text in (("refunds", REFUNDS), ("baggage", BAGGAGE)):
         lib.add(text, name=name, after=HEADER)
     return lib
-
-
-@pytest.fixture
-def fake():
-    f = FakeVLLM()
-    yield f
-    f.close()
 
 
 @pytest.fixture

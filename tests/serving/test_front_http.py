@@ -40,13 +40,6 @@ def published(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture
-def fake():
-    f = FakeVLLM()
-    yield f
-    f.close()
-
-
-@pytest.fixture
 def make_front(fake, published, tokenizer):
     fronts: list[Front] = []
 
