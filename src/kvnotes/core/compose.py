@@ -86,7 +86,8 @@ def compile_skill(engine: ModelRunner, text: str, *, name: str = "skill",
     (a BOS when the tokenizer adds one); ``after=header`` anchors it behind the system
     header it will follow, which shrinks the splice error for the skill right after it
     (and, less, for later ones). The prefix's length and :func:`prefix_digest` are kept in
-    ``meta`` (``prefix_len``, ``prefix_digest``): :func:`compose` splices a skill placed
+    ``meta`` (``prefix_len``, ``prefix_digest``, and the ids themselves, ``prefix_ids``: a
+    server tells variants of one skill apart by them): :func:`compose` splices a skill placed
     right after that very prefix as it is (its notes are exactly a prefill's).
 
     Example:
@@ -100,7 +101,8 @@ def compile_skill(engine: ModelRunner, text: str, *, name: str = "skill",
     bos = "bos" if prefix[:1] == [engine.bos_id] and engine.bos_id is not None else "none"
     return nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
         kind="skill", name=name, anchor=bos, after_tokens=len(prefix) - (bos == "bos"),
-        prefix_len=len(prefix), prefix_digest=prefix_digest(prefix))
+        prefix_len=len(prefix), prefix_digest=prefix_digest(prefix),
+        prefix_ids=[int(t) for t in prefix])
 
 
 def recompute(engine: ModelRunner, nb: Notebook, indices: Sequence[int] | torch.Tensor) -> Notebook:

@@ -203,4 +203,23 @@ def read_entry(path: str | os.PathLike[str], fingerprint: ModelFingerprint
     if not ids or keys.shape[1] != len(ids) or keys.shape != values.shape:
         raise NotebookFileError(f"{path}: keys {tuple(keys.shape)} / values "
                                 f"{tuple(values.shape)} do not fit {len(ids)} tokens")
-    return PieceInfo(path.stem, name, ids, origin), keys, values
+    tenant, behind = entry_owner(header)
+    return PieceInfo(path.stem, name, ids, origin, tenant, behind), keys, values
+
+
+def entry_owner(header: dict[str, Any]) -> tuple[str | None, tuple[int, ...]]:
+    """``(tenant, behind)`` of an entry from its header's ``meta``: the tenant it belongs to
+    (``meta["tenant"]``; None: the operator's, shared) and the token ids it was prefilled
+    behind (``meta["prefix_ids"]``; () when not recorded). A malformed value raises
+    :class:`NotebookFileError` (the entry is not indexed)."""
+    meta = header.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise NotebookFileError("the entry's meta is not an object")
+    tenant = meta.get("tenant")
+    if tenant is not None and (not isinstance(tenant, str) or not _TENANT.fullmatch(tenant)):
+        raise NotebookFileError(f"the entry's tenant {tenant!r} is not a tenant name")
+    raw = meta.get("prefix_ids") or []
+    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and t >= 0 for t in raw):
+        raise NotebookFileError("the entry's prefix_ids are not token ids")
+    return tenant, tuple(raw)

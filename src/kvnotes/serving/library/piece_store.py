@@ -27,6 +27,7 @@ from kvnotes.serving.library.manifest import (
     ENTRY_FORMAT,
     ENTRY_VERSION,
     ServingManifest,
+    entry_owner,
     entry_paths,
 )
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo
@@ -148,4 +149,6 @@ def index_entry(path: Path, fingerprint: ModelFingerprint) -> tuple[PieceInfo, t
     (shape,) = shapes
     if len(shape) != 4 or shape[0] != 1 or shape[2] != len(ids):
         raise NotebookFileError(f"{path}: layer tensors {shape} do not fit {len(ids)} tokens")
-    return PieceInfo(path.stem, name, ids, int(positions[0])), (num_layers, shape[1], shape[3])
+    tenant, behind = entry_owner(head.header)
+    return (PieceInfo(path.stem, name, ids, int(positions[0]), tenant, behind),
+            (num_layers, shape[1], shape[3]))

@@ -45,6 +45,13 @@ class PieceInfo:
     name: str
     token_ids: tuple[int, ...]
     origin: int  # position of the piece's first token when it was prefilled
+    # whose entry this is: None for the operator's (every tenant splices it), else only requests
+    # salted with this tenant's splice salt may splice it (learned chunks are per tenant)
+    tenant: str | None = None
+    # the token ids it was prefilled behind (the compiled prefix, BOS included; () when unknown):
+    # one skill's variants differ here, and the planner prefers the one whose prefix the prompt
+    # ends with before the piece
+    behind: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,30 @@
+"""A chunk of a request: a span of its prompt that kvnotes may cache on sight.
+
+Each entry of a chat request's ``tools`` and each text part of a message's content is a chunk
+(:class:`SeenChunk`): its text, its token ids as laid out in the prompt (the part encoded
+alone), and the token ids of the prompt before it (what it was seen after, the prefix it is
+compiled behind when learned). The front's reader produces them; the learner counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CHUNK_KINDS = ("tool", "content")
+
+
+@dataclass(frozen=True, slots=True)
+class SeenChunk:
+    """One chunk of one request (see the module docstring)."""
+
+    kind: str  # one of CHUNK_KINDS
+    text: str
+    token_ids: tuple[int, ...]
+    after_ids: tuple[int, ...]  # the prompt's token ids before the chunk (BOS included)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tokens": len(self.token_ids), "after": len(self.after_ids)}
