@@ -10,6 +10,7 @@ that plan (:func:`execute_piece_repair`, which the agent's turn builder runs too
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +18,15 @@ from kvnotes.core import validate
 from kvnotes.core.document import Document
 from kvnotes.core.errors import EmptyInputError, InvalidArgumentError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
-from kvnotes.core.repair import DEFAULT_REPAIR, Repair, as_repair, prefix_digest, repair_selector
+from kvnotes.core.repair import (
+    DEFAULT_REPAIR,
+    Repair,
+    adapt_end,
+    as_repair,
+    prefix_digest,
+    relative_change,
+    repair_selector,
+)
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, PieceRepair, Text, plan_repair
 from kvnotes.core.runner import ModelRunner
@@ -252,6 +261,7 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     nb = engine.empty(start, capacity=total)
     reused = computed = 0
     select_tokens = 0.0
+    grown: dict[int, AdaptiveRepair] = {}
     if bos:
         nb = engine.forward(nb, bos, spans=[Span("bos", "text", 0, 1)]).notebook
         computed += 1
@@ -265,16 +275,30 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
         if todo_piece is None:  # exactly placed (its notes are a prefill's), or not from ids
             reused += len(piece)
             continue
+        if plan.adapt is not None:
+            nb, grown[i] = execute_adaptive_repair(engine, nb, todo_piece, plan, start=start,
+                                                   in_place=True)
+            reused += len(piece) - grown[i].piece.repaired
+            continue
         nb, cost = execute_piece_repair(engine, nb, todo_piece, select=plan.select, layer=layer,
                                         in_place=True)  # nb's storage is compose's own
         select_tokens += cost
         reused += len(piece) - todo_piece.repaired
-    fraction = (computed + todo.repaired + select_tokens) / max(1, len(nb))
-    return nb.with_meta(compose={
-        "reused": reused, "computed": computed, "repaired": todo.repaired,
+    done = [grown[p.index].piece if p.index in grown else p for p in todo.pieces]
+    repaired = sum(p.repaired for p in done)
+    fraction = (computed + repaired + select_tokens) / max(1, len(nb))
+    stats: dict[str, object] = {
+        "reused": reused, "computed": computed, "repaired": repaired,
         "select": plan.select, "select_tokens": select_tokens,
-        "compute_fraction": fraction, "regions": [list(r) for r in todo.regions],
-        "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag()})
+        "compute_fraction": fraction,
+        "regions": [list(p.region) for p in done if p.first_end > p.start],
+        "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag()}
+    if plan.adapt is not None:
+        stats["adapt"] = {"planned": todo.repaired,
+                          "extra_tokens": repaired - todo.repaired,
+                          "extra_forwards": sum(g.forwards - 1 for g in grown.values()),
+                          "changes": [list(g.changes) for g in grown.values()]}
+    return nb.with_meta(compose=stats)
 
 
 def layout_part(piece: Notebook | tuple[list[int], list[Span]]) -> LayoutPart:
@@ -290,6 +314,74 @@ def layout_part(piece: Notebook | tuple[list[int], list[Span]]) -> LayoutPart:
     return Piece(len(piece), origin, tuple(piece.token_ids.tolist()), consecutive,
                  prefix_len if isinstance(prefix_len, int) else None,
                  digest if isinstance(digest, str) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveRepair:
+    """What the adaptive rule did to one piece: ``piece`` with its region as executed (grown
+    from the plan's), the ``forwards`` run on it (1: the plan's region only) and the relative
+    change measured after each (:func:`~kvnotes.core.repair.relative_change`)."""
+
+    piece: PieceRepair
+    forwards: int
+    changes: tuple[float, ...]
+
+
+def _spliced_rows(nb: Notebook, a: int, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of the notes of tokens ``[a, b)``, every layer (what a recompute overwrites)."""
+    return [(nb.keys(l)[..., a:b, :].clone(), nb.values(l)[..., a:b, :].clone())
+            for l in range(nb.num_layers)]
+
+
+def _change(nb: Notebook, old: list[tuple[torch.Tensor, torch.Tensor]], a: int) -> float:
+    """The relative L2 change of the notes of ``nb`` from token ``a`` on against ``old`` (their
+    spliced copy), keys and values of every layer together."""
+    sums = []
+    for l, (k, v) in enumerate(old):
+        n = k.shape[-2]
+        nk, nv = nb.keys(l)[..., a:a + n, :].float(), nb.values(l)[..., a:a + n, :].float()
+        k, v = k.float(), v.float()
+        sums.append((float((nk - k).pow(2).sum() + (nv - v).pow(2).sum()),
+                     float(k.pow(2).sum() + v.pow(2).sum())))
+    return relative_change(sums)
+
+
+def execute_adaptive_repair(engine: ModelRunner, nb: Notebook, piece: PieceRepair,
+                            repair: Repair, *, start: int = 0, in_place: bool = False
+                            ) -> tuple[Notebook, AdaptiveRepair]:
+    """``nb`` (whose notes ``[piece.start, piece.end)`` were just spliced) with ``piece``'s
+    region recomputed, then grown by ``repair.adapt_step`` tokens at a time while the last
+    recomputed tokens' notes moved by more than ``repair.adapt`` (relative L2 of keys and
+    values, every layer, against their spliced copy), up to
+    :func:`~kvnotes.core.repair.adapt_end` (``start``: the layout's first position, for
+    alignment). Each step is one forward on top of the repaired notes before it, so the
+    region is always a run from the piece's first token: its notes are a prefill's whenever
+    everything before the piece is.
+    """
+    if repair.adapt is None:
+        raise InvalidArgumentError("execute_adaptive_repair needs a Repair with adapt set")
+    if len(nb) != piece.end:
+        raise InvalidArgumentError(f"the plan repairs tokens [{piece.start}, {piece.end}) of a "
+                                   f"notebook of {len(nb)}: repair a piece right after its "
+                                   "splice")
+    cap = adapt_end(start + piece.start, start + piece.end, repair) - start
+    a, r = piece.start, piece.first_end
+    if r <= a:
+        return nb, AdaptiveRepair(piece, 0, ())
+    w = max(a, r - repair.adapt_step)  # the last tokens of the region are the measurement
+    old = _spliced_rows(nb, w, r)
+    nb = _recompute_runs(engine, nb, list(range(a, r)), in_place=in_place)
+    forwards, changes = 1, [_change(nb, old, w)]
+    while r < cap and changes[-1] > repair.adapt:
+        nxt = start + r + repair.adapt_step
+        nxt = min(cap, -(-nxt // repair.align) * repair.align - start)
+        old = _spliced_rows(nb, r, nxt)
+        nb = _recompute_runs(engine, nb, list(range(r, nxt)), in_place=True)
+        forwards += 1
+        changes.append(_change(nb, old, r))
+        r = nxt
+    grown = PieceRepair(piece.index, piece.start, piece.end, r)
+    return nb, AdaptiveRepair(grown, forwards, tuple(changes))
 
 
 def execute_piece_repair(engine: ModelRunner, nb: Notebook, piece: PieceRepair, *, select: str,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, Unknown
 # and 95% (Gemma) of cases, against 68% and 66% for a bare splice, at 15-16% of the spliced
 # tokens recomputed (docs/results.md, "Tool-choice fidelity on BFCL").
 DEFAULT_FIRST = 32
+# The share floor of the default repair: each spliced skill's first max(DEFAULT_FIRST,
+# ceil(DEFAULT_SHARE * len)) tokens are recomputed.
+DEFAULT_SHARE = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +206,25 @@ class Repair:
       not yet repaired (exact placements excluded) and shared among the skills in proportion to
       them: a float in (0, 1] is a fraction of those tokens (rounded up), an int a token count
       (0: none).
+    - ``share``: a floor in proportion to the skill: each skill's first ``max(first,
+      ceil(share * len))`` tokens are recomputed (:func:`first_tokens`), so a long skill gets
+      more than a short one (a float in [0, 1]; 0: the fixed ``first``).
+    - ``adapt``: the adaptive rule, engine only (a threshold >= 0; None: off). After the first
+      region, the notes of its last ``adapt_step`` tokens before and after the recompute are
+      compared (:func:`relative_change`, keys and values of every layer); while they moved by
+      more than ``adapt`` the next ``adapt_step`` tokens are recomputed too (one more forward
+      each, measured the same way), up to ``adapt_cap`` of the skill (:func:`adapt_end`). The
+      repaired tokens measure how far the context moved this skill's notes. A server cannot
+      run it: it plans every phase before the request runs, and the decision needs the
+      recomputed notes read back.
 
     Every field is checked when the Repair is made (:data:`REPAIR_SELECTORS` for ``select``).
 
     Example:
         >>> Repair().first, Repair(first=0).is_noop, Repair(first=32, align=16).tag()
         (32, True, 'f32a16')
+        >>> Repair(first=32, share=0.1).tag(), Repair(first=32, adapt=0.2).tag()
+        ('f32a1s0.1', 'f32a1t0.2k32c0.25')
     """
 
     first: int = DEFAULT_FIRST
@@ -215,6 +232,10 @@ class Repair:
     skip_exact: bool = True
     budget: float | int = 0
     select: str = "first"
+    share: float = 0.0
+    adapt: float | None = None
+    adapt_step: int = 32
+    adapt_cap: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("first", "align"):
@@ -235,23 +256,67 @@ class Repair:
             raise ArgumentTypeError(f"Repair(select={self.select!r}): give a selector name such "
                                     "as 'first' or 'kv_deviation'")
         repair_selector(self.select, "compose")
+        _check_fraction(self.share, "share", "e.g. share=0.1 recomputes at least 10% of each "
+                        "skill")
+        self._check_adapt()
+
+    def _check_adapt(self) -> None:
+        if self.adapt is None:
+            return
+        if isinstance(self.adapt, bool) or not isinstance(self.adapt, numbers.Real) \
+                or not 0.0 <= float(self.adapt) < math.inf:  # nan fails too
+            raise InvalidArgumentError(
+                f"Repair(adapt={self.adapt!r}): give a threshold >= 0 on the relative change of "
+                "the repaired notes (e.g. 0.2), or None for no adaptive repair")
+        step = self.adapt_step
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
+            raise InvalidArgumentError(f"Repair(adapt_step={step!r}): give a positive token "
+                                       "count (the tokens each extra forward recomputes)")
+        _check_fraction(self.adapt_cap, "adapt_cap", "the most of each skill the adaptive "
+                        "rule recomputes, e.g. 0.25")
+        if self.first == 0 and self.share == 0:
+            raise InvalidArgumentError(
+                f"Repair(adapt={self.adapt!r}) measures the notes of each skill's first tokens: "
+                "give first > 0 or share > 0")
+        if self.budget:
+            raise InvalidArgumentError(
+                f"Repair(adapt={self.adapt!r}, budget={self.budget!r}): the adaptive rule sizes "
+                "each skill's region itself; give one of adapt or budget")
 
     @property
     def is_noop(self) -> bool:
         """True when nothing is recomputed (a bare splice)."""
-        return self.first == 0 and not self.budget
+        return self.first == 0 and self.share == 0 and not self.budget
 
     def tag(self) -> str:
         """A short name of this repair for cache namespaces: ``f<first>a<align>`` (plus
-        ``e`` when exact placements are repaired too, ``b<budget><select>`` with a budget)."""
+        ``e`` when exact placements are repaired too, ``s<share>`` with a share floor,
+        ``t<adapt>k<adapt_step>c<adapt_cap>`` with the adaptive rule, ``b<budget><select>``
+        with a budget)."""
         tag = f"f{self.first}a{self.align}" + ("" if self.skip_exact else "e")
+        if self.share:
+            tag += f"s{self.share:g}"
+        if self.adapt is not None:
+            tag += f"t{self.adapt:g}k{self.adapt_step}c{self.adapt_cap:g}"
         if self.budget:
             tag += f"b{self.budget}{self.select}"
         return tag
 
 
+def _check_fraction(value: object, name: str, hint: str) -> None:
+    """``Repair(<name>=value)`` checked as a float in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"Repair({name}={value!r}): give a fraction of the skill (a "
+                                f"float in [0, 1]), {hint}")
+    if not 0.0 <= float(value) <= 1.0:  # nan fails too
+        raise InvalidArgumentError(f"Repair({name}={value!r}) is not a fraction in [0, 1]; "
+                                   f"{hint}")
+
+
 NO_REPAIR = Repair(first=0)
-DEFAULT_REPAIR = Repair()
+DEFAULT_REPAIR = Repair(first=DEFAULT_FIRST, share=DEFAULT_SHARE)
+# the default a server runs (``kvnotes serve --repair``), aligned to its block there
+SERVER_REPAIR = Repair(first=DEFAULT_FIRST, share=DEFAULT_SHARE)
 
 
 def as_repair(value: Repair | float | int) -> Repair:
@@ -282,20 +347,100 @@ def as_repair(value: Repair | float | int) -> Repair:
     return Repair(first=0, budget=float(value))
 
 
-def repaired_end(start: int, end: int, first: int, align: int = 1) -> int:
+def first_tokens(length: int, first: int, share: float = 0.0) -> int:
+    """How many first tokens of a skill of ``length`` tokens are recomputed: ``max(first,
+    ceil(share * length))`` (the share floor), before alignment and capping at ``length``.
+
+    Example:
+        >>> first_tokens(200, 32, 0.1), first_tokens(5800, 32, 0.1), first_tokens(5800, 32)
+        (32, 580, 32)
+    """
+    floor = math.ceil(share * length - 1e-9) if share else 0
+    return max(first, floor)
+
+
+_SPELLING = re.compile(r"^([0-9]+)(?:@([0-9]*\.?[0-9]+))?(?:~([0-9]*\.?[0-9]+))?$")
+
+
+def parse_repair(spec: str | int) -> Repair:
+    """A repair from its spelling on a command line (``kvnotes serve --repair``): ``K`` each
+    skill's first ``K`` tokens; ``K@F`` with the share floor (the first ``max(K, ceil(F *
+    len))``); ``K~T`` with the adaptive rule at threshold ``T`` (engine only); ``K@F~T`` both.
+
+    Example:
+        >>> parse_repair("32") == Repair(first=32), parse_repair("32@0.1").tag()
+        (True, 'f32a1s0.1')
+        >>> repair_spelling(parse_repair("32@0.1~0.2"))
+        '32@0.1~0.2'
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (str, numbers.Integral)):
+        raise ArgumentTypeError(f"a repair spelling is text such as '32' or '32@0.1', got "
+                                f"{spec!r} ({type(spec).__name__})")
+    m = _SPELLING.match(str(spec).strip())
+    if not m:
+        raise InvalidArgumentError(
+            f"repair {spec!r}: spell it K (each skill's first K tokens), K@F (at least the "
+            "share F of each skill, e.g. 32@0.1), K~T (grown while the notes moved by more "
+            "than T, engine only) or K@F~T")
+    return Repair(first=int(m.group(1)), share=float(m.group(2) or 0),
+                  adapt=float(m.group(3)) if m.group(3) else None)
+
+
+def repair_spelling(repair: Repair) -> str:
+    """``repair``'s first tokens, share floor and adaptive threshold as :func:`parse_repair`
+    reads them (alignment, budget and the adaptive rule's step and cap are not spelled)."""
+    out = str(repair.first)
+    if repair.share:
+        out += f"@{repair.share:g}"
+    if repair.adapt is not None:
+        out += f"~{repair.adapt:g}"
+    return out
+
+
+def repaired_end(start: int, end: int, first: int, align: int = 1, share: float = 0.0) -> int:
     """Where the recomputed region ``[start, r)`` of a skill spliced at ``[start, end)`` ends:
-    ``start + first`` rounded up to a multiple of ``align``, capped at ``end`` (``start`` when
-    ``first`` is 0: nothing recomputed).
+    ``start +`` :func:`first_tokens` ``(end - start, first, share)`` rounded up to a multiple
+    of ``align``, capped at ``end`` (``start`` when that is 0: nothing recomputed).
 
     Example:
         >>> repaired_end(40, 300, 32), repaired_end(40, 300, 32, align=16), repaired_end(40, 60, 32)
         (72, 80, 60)
+        >>> repaired_end(40, 1040, 32, share=0.1), repaired_end(40, 1040, 32, 16, share=0.1)
+        (140, 144)
     """
     if not 0 <= start <= end:
         raise InvalidArgumentError(f"a skill's span must have 0 <= start <= end, got [{start}, "
                                    f"{end})")
+    first = first_tokens(end - start, first, share)
     if first <= 0 or start == end:
         return start
     r = start + first
     r = -(-r // align) * align
     return min(r, end)
+
+
+def adapt_end(start: int, end: int, repair: Repair) -> int:
+    """How far the adaptive rule may extend the region of a skill spliced at ``[start, end)``:
+    ``repair.adapt_cap`` of the skill (rounded up to ``repair.align``), never less than its
+    first region, capped at ``end``.
+
+    Example:
+        >>> adapt_end(0, 1000, Repair(first=32, adapt=0.1)), adapt_end(0, 100, Repair(adapt=0.1))
+        (250, 32)
+    """
+    first = repaired_end(start, end, repair.first, repair.align, repair.share)
+    cap = repaired_end(start, end, 0, repair.align, repair.adapt_cap)
+    return max(first, cap)
+
+
+def relative_change(sums: Sequence[tuple[float, float]]) -> float:
+    """The relative L2 change of notes from per-layer sums ``(|new - old|^2, |old|^2)``:
+    ``sqrt(sum diff) / sqrt(sum old)`` (0 when there is nothing).
+
+    Example:
+        >>> relative_change([(1.0, 100.0), (3.0, 300.0)])
+        0.1
+    """
+    diff = sum(d for d, _ in sums)
+    norm = sum(o for _, o in sums)
+    return math.sqrt(diff / norm) if norm > 0 else 0.0

@@ -156,8 +156,9 @@ def plan_repair(parts: Sequence[Part], repair: Repair, *, start: int = 0) -> Rep
     """The repair plan of a layout whose first token sits at position ``start``.
 
     Each piece not exactly placed (see the module docstring) is recomputed on ``[at, r)``
-    with ``r`` = :func:`~kvnotes.core.repair.repaired_end` in absolute positions (on a multiple
-    of ``repair.align``); ``repair.budget`` is then shared among the repaired pieces in
+    with ``r`` = :func:`~kvnotes.core.repair.repaired_end` in absolute positions
+    (``repair.first`` tokens, or ``repair.share`` of the piece when more, on a multiple of
+    ``repair.align``); ``repair.budget`` is then shared among the repaired pieces in
     proportion to the tokens their regions leave (:func:`~kvnotes.core.repair.split_budget`).
 
     Example:
@@ -192,7 +193,8 @@ def plan_repair(parts: Sequence[Part], repair: Repair, *, start: int = 0) -> Rep
             opaque.append(i)
             exact_so_far = chain = False
         else:
-            r = repaired_end(start + at, start + end, repair.first, repair.align) - start
+            r = repaired_end(start + at, start + end, repair.first, repair.align,
+                             repair.share) - start
             pieces.append(PieceRepair(i, at, end, r))
             exact_so_far = exact_so_far and r == end
             chain = False
