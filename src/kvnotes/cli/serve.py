@@ -9,10 +9,22 @@ import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.core.repair import DEFAULT_FIRST
+from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
 
 
 # ---- composition inside vLLM ---------------------------------------------------------------------
+def server_repair_spelled(spec: str) -> Repair:
+    """``--repair``'s spelling as the front's repair: ``K`` or ``K@F``; the adaptive rule
+    (``~T``) is refused, a server plans its phases before the request runs."""
+    plan = parse_repair(spec)
+    if plan.adapt is not None:
+        raise InvalidArgumentError(
+            f"--repair {spec}: the adaptive rule (~T) runs in the engine only (it sizes each "
+            "region from the notes it recomputed, which the server's phases never read back); "
+            "give K or K@F, e.g. --repair 32@0.1")
+    return plan
+
+
 def _skill_files(paths: list[Path] | None) -> list[tuple[str, str]]:
     return [(p.stem, read_text_file(p, "--skill")) for p in (paths or [])]
 
@@ -39,8 +51,10 @@ def serve(
     no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
                                   "with no OpenAI front (clients send token ids and the splice "
                                   "salt themselves, e.g. ComposeClient)"),
-    repair: int = typer.Option(DEFAULT_FIRST, "--repair", help="Front: the first tokens of "
-                               "each spliced skill recomputed in context (0: a bare splice)"),
+    repair: str = typer.Option(repair_spelling(SERVER_REPAIR), "--repair", help="Front: what "
+                               "each spliced skill recomputes in context: K its first K tokens "
+                               "(0: a bare splice), K@F at least the share F of it (e.g. "
+                               "32@0.1), rounded up to the block"),
     guard: float = typer.Option(0.0, "--guard", help="Front: answer from an exact request when "
                                 "the first token's top-2 log-prob margin is under this (0: "
                                 "never)"),
@@ -77,7 +91,9 @@ def serve(
         raise InvalidArgumentError("--host, --api-key and --key-file are the front's: drop "
                                    "--no-front, or pass vLLM's own flags after --")
     check_vllm_args(vllm_args or [])
-    front = None if no_front else FrontConfig(port=port, host=host, repair=repair, guard=guard,
+    plan = server_repair_spelled(repair)
+    front = None if no_front else FrontConfig(port=port, host=host, repair=plan.first,
+                                              repair_share=plan.share, guard=guard,
                                               api_key=api_key, key_file=key_file)
     if front is not None:
         front.keys  # noqa: B018 -- a bad key file fails before the model loads

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import DEFAULT_FIRST, Repair
+from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
@@ -40,7 +40,11 @@ class FrontConfig:
         port: the front's port (None: a free one).
         host: the address it listens on (``0.0.0.0``: every interface; set a key then).
         repair: the first tokens of each spliced skill recomputed (a request's
-            ``kvnotes.repair`` overrides it; 0: a bare splice).
+            ``kvnotes.repair`` overrides it: that request recomputes its first ``K`` tokens and
+            no share; 0: a bare splice).
+        repair_share: the share floor: each skill's first ``max(repair, ceil(share * len))``
+            tokens are recomputed, rounded up to the block (``Repair.share``; 0: the fixed
+            count).
         guard: tau, the first token's top-2 log-prob margin under which the exact answer is
             sent instead (a request's ``kvnotes.guard`` overrides it; 0: never).
         tenant: the tenant of requests that name none, and of ``api_key`` (None: shared).
@@ -70,6 +74,7 @@ class FrontConfig:
     port: int | None = None
     host: str = "127.0.0.1"
     repair: int = DEFAULT_FIRST
+    repair_share: float = DEFAULT_SHARE
     guard: float = 0.0
     tenant: str | None = None
     block_size: int | None = None
@@ -94,7 +99,7 @@ class FrontConfig:
     def __post_init__(self) -> None:
         if self.upstream is not None:
             check_loopback_url(self.upstream)
-        Repair(first=self.repair)  # checks the count
+        self.repair_for(None)  # checks the count and the share
         check_tau(self.guard)
         splice_salt(self.tenant)  # checks the spelling
         if self.block_size is not None and (isinstance(self.block_size, bool)
@@ -116,6 +121,14 @@ class FrontConfig:
             raise InvalidArgumentError("FrontConfig.api_key is empty: give a key, or None")
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
+
+    def repair_for(self, first: int | None) -> Repair:
+        """The repair a request gets: ``Repair(first=repair, share=repair_share)``, or, when the
+        request names its first tokens (``kvnotes.repair``), exactly those (``Repair(first=K)``,
+        the meaning of an int repair everywhere)."""
+        if first is None:
+            return Repair(first=self.repair, share=self.repair_share)
+        return Repair(first=first)
 
     @property
     def keys(self) -> Keys:

@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvnotes.core.errors import KvnotesError, ServingError
-from kvnotes.core.repair import Repair
 from kvnotes.serving.front.call import Call, Reply
 from kvnotes.serving.front.config import FrontConfig, Keys
 from kvnotes.serving.front.errors import ApiError, header_value
@@ -199,7 +198,7 @@ class FrontService:
               block_size: int) -> tuple[FrontRequest, FrontPlan]:
         tokenizer = self._tokenizer()
         req = read_request(kind, data, tokenizer)
-        repair = Repair(first=self.config.repair if opts.repair is None else opts.repair)
+        repair = self.config.repair_for(opts.repair)
         return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
 
     def _warm_planner(self, ready: threading.Barrier) -> None:

@@ -105,9 +105,15 @@ def server_repair(repair: Repair, block_size: int) -> Repair:
     """``repair`` as a server with blocks of ``block_size`` runs it: regions aligned to the
     block size (an ``align`` of 1 becomes the block size; another must be a multiple of it).
 
+    The share floor (``Repair.share``) is planned like the fixed count: each piece's region
+    is ``max(first, ceil(share * len))`` tokens, then rounded up to the block. The adaptive
+    rule (``Repair.adapt``) is refused: it decides each next chunk from the notes the last
+    forward recomputed, and a server's phases are planned before the request runs; deciding
+    there would mean reading the recomputed KV back from the server between phases.
+
     Example:
-        >>> server_repair(Repair(first=32), 16).tag()
-        'f32a16'
+        >>> server_repair(Repair(first=32), 16).tag(), server_repair(Repair(share=0.1), 16).tag()
+        ('f32a16', 'f32a16s0.1')
     """
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) \
             or block_size < 1:
@@ -117,6 +123,12 @@ def server_repair(repair: Repair, block_size: int) -> Repair:
         raise InvalidArgumentError(
             f"{repair.tag()}: a server repairs each piece's first tokens only; a shared budget "
             "(Repair.budget) needs the engine (Engine.compose). Use Repair(first=N).")
+    if repair.adapt is not None:
+        raise InvalidArgumentError(
+            f"{repair.tag()}: the adaptive rule (Repair.adapt) needs the engine "
+            "(Engine.compose): it sizes each region from the notes it recomputed, which a "
+            "server's phases, planned before the request runs, never read back. Use the share "
+            "floor: Repair(first=N, share=F).")
     if repair.align != 1 and repair.align % block_size:
         raise InvalidArgumentError(
             f"Repair(align={repair.align}) is not a multiple of the server's block size "
@@ -216,7 +228,8 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
     The repair plan is :func:`~kvnotes.core.repair_plan.plan_repair`'s (the one
     ``Engine.compose`` executes): each piece not in the exact chain from token 0 (see the
     module docstring) is recomputed on ``[start, r)`` with ``r = repaired_end(start, end,
-    first, block_size)`` and supplied on ``[r, end)``. Ranges that follow one another
+    first, block_size, share)`` (the share floor sized on the piece's length, then rounded up
+    to the block) and supplied on ``[r, end)``. Ranges that follow one another
     without a gap form one group the connector supplies from a single local hit; a group
     that starts past token 0 needs a phase ending where it starts, and one that starts off a
     block boundary (a piece right after text with nothing recomputed, ``first=0``) can never
