@@ -16,6 +16,11 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
 - ``epic:K`` / ``anchor+epic:K`` / ``pred+epic:K``: a fixed first ``K`` tokens of every skill
   recomputed in context (EPIC's choice), whatever the skill's length, before the question is
   prefilled (``Repair(first=K)``);
+- ``epic:K@F``: the share floor: each skill's first ``max(K, ceil(F * len))`` tokens
+  (``Repair(first=K, share=F)``), so a long manual gets more than a short tool;
+- ``epic:K~T`` (or ``epic:K@F~T``): the adaptive rule: the region grows 32 tokens at a time
+  while the last recomputed tokens' notes moved by more than ``T`` (relative L2 of keys and
+  values), up to a quarter of the skill (``Repair(first=K, adapt=T)``);
 - ``ape:T`` / ``ape:T+epic:K``: the splice (or ``epic:K``) with APE's temperature on the spliced
   keys: before the question is prefilled, the keys of every spliced token that was not
   recomputed are divided by ``T`` in every layer (a copy of the notes; values untouched), so
@@ -52,7 +57,7 @@ from kvnotes.core.repair import Repair
 DEFAULT_STRATEGIES = ("exact", "splice", "first:0.1", "first:0.3", "kvdev:0.1", "anchor",
                       "anchor+first:0.1", "guard:splice", "guard:first:0.1")
 _COMPOSE = re.compile(r"^(anchor)?(?:\+?(first|kvdev):([0-9.]+))?$")
-_EPIC = re.compile(r"^(?:(anchor|pred)\+)?epic:([0-9]+)$")
+_EPIC = re.compile(r"^(?:(anchor|pred)\+)?epic:([0-9]+)(?:@([0-9.]+))?(?:~([0-9.]+))?$")
 _APE = re.compile(r"^ape:([0-9]*\.?[0-9]+)(?:\+(.+))?$")
 _SELECT = {"first": "first", "kvdev": "kv_deviation"}
 
@@ -72,6 +77,8 @@ class Strategy:
     tau: float | None = None  # guard: fixed threshold (None: calibrated)
     temperature: float = 1.0  # APE: spliced, not recomputed keys divided by this
     engine_default: bool = False  # ``default``: compose's own default repair
+    share: float = 0.0  # ``epic:K@F``: each skill's first max(K, ceil(F * len)) tokens
+    adapt: float | None = None  # ``epic:K~T``: grown while the notes moved by more than T
 
 
 def parse_strategy(spec: str) -> Strategy:
@@ -112,8 +119,16 @@ def parse_strategy(spec: str) -> Strategy:
         return Strategy("pred", "compose", predecessor=True)
     epic = _EPIC.match(spec)
     if epic:
-        return Strategy(spec, "compose", anchor=epic.group(1) == "anchor",
-                        predecessor=epic.group(1) == "pred", first_k=int(epic.group(2)))
+        strategy = Strategy(spec, "compose", anchor=epic.group(1) == "anchor",
+                            predecessor=epic.group(1) == "pred", first_k=int(epic.group(2)),
+                            share=float(epic.group(3) or 0),
+                            adapt=float(epic.group(4)) if epic.group(4) else None)
+        try:
+            repair_of(strategy)
+        except InvalidArgumentError as err:
+            raise InvalidArgumentError(f"strategy {spec!r}: {err} (epic:K@F takes a share F in "
+                                       "[0, 1], epic:K~T a threshold T >= 0)") from err
+        return strategy
     if spec.startswith("pred"):
         raise InvalidArgumentError(f"strategy {spec!r}: variants behind the predecessor go "
                                    "alone or with EPIC's repair: pred or pred+epic:K (K a "
@@ -128,8 +143,8 @@ def parse_strategy(spec: str) -> Strategy:
                         anchor=bool(m.group(1)))
     raise InvalidArgumentError(
         f"unknown strategy {spec!r}; use exact, default, splice, first:F, kvdev:F, epic:K, "
-        "anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, pred, pred+epic:K, ape:T, "
-        "ape:T+epic:K, "
+        "epic:K@F, epic:K~T, anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, pred, "
+        "pred+epic:K, ape:T, ape:T+epic:K, "
         "guard:BASE or guard:BASE@TAU (F a fraction in [0, 1], K a token count, T a "
         "temperature)")
 
@@ -244,8 +259,10 @@ def build(engine: Engine, prompt: CasePrompt, strategy: Strategy, skills: SkillC
 def repair_of(strategy: Strategy) -> Repair:
     """The engine's repair plan of a composed strategy: ``epic:K`` recomputes each skill's
     first K tokens (``Repair(first=K)``, exact placements skipped), ``first:F`` / ``kvdev:F``
-    a shared budget F chosen by ``select``, ``splice`` nothing."""
-    return Repair(first=strategy.first_k, budget=strategy.repair or 0, select=strategy.select)
+    a shared budget F chosen by ``select``, ``splice`` nothing; ``epic:K@F`` adds the share
+    floor, ``epic:K~T`` the adaptive rule."""
+    return Repair(first=strategy.first_k, budget=strategy.repair or 0, select=strategy.select,
+                  share=strategy.share, adapt=strategy.adapt)
 
 
 def _kept(nb: Notebook, compiled: list[Notebook]) -> list[int]:
