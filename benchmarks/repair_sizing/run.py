@@ -55,6 +55,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--set", required=True, choices=("live_multiple", "multi_turn"))
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--min-skills", type=int, default=1)
+    ap.add_argument("--ids", default="", help="only these case ids (comma-separated), in the "
+                    "set's order")
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--greedy", type=int, default=16)
     ap.add_argument("--strategies", required=True)
@@ -64,8 +66,9 @@ def main(argv: list[str]) -> int:
     engine = ModelOptions(args.model, threads=1).load()
     strategies = parse_strategies(args.strategies.split(","))
     limit = args.max_context or engine.adapter.max_positions or 1 << 30
+    ids = {i for i in args.ids.split(",") if i}
     cases = [c for c in spread(load_cases(args.set), args.cases)
-             if len(c.skills) >= args.min_skills]
+             if len(c.skills) >= args.min_skills and (not ids or c.id in ids)]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     for name in ("cases.jsonl", "adapt.jsonl", "load.jsonl"):
