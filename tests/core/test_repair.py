@@ -11,6 +11,7 @@ from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, Unknown
 from kvnotes.core.repair import (
     DEFAULT_FIRST,
     DEFAULT_REPAIR,
+    DEFAULT_SHARE,
     NO_REPAIR,
     PrefixHasher,
     Repair,
@@ -70,7 +71,9 @@ def test_as_repair_and_tags():
     # an int is each skill's first tokens, a float a shared fraction; a count budget is spelled out
     assert as_repair(0.25) == Repair(first=0, budget=0.25) and as_repair(8) == Repair(first=8)
     assert as_repair(16).budget == 0 and as_repair(1.0) == Repair(first=0, budget=1.0)
-    assert DEFAULT_REPAIR.tag() == "f32a1" and NO_REPAIR.tag() == "f0a1"
+    # the default names its share floor, so a server's salts tell it from a fixed count
+    assert DEFAULT_REPAIR.tag() == f"f{DEFAULT_FIRST}a1s{DEFAULT_SHARE:g}"
+    assert NO_REPAIR.tag() == "f0a1" and Repair(first=32).tag() == "f32a1"
     assert Repair(first=16, align=16, skip_exact=False).tag() == "f16a16e"
     assert Repair(first=0, budget=0.1, select="kv_deviation").tag() == "f0a1b0.1kv_deviation"
     for bad in ("0.1", True, None):
@@ -126,7 +129,7 @@ def test_default_repairs_the_first_tokens_of_each_skill_not_exactly_placed(tiny)
     assert stats["exact"] == [0, 1]  # the header at 0, refunds right behind it
     assert stats["regions"] == [[at, at + DEFAULT_FIRST]] and stats["repaired"] == DEFAULT_FIRST
     assert stats["reused"] == len(header) + len(refunds) + len(shipping) - DEFAULT_FIRST
-    assert stats["repair"] == "f32a1" and stats["select"] == "first"
+    assert stats["repair"] == DEFAULT_REPAIR.tag() and stats["select"] == "first"
     # the same by hand: splice, recompute the region in place, then the text that follows it
     by_hand = tiny.compose(parts[:4], repair=0)
     by_hand = tiny.extend(tiny.recompute(by_hand, range(at, at + DEFAULT_FIRST)), " Answer:")

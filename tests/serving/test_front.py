@@ -22,7 +22,7 @@ from _front_fakes import BAGGAGE, BLOCK, HEADER, MODEL, REFUNDS, USER
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
-from kvnotes.core.repair import Repair, as_repair
+from kvnotes.core.repair import SERVER_REPAIR, Repair, as_repair
 from kvnotes.serving.front.app import STATS_PATH, Front, FrontConfig
 from kvnotes.serving.front.proxy import REASON_HEADER
 from kvnotes.serving.planning.front_plan import plan_request
@@ -55,11 +55,13 @@ def client(front):
     return openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=30)
 
 
-def expected_plan(tokenizer, catalog, texts, tenant=None, first=32):
+def expected_plan(tokenizer, catalog, texts, tenant=None, first=None):
+    """The plan the front makes: its default repair, or a request's ``kvnotes.repair=first``."""
     parts = part_ids(tokenizer, texts)
     spans = part_spans(parts, catalog.index())
     ids = [t for p in parts for t in p]
-    return ids, plan_phases(spans, Repair(first=first), BLOCK, tenant=tenant)
+    repair = SERVER_REPAIR if first is None else Repair(first=first)
+    return ids, plan_phases(spans, repair, BLOCK, tenant=tenant)
 
 
 def kvnotes_usage(usage: Any) -> dict[str, Any]:

@@ -202,12 +202,16 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     spliced skill, a float in (0, 1] that fraction of the spliced tokens, 0 the bare splice)
     says which spliced notes are recomputed in context, right after each splice, so later
     parts attend to repaired notes; :func:`~kvnotes.core.repair_plan.plan_repair` is the rule.
-    By default the first 32 tokens of every spliced skill are recomputed, each region ending
-    at :func:`~kvnotes.core.repair.repaired_end` (on a multiple of ``repair.align``): on BFCL
-    live_multiple this kept the tool choice of the exact prompt in 92% (SmolLM2) and 95%
-    (Gemma 3) of cases, against 68% and 66% for the bare splice, and costs a prefill of those
-    tokens, about 15% of the spliced tokens for tool descriptions of ~200 tokens
-    (docs/results.md). A skill placed at the very position it was compiled at, right
+    By default (:data:`~kvnotes.core.repair.DEFAULT_REPAIR`) each spliced skill's first
+    ``max(32, ceil(0.1 * len))`` tokens are recomputed (the share floor, ``Repair.share``),
+    each region ending at :func:`~kvnotes.core.repair.repaired_end` (on a multiple of
+    ``repair.align``): a tool description of ~200 tokens gets its first 32 (on BFCL
+    live_multiple the tool choice of the exact prompt kept in 92% (SmolLM2) and 95% (Gemma 3)
+    of cases, against 68% and 66% for the bare splice), a 5.8k-token manual its first 580,
+    where a fixed 32 flipped the choice (docs/results.md, "Repair that sizes itself").
+    ``repair.adapt`` grows each region while its last recomputed tokens' notes moved by more
+    than that threshold (:func:`execute_adaptive_repair`; ``meta["compose"]["adapt"]`` counts
+    its extra tokens and forwards). A skill placed at the very position it was compiled at, right
     after the very prefix it was compiled behind (``meta["prefix_digest"]``), with every note
     before it exact (text, or skills so placed), already holds a prefill's notes and is not
     repaired (``repair.skip_exact``): e.g. a header compiled alone, then a skill compiled
@@ -230,7 +234,9 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     the model as a fraction of a full prefill), ``regions`` (the ``[start, end)`` token
     ranges recomputed as skills' first tokens), ``exact`` (the indices of the parts
     spliced as they are because exactly placed), ``select`` and ``repair`` (the Repair's
-    :meth:`~kvnotes.core.repair.Repair.tag`).
+    :meth:`~kvnotes.core.repair.Repair.tag`); with the adaptive rule, ``adapt`` (``planned``:
+    the tokens the plan's regions held, ``extra_tokens`` and ``extra_forwards`` the rule
+    added, ``changes``: the relative change measured after each forward, per repaired skill).
     """
     validate.compose_args(engine, parts, start)
     if not parts:

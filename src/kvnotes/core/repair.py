@@ -30,7 +30,7 @@ from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, Unknown
 DEFAULT_FIRST = 32
 # The share floor of the default repair: each spliced skill's first max(DEFAULT_FIRST,
 # ceil(DEFAULT_SHARE * len)) tokens are recomputed.
-DEFAULT_SHARE = 0.0
+DEFAULT_SHARE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
