@@ -35,3 +35,10 @@ def test_bad_epic_spellings_are_refused(spec, match):
 def test_floors_and_thresholds_are_distinct_strategies():
     names = [s.name for s in parse_strategies(["epic:32", "epic:32@0.1", "epic:32~0.2"])]
     assert names == ["exact", "epic:32", "epic:32@0.1", "epic:32~0.2"]
+
+
+def test_a_guard_on_a_share_floor_takes_the_last_at_as_its_threshold():
+    guard = parse_strategy("guard:epic:32@0.1@0.5")
+    assert (guard.base, guard.tau) == ("epic:32@0.1", 0.5)
+    plain = parse_strategy("guard:epic:32@0.5")  # one @: the threshold, as before
+    assert (plain.base, plain.tau) == ("epic:32", 0.5)

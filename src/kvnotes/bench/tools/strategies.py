@@ -90,7 +90,8 @@ def parse_strategy(spec: str) -> Strategy:
         return Strategy("default", "compose", engine_default=True)
     if spec.startswith("guard:"):
         rest = spec.removeprefix("guard:")
-        base, _, tau = rest.partition("@")
+        # the last @ is the threshold: a share-floor base (epic:K@F) carries its own @
+        base, _, tau = rest.rpartition("@") if rest.count("@") > 1 else rest.partition("@")
         inner = parse_strategy(base)
         if inner.kind != "compose":
             raise InvalidArgumentError(f"strategy {spec!r}: a guard guards a composed strategy "
