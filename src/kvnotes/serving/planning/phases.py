@@ -10,7 +10,7 @@ of the piece from that hit on. Regions end on block boundaries (``repaired_end``
 ``align`` = the server's block size), since only whole blocks are prefix-cache hits.
 
 The repair rule is :mod:`kvnotes.core.repair_plan`'s, the one ``Engine.compose`` executes: each
-spliced piece's first ``first`` tokens are recomputed in order, except the pieces of the unbroken
+spliced piece's first ``max(first, ceil(share * len))`` tokens are recomputed in order, except the pieces of the unbroken
 chain at their own origins from token 0 (BOS, the header, the first skill compiled behind it),
 whose notes are already a prefill's (``skip_exact``).
 
