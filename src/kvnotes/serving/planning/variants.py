@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvnotes.core.variants import exactly_placed
 from kvnotes.serving.planning.layout import SentPart
 from kvnotes.serving.planning.phases import PartSpan
 
@@ -68,7 +69,8 @@ def variant_candidates(spans: Sequence[PartSpan], ids: Sequence[int]) -> list[Va
             continue
         prev, pred = pred, span
         behind = span.behind
-        if prev is None or not behind or _exact(span, ids):
+        if prev is None or not behind or exactly_placed(behind, span.origin or 0, ids,
+                                                        span.start):
             continue
         shared = _common_prefix(behind, ids[:span.start])
         lead = max((b for b in bounds if b <= shared), default=0)
@@ -79,10 +81,6 @@ def variant_candidates(spans: Sequence[PartSpan], ids: Sequence[int]) -> list[Va
             continue
         out.append(VariantCandidate(after, span.name, ids[span.start:span.end], span.start))
     return out
-
-
-def _exact(span: PartSpan, ids: tuple[int, ...]) -> bool:
-    return span.origin == span.start == len(span.behind) and ids[:span.start] == span.behind
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -111,8 +109,7 @@ class VariantHits:
                 piece = part.piece
                 if piece is not None:
                     self.used[piece.key] = self.used.get(piece.key, 0) + 1
-                    if piece.behind and piece.origin == pos == len(piece.behind) \
-                            and tuple(ids) == piece.behind:
+                    if exactly_placed(piece.behind, piece.origin, ids, pos):
                         self.exact[piece.key] = self.exact.get(piece.key, 0) + 1
                 ids.extend(part.token_ids)
                 pos += len(part.token_ids)
