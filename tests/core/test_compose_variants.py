@@ -89,3 +89,15 @@ def test_compose_keeps_a_skill_no_variant_outranks(tiny, tmp_path):
     # the third skill right after the header: its header-anchored entry is exact, kept
     nb = tiny.compose([HEADER, skills[2], " Q"], repair=0, library=lib)
     assert nb.meta["compose"]["variants"] == [] and nb.meta["compose"]["exact"] == [1]
+
+
+def test_an_int8_library_swaps_in_its_variants_too(tiny, tmp_path):
+    lib = SkillLibrary(tmp_path, tiny, quantize="token")
+    head = tiny.anchor_ids(HEADER)
+    first = lib.get(FIRST, name="first", after=HEADER)
+    second = lib.get(SECOND, name="second", after=HEADER)
+    lib.get(SECOND, name="second", after=[*head, *tiny.encode(FIRST)])
+    nb = tiny.compose([HEADER, first, second, " Q"], repair=0, library=lib)
+    assert nb.meta["compose"]["variants"] == [2] and nb.span("second") is not None
+    plain = SkillLibrary(tmp_path / "plain", tiny)  # another folder: nothing to swap
+    assert tiny.compose([HEADER, first, second], library=plain).meta["compose"]["variants"] == []
