@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,9 @@ from kvnotes.ops.quant import FILE_VERSION as QUANT_VERSION
 
 if TYPE_CHECKING:
     from kvnotes.ops.quant import QuantizedNotebook
+
+# a folder listing within this many ns of the folder's mtime may have missed an entry
+RACY_NS = 2_000_000_000
 
 
 def skill_key(fingerprint_id: str, scheme: str, anchor: str, token_ids: list[int],
@@ -181,7 +185,10 @@ class SkillLibrary:
             except (KvnotesError, OSError, KeyError, TypeError, ValueError, IndexError):
                 continue  # foreign, damaged or half-written: never a variant
             index.setdefault(tokens, []).append((path, behind, origin))
-        self._variants, self._variants_mtime = index, mtime
+        # a folder's mtime ticks coarsely: an entry renamed in within the tick of this listing
+        # would leave it unchanged, so a listing that close to the mtime is not kept
+        recent = time.time_ns() - mtime < RACY_NS
+        self._variants, self._variants_mtime = index, None if recent else mtime
         return index
 
     def _lookup(self, path: Path) -> Notebook | None:
@@ -199,6 +206,7 @@ class SkillLibrary:
 
     def _publish(self, stored: Notebook | QuantizedNotebook, path: Path) -> None:
         """Store an entry atomically; a library that cannot be written costs reuse, not the call."""
+        self._variants_mtime = None  # list the folder again at the next variant lookup
         try:
             stored.save(path)  # files.write: temp, fsync, rename
         except OSError as err:
