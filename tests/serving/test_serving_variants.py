@@ -10,13 +10,13 @@ from typer.testing import CliRunner
 from kvnotes.cli import app
 from kvnotes.core.document import encode
 from kvnotes.core.errors import UnknownNameError
-from kvnotes.core.repair import Repair
+from kvnotes.core.repair import Repair, repaired_end
 from kvnotes.serving.library.piece_store import PieceStore
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo, check_ranges, preferred
 from kvnotes.serving.library.variants import skill_variants
 from kvnotes.serving.planning.front_plan import split_pieces
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.planning.phases import plan_phases, sent_spans
+from kvnotes.serving.planning.phases import PartSpan, plan_phases, sent_spans
 from kvnotes.serving.planning.variants import VariantHits, variant_candidates
 from kvnotes.serving.skills import ServingSkills
 
@@ -158,3 +158,22 @@ def test_cli_adds_a_variant_after_a_named_skill(tiny_folder, tmp_path):
     assert "2 variant(s)" in line and "bytes" in line
     bad = runner.invoke(app, [*base, str(files["baggage"]), "--after", "nope"])
     assert bad.exit_code != 0 and "nope" in bad.output
+
+
+def test_phases_skip_only_a_variant_behind_its_whole_prefix():
+    head, a, b = (1, 2, 3), tuple(range(10, 47)), tuple(range(50, 90))
+    at_a, at_b = len(head), len(head) + len(a)
+
+    def spans(b_behind):
+        return [PartSpan(0, at_a, 0, "h", head, ()),
+                PartSpan(at_a, at_b, at_a, "a", a, head),
+                PartSpan(at_b, at_b + len(b), at_b, "b", b, b_behind),
+                PartSpan(at_b + len(b), at_b + len(b) + 2, None, "", (7, 7))]
+
+    exact = plan_phases(spans((*head, *a)), Repair(first=32), 16)
+    assert exact.regions == () and exact.spliced_tokens == at_b + len(b)
+    # the same origin behind another predecessor of the same length: repaired as usual
+    other = plan_phases(spans((*head, *range(100, 137))), Repair(first=32), 16)
+    assert other.regions == ((at_b, repaired_end(at_b, at_b + len(b), 32, 16)),)
+    # an entry that records no prefix keeps the trusted chain from token 0
+    assert plan_phases(spans(()), Repair(first=32), 16).regions == ()
