@@ -232,8 +232,8 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     the model as a fraction of a full prefill), ``regions`` (the ``[start, end)`` token
     ranges recomputed as skills' first tokens), ``exact`` (the indices of the parts
     spliced as they are because exactly placed), ``select`` and ``repair`` (the Repair's
-    :meth:`~kvnotes.core.repair.Repair.tag`), and ``variants`` (the indices of the parts a
-    library's variant replaced).
+    :meth:`~kvnotes.core.repair.Repair.tag`), and, when a ``library`` is given, ``variants``
+    (the indices of the parts a variant of it replaced).
     """
     validate.compose_args(engine, parts, start)
     if not parts:
@@ -289,7 +289,7 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
         "select": plan.select, "select_tokens": select_tokens,
         "compute_fraction": fraction, "regions": [list(r) for r in todo.regions],
         "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag(),
-        "variants": swapped})
+        **({"variants": swapped} if library is not None else {})})
 
 
 def _swap_variants(pieces: list[Notebook | tuple[list[int], list[Span]]],
