@@ -177,3 +177,26 @@ def test_phases_skip_only_a_variant_behind_its_whole_prefix():
     assert other.regions == ((at_b, repaired_end(at_b, at_b + len(b), 32, 16)),)
     # an entry that records no prefix keeps the trusted chain from token 0
     assert plan_phases(spans(()), Repair(first=32), 16).regions == ()
+
+
+@pytest.mark.real
+def test_cli_variant_on_smollm2_costs_as_much_as_its_skill(smollm2, tmp_path, monkeypatch):
+    import kvnotes
+
+    monkeypatch.setattr(kvnotes, "load", lambda *a, **k: smollm2)  # the session's copy
+    runner = CliRunner()
+    for name, text in (("header", HEADER), ("refunds", REFUNDS), ("baggage", BAGGAGE)):
+        (tmp_path / f"{name}.txt").write_text(text)
+    base = ["skills", "add", "--model", "smollm2-135m", "--skills", str(tmp_path / "skills"),
+            "--header", str(tmp_path / "header.txt")]
+    for args in ([str(tmp_path / "refunds.txt"), str(tmp_path / "baggage.txt")],
+                 [str(tmp_path / "baggage.txt"), "--after", "refunds"]):
+        result = runner.invoke(app, [*base, *args])
+        assert result.exit_code == 0, result.output
+    groups = {g.name: g for g in ServingSkills(tmp_path / "skills", smollm2).variants()}
+    anchored, variant = groups["baggage"].variants
+    n_header, n_refunds = len(smollm2.encode(HEADER)), len(smollm2.encode(REFUNDS))
+    assert (len(anchored.piece.behind), len(variant.piece.behind)) == (
+        n_header, n_header + n_refunds)
+    # the prefix is not stored, only its ids in the header
+    assert 0 < variant.bytes - anchored.bytes < 16 * n_refunds
