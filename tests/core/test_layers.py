@@ -34,6 +34,7 @@ CORE_RANKS = {
     "kvnotes.core.work": 1,
     "kvnotes.core.repair": 1,
     "kvnotes.core.repair_plan": 1,
+    "kvnotes.core.variants": 1,
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
@@ -279,7 +280,7 @@ IN_VLLM = "kvnotes.serving.vllm"
 IN_VLLM_MAY_IMPORT = ("kvnotes.serving.vllm", "kvnotes.serving.library", "kvnotes.serving.planning",
                       "kvnotes.core.errors", "kvnotes.core.fingerprint", "kvnotes.core.files",
                       "kvnotes.core.positions", "kvnotes.core.document", "kvnotes.core.repair",
-                      "kvnotes.core.jsontext")
+                      "kvnotes.core.jsontext", "kvnotes.core.variants")
 
 
 def test_code_that_runs_inside_vllm_imports_only_the_serving_library_and_light_core():

@@ -33,7 +33,7 @@ def tools(
                                  help="development set: live_multiple or multi_turn"),
     cases: int = typer.Option(40, "--cases", help="cases spread over the set (0: all)"),
     strategies: str | None = typer.Option(
-        None, "--strategies", help="comma-separated: exact, default, splice, first:F, kvdev:F, "
+        None, "--strategies", help="comma-separated: exact, default, library, splice, first:F, kvdev:F, "
                                    "epic:K, anchor, anchor+first:F, anchor+epic:K, pred, "
                                    "pred+epic:K, ape:T, ape:T+epic:K, "
                                    "guard:BASE[@TAU] (default: "

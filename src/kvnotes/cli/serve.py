@@ -166,6 +166,11 @@ def skills_add(
     skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
     header: Path | None = typer.Option(None, "--header", help="Compile the skills behind this system "
                                        "header (as `kvnotes serve --header`)"),
+    after: str | None = typer.Option(None, "--after", help="Compile them as variants behind the "
+                                     "header and this registered skill (the one that precedes "
+                                     "them in requests)"),
+    max_variants: int = typer.Option(4, "--max-variants", min=1, help="Variants kept per skill "
+                                     "(the oldest are deleted)"),
 ) -> None:
     """Compile skills with kvnotes and publish them (a running server picks them up)."""
     import kvnotes
@@ -174,10 +179,12 @@ def skills_add(
     texts = _skill_files(files)
     head = read_text_file(header, "--header") if header else None
     folder_option(skills, "--skills")
-    lib = ServingSkills(skills, kvnotes.load(model))
+    lib = ServingSkills(skills, kvnotes.load(model), max_variants=max_variants)
+    prefix: str | list[int] | None = head if after is None else lib.after_skill(after, header=head)
     for name, text in texts:
-        info = lib.add(text, name=name, after=head)
-        typer.echo(f"{name}\t{len(info)} tokens\t{info.key}")
+        info = lib.add(text, name=name, after=prefix)
+        typer.echo(f"{name}\t{len(info)} tokens\t{info.key}"
+                   + (f"\tafter {after}" if after else ""))
 
 
 @skills_app.command("list")
@@ -189,7 +196,12 @@ def skills_list(
     import kvnotes
     from kvnotes.serving.skills import ServingSkills
 
-    for info in ServingSkills(skills, kvnotes.load(model)).entries():
-        typer.echo(f"{info.name}\t{len(info)} tokens\tposition {info.origin}\t{info.key}")
+    for group in ServingSkills(skills, kvnotes.load(model)).variants():
+        typer.echo(f"{group.name}\t{len(group.token_ids)} tokens\t{len(group.variants)} "
+                   f"variant(s)\t{group.bytes} bytes"
+                   + (f"\ttenant {group.tenant}" if group.tenant else ""))
+        for v in group.variants:
+            typer.echo(f"  position {v.piece.origin}\tbehind {len(v.piece.behind)} tokens\t"
+                       f"{v.bytes} bytes\t{v.piece.key}")
 
 

@@ -30,6 +30,7 @@ from kvnotes.core.repair import (
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, PieceRepair, Text, plan_repair
 from kvnotes.core.runner import ModelRunner
+from kvnotes.core.variants import VariantSource
 
 Part = str | Document | Notebook
 
@@ -190,7 +191,8 @@ def note_deviation(engine: ModelRunner, nb: Notebook, start: int, layer: int = 1
 
 
 def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
-            repair: Repair | float | int = DEFAULT_REPAIR, layer: int = 1) -> Notebook:
+            repair: Repair | float | int = DEFAULT_REPAIR, layer: int = 1,
+            library: VariantSource | None = None, variants: bool = True) -> Notebook:
     """One contiguous notebook from text, documents and compiled skills, in order.
 
     Text and documents are prefilled in place (attending to everything before them);
@@ -228,6 +230,15 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     ``Repair(first=n)`` with ``n`` at least each skill's length) equals a full prefill up
     to float error; ``repair=0`` splices only.
 
+    ``library`` (a :class:`~kvnotes.SkillLibrary`, or any
+    :class:`~kvnotes.core.variants.VariantSource`): each compiled skill is swapped for the
+    library's variant of it that ranks first where it is placed
+    (:func:`~kvnotes.core.variants.variant_rank`: the one compiled behind the prompt's own ids
+    before it, e.g. behind the header and the skill that precedes it, stored by
+    ``library.get(text, after=...)``; that one is exactly placed when its whole prefix is the
+    prompt's, and not repaired), else the skill given is kept (e.g. the header-anchored one,
+    repaired). ``variants=False`` keeps every skill as given.
+
     ``nb.meta["compose"]`` counts tokens ``reused`` (spliced and kept), ``computed``
     (text prefilled), ``repaired`` (spliced, then recomputed) and ``select_tokens`` (the
     selection pass in token-equivalents), gives ``compute_fraction`` (what was run through
@@ -236,7 +247,9 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     spliced as they are because exactly placed), ``select`` and ``repair`` (the Repair's
     :meth:`~kvnotes.core.repair.Repair.tag`); with the adaptive rule, ``adapt`` (``planned``:
     the tokens the plan's regions held, ``extra_tokens`` and ``extra_forwards`` the rule
-    added, ``changes``: the relative change measured after each forward, per repaired skill).
+    added, ``changes``: the relative change measured after each forward, per repaired skill);
+    when a ``library`` is given, ``variants`` (the indices of the parts a variant of it
+    replaced).
     """
     validate.compose_args(engine, parts, start)
     if not parts:
@@ -258,6 +271,8 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
         else:
             raise TypeError(f"compose parts are str, Document or Notebook, got {type(part)}")
     bos = [] if engine.bos_id is None else [engine.bos_id]
+    swapped = (_swap_variants(pieces, library, bos, start) if library is not None and variants
+               else [])
     layout: list[LayoutPart] = [Text(1, tuple(bos))] if bos else []
     layout += [layout_part(p) for p in pieces]
     todo = plan_repair(layout, plan, start=start)
@@ -298,13 +313,36 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
         "select": plan.select, "select_tokens": select_tokens,
         "compute_fraction": fraction,
         "regions": [list(p.region) for p in done if p.first_end > p.start],
-        "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag()}
+        "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag(),
+        **({"variants": swapped} if library is not None else {})}
     if plan.adapt is not None:
         stats["adapt"] = {"planned": todo.repaired,
                           "extra_tokens": repaired - todo.repaired,
                           "extra_forwards": sum(g.forwards - 1 for g in grown.values()),
                           "changes": [list(g.changes) for g in grown.values()]}
     return nb.with_meta(compose=stats)
+
+
+def _swap_variants(pieces: list[Notebook | tuple[list[int], list[Span]]],
+                   library: VariantSource, bos: list[int], start: int) -> list[int]:
+    """Replace, in place, each skill of ``pieces`` by ``library``'s variant that ranks first
+    behind the ids before it; the indices of the parts replaced."""
+    ids = list(bos)
+    swapped = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, Notebook):
+            found = library.variant(piece, ids, start + len(ids))
+            if found is not None:
+                found.check_same_model(piece.fingerprint, what="splice a variant of")
+                if found.token_ids.tolist() != piece.token_ids.tolist():
+                    raise InvalidArgumentError(f"the library's variant of part {i} holds other "
+                                               "tokens than the skill it replaces")
+                pieces[i] = piece = found
+                swapped.append(i)
+            ids += piece.token_ids.tolist()
+        else:
+            ids += piece[0]
+    return swapped
 
 
 def layout_part(piece: Notebook | tuple[list[int], list[Span]]) -> LayoutPart:

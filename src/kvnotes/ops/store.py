@@ -14,24 +14,34 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvnotes.core import validate
+from kvnotes.core import files, validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
+    KvnotesError,
     NotebookFileError,
     NotebookMismatchError,
     UnsafePathError,
 )
+from kvnotes.core.notebook import FILE_FORMAT as NOTEBOOK_FORMAT
+from kvnotes.core.notebook import FILE_VERSION as NOTEBOOK_VERSION
 from kvnotes.core.notebook import Notebook, Span
+from kvnotes.core.variants import variant_rank
+from kvnotes.ops.quant import FILE_FORMAT as QUANT_FORMAT
+from kvnotes.ops.quant import FILE_VERSION as QUANT_VERSION
 
 if TYPE_CHECKING:
     from kvnotes.ops.quant import QuantizedNotebook
+
+# a folder listing within this many ns of the folder's mtime may have missed an entry
+RACY_NS = 2_000_000_000
 
 
 def skill_key(fingerprint_id: str, scheme: str, anchor: str, token_ids: list[int],
@@ -77,6 +87,11 @@ class SkillLibrary:
         self.root = Path(root) / engine.fingerprint.id
         self.hits = 0
         self.misses = 0
+        self.variant_hits = 0  # skills ``Engine.compose`` swapped for a stored variant
+        # the stored entries by tokens: (path, behind, origin), read by header, rebuilt when the
+        # folder changes (a peer process may publish)
+        self._variants: dict[tuple[int, ...], list[tuple[Path, tuple[int, ...], int]]] = {}
+        self._variants_mtime: int | None = None
 
     def _after_ids(self, after: str | Sequence[int] | None) -> list[int]:
         """The prefix a skill is compiled behind, as token ids (BOS included per the anchor)."""
@@ -120,6 +135,62 @@ class SkillLibrary:
         self._publish(skill, path)
         return skill
 
+    def variant(self, skill: Notebook, ids: Sequence[int], position: int) -> Notebook | None:
+        """The stored variant of ``skill`` (an entry with its tokens) that ranks above ``skill``
+        itself at absolute ``position`` behind ``ids`` (:func:`kvnotes.core.variants.variant_rank`:
+        the one compiled behind the longest suffix of ``ids``, then at ``position``, then the
+        latest); None when ``skill`` ranks first. What ``Engine.compose(..., library=self)``
+        asks for each skill; variants are stored by ``get(text, after=...)``."""
+        tokens = tuple(int(t) for t in skill.token_ids.tolist())
+        raw = skill.meta.get("prefix_ids")
+        own = tuple(int(t) for t in raw) if isinstance(raw, list) else ()
+        best: tuple[int, bool, int] = variant_rank(own, skill.start_position, ids, len(ids),
+                                                    position)
+        found: Path | None = None
+        for path, behind, origin in self._stored_variants().get(tokens, ()):
+            rank = variant_rank(behind, origin, ids, len(ids), position)
+            if rank > best:
+                best, found = rank, path
+        if found is None:
+            return None
+        stored = self._lookup(found)
+        if stored is None:
+            return None
+        self.variant_hits += 1
+        name = skill.meta.get("name")
+        return stored if not isinstance(name, str) else stored.with_spans(
+            [Span(name, "skill", 0, len(stored))]).with_meta(name=name)
+
+    def _stored_variants(self) -> dict[tuple[int, ...], list[tuple[Path, tuple[int, ...], int]]]:
+        try:
+            mtime = self.root.stat().st_mtime_ns
+        except OSError:
+            return {}
+        if mtime == self._variants_mtime:
+            return self._variants
+        fmt, version = ((QUANT_FORMAT, QUANT_VERSION) if self.quantize
+                        else (NOTEBOOK_FORMAT, NOTEBOOK_VERSION))
+        index: dict[tuple[int, ...], list[tuple[Path, tuple[int, ...], int]]] = {}
+        for path in sorted(self.root.glob("*.safetensors")):
+            if path.name.startswith("."):
+                continue
+            try:
+                head = files.read_head(path, self.engine.fingerprint, file_format=fmt,
+                                       version=version, what="skill")
+                meta = head.header.get("meta") or {}
+                raw = meta.get("prefix_ids") if isinstance(meta, dict) else None
+                behind = tuple(int(t) for t in raw) if isinstance(raw, list) else ()
+                tokens = tuple(int(t) for t in head.tensors["token_ids"].tolist())
+                origin = int(head.tensors["positions"][0]) if tokens else 0
+            except (KvnotesError, OSError, KeyError, TypeError, ValueError, IndexError):
+                continue  # foreign, damaged or half-written: never a variant
+            index.setdefault(tokens, []).append((path, behind, origin))
+        # a folder's mtime ticks coarsely: an entry renamed in within the tick of this listing
+        # would leave it unchanged, so a listing that close to the mtime is not kept
+        recent = time.time_ns() - mtime < RACY_NS
+        self._variants, self._variants_mtime = index, None if recent else mtime
+        return index
+
     def _lookup(self, path: Path) -> Notebook | None:
         """The stored skill at ``path``, or None: missing, damaged, tampered and foreign entries
         are all misses (a peer process may delete or replace the file at any moment)."""
@@ -135,6 +206,7 @@ class SkillLibrary:
 
     def _publish(self, stored: Notebook | QuantizedNotebook, path: Path) -> None:
         """Store an entry atomically; a library that cannot be written costs reuse, not the call."""
+        self._variants_mtime = None  # list the folder again at the next variant lookup
         try:
             stored.save(path)  # files.write: temp, fsync, rename
         except OSError as err:

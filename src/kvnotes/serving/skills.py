@@ -22,14 +22,27 @@ fine-tune) is refused at start.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvnotes.core.engine import Engine
-from kvnotes.core.errors import ArgumentTypeError, NotebookFileError, UnsupportedModelError
+from kvnotes.core.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    NotebookFileError,
+    UnknownNameError,
+    UnsupportedModelError,
+)
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
 from kvnotes.serving.library.manifest import ServingManifest, entry_paths, read_entry
 from kvnotes.serving.library.splice import PieceInfo
+from kvnotes.serving.library.variants import (
+    DEFAULT_MAX_VARIANTS,
+    SkillVariants,
+    cap_variants,
+    skill_variants,
+)
 from kvnotes.serving.library.weights import weight_files, weights_digest
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
@@ -91,8 +104,13 @@ class ServingSkills:
     """
 
     def __init__(self, root: str | os.PathLike[str], engine: Engine, *,
-                 weights: str | os.PathLike[str] | None = None) -> None:
+                 weights: str | os.PathLike[str] | None = None,
+                 max_variants: int = DEFAULT_MAX_VARIANTS) -> None:
+        if isinstance(max_variants, bool) or not isinstance(max_variants, int) \
+                or max_variants < 1:
+            raise InvalidArgumentError(f"max_variants must be at least 1, got {max_variants!r}")
         self.engine = engine
+        self.max_variants = max_variants
         # refuses a model the connector cannot splice; records the weights' digests
         self.manifest = manifest_for(engine, weights)
         # BOS models: skills prefilled behind a BOS (dropped), so they keep positions 1..L
@@ -104,21 +122,46 @@ class ServingSkills:
         if engine.bos_id is not None:
             self._add_bos(engine.bos_id)
 
-    def add(self, text: str, *, name: str = "skill", after: str | None = None) -> PieceInfo:
+    def add(self, text: str, *, name: str = "skill",
+            after: str | Sequence[int] | None = None) -> PieceInfo:
         """Compile ``text`` (once: the library keeps it) and publish it to running servers.
 
-        ``after``: compile it behind this prefix, typically the system header the requests
-        start with (``engine.compile(text, after=...)``): its notes then saw the header, as they
-        will in the prompt, and a skill placed right after the header is moved by 0 positions.
-        Each anchoring is its own entry; the server prefers, among pieces with the same tokens,
-        the one prefilled at the very position it is placed at.
+        ``after``: compile it behind this prefix (text, BOS added per the library's anchor, or
+        token ids taken as given, BOS included), typically the system header the requests start
+        with (``engine.compile(text, after=...)``): its notes then saw the header, as they will
+        in the prompt, and a skill placed right after the header is moved by 0 positions. Each
+        anchoring is its own entry, a *variant* of the skill (e.g. behind the header and the
+        skill that precedes it: ``kvnotes skills add --after NAME``); the server splices the
+        variant whose prefix the prompt ends with (:func:`kvnotes.core.variants.variant_rank`).
+        Beyond ``max_variants`` entries of one skill, the oldest are deleted.
         """
         if not isinstance(text, str) or not text:
             raise ArgumentTypeError(f"a serving skill is a non-empty string, not {text!r}")
         skill = self.library.get(text, name=name, after=after)
-        return PieceInfo(self.library.path_for(text, after=after).stem, name,
+        meta_ids = skill.meta.get("prefix_ids")
+        behind = tuple(int(t) for t in meta_ids) if isinstance(meta_ids, list) else ()
+        info = PieceInfo(self.library.path_for(text, after=after).stem, name,
                          tuple(int(t) for t in skill.token_ids.tolist()),
-                         int(skill.positions[0]))
+                         int(skill.positions[0]), behind=behind)
+        cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, None,
+                     self.max_variants, keep=info.key)
+        return info
+
+    def after_skill(self, name: str, *, header: str | None = None) -> list[int]:
+        """The prefix a variant of a skill that follows skill ``name`` is compiled behind: the
+        anchor (BOS per the library), ``header``'s ids when given, then ``name``'s tokens as a
+        prompt lays them out (each part encoded alone). :class:`UnknownNameError` when no
+        operator entry is called ``name``."""
+        groups = [g for g in self.variants() if g.tenant is None]
+        found = next((g for g in groups if name in {v.piece.name for v in g.variants}), None)
+        if found is None:
+            raise UnknownNameError("skill", name, sorted({g.name for g in groups}))
+        lead = self.engine.anchor_ids(header, anchor=self.library.anchor)
+        return [*lead, *found.token_ids]
+
+    def variants(self) -> list[SkillVariants]:
+        """The folder's skills, each with its variants and their bytes on disk."""
+        return skill_variants(self.folder, self.manifest.fingerprint_obj)
 
     def _add_bos(self, bos: int) -> None:
         """The BOS alone at position 0 (exact: that is what every BOS-led prompt starts with)."""

@@ -492,3 +492,22 @@ def test_bench_config_refuses_bad_settings(field, value):
 
     with pytest.raises(InvalidArgumentError, match=field):
         ToolsBenchConfig(**{field: value})
+
+
+def test_library_strategy_is_compose_defaults_with_predecessor_variants(tiny_llama,
+                                                                         bfcl_root: Path) -> None:
+    s = parse_strategy("library")
+    assert (s.kind, s.library, s.engine_default) == ("compose", True, True)
+    case = load_cases("live_multiple", bfcl_root)[1]  # three tools
+    prompt = case_prompt(tiny_llama.tokenizer, case)
+    skills = SkillCache(tiny_llama)
+    lib = build(tiny_llama, prompt, s, skills)
+    pred = build(tiny_llama, prompt, parse_strategy(f"pred+epic:{DEFAULT_REPAIR.first}"), skills)
+    # the library's variants are swapped in for the second and third skills: pred's layout
+    assert lib.meta["compose"]["variants"] == [2, 3]
+    for key in ("exact", "regions", "repaired"):
+        assert lib.meta["compose"][key] == pred.meta["compose"][key]
+    assert torch.allclose(tiny_llama.next_logits(lib, prompt.query),
+                          tiny_llama.next_logits(pred, prompt.query), atol=1e-5)
+    # the library counted per strategy: the header-anchored skills and their variants
+    assert len(variants(prompt, s)) == 2 * len(prompt.skills) - 1

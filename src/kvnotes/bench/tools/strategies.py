@@ -27,6 +27,10 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
   every later query scores them ``q.k / T`` (``T > 1`` flattens the attention they get,
   ``T < 1`` sharpens it; ``T = 1`` is the plain strategy);
 - ``default``: ``engine.compose([header, *skills, question])`` with the engine's default repair;
+- ``library``: the same with ``library=`` a :class:`~kvnotes.SkillLibrary` (a temporary folder)
+  that holds each skill compiled behind the header and, as variants, behind the header and the
+  skill that precedes it in the case (``pred``'s, stored by ``library.get(text, after=...)``):
+  compose swaps in the variant the prompt ranks first, as a server's library does;
 - ``guard:BASE`` / ``guard:BASE@TAU``: BASE's decision, re-decided on notes recomputed exactly
   when its margin is under TAU (``decide``'s guard, :func:`kvnotes.ops.decisions.guarded`);
   without ``@TAU`` it is calibrated on the calibration half of the cases.
@@ -42,6 +46,7 @@ later one was compiled behind its predecessor alone, not the whole prefix, and i
 from __future__ import annotations
 
 import re
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -53,6 +58,7 @@ from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.notebook import LayerKV, Notebook
 from kvnotes.core.repair import Repair
+from kvnotes.ops.store import SkillLibrary
 
 DEFAULT_STRATEGIES = ("exact", "splice", "first:0.1", "first:0.3", "kvdev:0.1", "anchor",
                       "anchor+first:0.1", "guard:splice", "guard:first:0.1")
@@ -79,6 +85,7 @@ class Strategy:
     engine_default: bool = False  # ``default``: compose's own default repair
     share: float = 0.0  # ``epic:K@F``: each skill's first max(K, ceil(F * len)) tokens
     adapt: float | None = None  # ``epic:K~T``: grown while the notes moved by more than T
+    library: bool = False  # ``library``: compose's defaults with a variants library
 
 
 def parse_strategy(spec: str) -> Strategy:
@@ -88,6 +95,8 @@ def parse_strategy(spec: str) -> Strategy:
         return Strategy("exact", "exact")
     if spec == "default":
         return Strategy("default", "compose", engine_default=True)
+    if spec == "library":
+        return Strategy("library", "compose", engine_default=True, library=True)
     if spec.startswith("guard:"):
         rest = spec.removeprefix("guard:")
         # the last @ is the threshold: a share-floor base (epic:K@F) carries its own @
@@ -143,8 +152,8 @@ def parse_strategy(spec: str) -> Strategy:
         return Strategy(spec, "compose", repair, _SELECT[m.group(2) or "first"],
                         anchor=bool(m.group(1)))
     raise InvalidArgumentError(
-        f"unknown strategy {spec!r}; use exact, default, splice, first:F, kvdev:F, epic:K, "
-        "epic:K@F, epic:K~T, anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, pred, "
+        f"unknown strategy {spec!r}; use exact, default, library, splice, first:F, kvdev:F, "
+        "epic:K, epic:K@F, epic:K~T, anchor, anchor+first:F, anchor+kvdev:F, anchor+epic:K, pred, "
         "pred+epic:K, ape:T, ape:T+epic:K, "
         "guard:BASE or guard:BASE@TAU (F a fraction in [0, 1], K a token count, T a "
         "temperature)")
@@ -182,11 +191,14 @@ def variants(prompt: CasePrompt, strategy: Strategy) -> list[Variant]:
     if strategy.anchor:
         stand_in = skill_text(STAND_IN, prompt.opening)
         return [Variant(text, prompt.header, stand_in) for text in prompt.skills]
-    if strategy.predecessor:
+    plain = [Variant(text, prompt.header) for text in prompt.skills]
+    if strategy.predecessor or strategy.library:
         before = ("", *prompt.skills[:-1])
-        return [Variant(text, prompt.header, b) for b, text in zip(before, prompt.skills,
+        pred = [Variant(text, prompt.header, b) for b, text in zip(before, prompt.skills,
                                                                     strict=True)]
-    return [Variant(text, prompt.header) for text in prompt.skills]
+        # the library holds both: the header-anchored skills spliced, their variants swapped in
+        return pred if strategy.predecessor else plain + [v for v in pred if v.behind]
+    return plain
 
 
 class SkillCache:
@@ -199,6 +211,28 @@ class SkillCache:
         self._skills: dict[Variant, Notebook] = {}
         self._used: dict[str, tuple[set[Variant], set[str]]] = {}
         self.seconds = 0.0
+        self._folder: tempfile.TemporaryDirectory[str] | None = None
+        self._library: SkillLibrary | None = None
+        self._stored: set[Variant] = set()
+
+    def library(self, stored: Sequence[Variant]) -> SkillLibrary:
+        """The run's variants library (a temporary folder), holding ``stored`` (compiled once,
+        counted in :attr:`seconds`)."""
+        if self._library is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="kvnotes-variants-")
+            self._library = SkillLibrary(self._folder.name, self.engine)
+        for v in stored:
+            if v not in self._stored:
+                t0 = time.perf_counter()
+                self._library.get(v.text, name="tool", after=self._after(v))
+                self.seconds += time.perf_counter() - t0
+                self._stored.add(v)
+        return self._library
+
+    def _after(self, variant: Variant) -> str | list[int]:
+        if not variant.behind:
+            return variant.header
+        return [*self.engine.anchor_ids(variant.header), *self.engine.encode(variant.behind)]
 
     @property
     def compiled(self) -> int:
@@ -208,11 +242,8 @@ class SkillCache:
     def get(self, variant: Variant) -> Notebook:
         if variant not in self._skills:
             t0 = time.perf_counter()
-            after: str | list[int] = variant.header
-            if variant.behind:
-                after = [*self.engine.anchor_ids(variant.header),
-                         *self.engine.encode(variant.behind)]
-            self._skills[variant] = self.engine.compile(variant.text, name="tool", after=after)
+            self._skills[variant] = self.engine.compile(variant.text, name="tool",
+                                                        after=self._after(variant))
             self.seconds += time.perf_counter() - t0
         return self._skills[variant]
 
@@ -245,6 +276,11 @@ def build(engine: Engine, prompt: CasePrompt, strategy: Strategy, skills: SkillC
         return engine.prefill(exact_ids(engine, prompt)[0])
     if strategy.kind != "compose":
         raise InvalidArgumentError(f"build() makes exact or composed notes, not {strategy.kind}")
+    if strategy.library:
+        every = variants(prompt, strategy)
+        lib = skills.library([v for v in every if v.behind])
+        compiled = [skills.get(v) for v in every if not v.behind]
+        return engine.compose([prompt.header, *compiled, prompt.question], library=lib)
     compiled = [skills.get(v) for v in variants(prompt, strategy)]
     if strategy.engine_default:
         return engine.compose([prompt.header, *compiled, prompt.question])

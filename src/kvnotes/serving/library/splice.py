@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.variants import variant_rank
 
 # The key of a request's ``kv_transfer_params`` that carries its splice ranges.
 SPLICE_PARAMS_KEY = "kvnotes_splice"
@@ -132,9 +133,10 @@ class PieceIndex:
     def match_at(self, tokens: Sequence[int], pos: int) -> PieceInfo | None:
         """The longest piece whose tokens are exactly ``tokens[pos:pos + len]``, if any.
 
-        Among pieces with the same tokens (one skill compiled behind different prefixes), the
-        one prefilled at ``pos`` itself wins (it moves by 0 and its notes saw a context of that
-        length, e.g. the header it was compiled behind), then the one prefilled latest.
+        Among pieces with the same tokens (one skill's variants, compiled behind different
+        prefixes), :func:`preferred`'s rule decides, against the prompt's own ``tokens[:pos]``:
+        the one whose prefix the prompt ends with (longest shared suffix), then the one
+        prefilled at ``pos`` itself, then the one prefilled latest.
         """
         best: PieceInfo | None = None
         heads = [tuple(tokens[pos:pos + KEY_TOKENS])]
@@ -146,7 +148,8 @@ class PieceIndex:
                     break  # the bucket is sorted longest first
                 if tuple(tokens[pos:pos + n]) != piece.token_ids:
                     continue
-                if best is None or n > len(best) or _rank(piece, pos) > _rank(best, pos):
+                if best is None or n > len(best) or _rank(piece, tokens, pos) > _rank(
+                        best, tokens, pos):
                     best = piece
         return best
 
@@ -158,28 +161,37 @@ class PieceIndex:
             return None
         want = tuple(tokens[start:end])
         return preferred((piece for piece in self._by_head.get(want[:KEY_TOKENS], ())
-                          if len(piece) == n and piece.token_ids == want), start)
+                          if len(piece) == n and piece.token_ids == want), start, tokens)
 
 
-def preferred(pieces: Iterable[PieceInfo], pos: int) -> PieceInfo | None:
-    """Which of ``pieces`` (one skill's tokens, compiled behind different prefixes) is placed at
-    token ``pos``: the one prefilled at ``pos`` itself, then the one prefilled latest (the first
-    of equals in ``pieces``' order); None when there is none.
+def preferred(pieces: Iterable[PieceInfo], pos: int, ids: Sequence[int] = ()
+              ) -> PieceInfo | None:
+    """Which of ``pieces`` (one skill's variants: its tokens compiled behind different
+    prefixes) is placed at token ``pos`` of a prompt whose ids are ``ids`` (at least its first
+    ``pos``): :func:`kvnotes.core.variants.variant_rank`'s order, the one rule the engine, the
+    front and the connector share: the piece whose ``behind`` shares the longest suffix with
+    ``ids[:pos]``, then the one prefilled at ``pos`` itself, then the one prefilled latest (the
+    first of equals in ``pieces``' order); None when there is none.
 
     Example:
         >>> a, b = PieceInfo("a", "s", (5,), 0), PieceInfo("b", "s", (5,), 40)
         >>> preferred([a, b], 0).key, preferred([a, b], 7).key
         ('a', 'b')
+        >>> c = PieceInfo("c", "s", (5,), 3, behind=(1, 2, 3))
+        >>> preferred([a, b, c], 7, [9, 9, 9, 9, 9, 2, 3]).key
+        'c'
     """
     best: PieceInfo | None = None
+    best_rank: tuple[int, bool, int] | None = None
     for piece in pieces:
-        if best is None or _rank(piece, pos) > _rank(best, pos):
-            best = piece
+        rank = _rank(piece, ids, pos)
+        if best_rank is None or rank > best_rank:
+            best, best_rank = piece, rank
     return best
 
 
-def _rank(piece: PieceInfo, pos: int) -> tuple[bool, int]:
-    return piece.origin == pos, piece.origin
+def _rank(piece: PieceInfo, ids: Sequence[int], pos: int) -> tuple[int, bool, int]:
+    return variant_rank(piece.behind, piece.origin, ids, pos)
 
 
 def leading_run(tokens: Sequence[int], index: PieceIndex, *, max_pieces: int = 1024

@@ -138,23 +138,26 @@ def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInf
     """``found`` (a :func:`find_skills` result) as sent: laid out by
     :func:`~kvnotes.serving.planning.layout.part_ids` (BOS first when the tokenizer adds one,
     then each part encoded alone), each skill with the piece it is at its position (the
-    :func:`~kvnotes.serving.library.splice.preferred` one among its pieces), the BOS with one
-    of ``bos_pieces``. Only pieces still in ``registered`` count: a skill removed since the
+    :func:`~kvnotes.serving.library.splice.preferred` one among its variants, ranked against
+    the prompt's ids before it: the connector's rule, so both pick the same entry), the BOS
+    with one of ``bos_pieces``. Only pieces still in ``registered`` count: a skill removed since the
     match (or whose tokens differ from its part's) is text, computed, never spliced.
     """
-    def sent(tokens: Sequence[int], pieces: Sequence[PieceInfo], pos: int) -> SentPart:
+    before: list[int] = []  # the prompt's ids so far: what a variant's prefix is matched to
+
+    def sent(tokens: Sequence[int], pieces: Sequence[PieceInfo]) -> SentPart:
         ids = tuple(tokens)
-        return SentPart(ids, preferred((p for p in pieces if p.token_ids == ids
-                                        and registered.get(p.key) == p), pos))
+        piece = preferred((p for p in pieces if p.token_ids == ids
+                           and registered.get(p.key) == p), len(before), before)
+        before.extend(ids)
+        return SentPart(ids, piece)
 
     parts = [p for p in found if p.text]
     ids = part_ids(tokenizer, [p.text for p in parts])
     lead = len(ids) - len(parts)  # the BOS part, when the tokenizer adds one
-    out = [sent(tokens, bos_pieces, 0) for tokens in ids[:lead]]
-    pos = sum(len(tokens) for tokens in ids[:lead])
+    out = [sent(tokens, bos_pieces) for tokens in ids[:lead]]
     for part, tokens in zip(parts, ids[lead:], strict=True):
-        out.append(sent(tokens, () if part.skill is None else part.skill.pieces, pos))
-        pos += len(tokens)
+        out.append(sent(tokens, () if part.skill is None else part.skill.pieces))
     return out
 
 

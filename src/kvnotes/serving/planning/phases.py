@@ -10,9 +10,12 @@ of the piece from that hit on. Regions end on block boundaries (``repaired_end``
 ``align`` = the server's block size), since only whole blocks are prefix-cache hits.
 
 The repair rule is :mod:`kvnotes.core.repair_plan`'s, the one ``Engine.compose`` executes: each
-spliced piece's first ``max(first, ceil(share * len))`` tokens are recomputed in order, except the pieces of the unbroken
-chain at their own origins from token 0 (BOS, the header, the first skill compiled behind it),
-whose notes are already a prefill's (``skip_exact``).
+spliced piece's first ``max(first, ceil(share * len))`` tokens are recomputed in order, except the pieces whose notes are
+already a prefill's (``skip_exact``): an entry that records what it was prefilled behind (a
+variant, ``PieceInfo.behind``) placed at its origin right behind those very tokens, every note
+before it exact, as ``Engine.compose`` decides it; an entry that records nothing, in the
+unbroken chain at their own origins from token 0 (BOS, the header, the first skill compiled
+behind it).
 
 Everything here is pure (no vLLM, no engine, no HTTP): :func:`plan_phases` turns a prompt's
 part layout into a :class:`PhasePlan`, whose builders give the ``/v1/completions`` bodies that
@@ -28,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import Repair
+from kvnotes.core.repair import Repair, prefix_digest
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
 from kvnotes.serving.library.manifest import splice_salt
@@ -42,12 +45,19 @@ GUARD_LOGPROBS = 2
 @dataclass(frozen=True, slots=True)
 class PartSpan:
     """Prompt tokens ``[start, end)`` of one part: a registered piece compiled at ``origin``
-    (the position its first token was prefilled at), or text vLLM computes (``origin=None``)."""
+    (the position its first token was prefilled at), or text vLLM computes (``origin=None``).
+
+    ``ids``: the part's token ids (None: not known; then no later piece can be told exactly
+    placed by its prefix); ``behind``: the ids the piece was prefilled behind (its variant's
+    prefix; () when the entry does not record it, then it is trusted at its origin behind a
+    chain of pieces, ``trust_chain``)."""
 
     start: int
     end: int
     origin: int | None = None
     name: str = ""
+    ids: tuple[int, ...] | None = None
+    behind: tuple[int, ...] = ()
 
     @property
     def is_piece(self) -> bool:
@@ -96,7 +106,8 @@ def sent_spans(parts: Sequence[SentPart]) -> list[PartSpan]:
         if end > pos:
             piece = part.piece
             spans.append(PartSpan(pos, end, None if piece is None else piece.origin,
-                                  "" if piece is None else piece.name))
+                                  "" if piece is None else piece.name, tuple(part.token_ids),
+                                  () if piece is None else piece.behind))
         pos = end
     return spans
 
@@ -281,12 +292,17 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
 
 
 def layout_part(span: PartSpan) -> LayoutPart:
-    """A part span as the repair plan sees it: text vLLM computes, or a registered piece whose
-    compile prefix the server cannot see, trusted at its origin behind a chain of pieces so
+    """A part span as the repair plan sees it: text vLLM computes, or a registered piece. A
+    piece whose entry records what it was prefilled behind (a variant) is exactly placed, as
+    in ``Engine.compose``, when the prompt before it is those very ids at its origin (its
+    prefix digest); one that does not is trusted at its origin behind a chain of pieces so
     placed from token 0 (``trust_chain``)."""
     if span.origin is None:
-        return Text(len(span))
-    return Piece(len(span), span.origin, trust_chain=True)
+        return Text(len(span), span.ids)
+    if not span.behind:
+        return Piece(len(span), span.origin, span.ids, trust_chain=True)
+    return Piece(len(span), span.origin, span.ids, prefix_len=len(span.behind),
+                 prefix_digest=prefix_digest(span.behind), trust_chain=True)
 
 
 def _groups(ranges: Sequence[SpliceRange]) -> list[list[SpliceRange]]:
