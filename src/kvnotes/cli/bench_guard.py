@@ -8,6 +8,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -15,6 +16,9 @@ from rich.console import Console
 from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.bench import bench_app
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+
+if TYPE_CHECKING:
+    from kvnotes.bench.tools.guard_run import GuardBenchResult
 
 
 def _settings(device: str, dtype: str) -> dict[str, object]:
@@ -54,6 +58,13 @@ def guard(
     budget: float = typer.Option(0.2, "--budget", help="the largest share of requests the "
                                                        "default may answer exactly"),
     max_context: int = typer.Option(2048, "--max-context"),
+    divergence: str = typer.Option("", "--divergence", help="BFCL sets: also where 16 greedy "
+                                   "tokens part from the exact prompt's, for --strategy and "
+                                   "these composed strategies (comma-separated, e.g. "
+                                   "pred+epic:32), with the one-skill recompute oracle"),
+    part: str = typer.Option("0/1", "--part", help="I/N: every N-th request from the I-th (a "
+                             "long calibration split into runs; `bench guard-report` pools "
+                             "them)"),
     out: Path | None = typer.Option(None, "--out", help="folder for guard.json, guard.md, "
                                                  "guard.png (default: benchmarks/guard-<model>)"),
     device: str = device_option(),
@@ -62,32 +73,74 @@ def guard(
     as_json: bool = typer.Option(False, "--json", help="print the default chosen as JSON"),
 ) -> None:
     """The guard's calibration: per tau, fired share, identity with exact, cost; the default."""
-    from kvnotes.bench.tools.guard_run import (
-        GuardBenchConfig,
-        markdown,
-        plot,
-        run_guard_bench,
-    )
+    from kvnotes.bench.tools.guard_run import GuardBenchConfig, run_guard_bench
 
     config = GuardBenchConfig(sets=_sets(set_names), cases=cases, strategy=strategy,
                               max_context=max_context, budget=budget,
-                              settings=_settings(device, dtype))
+                              divergence=tuple(s.strip() for s in divergence.split(",")
+                                               if s.strip()),
+                              part=_part(part), settings=_settings(device, dtype))
     folder = folder_option(out or Path(f"benchmarks/guard-{Path(model).name}"), "--out")
     console = Console(stderr=True)
     engine = ModelOptions(model, device, dtype, threads or None).load()
     result = run_guard_bench(engine, config, model=model,
                              progress=lambda s: console.print(s, highlight=False))
+    _write_guard(result, folder, console, as_json)
+
+
+def _part(text: str) -> tuple[int, int]:
+    from kvnotes.core.errors import InvalidArgumentError
+
+    i, _, n = text.partition("/")
+    try:
+        return int(i), int(n)
+    except ValueError as err:
+        raise InvalidArgumentError(f"--part {text!r}: give I/N, e.g. 0/2") from err
+
+
+def _write_guard(result: GuardBenchResult, folder: Path, console: Console, as_json: bool
+                 ) -> None:
+    from kvnotes.bench.tools.divergence import plot as divergence_plot
+    from kvnotes.bench.tools.guard_run import markdown, plot
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "guard.json").write_text(json.dumps(result.to_dict(), indent=1, default=str)
                                        + "\n", encoding="utf-8")
     text = markdown(result)
     (folder / "guard.md").write_text(text, encoding="utf-8")
     plot(result, folder / "guard.png")
+    for set_name, found in result.divergence.items():
+        if found:
+            divergence_plot(result.model, found, [r.strategy for r in found[0].reads],
+                            folder / f"divergence-{set_name}.png")
     if as_json:
         emit_json(result.choice.to_dict())
     else:
         console.print(text, highlight=False)
         console.print(f"wrote {folder}/guard.json, guard.md, guard.png")
+
+
+@bench_app.command("guard-report")
+def guard_report(
+    runs: list[Path] = typer.Argument(..., help="guard.json files (or their folders) of one "
+                                                "model: pooled per set"),
+    out: Path = typer.Option(..., "--out", help="folder for the pooled guard.json, .md, .png"),
+    budget: float | None = typer.Option(None, "--budget", help="fire budget of the default "
+                                                               "(default: the runs')"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Pool `bench guard` runs (parts, or sets measured apart): curves and default again."""
+    from kvnotes.bench.tools.guard_run import GuardBenchResult
+    from kvnotes.core.errors import InvalidArgumentError
+
+    data = []
+    for path in runs:
+        file = path / "guard.json" if path.is_dir() else path
+        if not file.is_file():
+            raise InvalidArgumentError(f"{path}: no guard.json; give `bench guard` outputs")
+        data.append(json.loads(file.read_text(encoding="utf-8")))
+    result = GuardBenchResult.from_dicts(data, budget=budget)
+    _write_guard(result, folder_option(out, "--out"), Console(stderr=True), as_json)
 
 
 @bench_app.command("divergence")

@@ -41,9 +41,10 @@ def serve(
                                   "salt themselves, e.g. ComposeClient)"),
     repair: int = typer.Option(DEFAULT_FIRST, "--repair", help="Front: the first tokens of "
                                "each spliced skill recomputed in context (0: a bare splice)"),
-    guard: float = typer.Option(0.0, "--guard", help="Front: answer from an exact request when "
-                                "the first token's top-2 log-prob margin is under this (0: "
-                                "never)"),
+    guard: str = typer.Option("auto", "--guard", help="Front: answer from an exact request "
+                              "when the first token's top-2 log-prob margin is under this tau: "
+                              "auto (the model's calibrated default, off for a model without "
+                              "one), 0 (never) or a margin such as 0.5"),
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
     block_size: int | None = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
@@ -68,6 +69,7 @@ def serve(
     context) for any OpenAI client. Stops on Ctrl-C."""
     import kvnotes
     from kvnotes.serving.front.app import FrontConfig
+    from kvnotes.serving.front.guard_defaults import resolve_guard
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
     from kvnotes.serving.launch.process import check_kv_cache_gib
     from kvnotes.serving.library.manifest import SPLICE_SALT
@@ -77,10 +79,12 @@ def serve(
         raise InvalidArgumentError("--host, --api-key and --key-file are the front's: drop "
                                    "--no-front, or pass vLLM's own flags after --")
     check_vllm_args(vllm_args or [])
-    front = None if no_front else FrontConfig(port=port, host=host, repair=repair, guard=guard,
+    tau, why = resolve_guard(guard, model)
+    front = None if no_front else FrontConfig(port=port, host=host, repair=repair, guard=tau,
                                               api_key=api_key, key_file=key_file)
     if front is not None:
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
+        typer.echo(f"guard: {why}", err=True)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
                           kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
                           port=port if no_front else None,

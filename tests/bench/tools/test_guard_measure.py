@@ -105,3 +105,23 @@ def test_divergence_takes_composed_strategies(bad):
 
     with pytest.raises(InvalidArgumentError):
         DivergenceConfig(strategies=(bad,))
+
+
+def test_a_guard_run_with_divergence_pools_from_its_json(tiny_llama, monkeypatch):
+    import json
+
+    from kvnotes.bench.tools import guard_run
+    from kvnotes.bench.tools.guard_run import GuardBenchConfig, GuardBenchResult
+
+    reqs = [Request(f"r{i}", "live_multiple", PROMPT, True) for i in range(3)]
+    monkeypatch.setattr(guard_run, "requests", lambda engine, s, n, max_context: reqs)
+    config = GuardBenchConfig(sets=("live_multiple",), cases=3, strategy="epic:4",
+                              divergence=("pred+epic:4",), part=(1, 2), taus=(0.0, 0.5))
+    result = guard_run.run_guard_bench(tiny_llama, config, model="tiny")
+    assert [c.id for c in result.cases["live_multiple"]] == ["r1"]  # every 2nd from the 2nd
+    (div,) = result.divergence["live_multiple"]
+    assert [r.strategy for r in div.reads] == ["epic:4", "pred+epic:4"]
+    data = json.loads(json.dumps(result.to_dict(), default=str))
+    pooled = GuardBenchResult.from_dicts([data, data])
+    assert len(pooled.cases["live_multiple"]) == 2 and pooled.curves["live_multiple"][0].cases == 2
+    assert "16 greedy tokens on live_multiple" in guard_run.markdown(pooled)

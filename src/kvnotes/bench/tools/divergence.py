@@ -172,6 +172,19 @@ def oracle(engine: Engine, req: Request, composed: Reading, exact: Reading, *,
                  for i, ((a, b), r) in enumerate(zip(spans[1:], reads, strict=True)))
 
 
+def divergence_case(engine: Engine, req: Request, exact: Reading,
+                    reads: Sequence[tuple[str, Reading]], *, oracle_on: bool = True
+                    ) -> DivergenceCase:
+    """One case's record from its decoded readings (the oracle on the first strategy's
+    notes, when its continuation differs and ``oracle_on``)."""
+    n_name = name_length(engine, exact.greedy)
+    rows = tuple(_read_of(engine, name, r, exact, n_name) for name, r in reads)
+    checks = (oracle(engine, req, reads[0][1], exact, n=len(exact.greedy))
+              if oracle_on and not rows[0].greedy_same else ())
+    return DivergenceCase(req.id, len(req.prompt.skills), engine.decode(exact.greedy), n_name,
+                          rows, checks)
+
+
 def run_divergence(engine: Engine, config: DivergenceConfig, *, progress: Progress | None = None
                    ) -> list[DivergenceCase]:
     """Every case of ``config`` (see the module doc)."""
@@ -186,13 +199,9 @@ def run_divergence(engine: Engine, config: DivergenceConfig, *, progress: Progre
         exact = read(engine, req, notes_of(engine, req, exact_s, skills))
         reads = [read(engine, req, notes_of(engine, req, s, skills)) for s in strategies]
         decode(engine, [exact, *reads], GREEDY_TOKENS)
-        n_name = name_length(engine, exact.greedy)
-        rows = tuple(_read_of(engine, s.name, r, exact, n_name)
-                     for s, r in zip(strategies, reads, strict=True))
-        checks = (oracle(engine, req, reads[0], exact)
-                  if config.oracle and not rows[0].greedy_same else ())
-        out.append(DivergenceCase(req.id, len(req.prompt.skills), engine.decode(exact.greedy),
-                                  n_name, rows, checks))
+        out.append(divergence_case(engine, req, exact,
+                                   [(s.name, r) for s, r in zip(strategies, reads, strict=True)],
+                                   oracle_on=config.oracle))
     return out
 
 

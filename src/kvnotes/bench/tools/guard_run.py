@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvnotes.bench.tools.divergence import DivergenceCase, divergence_case
+from kvnotes.bench.tools.divergence import markdown as divergence_markdown
 from kvnotes.bench.tools.guard_calib import (
     FIRE_BUDGET,
     TAUS,
@@ -49,6 +51,10 @@ class GuardBenchConfig:
     max_context: int = 2048
     budget: float = FIRE_BUDGET
     taus: tuple[float, ...] = TAUS
+    # BFCL sets: also the divergence of 16 greedy tokens (these strategies besides
+    # ``strategy``, and the one-skill recompute oracle; empty: none)
+    divergence: tuple[str, ...] = ()
+    part: tuple[int, int] = (0, 1)  # (i, n): every n-th request from the i-th (runs split)
     settings: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +67,13 @@ class GuardBenchConfig:
             raise InvalidArgumentError(f"the fire budget must be in (0, 1], got {self.budget!r}")
         if 0.0 not in self.taus:
             raise InvalidArgumentError("the thresholds must include 0 (the guard off)")
+        for name in self.divergence:
+            if parse_strategy(name).kind != "compose":
+                raise InvalidArgumentError(f"--divergence {name!r}: give composed strategies, "
+                                           "e.g. pred+epic:32")
+        i, n = self.part
+        if not 0 <= i < n:
+            raise InvalidArgumentError(f"--part {i}/{n}: give I/N with 0 <= I < N, e.g. 0/2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +86,44 @@ class GuardBenchResult:
     curves: dict[str, list[TauRow]]
     choice: GuardChoice
     settings: dict[str, object]
+    divergence: dict[str, list[DivergenceCase]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "strategy": self.strategy, "settings": self.settings,
                 "choice": self.choice.to_dict(),
                 "curves": {s: [r.to_dict() for r in rows] for s, rows in self.curves.items()},
                 "margins": {s: margin_summary(cs) for s, cs in self.cases.items()},
-                "cases": {s: [c.to_dict() for c in cs] for s, cs in self.cases.items()}}
+                "cases": {s: [c.to_dict() for c in cs] for s, cs in self.cases.items()},
+                "divergence": {s: [c.to_dict() for c in cs]
+                               for s, cs in self.divergence.items()}}
+
+    @classmethod
+    def from_dicts(cls, runs: Sequence[dict[str, Any]], *, budget: float | None = None
+                   ) -> GuardBenchResult:
+        """Runs of one model and strategy (parts of one calibration, or sets measured
+        apart) as one result: their requests pooled per set, the curves and default read
+        again."""
+        if not runs:
+            raise InvalidArgumentError("give at least one guard.json")
+        first = runs[0]
+        if any((r["model"], r["strategy"]) != (first["model"], first["strategy"])
+               for r in runs):
+            raise InvalidArgumentError("the runs pooled must share their model and strategy")
+        cases: dict[str, list[GuardCase]] = {}
+        div: dict[str, list[DivergenceCase]] = {}
+        for r in runs:
+            for s, cs in r["cases"].items():
+                cases.setdefault(s, []).extend(GuardCase.from_dict(c) for c in cs)
+            for s, cs in r.get("divergence", {}).items():
+                div.setdefault(s, []).extend(DivergenceCase.from_dict(c) for c in cs)
+        taus = tuple(row["tau"] for row in next(iter(first["curves"].values())))
+        limit = float(budget if budget is not None
+                      else first["settings"].get("fire_budget", FIRE_BUDGET))
+        curves = {s: curve(cs, taus) for s, cs in cases.items()}
+        settings = {**first["settings"], "fire_budget": limit, "pooled_runs": len(runs),
+                    "commands": [r["settings"].get("command") for r in runs]}
+        return cls(first["model"], first["strategy"], cases, curves,
+                   choose_default(curves, budget=limit), settings, div)
 
 
 def margin_summary(cases: Sequence[GuardCase]) -> dict[str, float | int]:
@@ -99,25 +143,37 @@ def run_guard_bench(engine: Engine, config: GuardBenchConfig, *, model: str,
                     progress: Progress | None = None) -> GuardBenchResult:
     """The calibration of ``config`` on ``engine`` (see the module doc)."""
     strategy, exact = parse_strategy(config.strategy), parse_strategy("exact")
+    others = [parse_strategy(s) for s in config.divergence]
     skills = SkillCache(engine)
     cases: dict[str, list[GuardCase]] = {}
+    div: dict[str, list[DivergenceCase]] = {}
+    at, every = config.part
     for set_name in config.sets:
         found = requests(engine, set_name, config.cases, max_context=config.max_context)
+        found = found[at::every]
         out = []
         for i, req in enumerate(found):
             if progress:
                 progress(f"{set_name} {i + 1}/{len(found)} {req.id}")
             composed = read(engine, req, notes_of(engine, req, strategy, skills))
             reference = read(engine, req, notes_of(engine, req, exact, skills))
-            decode(engine, [composed, reference], GREEDY_TOKENS)
+            extra = ([read(engine, req, notes_of(engine, req, s, skills)) for s in others]
+                     if req.decides else [])
+            decode(engine, [composed, reference, *extra], GREEDY_TOKENS)
             out.append(guard_case(engine, req, composed, reference))
+            if others and req.decides:
+                div.setdefault(set_name, []).append(divergence_case(
+                    engine, req, reference, [(strategy.name, composed),
+                                             *zip(config.divergence, extra, strict=True)]))
         cases[set_name] = out
     curves = {s: curve(cs, config.taus) for s, cs in cases.items()}
     return GuardBenchResult(model, config.strategy, cases, curves,
                             choose_default(curves, budget=config.budget),
                             {**config.settings, "sets": list(config.sets),
                              "cases_asked": config.cases, "max_context": config.max_context,
-                             "fire_budget": config.budget, "greedy_tokens": GREEDY_TOKENS})
+                             "part": list(config.part), "fire_budget": config.budget,
+                             "greedy_tokens": GREEDY_TOKENS,
+                             "divergence": list(config.divergence)}, div)
 
 
 def markdown(result: GuardBenchResult) -> str:
@@ -139,6 +195,10 @@ def markdown(result: GuardBenchResult) -> str:
                          f"{r.first_same}/{r.cases} | {r.greedy_same}/{r.cases} | {choice} | "
                          f"{r.spliced_share:.1%} | {r.computed_share:.1%} |")
         lines.append("")
+    for set_name, found in result.divergence.items():
+        names = [r.strategy for r in found[0].reads] if found else []
+        lines += [f"## 16 greedy tokens on {set_name}", "",
+                  divergence_markdown(result.model, found, names)]
     return "\n".join(lines)
 
 
