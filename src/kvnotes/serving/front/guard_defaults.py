@@ -31,8 +31,12 @@ class GuardDefault:
 
 
 GUARD_DEFAULTS: dict[str, GuardDefault] = {
-    "smollm2-135m": GuardDefault(0.0, "not measured yet"),
-    "gemma3-270m": GuardDefault(0.0, "not measured yet"),
+    "smollm2-135m": GuardDefault(0.1, "fired on 2/22 live_multiple requests (9%), first tokens "
+                                      "identical to exact 19 -> 20/22, 16 tokens 12 -> 13/22; "
+                                      "spliced tokens recomputed 9.3% -> 17.2%"),
+    "gemma3-270m": GuardDefault(0.0, "near-tie first tokens on the airline prompts (every "
+                                     "front calibration margin under 0.25, 4 of 6 first tokens "
+                                     "differing): a tau that catches them fires on 35% or more"),
 }
 
 
