@@ -49,16 +49,25 @@ def test_curve_is_one_row_per_tau_and_fires_grow_with_tau():
 
 def test_default_is_the_smallest_tau_with_the_most_gain_within_the_budget():
     # 10 requests: the two that differ have small margins; one near-tie that agrees
-    cases = [case(0.05, same=False), case(0.15, same=False)] + [case(3.0)] * 8
+    cases = [case(0.05, same=False, first=False), case(0.15, same=False, first=False)] \
+        + [case(3.0)] * 8
     taus = (0.0, 0.1, 0.2, 0.3, 5.0)
     choice = choose_default({"a": curve(cases, taus)}, budget=0.2)
     assert choice.tau == 0.2  # catches both at 20% fired; 0.3 gains no more; 5.0 is over
-    assert choice.rows["a"].greedy_same == 10 and "+2/10" in choice.reason
+    assert choice.rows["a"].greedy_same == 10 and "first tokens +2" in choice.reason
+
+
+def test_a_continuation_fixed_by_chance_does_not_turn_the_guard_on():
+    # the only small margin belongs to a request whose first token already agrees
+    cases = [case(0.05, same=False)] + [case(3.0, same=False, first=False)] + [case(3.0)] * 8
+    choice = choose_default({"a": curve(cases, (0.0, 0.1, 5.0))}, budget=0.2)
+    assert choice.tau == 0.0 and "fixes a first token" in choice.reason
 
 
 def test_default_is_off_when_gains_need_more_than_the_budget_on_any_set():
-    near_ties = [case(0.05 * (i + 1), same=i != 5) for i in range(10)]  # every margin small
-    clear = [case(0.05, same=False)] + [case(3.0)] * 9
+    near_ties = [case(0.05 * (i + 1), same=i != 5, first=i != 5)  # every margin small
+                 for i in range(10)]
+    clear = [case(0.05, same=False, first=False)] + [case(3.0)] * 9
     taus = (0.0, 0.1, 0.2, 0.5)
     choice = choose_default({"clear": curve(clear, taus), "ties": curve(near_ties, taus)},
                             budget=0.2)

@@ -146,10 +146,12 @@ def choose_default(curves: Mapping[str, Sequence[TauRow]], *,
     same ``taus`` in each).
 
     Only thresholds whose fire rate stays within ``budget`` on every set are candidates; of
-    those, the one with the most greedy continuations identical to the exact prompt's, summed
-    over the sets (the smallest such tau). When no candidate beats ``tau = 0`` the guard ships
-    off: a model whose first tokens are near ties would pay for an exact prefill on most
-    requests to gain anything.
+    those, the one with the most first answer tokens identical to the exact prompt's (what the
+    guard reads and fixes), then the most identical greedy continuations, summed over the sets
+    (the smallest such tau). When no candidate makes a first token identical that was not, the
+    guard ships off: a continuation that a fired request happens to fix is not what the guard
+    is for, and a model whose first tokens are near ties would pay for an exact prefill on most
+    requests to fix its decisions.
     """
     if not curves:
         raise InvalidArgumentError("choose_default needs the curve of at least one set")
@@ -161,21 +163,23 @@ def choose_default(curves: Mapping[str, Sequence[TauRow]], *,
     by_tau = {t: {name: rows[i] for name, rows in curves.items()} for i, t in enumerate(taus)}
     off = by_tau[0.0]
 
-    def gain(t: float) -> int:
-        return sum(by_tau[t][s].greedy_same - off[s].greedy_same for s in curves)
+    def gain(t: float) -> tuple[int, int]:
+        return (sum(by_tau[t][s].first_same - off[s].first_same for s in curves),
+                sum(by_tau[t][s].greedy_same - off[s].greedy_same for s in curves))
 
     within = [t for t in taus if all(r.fire_rate <= budget for r in by_tau[t].values())]
     best = max(sorted(within), key=gain)  # max keeps the first (smallest) of equal gains
-    over = {s: next((r.fire_rate for r in rows if r.tau > 0 and r.greedy_same
-                     > off[s].greedy_same), None) for s, rows in curves.items()}
-    if gain(best) <= 0:
+    over = {s: next((r.fire_rate for r in rows if r.tau > 0 and r.first_same
+                     > off[s].first_same), None) for s, rows in curves.items()}
+    if gain(best)[0] <= 0:
         costly = ", ".join(f"{s} {f:.0%}" for s, f in over.items() if f is not None)
-        reason = (f"off: no threshold gains an identical continuation while answering at most "
+        reason = (f"off: no threshold fixes a first token while answering at most "
                   f"{budget:.0%} of requests exactly"
-                  + (f" (the first that gains fires on {costly})" if costly else ""))
+                  + (f" (the first that fixes one fires on {costly})" if costly else ""))
         return GuardChoice(0.0, reason, off)
-    sets = ", ".join(f"{s} +{by_tau[best][s].greedy_same - off[s].greedy_same}/"
-                     f"{off[s].cases} identical at {by_tau[best][s].fire_rate:.0%} fired"
-                     for s in curves)
-    return GuardChoice(best, f"most identical continuations within {budget:.0%} fired: {sets}",
+    sets = ", ".join(
+        f"{s} first tokens +{by_tau[best][s].first_same - off[s].first_same}, 16 tokens "
+        f"+{by_tau[best][s].greedy_same - off[s].greedy_same} of {off[s].cases} at "
+        f"{by_tau[best][s].fire_rate:.0%} fired" for s in curves)
+    return GuardChoice(best, f"most first tokens fixed within {budget:.0%} fired: {sets}",
                        by_tau[best])

@@ -31,12 +31,14 @@ class GuardDefault:
 
 
 GUARD_DEFAULTS: dict[str, GuardDefault] = {
-    "smollm2-135m": GuardDefault(0.1, "fired on 2/22 live_multiple requests (9%), first tokens "
-                                      "identical to exact 19 -> 20/22, 16 tokens 12 -> 13/22; "
-                                      "spliced tokens recomputed 9.3% -> 17.2%"),
-    "gemma3-270m": GuardDefault(0.0, "near-tie first tokens on the airline prompts (every "
-                                     "front calibration margin under 0.25, 4 of 6 first tokens "
-                                     "differing): a tau that catches them fires on 35% or more"),
+    "smollm2-135m": GuardDefault(0.1, "fired on 2/22 live_multiple requests (9%) and 0/12 "
+                                      "airline ones; first tokens identical to exact 19 -> "
+                                      "20/22, 16 tokens 12 -> 13/22; spliced tokens recomputed "
+                                      "9.3% -> 17.2% on live_multiple"),
+    "gemma3-270m": GuardDefault(0.0, "near-tie first tokens on the airline prompts (median "
+                                     "margin 0.49): the smallest tau that fixes a differing "
+                                     "first token (0.5) fires on 8/12 requests; 0.1 fires on "
+                                     "2/12 and fixes none"),
 }
 
 
