@@ -73,6 +73,7 @@ def guard(
     as_json: bool = typer.Option(False, "--json", help="print the default chosen as JSON"),
 ) -> None:
     """The guard's calibration: per tau, fired share, identity with exact, cost; the default."""
+    from kvnotes.bench.serving.prompt_sets import make_requests
     from kvnotes.bench.tools.guard_run import GuardBenchConfig, run_guard_bench
 
     config = GuardBenchConfig(sets=_sets(set_names), cases=cases, strategy=strategy,
@@ -83,7 +84,7 @@ def guard(
     folder = folder_option(out or Path(f"benchmarks/guard-{Path(model).name}"), "--out")
     console = Console(stderr=True)
     engine = ModelOptions(model, device, dtype, threads or None).load()
-    result = run_guard_bench(engine, config, model=model,
+    result = run_guard_bench(engine, config, model=model, airline=make_requests,
                              progress=lambda s: console.print(s, highlight=False))
     _write_guard(result, folder, console, as_json)
 

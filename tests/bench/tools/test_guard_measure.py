@@ -114,7 +114,7 @@ def test_a_guard_run_with_divergence_pools_from_its_json(tiny_llama, monkeypatch
     from kvnotes.bench.tools.guard_run import GuardBenchConfig, GuardBenchResult
 
     reqs = [Request(f"r{i}", "live_multiple", PROMPT, True) for i in range(3)]
-    monkeypatch.setattr(guard_run, "requests", lambda engine, s, n, max_context: reqs)
+    monkeypatch.setattr(guard_run, "requests", lambda engine, s, n, **kw: reqs)
     config = GuardBenchConfig(sets=("live_multiple",), cases=3, strategy="epic:4",
                               divergence=("pred+epic:4",), part=(1, 2), taus=(0.0, 0.5))
     result = guard_run.run_guard_bench(tiny_llama, config, model="tiny")
@@ -125,3 +125,36 @@ def test_a_guard_run_with_divergence_pools_from_its_json(tiny_llama, monkeypatch
     pooled = GuardBenchResult.from_dicts([data, data])
     assert len(pooled.cases["live_multiple"]) == 2 and pooled.curves["live_multiple"][0].cases == 2
     assert "16 greedy tokens on live_multiple" in guard_run.markdown(pooled)
+
+
+def test_airline_requests_come_from_the_prompt_maker_given(tiny_llama):
+    from kvnotes.bench.serving.prompt_sets import make_requests
+    from kvnotes.bench.tools.guard_measure import requests
+    from kvnotes.core.errors import InvalidArgumentError
+
+    found = requests(tiny_llama, "airline", 3, k=2, airline=make_requests)
+    assert [r.id for r in found] == ["airline-0", "airline-1", "airline-2"]
+    assert all(len(r.prompt.skills) == 2 and not r.decides and not r.prompt.query
+               for r in found)
+    assert found[0].prompt == requests(tiny_llama, "airline", 3, k=2,
+                                       airline=make_requests)[0].prompt  # seeded
+    with pytest.raises(InvalidArgumentError, match="make_requests"):
+        requests(tiny_llama, "airline", 3)
+    with pytest.raises(InvalidArgumentError, match="unknown development set"):
+        requests(tiny_llama, "simple", 3)
+
+
+def test_bench_guard_refuses_a_held_out_set_and_a_bad_part_before_loading(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app, options
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(options, "load_engine", no_load)
+    held = CliRunner().invoke(app, ["bench", "guard", "--model", "m", "--set",
+                                    "live_multiple,simple"])
+    assert held.exit_code == 2 and "held out" in held.output
+    part = CliRunner().invoke(app, ["bench", "guard", "--model", "m", "--part", "2/2"])
+    assert part.exit_code == 2 and "--part 2/2" in part.output

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.bench.serving.prompt_sets import make_requests
 from kvnotes.bench.tools.data import load_cases, spread
 from kvnotes.bench.tools.guard_calib import GuardCase
 from kvnotes.bench.tools.prompt import CasePrompt, case_prompt
@@ -47,8 +46,15 @@ class Request:
         return [*ids, *engine.encode(self.prompt.query)] if self.prompt.query else ids
 
 
+# ``(n, k, seed)`` -> airline prompts as parts (header, k policies, the customer's message):
+# ``kvnotes.bench.serving.prompt_sets.make_requests``, given by the caller (that package
+# imports this one)
+AirlinePrompts = Callable[[int, int, int], list[list[str]]]
+
+
 def requests(engine: Engine, set_name: str, n: int, *, max_context: int = 2048,
-             seed: int = 0, k: int = 4) -> list[Request]:
+             seed: int = 0, k: int = 4, airline: AirlinePrompts | None = None
+             ) -> list[Request]:
     """Requests of a development set: ``n`` BFCL cases spread over the file, less those longer
     than ``max_context`` tokens (as ``bench tools`` picks and skips them), or ``n`` airline prompts (the
     agent's header, ``k`` of its policies in random order, a customer's message)."""
@@ -56,8 +62,11 @@ def requests(engine: Engine, set_name: str, n: int, *, max_context: int = 2048,
         raise InvalidArgumentError(f"unknown development set {set_name!r}; use one of "
                                    f"{', '.join(GUARD_SETS)}")
     if set_name == "airline":
+        if airline is None:
+            raise InvalidArgumentError("the airline set needs its prompt maker: pass "
+                                       "airline=kvnotes.bench.serving.prompt_sets.make_requests")
         out = []
-        for i, parts in enumerate(make_requests(n, k, seed)):
+        for i, parts in enumerate(airline(n, k, seed)):
             prompt = CasePrompt(parts[0], tuple(parts[1:-1]), parts[-1], "")
             out.append(Request(f"airline-{i}", "airline", prompt, False))
         return out

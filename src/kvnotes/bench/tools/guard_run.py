@@ -27,6 +27,7 @@ from kvnotes.bench.tools.guard_calib import (
 )
 from kvnotes.bench.tools.guard_measure import (
     GREEDY_TOKENS,
+    AirlinePrompts,
     decode,
     guard_case,
     notes_of,
@@ -140,8 +141,10 @@ def margin_summary(cases: Sequence[GuardCase]) -> dict[str, float | int]:
 
 
 def run_guard_bench(engine: Engine, config: GuardBenchConfig, *, model: str,
-                    progress: Progress | None = None) -> GuardBenchResult:
-    """The calibration of ``config`` on ``engine`` (see the module doc)."""
+                    progress: Progress | None = None, airline: AirlinePrompts | None = None
+                    ) -> GuardBenchResult:
+    """The calibration of ``config`` on ``engine`` (see the module doc); ``airline`` makes the
+    airline set's prompts (:data:`~kvnotes.bench.tools.guard_measure.AirlinePrompts`)."""
     strategy, exact = parse_strategy(config.strategy), parse_strategy("exact")
     others = [parse_strategy(s) for s in config.divergence]
     skills = SkillCache(engine)
@@ -149,7 +152,8 @@ def run_guard_bench(engine: Engine, config: GuardBenchConfig, *, model: str,
     div: dict[str, list[DivergenceCase]] = {}
     at, every = config.part
     for set_name in config.sets:
-        found = requests(engine, set_name, config.cases, max_context=config.max_context)
+        found = requests(engine, set_name, config.cases, max_context=config.max_context,
+                         airline=airline)
         found = found[at::every]
         out = []
         for i, req in enumerate(found):
