@@ -6,6 +6,7 @@ next to nothing but the API they call.
 
 from kvnotes.cli import agent as _agent  # noqa: F401  (registers agent-bench, agent)
 from kvnotes.cli import bench as _bench  # noqa: F401  (registers bench tools)
+from kvnotes.cli import bench_guard as _bench_guard  # noqa: F401  (bench guard, divergence)
 from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
 from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
 from kvnotes.cli import repro as _repro  # noqa: F401  (registers repro)

@@ -55,9 +55,10 @@ def serve(
                                "each spliced skill recomputes in context: K its first K tokens "
                                "(0: a bare splice), K@F at least the share F of it (e.g. "
                                "32@0.1), rounded up to the block"),
-    guard: float = typer.Option(0.0, "--guard", help="Front: answer from an exact request when "
-                                "the first token's top-2 log-prob margin is under this (0: "
-                                "never)"),
+    guard: str = typer.Option("auto", "--guard", help="Front: answer from an exact request "
+                              "when the first token's top-2 log-prob margin is under this tau: "
+                              "auto (the model's calibrated default, off for a model without "
+                              "one), 0 (never) or a margin such as 0.5"),
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
     block_size: int | None = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
@@ -82,6 +83,7 @@ def serve(
     context) for any OpenAI client. Stops on Ctrl-C."""
     import kvnotes
     from kvnotes.serving.front.app import FrontConfig
+    from kvnotes.serving.front.guard_defaults import resolve_guard
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
     from kvnotes.serving.launch.process import check_kv_cache_gib
     from kvnotes.serving.library.manifest import SPLICE_SALT
@@ -92,11 +94,13 @@ def serve(
                                    "--no-front, or pass vLLM's own flags after --")
     check_vllm_args(vllm_args or [])
     plan = server_repair_spelled(repair)
+    tau, why = resolve_guard(guard, model)
     front = None if no_front else FrontConfig(port=port, host=host, repair=plan.first,
-                                              repair_share=plan.share, guard=guard,
+                                              repair_share=plan.share, guard=tau,
                                               api_key=api_key, key_file=key_file)
     if front is not None:
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
+        typer.echo(f"guard: {why}", err=True)
     config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
                           kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
                           port=port if no_front else None,

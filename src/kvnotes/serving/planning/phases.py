@@ -10,7 +10,8 @@ of the piece from that hit on. Regions end on block boundaries (``repaired_end``
 ``align`` = the server's block size), since only whole blocks are prefix-cache hits.
 
 The repair rule is :mod:`kvnotes.core.repair_plan`'s, the one ``Engine.compose`` executes: each
-spliced piece's first ``max(first, ceil(share * len))`` tokens are recomputed in order, except the pieces whose notes are
+spliced piece's first ``max(first, ceil(share * len))`` tokens are recomputed in order, except
+the pieces whose notes are
 already a prefill's (``skip_exact``): an entry that records what it was prefilled behind (a
 variant, ``PieceInfo.behind``) placed at its origin right behind those very tokens, every note
 before it exact, as ``Engine.compose`` decides it; an entry that records nothing, in the
