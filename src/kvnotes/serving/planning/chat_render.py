@@ -22,7 +22,8 @@ Three layouts (:data:`LAYOUTS`), chosen per request:
   assistant message's ``tool_calls`` are written in that format after its text, and a
   ``tool`` message becomes a user turn ``<tool_response>\\n...\\n</tool_response>``.
 - ``"default"``: the tokenizer has no chat template (a base model):
-  :data:`DEFAULT_LAYOUT` (roles as plain prefixes), tools as in ``"kvnotes_tools"``.
+  :data:`DEFAULT_LAYOUT` (roles as plain prefixes), tools as in ``"kvnotes_tools"``; unless
+  the client sends ``stop``, the answer stops at :data:`DEFAULT_STOP` (a user turn).
 
 A message's list content is its text parts joined with ``"\\n"`` (how vLLM joins them for a
 template that takes string content); any other part (an image, audio) makes the request
@@ -55,6 +56,7 @@ TOOL_BLOCK_TAIL = ("\n</tools>\n\nTo call a function, answer with one line per c
 DEFAULT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 DEFAULT_SEPARATOR = "\n\n"
 DEFAULT_GENERATION = "Assistant:"
+DEFAULT_STOP = ("\n\nUser:",)  # the default stop of a chat in the default layout
 DEFAULT_LAYOUT = ("System: <system text>\\n\\nUser: <user text>\\n\\nAssistant: <answer>"
                   "\\n\\n...\\n\\nAssistant:")
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})

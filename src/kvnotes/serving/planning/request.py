@@ -30,6 +30,7 @@ from typing import Any
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.chat_render import (
+    DEFAULT_STOP,
     ChatPart,
     ChatShapeError,
     Find,
@@ -299,13 +300,21 @@ def _tool_choice(body: Mapping[str, Any]) -> bool:
 def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
               find: Find | None) -> None:
     """Render and lay out a chat into ``req`` (``find``: the catalog's registered texts, which
-    split the text parts; None: none)."""
+    split the text parts; None: none). An opted-out chat that is not structured raises
+    :class:`Unplannable` before it is tokenized (it is forwarded as it came)."""
     try:
         rendered = render_chat_parts(tokenizer, body.get("messages"), body.get("tools"))
     except ChatShapeError as err:
         raise Unplannable(str(err), err.code) from err
+    if not req.options.splice and not rendered.structured:
+        raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     req.tool_calls = _tool_choice(body)
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+    if req.tool_calls:
+        # as vLLM's tool parsers ask: a call marker may be a special token of the model
+        req.sampling.setdefault("skip_special_tokens", False)
+    if rendered.layout == "default":  # a base model: its answer ends where a user turn would
+        req.sampling.setdefault("stop", list(DEFAULT_STOP))
     laid = lay_out_chat(tokenizer, rendered.parts, find)
     req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
     req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
@@ -321,9 +330,8 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
     if not isinstance(body, dict):
         raise Unplannable("the body is not a JSON object", "prompt_shape")
     options = read_options(body.get(OPTIONS_KEY))
-    opted_out = Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     if not options.splice and kind != "chat":
-        raise opted_out
+        raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     _one_choice(body)
     stream, include_usage = _stream_fields(body)
     sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
@@ -356,8 +364,6 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
             raise Unplannable("add_generation_prompt=false is passed to vLLM as it is",
                               "special_tokens")
         read_chat(req, body, tokenizer, find)
-        if not options.splice and not req.structured:
-            raise opted_out
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
         sampling.setdefault("max_tokens", None)  # chat's default: up to the context's end
