@@ -149,6 +149,33 @@ def test_the_layout_follows_what_the_template_renders(tokenizer, gemma_tokenizer
     assert "SmolLM" not in alone.text
 
 
+def test_a_content_part_is_found_where_it_is_not_where_its_text_first_occurs(any_tokenizer):
+    messages = [{"role": "system", "content": "Paris is nice."},
+                {"role": "user", "content": [{"type": "text", "text": "Paris is nice."},
+                                             {"type": "text", "text": "Why?"}]}]
+    chat = render_chat_parts(any_tokenizer, messages)
+    at = {}
+    pos = 0
+    for p in chat.parts:
+        if p.is_chunk:
+            at[p.text] = pos
+        pos += len(p.text)
+    assert at["Paris is nice."] > chat.text.index("Paris is nice.")
+    assert chat.text[at["Paris is nice."]:].startswith("Paris is nice.\nWhy?")
+
+
+def test_a_template_that_changes_content_still_gives_parts_of_its_text(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}\n"
+                         "{% endfor %}<assistant>")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "  padded doc "},
+                                             {"type": "text", "text": "question"}]}]
+    chat = render_chat_parts(tok, messages)
+    assert chat.text == "<user>padded doc \nquestion\n<assistant>"
+    assert "".join(p.text for p in chat.parts) == chat.text
+    assert [p.text for p in chat.parts if p.is_chunk] == ["question"]
+
+
 def test_a_plain_chat_is_the_templates_own_text_and_not_structured(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = render_chat_parts(tokenizer, messages)

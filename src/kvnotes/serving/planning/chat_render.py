@@ -277,25 +277,85 @@ def _render_template(tokenizer: Any, messages: list[dict[str, Any]],
     return text
 
 
-def _locate(text: str, tool_texts: Sequence[Sequence[str]], contents: Sequence[str]
-            ) -> list[ChatPart]:
-    """``text`` split at its chunks: each tool at its first writing found (in order), each
-    content part searched in message order; overlapping finds keep the earlier one."""
-    spans: list[tuple[int, int, str]] = []
+_MARK = "\u2063KVC{}\u2063"  # invisible separators around a number: never real content
+
+
+def _render_text(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[str, Any]],
+                 layout: str) -> str:
+    """The prompt text of ``msgs`` and ``tools`` in ``layout``."""
+    if layout == "template":
+        return _render_template(tokenizer, _template_messages(msgs), tools or None)
+    block = tool_block(tools)[0] if tools else None
+    turns = _with_block(msgs, block)
+    if layout == "default":
+        return _default_text(turns)
+    plain = [{"role": "user" if role == "tool" else role,
+              "content": f"<tool_response>\n{text}\n</tool_response>" if role == "tool"
+              else text} for role, text in turns]
+    return _render_template(tokenizer, plain, None)
+
+
+def _content_spans(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[str, Any]],
+                   layout: str, text: str) -> list[tuple[int, int]]:
+    """Where each content part is in ``text``: rendered again with a marker in place of each
+    part, kept when putting the parts back gives ``text`` itself (a template that changes
+    content, e.g. trims it, gives no span: its parts are then searched in message order)."""
+    contents = [c for m in msgs for c in m.chunks]
+    if not contents or any(_MARK.format("") in c for c in contents):
+        return []
+    marked, n = [], 0
+    for m in msgs:
+        marks = [_MARK.format(n + i) for i in range(len(m.chunks))]
+        n += len(m.chunks)
+        marked.append(_Message(m.role, CONTENT_JOIN.join(marks), m.chunks, m.calls, m.raw)
+                      if m.chunks else m)
+    try:
+        template = _render_text(tokenizer, marked, tools, layout)
+    except ChatShapeError:
+        return _searched(text, contents)
+    spans, out, pos = [], [], 0
+    for i, chunk in enumerate(contents):
+        at = template.find(_MARK.format(i), pos)
+        if at < 0:
+            return _searched(text, contents)
+        out.append(template[pos:at])
+        start = sum(len(o) for o in out)
+        out.append(chunk)
+        spans.append((start, start + len(chunk)))
+        pos = at + len(_MARK.format(i))
+    out.append(template[pos:])
+    return spans if "".join(out) == text else _searched(text, contents)
+
+
+def _searched(text: str, contents: Sequence[str]) -> list[tuple[int, int]]:
+    spans, cursor = [], 0
+    for chunk in contents:
+        at = text.find(chunk, cursor)
+        if at >= 0:
+            spans.append((at, at + len(chunk)))
+            cursor = at + len(chunk)
+    return spans
+
+
+def _locate(text: str, tool_texts: Sequence[Sequence[str]],
+            content_spans: Sequence[tuple[int, int]]) -> list[ChatPart]:
+    """``text`` split at its chunks: the content parts at their spans, each tool at its first
+    writing found after the previous tool's, outside the content parts."""
+    spans = [(a, b, "content") for a, b in content_spans if text[a:b].strip()]
+
+    def free(a: int, b: int) -> bool:
+        return all(b <= s or a >= e for s, e, _ in spans)
+
     cursor = 0
     for candidates in tool_texts:
         for cand in candidates:
-            at = text.find(cand, cursor) if cand.strip() else -1
+            at = text.find(cand, cursor)
+            while at >= 0 and not free(at, at + len(cand)):
+                at = text.find(cand, at + 1)
             if at >= 0:
                 spans.append((at, at + len(cand), "tool"))
                 cursor = at + len(cand)
                 break
-    cursor = 0
-    for chunk in contents:
-        at = text.find(chunk, cursor) if chunk.strip() else -1
-        if at >= 0:
-            spans.append((at, at + len(chunk), "content"))
-            cursor = at + len(chunk)
     spans.sort()
     parts: list[ChatPart] = []
     pos = 0
@@ -316,28 +376,22 @@ def render_chat_parts(tokenizer: Any, messages: object, tools: object = None) ->
     :class:`ChatShapeError` for a chat the front does not render."""
     msgs = _read_messages(messages)
     tool_list = _check_tools(tools)
-    contents = [c for m in msgs for c in m.chunks]
     tooling = any(m.calls or m.role == "tool" for m in msgs)
     structured = bool(tool_list) or any(isinstance(m.raw.get("content"), list) for m in msgs) \
         or tooling or not has_template(tokenizer)
-    if has_template(tokenizer) and (not (tool_list or tooling) or renders_tools(tokenizer)):
-        text = _render_template(tokenizer, _template_messages(msgs), tool_list or None)
-        tool_texts = [[tool_json(t), tool_json(t["function"])] for t in tool_list]
-        return RenderedChat(tuple(_locate(text, tool_texts, contents)), "template",
-                            bool(tool_list), structured)
-    block, lines = tool_block(tool_list) if tool_list else (None, [])
-    if has_template(tokenizer):
-        turns = _with_block(msgs, block)
-        plain = [{"role": "user" if role == "tool" else role,
-                  "content": f"<tool_response>\n{text}\n</tool_response>" if role == "tool"
-                  else text} for role, text in turns]
-        text = _render_template(tokenizer, plain, None)
-        layout = "kvnotes_tools"
-    else:
-        text = _default_text(_with_block(msgs, block))
+    if not has_template(tokenizer):
         layout = "default"
-    return RenderedChat(tuple(_locate(text, [[line] for line in lines], contents)), layout,
-                        bool(tool_list), structured)
+    elif not (tool_list or tooling) or renders_tools(tokenizer):
+        layout = "template"
+    else:
+        layout = "kvnotes_tools"
+    text = _render_text(tokenizer, msgs, tool_list, layout)
+    if layout == "template":
+        tool_texts = [[tool_json(t), tool_json(t["function"])] for t in tool_list]
+    else:
+        tool_texts = [[line] for line in tool_block(tool_list)[1]] if tool_list else []
+    parts = _locate(text, tool_texts, _content_spans(tokenizer, msgs, tool_list, layout, text))
+    return RenderedChat(tuple(parts), layout, bool(tool_list), structured)
 
 
 # ---- token layout ----------------------------------------------------------------------------
