@@ -83,17 +83,19 @@ __all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body
 
 @dataclass(frozen=True, slots=True)
 class CatalogView:
-    """What planning asks of the skill catalog: the registered texts in a text (``find``)
-    and the pieces by tokens (``index``, read when planning, after the match)."""
+    """What planning asks of the skill catalog: the registered texts in a text (``find``),
+    a text prompt's found parts as sent (``lay_out``) and the pieces by tokens (``index``,
+    read when planning, after the match)."""
 
     find: Callable[[str], list[Part]]
+    lay_out: Callable[[Sequence[Part], Any], list[SentPart]]
     index: Callable[[], PieceIndex]
 
 
 def catalog_view(catalog: SkillCatalog, tenant: str | None) -> CatalogView:
     """The catalog as one request's planning sees it (every call to the catalog goes through
     here: the one place a tenant's view is chosen)."""
-    return CatalogView(catalog.find, catalog.index)
+    return CatalogView(catalog.find, catalog.lay_out, catalog.index)
 
 
 def chat_parts(req: FrontRequest, index: PieceIndex) -> list[SentPart]:
@@ -126,7 +128,7 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
         found = view.find(req.text or "")
         if not any(p.skill is not None for p in found):
             raise Unplannable("no registered skill in the prompt", "no_skill")
-        parts = catalog.lay_out(found, tokenizer)
+        parts = view.lay_out(found, tokenizer)
     spans = sent_spans(parts)
     if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
         if req.chunks:
