@@ -194,7 +194,7 @@ def _calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         out.append((fn["name"], args))
     return out
@@ -301,7 +301,7 @@ def _content_spans(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[st
     part, kept when putting the parts back gives ``text`` itself (a template that changes
     content, e.g. trims it, gives no span: its parts are then searched in message order)."""
     contents = [c for m in msgs for c in m.chunks]
-    if not contents or any(_MARK.format("") in c for c in contents):
+    if not contents or any(_MARK.split("{")[0] in c for c in contents):
         return []
     marked, n = [], 0
     for m in msgs:
