@@ -217,3 +217,18 @@ def test_gemma_chats_are_planned_with_the_default_layout(gemma_library, gemma_to
             assert fake.posted("/v1/chat/completions") == []
     finally:
         fake.close()
+
+
+def test_a_planning_failure_on_a_structured_chat_is_answered_exactly(front, fake, client,
+                                                                     monkeypatch):
+    import kvnotes.serving.front.service as service
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(service, "plan_request", fails)
+    got = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages(),
+                                                           tools=[LOOKUP])
+    assert got.headers[REASON_HEADER].startswith("exact: plan_error")
+    assert got.parse().choices[0].message.content == "exact answer"
+    assert fake.posted("/v1/chat/completions") == []

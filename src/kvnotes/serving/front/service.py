@@ -220,6 +220,15 @@ class FrontService:
             if req.structured:
                 return req, why
             raise
+        except (KvnotesError, ValueError) as err:
+            if req.structured:
+                return req, Unplannable(f"not planned: {err}")
+            raise
+        except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
+            if req.structured:
+                log.exception("planning failed; answered exactly")
+                return req, Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
+            raise
 
     def _warm_planner(self, ready: threading.Barrier) -> None:
         """Make this planning thread's tokenizer copy; the barrier holds each warm-up task on a
