@@ -176,6 +176,17 @@ def test_a_template_that_changes_content_still_gives_parts_of_its_text(tokenizer
     assert [p.text for p in chat.parts if p.is_chunk] == ["question"]
 
 
+def test_a_tool_written_with_an_indent_is_found_too(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for t in tools or [] %}{{ t.function | tojson(indent=4) }}\n"
+                         "{% endfor %}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+                         "{% endfor %}<assistant>")
+    chat = render_chat_parts(tok, [{"role": "user", "content": "hi"}], TOOLS)
+    assert chat.layout == "template"
+    assert [p.text for p in chat.parts if p.kind == "tool"] == [
+        json.dumps(t["function"], ensure_ascii=False, indent=4) for t in TOOLS]
+
+
 def test_a_plain_chat_is_the_templates_own_text_and_not_structured(tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = render_chat_parts(tokenizer, messages)

@@ -15,7 +15,8 @@ Three layouts (:data:`LAYOUTS`), chosen per request:
   differs from rendering without, :func:`kvnotes.core.chat.renders_tools`); the messages and
   ``tools`` go to the template as they are (tool call arguments as objects, as vLLM passes
   them) and each tool is found in the output as the template's ``tojson`` writes it (the tool
-  object, or its ``function``); a tool the template writes otherwise is text, not a chunk.
+  object, or its ``function``; compact, or with ``indent=4``); a tool the template writes
+  otherwise is text, not a chunk.
 - ``"kvnotes_tools"``: the template ignores tools: :func:`tool_block` (one tool JSON per line,
   the call format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is added to the
   system turn (after the first system message's text, or as a system turn of its own), an
@@ -128,6 +129,11 @@ def strip_bos_text(tokenizer: Any, text: str) -> str:
 def tool_json(tool: Any) -> str:
     """A tool as a chat template's ``tojson`` writes it (``json.dumps``, non-ASCII kept)."""
     return json.dumps(tool, ensure_ascii=False)
+
+
+def _indented(tool: Any) -> str:
+    """A tool as ``tojson(indent=4)`` writes it (Llama 3's templates)."""
+    return json.dumps(tool, ensure_ascii=False, indent=4)
 
 
 def tool_block(tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
@@ -387,7 +393,8 @@ def render_chat_parts(tokenizer: Any, messages: object, tools: object = None) ->
         layout = "kvnotes_tools"
     text = _render_text(tokenizer, msgs, tool_list, layout)
     if layout == "template":
-        tool_texts = [[tool_json(t), tool_json(t["function"])] for t in tool_list]
+        tool_texts = [[dump(x) for dump in (tool_json, _indented) for x in (t, t["function"])]
+                      for t in tool_list]
     else:
         tool_texts = [[line] for line in tool_block(tool_list)[1]] if tool_list else []
     parts = _locate(text, tool_texts, _content_spans(tokenizer, msgs, tool_list, layout, text))
