@@ -5,7 +5,8 @@ completions endpoint (streamed too): "spliced answer" for a request carrying a s
 "exact answer" for one without; the first token's top-2 log-prob margin is set per kind, so the
 guard can be made to fire. ``fault`` makes the completions endpoint fail on demand: ``hang``
 (no answer), ``cut`` (a stream closed after its first event), ``bad_json`` (an event that is not
-JSON), ``slow`` (events 0.2 s apart); ``hang_metrics`` makes ``/metrics`` hang.
+JSON), ``slow`` (events 0.2 s apart); ``hang_metrics`` makes ``/metrics`` hang; ``words`` sets
+the answer's streamed pieces.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class FakeVLLM:
         self.requests: list[tuple[str, str, Any]] = []  # (method, path, body)
         self.headers: list[dict[str, str]] = []  # each request's headers, in order
         self.margin = {"spliced": 3.0, "exact": 3.0}
+        self.words: list[str] | None = None  # the answer's pieces (None: "<kind> answer")
         self.fail: tuple[int, dict[str, Any]] | None = None
         self.fault: str | None = None
         self.hang_metrics = False
@@ -98,7 +100,7 @@ class FakeVLLM:
 
     def complete(self, handler: BaseHTTPRequestHandler, body: dict[str, Any]) -> None:
         kind = "spliced" if body.get("cache_salt") else "exact"
-        words = ["one"] if body.get("max_tokens") == 1 else [kind, " answer"]
+        words = ["one"] if body.get("max_tokens") == 1 else (self.words or [kind, " answer"])
         k = body.get("logprobs")
         choices = []
         for i, w in enumerate(words):

@@ -29,7 +29,7 @@ from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.match import Part, SkillCatalog
 from kvnotes.serving.planning.phases import part_spans, plan_phases
-from kvnotes.serving.planning.request import Unplannable, read_request, render_chat
+from kvnotes.serving.planning.request import read_request, render_chat
 from kvnotes.serving.skills import ServingSkills
 
 
@@ -298,9 +298,13 @@ def test_bad_options_are_a_400_naming_the_field(front, fake, client, kvnotes, pa
 
 
 def test_chat_the_front_cannot_render_is_forwarded(front, fake, client):
-    messages = [{"role": "user", "content": [{"type": "text", "text": HEADER + REFUNDS}]}]
-    client.chat.completions.create(model=MODEL, messages=messages)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": HEADER + REFUNDS},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    resp = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages)
+    assert resp.headers[REASON_HEADER].startswith("forwarded: chat_shape")
     assert fake.posted("/v1/chat/completions")[0]["messages"] == messages
+    assert fake.posted() == []
     assert front.stats["forwarded"] == 1
 
 
@@ -333,11 +337,12 @@ def test_front_stops_cleanly(fake, published, tokenizer):
         httpx2.get(url + "/health", timeout=5)
 
 
-def test_a_tokenizer_without_chat_template_is_not_planned(tokenizer):
+def test_a_tokenizer_without_chat_template_gets_the_default_layout(tokenizer):
     bare = copy.copy(tokenizer)
     bare.chat_template = None  # Gemma 3 270M base ships none
-    with pytest.raises(Unplannable, match="no chat template"):
-        render_chat(bare, chat_messages())
+    messages = chat_messages()
+    assert render_chat(bare, messages) == (f"System: {messages[0]['content']}\n\n"
+                                           f"User: {messages[1]['content']}\n\nAssistant:")
 
 
 def test_a_taken_port_fails_at_start_and_an_absent_vllm_is_a_502(fake, published, tokenizer):

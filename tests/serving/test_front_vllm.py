@@ -143,3 +143,54 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     assert fid[1].cases[0]["spliced"] == want.text
     assert fid[1].cases[0]["decision"] == cases.decision(want.text)
     assert fid[1].decision_identity is not None
+
+
+def test_an_agents_chat_with_tools_is_answered_on_the_same_ids_spliced_or_not(served, smollm2):
+    """A chat with ``tools`` (SmolLM2's template ignores them: the kvnotes tool block) gets a
+    200 from the front, not vLLM's 400; a registered tool is spliced; the opted-out request is
+    vLLM's own completion of the very ids the spliced one sent."""
+    from kvnotes.serving.front.tool_calls import parse_tool_calls
+    from kvnotes.serving.planning.chat_render import tool_json
+    from kvnotes.serving.planning.request import read_request
+
+    launch = served
+    name = launch.server.served_name
+    lookup = {"type": "function", "function": {
+        "name": "lookup_booking", "description": (
+            "Looks a booking up by its six-letter code and returns the passenger's name, the "
+            "flights with their dates, times and seats, the fare class, the checked bags "
+            "allowed, whether the ticket can still be refunded in full, and any open request "
+            "the passenger made about meals or assistance at the airport."),
+        "parameters": {"type": "object", "properties": {
+            "code": {"type": "string", "description": "the six-letter booking code"}},
+            "required": ["code"]}}}
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    launch.skills.add(tool_json(lookup), name="lookup-tool")
+    wait_for_rescan()
+    messages = [{"role": "system", "content": "You are the assistant of Fjord Air."},
+                {"role": "user", "content": "Please look up my booking ABCDEF."}]
+    sync = openai.OpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0, timeout=300)
+    ask = {"model": name, "messages": messages, "tools": [weather, lookup], "max_tokens": 16,
+           "temperature": 0}
+    spliced = sync.chat.completions.create(**ask)
+    info = spliced.usage.model_extra["kvnotes"]
+    assert "lookup-tool" in info["plan"]["skills"] and info["spliced_tokens"] > 0
+    raw = sync.chat.completions.with_raw_response.create(
+        **ask, extra_body={"kvnotes": {"splice": False}})
+    assert raw.headers["x-kvnotes"].startswith("exact: opted_out")
+    exact = raw.parse()
+    assert exact.usage.prompt_tokens == spliced.usage.prompt_tokens
+
+    ids = read_request("chat", {k: v for k, v in ask.items() if k != "max_tokens"},
+                       smollm2.tokenizer).prompt_ids
+    direct = openai.OpenAI(base_url=launch.server.url + "/v1", api_key="x", max_retries=0,
+                           timeout=300)
+    theirs = direct.completions.create(model=name, prompt=ids, max_tokens=16, temperature=0,
+                                       extra_body={"skip_special_tokens": False})
+    parsed = parse_tool_calls(theirs.choices[0].text)
+    message = exact.choices[0].message
+    assert message.content == parsed.content
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls or []] \
+        == [(c.name, c.arguments) for c in parsed.calls]

@@ -25,11 +25,40 @@ def has_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], *,
-           generation_prompt: bool = False) -> str:
-    """The chat template applied to ``messages``, as text (the only call of the template)."""
+def render(tokenizer: Any, messages: list[dict[str, Any]], *,
+           generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template applied to ``messages`` (and ``tools``, for a template that renders
+    them), as text (the only call of the template)."""
+    if tools:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     return tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=generation_prompt)
+
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "kvnotes_probe", "description": "probe",
+    "parameters": {"type": "object", "properties": {}}}}
+_RENDERS_TOOLS: dict[str, bool] = {}  # chat template -> whether it renders tools
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a request's ``tools`` (rendering one user
+    turn with a probe tool differs from rendering it without); False without a template or
+    when the template fails with tools. Cached per template text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
+        return False
+    known = _RENDERS_TOOLS.get(template)
+    if known is None:
+        turn = [{"role": "user", "content": "x"}]
+        try:
+            known = render(tokenizer, turn, generation_prompt=True, tools=[_PROBE_TOOL]) \
+                != render(tokenizer, turn, generation_prompt=True)
+        except Exception:  # noqa: BLE001 -- a template that fails with tools does not render them
+            known = False
+        _RENDERS_TOOLS[template] = known
+    return known
 
 
 def chat_turn(tokenizer: Any, role: str, text: str, *, generation_prompt: bool = False) -> str:

@@ -5,13 +5,18 @@ send per-part ids), with log-probs when the guard needs them; :class:`Shaper` tu
 (a whole body, or one streamed chunk) into the client's format: a completion as it came, or a
 chat completion (``chat.completion``, ``chat.completion.chunk`` with a first ``role`` delta);
 log-probs trimmed to what the client asked (none when it asked none); ``usage`` with a
-``kvnotes`` object (spliced tokens, phases, guard, plan). Pure functions over JSON values.
+``kvnotes`` object (spliced tokens, phases, guard, plan). A chat that sent tools gets the
+model's calls as ``tool_calls`` (:mod:`~kvnotes.serving.front.tool_calls`; streamed: text is
+held once a call may start, the calls come in one delta at the end). Pure functions over JSON
+values.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from kvnotes.serving.front.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 
@@ -104,11 +109,15 @@ class Shaper:
         kind: ``completion`` or ``chat``.
         logprobs: the top log-probs per token the client asked for (None: none).
         include_usage: streaming: the client asked for the final usage chunk.
+        tools: a chat whose answer's tool calls are parsed (``parallel``: more than one kept).
     """
 
-    def __init__(self, kind: str, logprobs: int | None, include_usage: bool) -> None:
+    def __init__(self, kind: str, logprobs: int | None, include_usage: bool, *,
+                 tools: bool = False, parallel: bool = True) -> None:
         self.kind, self.logprobs, self.include_usage = kind, logprobs, include_usage
+        self.tools, self.parallel = tools and kind == "chat", parallel
         self._role_sent = False
+        self._calls = ToolCallStream(parallel=parallel)
 
     def usage(self, usage: dict[str, Any] | None, kvnotes: dict[str, Any]) -> dict[str, Any]:
         out = dict(usage or {})
@@ -130,13 +139,24 @@ class Shaper:
             "id": self._chat_id(answer), "object": "chat.completion",
             "created": answer.get("created"), "model": answer.get("model"),
             "choices": [{
-                "index": c.get("index", 0),
-                "message": {"role": "assistant", "content": c.get("text", "")},
+                "index": c.get("index", 0), **self._message(c),
                 "logprobs": chat_logprobs(c.get("logprobs"), self.logprobs),
-                "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
+                "stop_reason": c.get("stop_reason"),
             } for c in answer.get("choices") or []],
             "usage": usage,
         }
+
+    def _message(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chat choice's message and finish reason: its calls when tools were sent."""
+        text = choice.get("text", "")
+        if self.tools and isinstance(text, str):
+            parsed = parse_tool_calls(text, parallel=self.parallel)
+            if parsed.calls:
+                return {"message": {"role": "assistant", "content": parsed.content,
+                                    "tool_calls": [c.to_dict() for c in parsed.calls]},
+                        "finish_reason": "tool_calls"}
+        return {"message": {"role": "assistant", "content": text},
+                "finish_reason": choice.get("finish_reason")}
 
     def chunk(self, chunk: dict[str, Any], kvnotes: dict[str, Any]) -> list[dict[str, Any]]:
         """The client's chunks for one streamed vLLM chunk (the usage chunk gets ``kvnotes``;
@@ -159,12 +179,40 @@ class Shaper:
             out.append({**self._chat_head(chunk), "choices": [{
                 "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}]})
+        if self.tools:
+            return out + self._tool_chunks(chunk, choices)
         out.append({**self._chat_head(chunk), "choices": [{
             "index": c.get("index", 0),
             "delta": {"content": c["text"]} if c.get("text") else {},
             "logprobs": chat_logprobs(c.get("logprobs"), self.logprobs),
             "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
         } for c in choices]})
+        return out
+
+    def _tool_chunks(self, chunk: dict[str, Any], choices: list[Any]) -> list[dict[str, Any]]:
+        """A streamed chunk of a chat with tools (one choice): the text that cannot be a call,
+        and at the end the rest of the content and the calls."""
+        c = choices[0]
+        text = self._calls.feed(c.get("text") or "")
+        finish = c.get("finish_reason")
+        calls: tuple[ToolCall, ...] = ()
+        if finish:
+            rest, calls = self._calls.finish()
+            text += rest
+        lp = chat_logprobs(c.get("logprobs"), self.logprobs)
+        if not text and not finish and lp is None:
+            return []
+        out = [{**self._chat_head(chunk), "choices": [{
+            "index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
+            "finish_reason": None if calls else finish,
+            "stop_reason": None if calls else c.get("stop_reason")}]}]
+        if calls:
+            out.append({**self._chat_head(chunk), "choices": [{
+                "index": 0, "delta": {"tool_calls": [{"index": i, **call.to_dict()}
+                                                     for i, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": "tool_calls", "stop_reason": None}]})
+            if not text and lp is None:
+                out.pop(0)
         return out
 
     def _chat_head(self, chunk: dict[str, Any]) -> dict[str, Any]:

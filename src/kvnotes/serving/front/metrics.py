@@ -14,7 +14,7 @@ from typing import Any
 
 from kvnotes.serving.planning.request import REASONS
 
-OUTCOMES = ("spliced", "forwarded", "guard_fired", "phase_failed", "upstream_error",
+OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "upstream_error",
             "bad_request", "unauthorized", "rejected", "disconnected")
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
@@ -34,7 +34,8 @@ class FrontMetrics:
         self.requests = PCounter("kvnotes_front_requests", "Requests by route and outcome",
                                  ["route", "outcome"], registry=r)
         self.forwarded = PCounter("kvnotes_front_forwarded",
-                                  "Requests forwarded exactly, by reason", ["reason"], registry=r)
+                                  "Requests answered exactly (forwarded, or sent exactly as "
+                                  "part-wise ids), by reason", ["reason"], registry=r)
         self.tokens = PCounter("kvnotes_front_prompt_tokens",
                                "Prompt tokens of spliced requests by kind", ["kind"], registry=r)
         self.phases = PCounter("kvnotes_front_phases", "Phase requests sent", registry=r)

@@ -4,8 +4,11 @@ A request is either forwarded exactly (:meth:`Proxy.forward`: vLLM's answer rela
 comes, the reason in the :data:`REASON_HEADER` header) or spliced (:meth:`Proxy.spliced`: the
 phase requests, then the real one, answered in the client's format by
 :class:`~kvnotes.serving.front.format.Shaper`; when the guard fires, the exact request's answer
-instead). A stream holds its first token back until the guard has decided; an upstream stream
-that breaks ends with an error event and ``[DONE]``.
+instead). A structured chat (tools, content parts, no template: ``FrontRequest.structured``)
+that is not spliced is sent exactly by the front itself (:meth:`Proxy.exact`: the same
+part-wise ids to ``/v1/completions``, no splice salt, answered as a chat), never forwarded to
+vLLM's chat endpoint. A stream holds its first token back until the guard has decided; an
+upstream stream that breaks ends with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -76,14 +79,17 @@ class Proxy:
         for body in fp.plan.phase_bodies(fp.ids, model):
             status, data = await self.up.post_json(COMPLETIONS, body)
             if status != 200:
-                reply = await self.forward(req.kind, exact, call, Unplannable(
-                    f"a phase failed: HTTP {status}: {data[:200].decode(errors='replace')}",
-                    "phase_failed"), None)
-                if call.outcome == "forwarded":
+                why = Unplannable(f"a phase failed: HTTP {status}: "
+                                  f"{data[:200].decode(errors='replace')}", "phase_failed")
+                if req.structured:
+                    reply = await self.exact(req, model, call, why, salt)
+                else:
+                    reply = await self.forward(req.kind, exact, call, why, None)
+                if call.outcome in ("forwarded", "exact"):
                     call.outcome = "phase_failed"
                 return reply
             info["phases"] += 1
-        shaper = Shaper(req.kind, req.logprobs, req.include_usage)
+        shaper = _shaper(req)
         headers = {REASON_HEADER: header_value(f"spliced {','.join(fp.skills)}")}
         exact_ids = exact_body(fp.ids, req, model)
         if salt is not None:
@@ -103,7 +109,35 @@ class Proxy:
         self._spliced_done(fp, info, call)
         return json_reply(200, shaper.body(answer, info), **headers)
 
-    def _spliced_done(self, fp: FrontPlan, info: dict[str, Any], call: Call) -> None:
+    async def exact(self, req: FrontRequest, model: str, call: Call, why: Unplannable,
+                    salt: str | None) -> Reply:
+        """A structured chat sent exactly: its part-wise ids to ``/v1/completions`` (the
+        exact ``salt``, no splice salt), answered as a chat; ``why`` in the reason header."""
+        call.outcome, call.reason = "exact", why.code
+        call.upstream_started()
+        body = exact_body(req.prompt_ids, req, model)
+        if salt is not None:
+            body["cache_salt"] = salt
+        info: dict[str, Any] = {"spliced_tokens": 0, "phases": 0, "guard_fired": False,
+                                "plan": None, "exact": why.code}
+        shaper = _shaper(req)
+        headers = {REASON_HEADER: header_value(f"exact: {why.code}: {why}")}
+        if req.stream:
+            resp = await self._begin_stream(body, call)
+            if isinstance(resp, Reply):
+                return resp
+            return Reply(200, {"content-type": "text/event-stream", "cache-control": "no-cache",
+                               **headers},
+                         stream=self._shaped([], _events(resp), shaper, info, None, call),
+                         upstream=resp)
+        status, data = await self.up.post_json(COMPLETIONS, body)
+        if status != 200:
+            return self._upstream_failed(status, data, call)
+        return json_reply(200, shaper.body(_loads(data), info), **headers)
+
+    def _spliced_done(self, fp: FrontPlan | None, info: dict[str, Any], call: Call) -> None:
+        if fp is None:  # an exact request sent by the front: its outcome stays
+            return
         call.outcome = "guard_fired" if info["guard_fired"] else "spliced"
         plan = fp.plan
         self.metrics.spliced_tokens(plan.spliced_tokens, plan.repaired_tokens,
@@ -157,7 +191,7 @@ class Proxy:
                      upstream=resp)
 
     async def _shaped(self, held: list[Any], events: AsyncGenerator[Any, None], shaper: Shaper,
-                      info: dict[str, Any], fp: FrontPlan, call: Call
+                      info: dict[str, Any], fp: FrontPlan | None, call: Call
                       ) -> AsyncGenerator[bytes, None]:
         """The client's events; a stream that breaks or sends what is not JSON ends with an
         error event and ``[DONE]``."""
@@ -186,6 +220,11 @@ class Proxy:
         call.outcome = "upstream_error"
         yield sse(error_body(502, failure))
         yield DONE
+
+
+def _shaper(req: FrontRequest) -> Shaper:
+    return Shaper(req.kind, req.logprobs, req.include_usage, tools=req.tool_calls,
+                  parallel=req.parallel_tool_calls)
 
 
 async def _events(resp: Any) -> AsyncGenerator[Any, None]:

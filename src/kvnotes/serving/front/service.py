@@ -3,9 +3,10 @@
 :class:`FrontService` holds what one front shares across requests (its config, the skill
 catalog, the keys, the metrics, the pooled client to vLLM, the planning threads) and answers a
 checked body: planned on a small thread pool (each thread with its own tokenizer copy, no
-global lock), then spliced, or forwarded exactly with the reason
-(:class:`~kvnotes.serving.front.proxy.Proxy`). :class:`~kvnotes.serving.front.app.Front`
-serves it over HTTP.
+global lock), then spliced, or answered exactly with the reason
+(:class:`~kvnotes.serving.front.proxy.Proxy`): forwarded as it came, or, for a structured
+chat (tools, content parts, no chat template), its same part-wise ids sent unspliced.
+:class:`~kvnotes.serving.front.app.Front` serves it over HTTP.
 
 Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request's tenant is
 its key's (a ``kvnotes.tenant`` naming another is a 400), and a tenant's exact requests are
@@ -34,7 +35,7 @@ from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.upstream import Upstream
 from kvnotes.serving.library.manifest import SPLICE_SALT
-from kvnotes.serving.planning.front_plan import FrontPlan, plan_request
+from kvnotes.serving.planning.front_plan import FrontPlan, catalog_view, plan_request
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import (
     OPTIONS_KEY,
@@ -173,9 +174,15 @@ class FrontService:
         if salt is not None:
             exact["cache_salt"] = salt
         try:
-            if not opts.splice:
+            if not opts.splice and kind != "chat":
                 raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
-            block_size = await self.up.block_size()
+            block_size: int | Unplannable = Unplannable(f"{OPTIONS_KEY}.splice is false",
+                                                        "opted_out")
+            if opts.splice:
+                try:
+                    block_size = await self.up.block_size()
+                except Unplannable as err:  # a structured chat is still answered exactly
+                    block_size = err
             req, fp = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._plan, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
@@ -189,17 +196,38 @@ class FrontService:
             return await self.proxy.forward(
                 kind, exact, call, Unplannable(f"planning failed: {type(err).__name__}",
                                                "plan_error"), self._passed_auth(client_auth))
+        if isinstance(fp, Unplannable):
+            return await self.proxy.exact(req, model, call, fp, salt)
         tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
 
     def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
-              block_size: int) -> tuple[FrontRequest, FrontPlan]:
+              block_size: int | Unplannable) -> tuple[FrontRequest, FrontPlan | Unplannable]:
+        """The request and its plan; for a structured chat that is not spliced, why not
+        (it is then sent exactly as the same ids). ``block_size``: why not, when unknown or
+        opted out."""
         tokenizer = self._tokenizer()
-        req = read_request(kind, data, tokenizer)
-        repair = self.config.repair_for(opts.repair)
-        return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+        req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
+        try:
+            if isinstance(block_size, Unplannable):
+                raise block_size
+            repair = self.config.repair_for(opts.repair)
+            return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+        except Unplannable as why:
+            if req.structured:
+                return req, why
+            raise
+        except (KvnotesError, ValueError) as err:
+            if req.structured:
+                return req, Unplannable(f"not planned: {err}")
+            raise
+        except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
+            if req.structured:
+                log.exception("planning failed; answered exactly")
+                return req, Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
+            raise
 
     def _warm_planner(self, ready: threading.Barrier) -> None:
         """Make this planning thread's tokenizer copy; the barrier holds each warm-up task on a

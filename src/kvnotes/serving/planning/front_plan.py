@@ -7,21 +7,25 @@ is split where the pieces' tokens occur. Either way the match says which piece e
 and the layout is built from it (matched once). The part layout is planned by
 :func:`kvnotes.serving.planning.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
 salt), and the bodies come from the plan's builders with the client's sampling fields laid
-over them. A prompt with no registered skill, or whose skills are all recomputed, raises
-:class:`~kvnotes.serving.planning.request.Unplannable` (the request is forwarded as it came).
+over them. A chat comes laid out part by part (:mod:`~kvnotes.serving.planning.chat_render`):
+each of its chunks (a tool, a content part) and each registered skill found in its text is
+matched as a whole by its tokens at its position. A prompt with no registered skill or known
+chunk, or whose pieces are all recomputed, raises
+:class:`~kvnotes.serving.planning.request.Unplannable` (the request is forwarded as it came, or,
+for a structured chat, sent exactly as the same ids).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.core.document import added_bos
 from kvnotes.core.repair import Repair
 from kvnotes.serving.library.splice import PieceIndex
+from kvnotes.serving.planning.chat_render import strip_bos_text
 from kvnotes.serving.planning.layout import SentPart
-from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.match import Part, SkillCatalog
 from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 
@@ -73,14 +77,41 @@ class FrontPlan:
         return {**self.plan.to_dict(), "skills": self.skills}
 
 
-def strip_bos_text(tokenizer: Any, text: str) -> str:
-    """A chat template's rendered text without its leading BOS text when the tokenizer adds
-    BOS itself (the BOS is then the layout's first part, as in a completion prompt)."""
-    bos_text = getattr(tokenizer, "bos_token", None)
-    if added_bos(tokenizer) is not None and isinstance(bos_text, str) and bos_text \
-            and text.startswith(bos_text):
-        return text[len(bos_text):]
-    return text
+__all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body",
+           "plan_request", "real_body", "split_ids", "split_pieces", "strip_bos_text"]
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogView:
+    """What planning asks of the skill catalog: the registered texts in a text (``find``),
+    a text prompt's found parts as sent (``lay_out``) and the pieces by tokens (``index``,
+    read when planning, after the match)."""
+
+    find: Callable[[str], list[Part]]
+    lay_out: Callable[[Sequence[Part], Any], list[SentPart]]
+    index: Callable[[], PieceIndex]
+
+
+def catalog_view(catalog: SkillCatalog, tenant: str | None) -> CatalogView:
+    """The catalog as one request's planning sees it (every call to the catalog goes through
+    here: the one place a tenant's view is chosen)."""
+    return CatalogView(catalog.find, catalog.lay_out, catalog.index)
+
+
+def chat_parts(req: FrontRequest, index: PieceIndex) -> list[SentPart]:
+    """A laid-out chat's parts as sent: the BOS part, each registered skill and each chunk
+    with the piece whose tokens are exactly its own at its position (None: computed)."""
+    ids = req.prompt_ids
+    out: list[SentPart] = []
+    pos = len(req.lead_ids)
+    if req.lead_ids:
+        out.append(SentPart(req.lead_ids, index.match_exact(ids, 0, pos)))
+    for part in req.parts:
+        end = pos + len(part.token_ids)
+        piece = None if part.kind == "text" else index.match_exact(ids, pos, end)
+        out.append(SentPart(part.token_ids, piece))
+        pos = end
+    return out
 
 
 def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block_size: int,
@@ -88,18 +119,20 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
     """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced.
     ``tokenizer``: the catalog's, or a copy of it (one per planning thread)."""
     tokenizer = catalog.tokenizer if tokenizer is None else tokenizer
+    view = catalog_view(catalog, tenant)
     if req.ids is not None:
-        parts = split_pieces(req.ids, catalog.index())
+        parts = split_pieces(req.ids, view.index())
+    elif req.parts:
+        parts = chat_parts(req, view.index())
     else:
-        text = req.text or ""
-        if req.kind == "chat":
-            text = strip_bos_text(tokenizer, text)
-        found = catalog.find(text)
+        found = view.find(req.text or "")
         if not any(p.skill is not None for p in found):
             raise Unplannable("no registered skill in the prompt", "no_skill")
-        parts = catalog.lay_out(found, tokenizer)
+        parts = view.lay_out(found, tokenizer)
     spans = sent_spans(parts)
     if not any(s.is_piece and (s.start > 0 or len(s) > 1) for s in spans):  # BOS alone: no
+        if req.chunks:
+            raise Unplannable("no registered skill or known chunk in the prompt", "no_chunk")
         raise Unplannable("no registered skill in the prompt", "no_skill")
     plan = plan_phases(spans, repair, block_size, tenant=tenant)
     if not plan.ranges:

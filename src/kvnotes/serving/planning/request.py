@@ -4,15 +4,18 @@
 ``/v1/chat/completions`` into a :class:`FrontRequest`: the prompt (text, or token ids), the
 sampling fields passed on to vLLM's completions endpoint, streaming, what the client asked of
 ``usage`` and ``logprobs``, and the per-request kvnotes options (``extra_body={"kvnotes":
-{...}}``: :class:`FrontOptions`). A chat's messages are rendered with the tokenizer's chat
-template (``add_generation_prompt=True``), the text vLLM itself would tokenize.
+{...}}``: :class:`FrontOptions`). A chat's messages (and ``tools``) are rendered by the front
+part by part (:mod:`~kvnotes.serving.planning.chat_render`: the tokenizer's chat template with
+``add_generation_prompt=True``, the text vLLM itself would tokenize; the kvnotes tool block for
+a template that ignores tools; the default layout without a template), each tool and each text
+content part a chunk, and laid out in token ids part by part.
 
 A body that is wrong (a field of the wrong type, a number that is not finite, an unknown or
 invalid kvnotes option) raises :class:`BadRequest` naming the field: the front answers 400.
 A valid request the front does not model exactly raises :class:`Unplannable` with a reason code
 from :data:`REASONS` and a message (a field outside :data:`COMPLETION_FIELDS` /
 :data:`CHAT_FIELDS`, several prompts or choices, a client ``cache_salt``, non-text chat content,
-tools, a template that fails): the front then forwards the request to vLLM as it came.
+a template that fails): the front then forwards the request to vLLM as it came.
 Pure functions, no HTTP.
 """
 
@@ -26,6 +29,15 @@ from typing import Any
 
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.planning.chat_render import (
+    DEFAULT_STOP,
+    ChatPart,
+    ChatShapeError,
+    Find,
+    lay_out_chat,
+    render_chat_parts,
+)
+from kvnotes.serving.planning.chunks import SeenChunk
 
 OPTIONS_KEY = "kvnotes"
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -44,7 +56,8 @@ _COMMON_OWN = frozenset({"stream", "stream_options", "n", OPTIONS_KEY})
 COMPLETION_FIELDS = SAMPLING_FIELDS | _COMMON_OWN | {"prompt", "logprobs", "echo",
                                                       "add_special_tokens"}
 CHAT_FIELDS = SAMPLING_FIELDS | _COMMON_OWN | {"messages", "logprobs", "top_logprobs",
-                                                "max_completion_tokens", "add_generation_prompt"}
+                                                "max_completion_tokens", "add_generation_prompt",
+                                                "tools", "tool_choice", "parallel_tool_calls"}
 OPTION_NAMES = ("splice", "tenant", "repair", "guard")
 
 
@@ -52,7 +65,7 @@ OPTION_NAMES = ("splice", "tenant", "repair", "guard")
 REASONS = ("opted_out", "unmodelled_field", "choices", "stream_options", "echo",
            "special_tokens", "prompt_shape", "chat_shape", "chat_template", "no_skill",
            "nothing_left", "block_size_unknown", "model_unknown", "phase_failed", "not_planned",
-           "plan_error")
+           "plan_error", "no_chunk")
 
 
 class Unplannable(Exception):
@@ -211,6 +224,22 @@ class FrontRequest:
     stream: bool = False
     include_usage: bool = False  # streaming: the client asked for the usage chunk
     logprobs: int | None = None  # top log-probs per token the client asked for (None: none)
+    # a chat, laid out part by part (chat_render.lay_out_chat): the BOS part when the tokenizer
+    # adds it, then each part (text, "skill", "tool", "content") with its ids; the chunks
+    parts: tuple[ChatPart, ...] = ()
+    lead_ids: tuple[int, ...] = ()
+    chunks: tuple[SeenChunk, ...] = ()
+    layout: str | None = None  # a chat's layout: one of chat_render.LAYOUTS
+    # tools, list content, tool calls or results, or no chat template: the exact counterpart
+    # is these same ids sent by the front, never the request forwarded to vLLM's chat endpoint
+    structured: bool = False
+    tool_calls: bool = False  # the answer's tool calls are parsed (tools sent, choice not none)
+    parallel_tool_calls: bool = True
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """A chat's prompt token ids as laid out (the BOS part, then every part's)."""
+        return [*self.lead_ids, *(t for p in self.parts for t in p.token_ids)]
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
@@ -238,38 +267,70 @@ def _one_choice(body: Mapping[str, Any]) -> None:
         raise Unplannable("n > 1 is passed to vLLM as it is", "choices")
 
 
-def render_chat(tokenizer: Any, messages: object) -> str:
-    """The prompt text of a chat, as vLLM renders it (the model's chat template,
-    ``add_generation_prompt=True``); text content only, else :class:`Unplannable`."""
-    if not isinstance(messages, list) or not messages:
-        raise Unplannable("messages must be a non-empty list", "chat_shape")
-    plain = []
-    for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
-                or set(m) - {"role", "content", "name"}:
-            raise Unplannable("only messages of role and text content are planned", "chat_shape")
-        if not isinstance(m.get("content"), str):
-            raise Unplannable("only text content (a string) is planned", "chat_shape")
-        plain.append(dict(m))
-    if not getattr(tokenizer, "chat_template", None):
-        raise Unplannable("the tokenizer has no chat template", "chat_template")
+def render_chat(tokenizer: Any, messages: object, tools: object = None) -> str:
+    """The prompt text of a chat as the front renders it (see
+    :func:`~kvnotes.serving.planning.chat_render.render_chat_parts`); :class:`Unplannable`
+    for a chat it does not render."""
     try:
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # noqa: BLE001 -- a template's own failure: vLLM answers it
-        raise Unplannable(f"the chat template failed: {type(err).__name__}: {err}",
-                          "chat_template") from err
-    if not isinstance(text, str) or not text:
-        raise Unplannable("the chat template rendered no text", "chat_template")
-    return text
+        return render_chat_parts(tokenizer, messages, tools).text
+    except ChatShapeError as err:
+        raise Unplannable(str(err), err.code) from err
 
 
-def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
+TOOL_CHOICES = ("auto", "none", "required")
+
+
+def _tool_choice(body: Mapping[str, Any]) -> bool:
+    """Whether the answer's tool calls are parsed: tools sent and ``tool_choice`` not
+    ``"none"`` (``"required"`` and a named function are answered as ``"auto"``: the front does
+    not constrain decoding)."""
+    choice = body.get("tool_choice")
+    named = isinstance(choice, Mapping) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), Mapping) \
+        and isinstance(choice["function"].get("name"), str)
+    if choice is not None and choice not in TOOL_CHOICES and not named:
+        raise Unplannable("tool_choice must be auto, none, required or a named function",
+                          "chat_shape")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise Unplannable("parallel_tool_calls must be true or false", "chat_shape")
+    return bool(body.get("tools")) and choice != "none"
+
+
+def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
+              find: Find | None) -> None:
+    """Render and lay out a chat into ``req`` (``find``: the catalog's registered texts, which
+    split the text parts; None: none). An opted-out chat that is not structured raises
+    :class:`Unplannable` before it is tokenized (it is forwarded as it came)."""
+    try:
+        rendered = render_chat_parts(tokenizer, body.get("messages"), body.get("tools"))
+    except ChatShapeError as err:
+        raise Unplannable(str(err), err.code) from err
+    if not req.options.splice and not rendered.structured:
+        raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
+    req.tool_calls = _tool_choice(body)
+    req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+    if req.tool_calls:
+        # as vLLM's tool parsers ask: a call marker may be a special token of the model
+        req.sampling.setdefault("skip_special_tokens", False)
+    if rendered.layout == "default":  # a base model: its answer ends where a user turn would
+        req.sampling.setdefault("stop", list(DEFAULT_STOP))
+    laid = lay_out_chat(tokenizer, rendered.parts, find)
+    req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
+    req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
+
+
+def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = None
+                 ) -> FrontRequest:
     """A :class:`FrontRequest` of a client's body (``kind``: a value of :data:`ENDPOINTS`);
-    :class:`Unplannable` when it must be forwarded as it came."""
+    :class:`Unplannable` when it must be forwarded as it came. ``find``: the catalog's
+    registered texts (a chat's text parts are split at them; None: not split). A structured
+    chat (:attr:`FrontRequest.structured`) with ``kvnotes.splice`` false is read all the same:
+    its exact counterpart is sent by the front."""
     if not isinstance(body, dict):
         raise Unplannable("the body is not a JSON object", "prompt_shape")
     options = read_options(body.get(OPTIONS_KEY))
-    if not options.splice:
+    if not options.splice and kind != "chat":
         raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     _one_choice(body)
     stream, include_usage = _stream_fields(body)
@@ -302,7 +363,7 @@ def read_request(kind: str, body: object, tokenizer: Any) -> FrontRequest:
         if body.get("add_generation_prompt", True) is not True:
             raise Unplannable("add_generation_prompt=false is passed to vLLM as it is",
                               "special_tokens")
-        req.text = render_chat(tokenizer, body.get("messages"))
+        read_chat(req, body, tokenizer, find)
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
         sampling.setdefault("max_tokens", None)  # chat's default: up to the context's end
