@@ -22,13 +22,20 @@ fine-tune) is refused at start.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import ArgumentTypeError, NotebookFileError, UnsupportedModelError
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
-from kvnotes.serving.library.manifest import ServingManifest, entry_paths, read_entry
+from kvnotes.serving.library.manifest import (
+    ENTRY_SUFFIX,
+    ServingManifest,
+    entry_paths,
+    read_entry,
+    splice_salt,
+)
 from kvnotes.serving.library.splice import PieceInfo
 from kvnotes.serving.library.weights import weight_files, weights_digest
 
@@ -104,21 +111,39 @@ class ServingSkills:
         if engine.bos_id is not None:
             self._add_bos(engine.bos_id)
 
-    def add(self, text: str, *, name: str = "skill", after: str | None = None) -> PieceInfo:
+    def add(self, text: str, *, name: str = "skill", after: str | Sequence[int] | None = None,
+            tenant: str | None = None) -> PieceInfo:
         """Compile ``text`` (once: the library keeps it) and publish it to running servers.
 
         ``after``: compile it behind this prefix, typically the system header the requests
         start with (``engine.compile(text, after=...)``): its notes then saw the header, as they
         will in the prompt, and a skill placed right after the header is moved by 0 positions.
-        Each anchoring is its own entry; the server prefers, among pieces with the same tokens,
-        the one prefilled at the very position it is placed at.
+        Text is encoded alone behind the BOS rule; token ids are taken as given (BOS included),
+        as a request's prompt holds them. Each anchoring is its own entry; the server prefers,
+        among pieces with the same tokens, the one prefilled at the very position it is placed
+        at.
+
+        ``tenant``: whose entry it is (None: the operator's, spliced for every tenant). A
+        tenant's entry is spliced only into that tenant's requests, and its address includes
+        the tenant, so two tenants never share one.
         """
         if not isinstance(text, str) or not text:
             raise ArgumentTypeError(f"a serving skill is a non-empty string, not {text!r}")
-        skill = self.library.get(text, name=name, after=after)
-        return PieceInfo(self.library.path_for(text, after=after).stem, name,
+        splice_salt(tenant)  # the tenant's spelling rule
+        skill = self.library.get(text, name=name, after=after, tenant=tenant)
+        prefix = skill.meta.get("prefix_ids") or []
+        return PieceInfo(self.path_for(text, after=after, tenant=tenant).stem, name,
                          tuple(int(t) for t in skill.token_ids.tolist()),
-                         int(skill.positions[0]))
+                         int(skill.positions[0]), tenant, tuple(int(t) for t in prefix))
+
+    def path_for(self, text: str, *, after: str | Sequence[int] | None = None,
+                 tenant: str | None = None) -> Path:
+        """The file :meth:`add` publishes ``text`` to (it may not exist yet)."""
+        return self.library.path_for(text, after=after, tenant=tenant)
+
+    def entry_path(self, key: str) -> Path:
+        """The file of the entry whose key (file stem) is ``key``."""
+        return self.folder / f"{key}{ENTRY_SUFFIX}"
 
     def _add_bos(self, bos: int) -> None:
         """The BOS alone at position 0 (exact: that is what every BOS-led prompt starts with)."""
