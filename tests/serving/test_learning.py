@@ -376,3 +376,13 @@ def test_the_front_observes_learns_in_the_background_and_leases(fake, lib, token
     assert "kvnotes_front_learn_sightings_total 3.0" in metrics
     assert stats["learner"]["learned_entries"] == 1
     assert learner.registry.get(entry.key).hits >= 1  # written when the learner stopped
+
+
+def test_rows_of_entries_deleted_by_hand_hold_no_bytes(lib, tokenizer):
+    learner = learner_for(lib, after=1)
+    a, b = learned(learner, tokenizer, TOOL_A, TOOL_B)
+    learner.config = LearnConfig(after=1, min_tokens=4,
+                                 library_cap=learner.registry.get(a).bytes)
+    lib.entry_path(b).unlink()  # not through the learner
+    assert learner.enforce() == 0
+    assert [e.key for e in learner.registry.entries()] == [a]

@@ -272,6 +272,7 @@ class Learner:
         """Evict least recently used learned entries until ``tenant`` is within its quota and
         the library within its cap (pinned and leased entries are kept); returns how many."""
         self._flush()
+        self._prune()
         cfg = self.config
         evicted = 0
         if cfg.tenant_quota is not None:
@@ -309,6 +310,17 @@ class Learner:
         forget(self.skills.folder, key, self.registry)
         log.info("kvnotes learner: evicted %s", key)
         return True
+
+    def _prune(self) -> None:
+        """Drop the rows of entries whose files are gone (deleted by hand, or forgotten by a
+        process that could not reach the registry): they hold no bytes."""
+        for entry in self.registry.entries():
+            if not (self.skills.folder / f"{entry.key}.safetensors").is_file():
+                self.registry.remove(entry.key)
+                with self._lock:
+                    cid = self._chunk_of.pop(entry.key, None)
+                    if cid is not None:
+                        self._known.pop(cid, None)
 
     def _flush(self) -> None:
         with self._lock:
