@@ -386,3 +386,15 @@ def test_rows_of_entries_deleted_by_hand_hold_no_bytes(lib, tokenizer):
     lib.entry_path(b).unlink()  # not through the learner
     assert learner.enforce() == 0
     assert [e.key for e in learner.registry.entries()] == [a]
+
+
+def test_a_chunk_whose_text_encodes_to_other_tokens_is_not_learned(lib, tokenizer):
+    learner = learner_for(lib, after=1)
+    a = chunk(tokenizer, TOOL_A)
+    merged = SeenChunk("tool", TOOL_A, a.token_ids[:-1] + (13,), a.after_ids)  # not its text's
+    learner.observe(None, [merged])
+    assert learner.run_pending() == 1
+    assert learner.counters()["failures"] == 1 and len(learner.registry) == 0
+    assert entry_paths(lib.folder) == []  # nothing left behind
+    learner.observe(None, [merged])
+    assert learner.run_pending() == 0  # not tried again

@@ -97,7 +97,9 @@ class Learner:
         self._lock = threading.Lock()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # chunk -> sightings, LRU order
         self._busy: set[bytes] = set()  # queued or compiling
-        self._known: dict[bytes, str] = {}  # chunk -> its entry's key ("" when unmatchable)
+        # chunk -> its entry's key ("" when unmatchable: those are forgotten, oldest first,
+        # beyond max_tracked; the learned ones are as many as the registry's rows)
+        self._known: OrderedDict[bytes, str] = OrderedDict()
         self._chunk_of: dict[str, bytes] = {}
         self._hits: Counter[str] = Counter()  # uses not yet written to the registry
         self._leases: Counter[str] = Counter()
@@ -263,6 +265,10 @@ class Learner:
     def _learned(self, job: _Job, key: str) -> None:
         with self._lock:
             self._known[job.chunk_id] = key
+            if not key and len(self._known) > self.config.max_tracked:
+                stale = next((c for c, k in self._known.items() if not k), None)
+                if stale is not None:
+                    self._known.pop(stale)
             self._seen.pop(job.chunk_id, None)
             if key:
                 self._chunk_of[key] = job.chunk_id

@@ -257,9 +257,9 @@ class SkillCatalog:
 
     def keys_of(self, token_ids: Sequence[int], tenant: str | None = None) -> list[str]:
         """The keys of every entry ``tenant`` sees whose tokens are ``token_ids`` (one skill's
-        anchorings)."""
-        with self._lock:
-            pieces = self._by_tokens.get(tuple(token_ids), ())
+        anchorings). Takes no lock (the map is replaced whole at a rescan), so the serving loop
+        may call it."""
+        pieces = self._by_tokens.get(tuple(token_ids), ())
         return [p.key for p in pieces if visible(p, tenant)]
 
     def find(self, text: str, tenant: str | None = None) -> list[Part]:
