@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx2
@@ -16,6 +17,7 @@ import kvnotes
 from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.app import STATS_PATH, FrontConfig
+from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.launch import launcher as launch_mod
 from kvnotes.serving.launch.launcher import (
     Launch,
@@ -246,3 +248,35 @@ def test_a_bad_key_file_fails_before_loading(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--key-file",
                                       str(bad)])
     assert result.exit_code != 0 and "tenant 'a b'" in result.output, result.output
+
+
+def test_a_learning_front_gets_a_learner_over_the_launched_skills(engine, exported, tmp_path):
+    learn = LearnConfig(after=3, library_cap=1 << 20)
+    config = LaunchConfig(model="tiny", block_size=32, skills=tmp_path / "skills",
+                          vllm_python=sys.executable, front=FrontConfig(learn=learn))
+    launch = prepare(config, engine)
+    assert launch.front is not None and launch.front.learner is not None
+    assert launch.front.learner.config == learn
+    assert launch.front.learner.skills is launch.skills
+    plain = prepare(replace(config, front=FrontConfig()), engine)
+    assert plain.front is not None and plain.front.learner is None
+
+
+def test_serve_passes_the_learning_flags_to_the_front(tmp_path, monkeypatch):
+    seen: list[LaunchConfig] = []
+
+    def fake_prepare(config, engine=None):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(kvnotes, "load", lambda model: None)
+    monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
+    CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--learn",
+                             "--learn-after", "3", "--learn-min-tokens", "16",
+                             "--library-cap", "256MiB", "--tenant-quota", "1GB"])
+    config = seen.pop()
+    assert config.front is not None
+    assert config.front.learn == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
+                                             tenant_quota=10**9)
+    CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s")])
+    assert seen.pop().front.learn is None  # off: the front as without learning

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
+
+if TYPE_CHECKING:
+    from kvnotes.serving.front.config import LearnConfig
+    from kvnotes.serving.library.registry import LearnedEntry
 
 
 # ---- composition inside vLLM ---------------------------------------------------------------------
@@ -73,6 +78,19 @@ def serve(
     request_log: bool = typer.Option(True, "--request-log/--no-request-log", help="One JSON "
                                      "line per request on stderr (the front's INFO log: id, "
                                      "tenant, plan, outcome)"),
+    learn: bool = typer.Option(False, "--learn", help="Front: learn the chunks requests carry "
+                               "(each tools entry, each text content part): compiled in the "
+                               "background once seen --learn-after times per tenant, then "
+                               "spliced; no request waits for a compile"),
+    learn_after: int = typer.Option(2, "--learn-after", help="With --learn: the sighting at "
+                                    "which a chunk is compiled"),
+    learn_min_tokens: int = typer.Option(32, "--learn-min-tokens", help="With --learn: "
+                                         "shorter chunks are never learned"),
+    library_cap: str | None = typer.Option(None, "--library-cap", help="With --learn: bytes of "
+                                           "learned entries kept (e.g. 256MiB); least recently "
+                                           "used evicted beyond it (default: no cap)"),
+    tenant_quota: str | None = typer.Option(None, "--tenant-quota", help="With --learn: bytes "
+                                            "of learned entries one tenant keeps (e.g. 64MiB)"),
     vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
                                           "flags after --, passed unchanged (e.g. -- "
                                           "--tensor-parallel-size 2 --gpu-memory-utilization "
@@ -95,9 +113,14 @@ def serve(
     check_vllm_args(vllm_args or [])
     plan = server_repair_spelled(repair)
     tau, why = resolve_guard(guard, model)
+    learning = learn_config(learn, learn_after, learn_min_tokens, library_cap, tenant_quota)
+    if no_front and learning is not None:
+        raise InvalidArgumentError("--learn is the front's (it sees the requests' chunks): "
+                                   "drop --no-front")
     front = None if no_front else FrontConfig(port=port, host=host, repair=plan.first,
                                               repair_share=plan.share, guard=tau,
-                                              api_key=api_key, key_file=key_file)
+                                              api_key=api_key, key_file=key_file,
+                                              learn=learning)
     if front is not None:
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
         typer.echo(f"guard: {why}", err=True)
@@ -127,6 +150,11 @@ def serve(
             typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
                        f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
                        "prompts are spliced; Ctrl-C stops", err=True)
+            if learning is not None:
+                typer.echo(f"  learning: chunks of {learning.after} sightings and "
+                           f"{learning.min_tokens}+ tokens; cap "
+                           f"{learning.library_cap or 'none'} bytes, tenant quota "
+                           f"{learning.tenant_quota or 'none'} bytes", err=True)
             typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
                        f"{'stderr, one JSON line each' if request_log else 'off'}", err=True)
             typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
@@ -144,6 +172,22 @@ def serve(
             return
     raise ServingError(f"the vLLM server exited with code {server.proc.returncode if server.proc else '?'}"
                        f"; log: {server.log_path}\n{server.log_tail(20)}")
+
+
+def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | None,
+                 tenant_quota: str | None) -> LearnConfig | None:
+    """The front's :class:`LearnConfig` from ``kvnotes serve``'s flags (None without --learn;
+    a bound given without --learn is an error, not ignored)."""
+    from kvnotes.serving.front.config import LearnConfig, parse_size
+
+    if not learn:
+        if library_cap is not None or tenant_quota is not None:
+            raise InvalidArgumentError("--library-cap and --tenant-quota bound learned "
+                                       "entries: add --learn")
+        return None
+    return LearnConfig(after=after, min_tokens=min_tokens,
+                       library_cap=None if library_cap is None else parse_size(library_cap),
+                       tenant_quota=None if tenant_quota is None else parse_size(tenant_quota))
 
 
 def log_requests_to_stderr() -> None:
@@ -196,16 +240,93 @@ def skills_list(
     model: str = typer.Option("smollm2-135m", "--model"),
     skills: Path = typer.Option(..., "--skills"),
 ) -> None:
-    """The skills a server for this model would splice."""
+    """The skills a server for this model would splice: the registered ones, then the chunks
+    learned on sight (`kvnotes serve --learn`) with their tenant, size and use."""
     import kvnotes
+    from kvnotes.serving.library.registry import LearnedRegistry, registry_path
     from kvnotes.serving.skills import ServingSkills
 
-    for group in ServingSkills(skills, kvnotes.load(model)).variants():
-        typer.echo(f"{group.name}\t{len(group.token_ids)} tokens\t{len(group.variants)} "
-                   f"variant(s)\t{group.bytes} bytes"
+    lib = ServingSkills(skills, kvnotes.load(model))
+    learned: dict[str, LearnedEntry] = {}
+    if registry_path(lib.folder).is_file():
+        with LearnedRegistry(lib.folder) as reg:
+            learned = {e.key: e for e in reg.entries()}
+    for group in lib.variants():
+        kept = [v for v in group.variants if v.piece.key not in learned]
+        if not kept:
+            continue
+        typer.echo(f"{group.name}\t{len(group.token_ids)} tokens\t{len(kept)} "
+                   f"variant(s)\t{sum(v.bytes for v in kept)} bytes"
                    + (f"\ttenant {group.tenant}" if group.tenant else ""))
-        for v in group.variants:
+        for v in kept:
             typer.echo(f"  position {v.piece.origin}\tbehind {len(v.piece.behind)} tokens\t"
                        f"{v.bytes} bytes\t{v.piece.key}")
+    for e in sorted(learned.values(), key=lambda e: -e.last_used):
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
+        typer.echo(f"learned {e.name}\ttenant {e.tenant or '-'}\t{e.tokens} tokens\t"
+                   f"{e.bytes} bytes\t{e.hits} hits\tlast used {used}\t"
+                   f"{'pinned' if e.pinned else 'evictable'}\t{e.key}")
 
 
+def _learned_home(skills: Path, key: str) -> tuple[Path, str]:
+    """``(serving folder, full key)`` of learned entry ``key`` (or a unique prefix of it) under
+    skills root ``skills``, whatever the model; a clear error when no folder has it."""
+    from kvnotes.serving.library.registry import REGISTRY_DIR, LearnedRegistry, registry_path
+
+    root = folder_option(skills, "--skills")
+    if len(key) < 6 or not key.isalnum():
+        raise InvalidArgumentError(f"{key!r} is not an entry key: give the key shown by "
+                                   "`kvnotes skills list` (or its first 6+ characters)")
+    folders = [p.parent.parent for p in sorted(root.glob(f"*/{REGISTRY_DIR}/*"))
+               if p == registry_path(p.parent.parent)]
+    found: list[tuple[Path, str]] = []
+    errors: list[str] = []
+    for folder in folders:
+        with LearnedRegistry(folder) as reg:
+            try:
+                found.append((folder, reg.resolve(key)))
+            except InvalidArgumentError as err:
+                errors.append(str(err))
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise InvalidArgumentError(f"{key!r} names entries of {len(found)} models: give more "
+                                   "of the key")
+    registered = sorted(p.stem for p in root.glob(f"*/{key}*.safetensors"))
+    if registered:
+        raise InvalidArgumentError(f"{key!r} is a registered skill ({registered[0]}), not a "
+                                   "learned one: registered skills are never evicted; delete "
+                                   "its file to unregister it")
+    why = next((e for e in errors if "names" in e or "not an entry key" in e), None)
+    raise InvalidArgumentError(why or f"no learned entry {key!r} under {root} (see `kvnotes "
+                               "skills list`)")
+
+
+@skills_app.command("pin")
+def skills_pin(
+    key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
+    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
+    unpin: bool = typer.Option(False, "--unpin", help="Make it evictable again"),
+) -> None:
+    """Keep a learned chunk: a pinned entry is never evicted (by the cap or a quota)."""
+    from kvnotes.serving.library.registry import LearnedRegistry
+
+    folder, full = _learned_home(skills, key)
+    with LearnedRegistry(folder) as reg:
+        reg.pin(full, not unpin)
+    typer.echo(f"{full}\t{'evictable' if unpin else 'pinned'}")
+
+
+@skills_app.command("forget")
+def skills_forget(
+    key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
+    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
+) -> None:
+    """Drop a learned chunk: its file and its registry row (a running server stops splicing
+    it at its next rescan; a request already planned with it recomputes those tokens)."""
+    from kvnotes.serving.library.registry import LearnedRegistry, forget
+
+    folder, full = _learned_home(skills, key)
+    with LearnedRegistry(folder) as reg:
+        forget(folder, full, reg)
+    typer.echo(f"{full}\tforgotten")

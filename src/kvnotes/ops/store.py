@@ -45,12 +45,16 @@ RACY_NS = 2_000_000_000
 
 
 def skill_key(fingerprint_id: str, scheme: str, anchor: str, token_ids: list[int],
-              quantize: str | None = None, after: Sequence[int] = ()) -> str:
+              quantize: str | None = None, after: Sequence[int] = (),
+              tenant: str | None = None) -> str:
     """Content address of a compiled skill (int8 entries get their own addresses; a skill
-    compiled ``after=`` a prefix is addressed by the prefix's token ids too)."""
+    compiled ``after=`` a prefix is addressed by the prefix's token ids too, and a tenant's
+    entry by its tenant: two tenants never share one)."""
     parts: list[object] = [fingerprint_id, scheme, anchor, token_ids]
     if after:
         parts.append({"after": [int(i) for i in after]})
+    if tenant is not None:
+        parts.append({"tenant": tenant})
     payload = json.dumps(parts + [f"int8-{quantize}"] if quantize else parts).encode()
     return hashlib.sha256(payload).hexdigest()[:32]
 
@@ -100,25 +104,27 @@ class SkillLibrary:
         return self.engine.anchor_ids(after, anchor=self.anchor if isinstance(after, str)
                                       else "auto")
 
-    def path_for(self, text: str, *, after: str | Sequence[int] | None = None) -> Path:
+    def path_for(self, text: str, *, after: str | Sequence[int] | None = None,
+                 tenant: str | None = None) -> Path:
         validate.text(text, "text", allow_empty=False)
         ids = self.engine.encode(text)
         key = skill_key(self.engine.fingerprint.id, self.engine.adapter.name, self.anchor, ids,
-                        self.quantize, after=self._after_ids(after))
+                        self.quantize, after=self._after_ids(after), tenant=tenant)
         return self.root / f"{key}.safetensors"
 
     def __contains__(self, text: str) -> bool:
         return self.path_for(text).is_file()
 
     def get(self, text: str, *, name: str = "skill",
-            after: str | Sequence[int] | None = None) -> Notebook:
+            after: str | Sequence[int] | None = None, tenant: str | None = None) -> Notebook:
         """The compiled skill for ``text``: loaded when stored, else compiled and stored.
 
         ``after``: compile it behind this prefix (see :meth:`Engine.compile`); the prefix is
-        part of the entry's address, so each anchoring has its own entry.
+        part of the entry's address, so each anchoring has its own entry. ``tenant``: whose
+        entry it is (``meta["tenant"]``, and part of the address; None: shared).
         """
         validate.text(name, "name", allow_empty=False)
-        path = self.path_for(text, after=after)
+        path = self.path_for(text, after=after, tenant=tenant)
         skill = self._lookup(path)
         if skill is not None:
             self.hits += 1
@@ -126,6 +132,8 @@ class SkillLibrary:
         self.misses += 1
         skill = (self.engine.compile(text, name=name, anchor=self.anchor) if after is None else
                  self.engine.compile(text, name=name, after=self._after_ids(after)))
+        if tenant is not None:
+            skill = skill.with_meta(tenant=tenant)
         if self.quantize:
             from kvnotes.ops.quant import quantize
 

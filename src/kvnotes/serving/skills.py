@@ -35,7 +35,13 @@ from kvnotes.core.errors import (
 )
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary, skill_key
-from kvnotes.serving.library.manifest import ServingManifest, entry_paths, read_entry
+from kvnotes.serving.library.manifest import (
+    ENTRY_SUFFIX,
+    ServingManifest,
+    entry_paths,
+    read_entry,
+    splice_salt,
+)
 from kvnotes.serving.library.splice import PieceInfo
 from kvnotes.serving.library.variants import (
     DEFAULT_MAX_VARIANTS,
@@ -123,7 +129,7 @@ class ServingSkills:
             self._add_bos(engine.bos_id)
 
     def add(self, text: str, *, name: str = "skill",
-            after: str | Sequence[int] | None = None) -> PieceInfo:
+            after: str | Sequence[int] | None = None, tenant: str | None = None) -> PieceInfo:
         """Compile ``text`` (once: the library keeps it) and publish it to running servers.
 
         ``after``: compile it behind this prefix (text, BOS added per the library's anchor, or
@@ -134,16 +140,21 @@ class ServingSkills:
         skill that precedes it: ``kvnotes skills add --after NAME``); the server splices the
         variant whose prefix the prompt ends with (:func:`kvnotes.core.variants.variant_rank`).
         Beyond ``max_variants`` entries of one skill, the oldest are deleted.
+
+        ``tenant``: whose entry it is (None: the operator's, spliced for every tenant). A
+        tenant's entry is spliced only into that tenant's requests, and its address includes
+        the tenant, so two tenants never share one.
         """
         if not isinstance(text, str) or not text:
             raise ArgumentTypeError(f"a serving skill is a non-empty string, not {text!r}")
-        skill = self.library.get(text, name=name, after=after)
+        splice_salt(tenant)  # the tenant's spelling rule
+        skill = self.library.get(text, name=name, after=after, tenant=tenant)
         meta_ids = skill.meta.get("prefix_ids")
         behind = tuple(int(t) for t in meta_ids) if isinstance(meta_ids, list) else ()
-        info = PieceInfo(self.library.path_for(text, after=after).stem, name,
+        info = PieceInfo(self.path_for(text, after=after, tenant=tenant).stem, name,
                          tuple(int(t) for t in skill.token_ids.tolist()),
-                         int(skill.positions[0]), behind=behind)
-        cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, None,
+                         int(skill.positions[0]), tenant, behind)
+        cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, tenant,
                      self.max_variants, keep=info.key)
         return info
 
@@ -162,6 +173,15 @@ class ServingSkills:
     def variants(self) -> list[SkillVariants]:
         """The folder's skills, each with its variants and their bytes on disk."""
         return skill_variants(self.folder, self.manifest.fingerprint_obj)
+
+    def path_for(self, text: str, *, after: str | Sequence[int] | None = None,
+                 tenant: str | None = None) -> Path:
+        """The file :meth:`add` publishes ``text`` to (it may not exist yet)."""
+        return self.library.path_for(text, after=after, tenant=tenant)
+
+    def entry_path(self, key: str) -> Path:
+        """The file of the entry whose key (file stem) is ``key``."""
+        return self.folder / f"{key}{ENTRY_SUFFIX}"
 
     def _add_bos(self, bos: int) -> None:
         """The BOS alone at position 0 (exact: that is what every BOS-led prompt starts with)."""

@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request  # FastAPI reads the routes' annotations at run time
 from starlette.responses import Response as StarletteResponse
@@ -73,6 +73,9 @@ from kvnotes.serving.front.service import FrontService
 from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
 
+if TYPE_CHECKING:
+    from kvnotes.serving.front.learner import Learner
+
 __all__ = ["STATS_PATH", "Front", "FrontConfig"]
 
 STATS_PATH = "/kvnotes/stats"
@@ -83,8 +86,9 @@ log = logging.getLogger("kvnotes.serving.front")
 class Front(FrontService):
     """The HTTP front (see the module docstring); ``with front:`` serves in a thread."""
 
-    def __init__(self, config: FrontConfig, catalog: SkillCatalog) -> None:
-        super().__init__(config, catalog)
+    def __init__(self, config: FrontConfig, catalog: SkillCatalog,
+                 learner: Learner | None = None) -> None:
+        super().__init__(config, catalog, learner)
         self.app = build_app(self)
         self._server: Any = None
         self._thread: threading.Thread | None = None

@@ -59,6 +59,7 @@ class Call:
     plan: dict[str, Any] = field(default_factory=dict)
     first_upstream: float | None = None
     finished: bool = False
+    leased: tuple[str, ...] = ()  # learned entries held against eviction while it runs
 
     def upstream_started(self) -> None:
         if self.first_upstream is None:

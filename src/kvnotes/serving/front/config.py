@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,74 @@ from kvnotes.serving.upstream import check_loopback_url
 
 API_KEY_ENV = "KVNOTES_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10**6,
+          "MB": 10**6, "MI": 1 << 20, "MIB": 1 << 20, "G": 10**9, "GB": 10**9, "GI": 1 << 30,
+          "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TI": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``value``: an integer, or a number with a unit (``256MiB``, ``1.5GB``, ``64k``).
+
+    Example:
+        >>> parse_size("256MiB"), parse_size("2GB"), parse_size(4096)
+        (268435456, 2000000000, 4096)
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SIZE.fullmatch(str(value))
+        if m is None:
+            raise InvalidArgumentError(f"size {value!r}: give bytes, e.g. 268435456, 256MiB, "
+                                       "2GB")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if size < 1:
+        raise InvalidArgumentError(f"size {value!r}: give a positive number of bytes")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class LearnConfig:
+    """How the front learns the chunks it sees (:mod:`kvnotes.serving.front.learner`).
+
+    Args:
+        after: the sighting (per tenant) at which a chunk is compiled, in the background.
+        min_tokens: chunks shorter than this are never learned.
+        library_cap: bytes of learned entries the serving folder may hold (least recently
+            used evicted beyond it; the operator's registered skills never are, nor pinned
+            entries, nor entries a running request was planned with). None: no cap.
+        tenant_quota: bytes of learned entries one tenant may hold (the shared tenant
+            included). None: no quota.
+        max_tracked: chunks whose sightings are counted in memory (least recently seen
+            forgotten beyond it).
+        queue_size: compile jobs waiting for the worker (a job beyond it is dropped, counted,
+            and queued again at a later sighting).
+        flush_s: how often, at most, hit counts are written to the registry.
+    """
+
+    after: int = 2
+    min_tokens: int = 32
+    library_cap: int | None = None
+    tenant_quota: int | None = None
+    max_tracked: int = 100_000
+    queue_size: int = 64
+    flush_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("after", "min_tokens", "max_tracked", "queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"LearnConfig.{name} must be a positive integer, "
+                                           f"got {value!r}")
+        for name in ("library_cap", "tenant_quota"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value))
+        if not float(self.flush_s) > 0:
+            raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
+                                       "seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +137,8 @@ class FrontConfig:
             complete (h11's bound: a longer head is refused with 400 as it arrives).
         upstream_connections: the pool of connections to vLLM.
         plan_workers: threads that plan requests (each with its own tokenizer copy).
+        learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
+            registered skills are spliced). Needs the engine: the launcher's front learns.
     """
 
     upstream: str | None = None
@@ -95,6 +166,7 @@ class FrontConfig:
     max_header_bytes: int = 16 << 10
     upstream_connections: int = 512
     plan_workers: int = 4
+    learn: LearnConfig | None = None
 
     def __post_init__(self) -> None:
         if self.upstream is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvnotes.serving.planning.request import REASONS
@@ -18,6 +19,18 @@ OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "ups
             "bad_request", "unauthorized", "rejected", "disconnected")
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
+# the learner's counters (kvnotes.serving.front.learner.LearnerStats) and what they count
+LEARN_COUNTERS = {
+    "sightings": "Chunks seen in requests (long enough to learn)",
+    "compiles": "Chunks compiled in the background and published",
+    "failures": "Background compiles that failed (or whose text encodes to other tokens)",
+    "dropped": "Compile jobs dropped because the queue was full",
+    "evictions": "Learned entries evicted by the library cap or a tenant's quota",
+}
+LEARN_GAUGES = {
+    "learned_bytes": "Bytes of learned entries in the serving folder",
+    "learned_entries": "Learned entries in the serving folder",
+}
 _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
             60, 120)
 
@@ -47,6 +60,7 @@ class FrontMetrics:
         self.ttft = Histogram("kvnotes_front_ttft_seconds", "Time from a request's arrival to "
                               "the first byte of its answer", ["route"], buckets=_LATENCY,
                               registry=r)
+        self._learner: Callable[[], dict[str, int]] | None = None
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # the outcomes, for /kvnotes/stats
         self.reasons: Counter[str] = Counter()
@@ -75,13 +89,40 @@ class FrontMetrics:
             self.tokens.labels(kind).inc(n)
         self.phases.inc(phases)
 
+    def watch_learner(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Expose a learner's counters (``kvnotes_front_learn_*_total``,
+        ``kvnotes_front_learned_bytes`` / ``_entries``), read at each scrape."""
+        self._learner = counters
+        self.registry.register(_LearnerCollector(counters))
+
     def stats(self) -> dict[str, Any]:
         """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
         with self._lock:
-            return {"requests": sum(self.counts.values()), "outcomes": dict(self.counts),
-                    "forwarded": dict(self.reasons)}
+            out: dict[str, Any] = {"requests": sum(self.counts.values()),
+                                   "outcomes": dict(self.counts),
+                                   "forwarded": dict(self.reasons)}
+        if self._learner is not None:
+            out["learner"] = self._learner()
+        return out
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
 
         return bytes(generate_latest(self.registry))
+
+
+class _LearnerCollector:
+    """A Prometheus collector over a learner's counters (read at each scrape, no copies)."""
+
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        now = self.counters()
+        for name, help_text in LEARN_COUNTERS.items():
+            yield CounterMetricFamily(f"kvnotes_front_learn_{name}", help_text,
+                                      value=now.get(name, 0))
+        for name, help_text in LEARN_GAUGES.items():
+            yield GaugeMetricFamily(f"kvnotes_front_{name}", help_text, value=now.get(name, 0))

@@ -11,6 +11,10 @@ chat (tools, content parts, no chat template), its same part-wise ids sent unspl
 Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request's tenant is
 its key's (a ``kvnotes.tenant`` naming another is a 400), and a tenant's exact requests are
 salted as its own too.
+
+Learning (a :class:`~kvnotes.serving.front.learner.Learner`, with ``--learn``): every request's
+chunks are counted (:meth:`FrontService.observe`, in memory: compiles run on the learner's own
+thread), and a spliced request holds a lease on the entries it was planned with until it ends.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import KvnotesError, ServingError
 from kvnotes.serving.front.call import Call, Reply
@@ -35,6 +40,7 @@ from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.upstream import Upstream
 from kvnotes.serving.library.manifest import SPLICE_SALT
+from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.front_plan import FrontPlan, catalog_view, plan_request
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import (
@@ -46,6 +52,9 @@ from kvnotes.serving.planning.request import (
     read_request,
 )
 
+if TYPE_CHECKING:
+    from kvnotes.serving.front.learner import Learner
+
 TENANT_SALT = "kvnotes-tenant"  # a tenant's exact requests: kvnotes-tenant:<tenant>[:<salt>]
 _TENANT_SALTS = (f"{SPLICE_SALT}:", f"{TENANT_SALT}:")
 log = logging.getLogger("kvnotes.serving.front")
@@ -55,7 +64,8 @@ class FrontService:
     """One front's shared state and its answer to a checked request (see the module
     docstring)."""
 
-    def __init__(self, config: FrontConfig, catalog: SkillCatalog) -> None:
+    def __init__(self, config: FrontConfig, catalog: SkillCatalog,
+                 learner: Learner | None = None) -> None:
         if config.upstream is None:
             raise ServingError("FrontConfig.upstream is None: give the vLLM server's URL")
         self.config, self.catalog = config, catalog
@@ -67,6 +77,9 @@ class FrontService:
         self._local = threading.local()
         self._in_flight = 0
         self.proxy = Proxy(self.up, self.metrics)
+        self.learner = learner
+        if learner is not None:
+            self.metrics.watch_learner(learner.counters)
 
     @property
     def stats(self) -> Counter[str]:
@@ -84,10 +97,14 @@ class FrontService:
         await asyncio.gather(*(loop.run_in_executor(self._pool, self._warm_planner, ready)
                                for _ in range(workers)))
         await self.up.open()
+        if self.learner is not None:
+            self.learner.start()
         with contextlib.suppress(Exception):  # vLLM may not be up yet: read again when needed
             await asyncio.wait_for(self.up.discover(), self.config.discover_timeout)
 
     async def closed(self) -> None:
+        if self.learner is not None:
+            self.learner.stop()
         await self.up.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -149,6 +166,9 @@ class FrontService:
         if call.finished:
             return
         call.finished = True
+        if call.leased and self.learner is not None:
+            self.learner.release(call.leased)
+            call.leased = ()
         self.end()
         m = self.metrics
         if call.first_upstream is not None:
@@ -198,6 +218,8 @@ class FrontService:
                                                "plan_error"), self._passed_auth(client_auth))
         if isinstance(fp, Unplannable):
             return await self.proxy.exact(req, model, call, fp, salt)
+        if self.learner is not None:  # the entries it was planned with stay until it ends
+            call.leased = self.learner.lease(self.plan_keys(fp, tenant))
         tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
@@ -210,6 +232,7 @@ class FrontService:
         opted out."""
         tokenizer = self._tokenizer()
         req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
+        self.observe(tenant, req.chunks)
         try:
             if isinstance(block_size, Unplannable):
                 raise block_size
@@ -228,6 +251,26 @@ class FrontService:
                 log.exception("planning failed; answered exactly")
                 return req, Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
             raise
+
+    # ---- learning ------------------------------------------------------------------------
+    def observe(self, tenant: str | None, chunks: Iterable[SeenChunk]) -> None:
+        """Count a request's chunks for learning (in memory, never blocks; nothing when
+        learning is off). Planned requests are observed here by :meth:`answer`; a path that
+        sends a request exactly without planning it calls this itself."""
+        if self.learner is not None:
+            try:
+                self.learner.observe(tenant, chunks)
+            except Exception:  # noqa: BLE001 -- learning is an optimization: serve on
+                log.exception("learner: a request's chunks were not counted")
+
+    def plan_keys(self, fp: FrontPlan, tenant: str | None) -> list[str]:
+        """The keys of the entries ``fp`` splices (every anchoring of each spliced piece's
+        tokens that ``tenant`` sees: the connector picks one of them)."""
+        keys: list[str] = []
+        for span in fp.spans:
+            if span.is_piece:
+                keys += self.catalog.keys_of(fp.ids[span.start:span.end], tenant)
+        return keys
 
     def _warm_planner(self, ready: threading.Barrier) -> None:
         """Make this planning thread's tokenizer copy; the barrier holds each warm-up task on a

@@ -274,4 +274,9 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
                        block_size=front.block_size or config.block_size,
                        model=front.model or config.name,
                        upstream_api_key=front.upstream_api_key or vllm_api_key(config.extra_args))
-    return Front(settings, SkillCatalog(skills.folder, engine.tokenizer))
+    learner = None
+    if front.learn is not None:  # learning needs the engine: it is here, in this process
+        from kvnotes.serving.front.learner import Learner
+
+        learner = Learner(front.learn, skills)
+    return Front(settings, SkillCatalog(skills.folder, engine.tokenizer), learner)

@@ -11,6 +11,10 @@ changes, or while it is recent enough that a listing in the same clock tick coul
 entry, at most every ``rescan_s`` seconds). What is never indexed: a publish still in progress
 (hidden ``.kvnotes-tmp.*`` files), a damaged or foreign file (warned about once), and an entry
 larger than ``max_entry_bytes`` on disk (checked before it is read).
+
+Tenancy: :meth:`PieceStore.view` is the index a request of one tenant is matched against, the
+operator's entries (tenant None) and that tenant's own, never another tenant's; the views are
+kept up to date with the folder as it changes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kvnotes.serving.library.manifest import (
     entry_owner,
     entry_paths,
 )
-from kvnotes.serving.library.splice import PieceIndex, PieceInfo
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo, visible
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 
@@ -40,6 +44,7 @@ FLOAT_TENSORS = {"F32", "F16", "BF16", "F64"}  # safetensors' names of the dtype
 # entry renamed in within the tick of a listing leaves the mtime as the listing saw it. So an
 # unchanged mtime is trusted only once a listing started this long after it.
 RACY_NS = 2_000_000_000
+MAX_VIEWS = 256  # tenants' indexes kept at once
 
 
 class PieceStore:
@@ -60,6 +65,8 @@ class PieceStore:
         self.rescan_s = rescan_s
         self.max_entry_bytes = int(max_entry_bytes)
         self._paths: dict[str, Path] = {}
+        # tenant -> the index of the pieces it may splice (made on first use, kept in step)
+        self._views: dict[str | None, PieceIndex] = {}
         self._skipped: set[tuple[str, int]] = set()  # (name, mtime) already warned about
         self._mtime: int | None = None
         self._listed_ns = 0  # wall clock when the folder was last listed
@@ -83,6 +90,8 @@ class PieceStore:
         present = {p.stem: p for p in entry_paths(self.folder)}
         for key in [k for k in self._paths if k not in present]:
             self.index.remove(key)
+            for view in self._views.values():
+                view.remove(key)
             self._paths.pop(key)
             self.generation += 1
             log.info("kvnotes: skill file %s removed; no longer spliced", key)
@@ -90,6 +99,19 @@ class PieceStore:
             if key not in self._paths:
                 self._add(key, path)
         return len(self.index)
+
+    def view(self, tenant: str | None) -> PieceIndex:
+        """The pieces a request of ``tenant`` may splice (the shared ones and its own), indexed;
+        kept in step with :attr:`index` by :meth:`refresh`."""
+        view = self._views.get(tenant)
+        if view is None:
+            if len(self._views) >= MAX_VIEWS:  # a bound on memory: views are rebuilt on demand
+                self._views.clear()
+            view = self._views[tenant] = PieceIndex()
+            for piece in self.index.pieces():
+                if visible(piece, tenant):
+                    view.add(piece)
+        return view
 
     def _add(self, key: str, path: Path) -> None:
         try:
@@ -116,6 +138,9 @@ class PieceStore:
             log.warning("kvnotes: skipping skill file %s: %s", path.name, err)
             return
         self.index.add(piece)
+        for tenant, view in self._views.items():
+            if visible(piece, tenant):
+                view.add(piece)
         self._paths[key] = path
         self.generation += 1
         log.info("kvnotes: skill %r (%d tokens, origin %d) registered", piece.name, len(piece),

@@ -342,3 +342,15 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
     t = torch.arange(start, end)
     blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
     return blocks[t // block_size] * block_size + t % block_size
+
+
+def visible(piece: PieceInfo, tenant: str | None) -> bool:
+    """Whether a request of ``tenant`` may splice ``piece``: the operator's pieces (tenant
+    None) are every tenant's, a tenant's own only its own.
+
+    Example:
+        >>> p = PieceInfo("k", "tool", (5,), 0, tenant="acme")
+        >>> visible(p, "acme"), visible(p, "globex"), visible(p, None)
+        (True, False, False)
+    """
+    return piece.tenant is None or piece.tenant == tenant

@@ -95,7 +95,9 @@ class CatalogView:
 def catalog_view(catalog: SkillCatalog, tenant: str | None) -> CatalogView:
     """The catalog as one request's planning sees it (every call to the catalog goes through
     here: the one place a tenant's view is chosen)."""
-    return CatalogView(catalog.find, catalog.lay_out, catalog.index)
+    return CatalogView(lambda text: catalog.find(text, tenant),
+                       lambda found, tok: catalog.lay_out(found, tok, tenant),
+                       lambda: catalog.index(tenant))
 
 
 def chat_parts(req: FrontRequest, index: PieceIndex) -> list[SentPart]:

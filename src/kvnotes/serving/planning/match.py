@@ -31,8 +31,10 @@ from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.serving.library.piece_store import PieceStore, index_entry
-from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred, visible
 from kvnotes.serving.planning.layout import SentPart, part_ids
+
+MAX_VIEWS = 256  # tenants' views kept at once (rebuilt on demand beyond it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +163,16 @@ def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInf
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What one tenant's requests are matched against: the shared entries and its own."""
+
+    skills: list[Skill]
+    index: PieceIndex
+    bos: tuple[PieceInfo, ...]  # the one-token BOS entries
+    left_out: list[str]
+
+
 class SkillCatalog:
     """The registered skills of one model's serving folder, as texts; follows the folder.
 
@@ -168,6 +180,10 @@ class SkillCatalog:
         folder: ``ROOT/<fingerprint id>`` (``ServingSkills.folder``), holding ``serving.json``.
         tokenizer: the served model's tokenizer (the one the skills were compiled with).
         rescan_s: how often, at most, the folder's modification time is checked.
+
+    Tenancy: :meth:`find`, :meth:`skills`, :meth:`index` and :meth:`lay_out` take the
+    request's ``tenant`` and see the shared entries (tenant None) and that tenant's own, never
+    another tenant's; ``tenant=None`` sees the shared entries only.
 
     Thread-safe: :meth:`skills` may be called from every request's thread.
     """
@@ -180,12 +196,15 @@ class SkillCatalog:
         # the scheduler's own index of the folder: the front plans with what it will splice
         self._store = PieceStore(self.folder, rescan_s=rescan_s)
         self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
-        self._skills: list[Skill] = []
-        self._bos: tuple[PieceInfo, ...] = ()  # the one-token BOS entries
-        self._index = PieceIndex()
+        self._by_tokens: dict[tuple[int, ...], tuple[PieceInfo, ...]] = {}
+        self._views: dict[str | None, _View] = {}  # tenant -> its view, at this generation
         self._generation = -1  # the store's generation the snapshot above was built from
-        self.left_out: list[str] = []
         self.refresh(force=True)
+
+    @property
+    def left_out(self) -> list[str]:
+        """The shared entries never matched by text (see :func:`skill_texts`)."""
+        return self._view(None).left_out
 
     def refresh(self, *, force: bool = False) -> None:
         with self._lock:
@@ -193,38 +212,68 @@ class SkillCatalog:
             if force or self._store.generation != self._generation:
                 self._generation = self._store.generation
                 pieces = {p.key: p for p in self._store.index.pieces()}
-                index = PieceIndex()
+                by_tokens: dict[tuple[int, ...], list[PieceInfo]] = {}
                 for piece in pieces.values():
-                    index.add(piece)
-                self._pieces, self._index = pieces, index
-                self._skills, self.left_out = skill_texts(self.tokenizer, pieces.values())
-                bos = added_bos(self.tokenizer)
-                self._bos = tuple(sorted((p for p in pieces.values()
-                                          if bos is not None and p.token_ids == (bos,)),
-                                         key=lambda p: (p.origin, p.key)))
+                    by_tokens.setdefault(piece.token_ids, []).append(piece)
+                self._pieces = pieces
+                self._by_tokens = {ids: tuple(ps) for ids, ps in by_tokens.items()}
+                self._views = {}
 
-    def skills(self) -> list[Skill]:
-        """The matchable skills now, longest text first."""
+    def _view(self, tenant: str | None) -> _View:
+        """``tenant``'s view of the folder as indexed now (built once per change)."""
+        with self._lock:
+            view = self._views.get(tenant)
+            if view is not None:
+                return view
+            generation = self._generation
+            pieces = [p for p in self._pieces.values() if visible(p, tenant)]
+        index = PieceIndex()
+        for piece in pieces:
+            index.add(piece)
+        skills, left_out = skill_texts(self.tokenizer, pieces)
+        bos = added_bos(self.tokenizer)
+        view = _View(skills, index, tuple(sorted(
+            (p for p in pieces if bos is not None and p.token_ids == (bos,)),
+            key=lambda p: (p.origin, p.key))), left_out)
+        with self._lock:
+            if generation == self._generation:  # not one the folder has changed since
+                if len(self._views) >= MAX_VIEWS:
+                    self._views.clear()
+                self._views[tenant] = view
+        return view
+
+    def skills(self, tenant: str | None = None) -> list[Skill]:
+        """The matchable skills ``tenant`` sees now, longest text first."""
         self.refresh()
-        return self._skills
+        return self._view(tenant).skills
 
     def pieces(self) -> list[PieceInfo]:
-        """Every indexed entry (the BOS piece and unmatchable ones included)."""
+        """Every indexed entry, every tenant's (the BOS piece and unmatchable ones included)."""
         self.refresh()
         return list(self._pieces.values())
 
-    def index(self) -> PieceIndex:
-        """Every entry, indexed by tokens (a snapshot: a rescan builds a new one)."""
+    def index(self, tenant: str | None = None) -> PieceIndex:
+        """The entries ``tenant`` sees, indexed by tokens (a snapshot: a rescan builds a new
+        one)."""
         self.refresh()
-        return self._index
+        return self._view(tenant).index
 
-    def find(self, text: str) -> list[Part]:
-        return find_skills(text, self.skills())
+    def keys_of(self, token_ids: Sequence[int], tenant: str | None = None) -> list[str]:
+        """The keys of every entry ``tenant`` sees whose tokens are ``token_ids`` (one skill's
+        anchorings). Takes no lock (the map is replaced whole at a rescan), so the serving loop
+        may call it."""
+        pieces = self._by_tokens.get(tuple(token_ids), ())
+        return [p.key for p in pieces if visible(p, tenant)]
 
-    def lay_out(self, found: Sequence[Part], tokenizer: Any = None) -> list[SentPart]:
-        """``found`` (a :meth:`find` result) as sent, its pieces checked against the folder as
-        indexed now (:func:`lay_out`). ``tokenizer``: the catalog's, or a copy of it."""
+    def find(self, text: str, tenant: str | None = None) -> list[Part]:
+        return find_skills(text, self.skills(tenant))
+
+    def lay_out(self, found: Sequence[Part], tokenizer: Any = None,
+                tenant: str | None = None) -> list[SentPart]:
+        """``found`` (a :meth:`find` result) as sent, its pieces checked against ``tenant``'s
+        view of the folder as indexed now (:func:`lay_out`). ``tokenizer``: the catalog's, or
+        a copy of it."""
         self.refresh()
-        with self._lock:
-            bos, index = self._bos, self._index
-        return lay_out(self.tokenizer if tokenizer is None else tokenizer, found, bos, index)
+        view = self._view(tenant)
+        return lay_out(self.tokenizer if tokenizer is None else tokenizer, found, view.bos,
+                       view.index)

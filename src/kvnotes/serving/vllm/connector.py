@@ -188,8 +188,9 @@ class KvnotesConnector(KVConnectorBase_V1):
             return 0, False  # multimodal prompts: placeholders are not text the skills hold
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
+        # a tenant is matched against the shared pieces and its own, never another tenant's
         return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
-                                  self.store.index, splice_ranges(request)), False
+                                  self.store.view(tenant), splice_ranges(request)), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

@@ -33,6 +33,7 @@ from kvnotes.serving.library.splice import (
     leading_run,
     range_run,
     slot_mapping,
+    visible,
 )
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
@@ -108,9 +109,9 @@ class SplicePlanner:
 
         Called again on every admission attempt: the latest answer is the plan.
         """
+        end: int | None = None
         if ranges is None:
             run = leading_run(tokens, index)
-            ext = external_tokens(run, len(tokens), num_computed_tokens)
         else:
             # the server checks each range itself: no client, the front included, is trusted
             checked = check_ranges(tokens, index, ranges)
@@ -119,7 +120,15 @@ class SplicePlanner:
                 log.warning("kvnotes: request %s: %d of its splice ranges dropped (%s); their "
                             "tokens are computed", req_id, checked.dropped, checked.reason)
             run, end = range_run(checked, num_computed_tokens)
-            ext = external_tokens(run, len(tokens), num_computed_tokens, end)
+        # the index given is the tenant's view; this holds even for one that is not: a piece
+        # of another tenant ends the run (its tokens are computed)
+        shown = next((i for i, p in enumerate(run) if not visible(p.piece, tenant)), len(run))
+        if shown < len(run):
+            log.warning("kvnotes: request %s: piece %s belongs to another tenant; not spliced",
+                        req_id, run[shown].piece.key)
+            run = run[:shown]
+            end = run[-1].end if run else num_computed_tokens
+        ext = external_tokens(run, len(tokens), num_computed_tokens, end)
         if ext:
             self._plans[req_id] = _Plan(tenant, tuple(run), num_computed_tokens)
         else:

@@ -1,0 +1,349 @@
+"""Learning on sight: chunks requests carry, compiled in the background once seen often enough.
+
+A request's chunks (:class:`~kvnotes.serving.planning.chunks.SeenChunk`: each ``tools`` entry,
+each text part of a message) are handed to :meth:`Learner.observe` from the request's path,
+which only counts: the sightings of each (tenant, chunk token ids) in a bounded in-memory map.
+At the ``LearnConfig.after``-th sighting a compile job is queued (a bounded queue: a job that
+does not fit is dropped, counted, and queued again at a later sighting) for the learner's one
+worker thread, which compiles the chunk behind the prefix it was seen after
+(``ServingSkills.add(text, after=ids, tenant=tenant)``), publishes it to the serving folder
+(atomically; the connector and the front pick it up at their next rescan), records it in the
+:class:`~kvnotes.serving.library.registry.LearnedRegistry` and enforces the bounds. Until then
+requests are planned without it (computed exactly). What never happens on a request's path: a
+compile, a file write or delete, a registry write; :meth:`observe`, :meth:`use`,
+:meth:`lease` and :meth:`release` take one short in-memory lock.
+
+Bounds (learned entries only: the operator's registered skills are not in the registry and are
+never evicted): ``tenant_quota`` bytes per tenant, then ``library_cap`` bytes in all, each
+enforced by evicting the least recently used entries, except pinned ones and those under lease.
+The front leases the entries a request was planned with for the request's duration
+(:meth:`lease` after planning, :meth:`release` when it ends). An entry evicted between a
+request's planning and its lease (or planned by a client that sends ranges itself) fails its
+load in the connector, and vLLM recomputes those tokens (``kv_load_failure_policy=recompute``):
+slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+from kvnotes.serving.front.config import LearnConfig
+from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry, forget
+from kvnotes.serving.planning.chunks import SeenChunk
+
+if TYPE_CHECKING:
+    from kvnotes.serving.skills import ServingSkills
+
+log = logging.getLogger("kvnotes.serving.front")
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    chunk_id: bytes
+    tenant: str | None
+    chunk: SeenChunk
+
+
+@dataclass
+class LearnerStats:
+    """The learner's counters (``to_dict()`` at the JSON boundary)."""
+
+    sightings: int = 0  # chunks observed (long enough to learn)
+    compiles: int = 0  # entries compiled and published
+    failures: int = 0  # compiles that failed
+    dropped: int = 0  # jobs dropped: the queue was full
+    evictions: int = 0  # entries evicted by the bounds
+    learned_bytes: int = 0  # bytes of learned entries in the folder (as last enforced)
+    learned_entries: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def chunk_id(tenant: str | None, token_ids: Sequence[int]) -> bytes:
+    """The identity of a chunk for counting: its tenant and its token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((tenant or "").encode() + b"\0" + (b"t" if tenant is not None else b"s"))
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class Learner:
+    """Counts chunks, compiles the ones seen often enough, keeps the learned library bounded.
+
+    Args:
+        config: the thresholds and bounds.
+        skills: the serving folder to publish to (it holds the engine that compiles).
+        registry: the folder's learned-entry registry (default: opened in ``skills.folder``).
+
+    :meth:`start` starts the worker thread, :meth:`stop` stops it.
+    """
+
+    def __init__(self, config: LearnConfig, skills: ServingSkills,
+                 registry: LearnedRegistry | None = None) -> None:
+        self.config = config
+        self.skills = skills
+        self.registry = LearnedRegistry(skills.folder) if registry is None else registry
+        self.stats = LearnerStats()
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # chunk -> sightings, LRU order
+        self._busy: set[bytes] = set()  # queued or compiling
+        # chunk -> its entry's key ("" when unmatchable: those are forgotten, oldest first,
+        # beyond max_tracked; the learned ones are as many as the registry's rows)
+        self._known: OrderedDict[bytes, str] = OrderedDict()
+        self._chunk_of: dict[str, bytes] = {}
+        self._hits: Counter[str] = Counter()  # uses not yet written to the registry
+        self._leases: Counter[str] = Counter()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(config.queue_size)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._flushed = time.monotonic()
+        self._refresh_totals()
+
+    # ---- the request path (in memory only) --------------------------------------------------
+    def observe(self, tenant: str | None, chunks: Iterable[SeenChunk]) -> None:
+        """Count one request's chunks; queue the ones seen ``after`` times. Never blocks."""
+        cfg = self.config
+        seen_now: set[bytes] = set()
+        for chunk in chunks:
+            if len(chunk.token_ids) < cfg.min_tokens:
+                continue
+            cid = chunk_id(tenant, chunk.token_ids)
+            if cid in seen_now:
+                continue  # one request, one sighting
+            seen_now.add(cid)
+            with self._lock:
+                self.stats.sightings += 1
+                if cid in self._known or cid in self._busy:
+                    continue
+                count = self._seen.pop(cid, 0) + 1
+                self._seen[cid] = count  # most recently seen last
+                while len(self._seen) > cfg.max_tracked:
+                    self._seen.popitem(last=False)
+                if count < cfg.after:
+                    continue
+                try:
+                    self._queue.put_nowait(_Job(cid, tenant, chunk))
+                except queue.Full:
+                    self.stats.dropped += 1  # counted on: the next sighting queues it again
+                    continue
+                self._busy.add(cid)
+
+    def use(self, keys: Iterable[str]) -> None:
+        """Count a use of each entry (its hits and last use; written by the worker)."""
+        with self._lock:
+            self._hits.update(keys)
+
+    def lease(self, keys: Iterable[str]) -> tuple[str, ...]:
+        """Hold ``keys`` against eviction (and count their use) until :meth:`release`."""
+        held = tuple(dict.fromkeys(keys))
+        with self._lock:
+            self._leases.update(held)
+            self._hits.update(held)
+        return held
+
+    def release(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            self._leases.subtract(keys)
+            self._leases = +self._leases  # drop the zeros
+
+    def leased(self, key: str) -> bool:
+        with self._lock:
+            return self._leases[key] > 0
+
+    # ---- the worker --------------------------------------------------------------------------
+    def start(self) -> Learner:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="kvnotes-learner",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the worker (after the job it is on) and write the hits counted so far."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        try:
+            self._queue.put_nowait(None)  # wakes it at once
+        except queue.Full:
+            pass
+        thread.join(timeout)
+        self._flush()
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued job is done (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._busy:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def run_pending(self) -> int:
+        """Do the queued jobs in this thread (no worker needed); returns how many."""
+        done = 0
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return done
+            if job is not None:
+                self._do(job)
+                done += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._queue.get(timeout=self.config.flush_s)
+            except queue.Empty:
+                job = None
+            if job is not None and not self._stop.is_set():
+                self._do(job)
+            elif job is not None:
+                with self._lock:
+                    self._busy.discard(job.chunk_id)
+            if time.monotonic() - self._flushed >= self.config.flush_s:
+                self._flush()
+
+    def _do(self, job: _Job) -> None:
+        try:
+            self._compile(job)
+        except Exception as err:  # noqa: BLE001 -- a failed compile costs reuse, not serving
+            self._count("failures")
+            log.warning("kvnotes learner: a %s chunk of %d tokens was not learned: %s: %s",
+                        job.chunk.kind, len(job.chunk), type(err).__name__, err)
+        finally:
+            with self._lock:
+                self._busy.discard(job.chunk_id)
+
+    def _compile(self, job: _Job) -> None:
+        chunk, tenant = job.chunk, job.tenant
+        after = list(chunk.after_ids) or None
+        name = f"{chunk.kind}-{job.chunk_id.hex()[:8]}"
+        path = self.skills.path_for(chunk.text, after=after, tenant=tenant)
+        if path.is_file() and path.stem not in self.registry:
+            # the operator registered this very entry: it is theirs, never learned or evicted
+            self._learned(job, path.stem)
+            return
+        existed = path.is_file()
+        info = self.skills.add(chunk.text, name=name, after=after, tenant=tenant)
+        if info.token_ids != tuple(chunk.token_ids):
+            # the text alone encodes to other tokens than the request holds: never matched
+            if not existed:
+                path.unlink(missing_ok=True)
+            self._count("failures")
+            self._learned(job, "")
+            log.warning("kvnotes learner: a %s chunk encodes alone to other tokens than in "
+                        "its request; not learned", chunk.kind)
+            return
+        self.registry.record(LearnedEntry(info.key, tenant, name, chunk.kind, len(info),
+                                          path.stat().st_size))
+        if not existed:
+            self._count("compiles")
+        self._learned(job, info.key)
+        log.info("kvnotes learner: learned %s (%d tokens%s)", name, len(info),
+                 f", tenant {tenant}" if tenant else "")
+        self.enforce(tenant)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+    def _learned(self, job: _Job, key: str) -> None:
+        with self._lock:
+            self._known[job.chunk_id] = key
+            if not key and len(self._known) > self.config.max_tracked:
+                stale = next((c for c, k in self._known.items() if not k), None)
+                if stale is not None:
+                    self._known.pop(stale)
+            self._seen.pop(job.chunk_id, None)
+            if key:
+                self._chunk_of[key] = job.chunk_id
+
+    # ---- bounds --------------------------------------------------------------------------------
+    def enforce(self, tenant: str | None = None) -> int:
+        """Evict least recently used learned entries until ``tenant`` is within its quota and
+        the library within its cap (pinned and leased entries are kept); returns how many."""
+        self._flush()
+        self._prune()
+        cfg = self.config
+        evicted = 0
+        if cfg.tenant_quota is not None:
+            evicted += self._shrink(self.registry.evictable(tenant, every=False),
+                                    self.registry.total_bytes(tenant, every=False),
+                                    cfg.tenant_quota)
+        if cfg.library_cap is not None:
+            evicted += self._shrink(self.registry.evictable(), self.registry.total_bytes(),
+                                    cfg.library_cap)
+        self._refresh_totals()
+        return evicted
+
+    def _shrink(self, candidates: Sequence[LearnedEntry], total: int, bound: int) -> int:
+        evicted = 0
+        for entry in candidates:
+            if total <= bound:
+                break
+            if self.evict(entry.key):
+                total -= entry.bytes
+                evicted += 1
+        return evicted
+
+    def evict(self, key: str) -> bool:
+        """Delete learned entry ``key`` unless a request holds it; True when evicted."""
+        with self._lock:
+            if self._leases[key] > 0:
+                return False
+            # unlinked under the lock: a lease taken from now on is on a missing file, whose
+            # load fails and is recomputed (a lease never sees a half-deleted entry)
+            (self.skills.folder / f"{key}.safetensors").unlink(missing_ok=True)
+            cid = self._chunk_of.pop(key, None)
+            if cid is not None:
+                self._known.pop(cid, None)  # learned again if it keeps coming
+            self.stats.evictions += 1
+        forget(self.skills.folder, key, self.registry)
+        log.info("kvnotes learner: evicted %s", key)
+        return True
+
+    def _prune(self) -> None:
+        """Drop the rows of entries whose files are gone (deleted by hand, or forgotten by a
+        process that could not reach the registry): they hold no bytes."""
+        for entry in self.registry.entries():
+            if not (self.skills.folder / f"{entry.key}.safetensors").is_file():
+                self.registry.remove(entry.key)
+                with self._lock:
+                    cid = self._chunk_of.pop(entry.key, None)
+                    if cid is not None:
+                        self._known.pop(cid, None)
+
+    def _flush(self) -> None:
+        with self._lock:
+            hits, self._hits = self._hits, Counter()
+            self._flushed = time.monotonic()
+        if hits:
+            try:
+                self.registry.use(hits)
+            except Exception as err:  # noqa: BLE001 -- counts are advisory; serving goes on
+                log.warning("kvnotes learner: hits not recorded: %s", err)
+
+    def _refresh_totals(self) -> None:
+        total, count = self.registry.total_bytes(), len(self.registry)
+        with self._lock:
+            self.stats.learned_bytes, self.stats.learned_entries = total, count
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return self.stats.to_dict()
+

@@ -1,0 +1,92 @@
+"""``kvnotes skills list/pin/forget`` over learned entries, and ``kvnotes serve``'s learning
+flags, on a tiny saved model."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import kvnotes
+from kvnotes.cli import app
+from kvnotes.cli.serve import learn_config
+from kvnotes.core.document import encode
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.front.config import LearnConfig
+from kvnotes.serving.front.learner import Learner
+from kvnotes.serving.library.registry import LearnedRegistry
+from kvnotes.serving.planning.chunks import SeenChunk
+from kvnotes.serving.skills import ServingSkills
+
+runner = CliRunner()
+HEADER = "System: answer with one tool call.\n"
+TOOL = ('{"type": "function", "function": {"name": "get_weather", "description": "Weather for '
+        'a city today", "parameters": {"city": "string"}}}')
+
+
+@pytest.fixture
+def served(tiny_folder, tmp_path):
+    """A skills root with one registered skill and one chunk learned for tenant acme."""
+    engine = kvnotes.load(str(tiny_folder))
+    lib = ServingSkills(tmp_path / "skills", engine)
+    registered = lib.add(HEADER, name="header")
+    learner = Learner(LearnConfig(after=1, min_tokens=4), lib)
+    tok = engine.tokenizer
+    learner.observe("acme", [SeenChunk("tool", TOOL, tuple(encode(tok, TOOL)),
+                                       tuple(encode(tok, HEADER)))])
+    assert learner.run_pending() == 1
+    (entry,) = learner.registry.entries()
+    learner.use([entry.key])
+    learner.enforce()  # writes the hit
+    return tmp_path / "skills", lib, registered.key, entry.key
+
+
+def test_list_shows_registered_and_learned_entries(served, tiny_folder):
+    root, _, registered, learned = served
+    result = runner.invoke(app, ["skills", "list", "--model", str(tiny_folder), "--skills",
+                                 str(root)])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert any("header\t" in line and line.endswith(f"position 0\t{registered}")
+               for line in lines)
+    (row,) = [line for line in lines if learned in line]
+    assert row.startswith("learned tool-") and "tenant acme" in row and "1 hits" in row
+    assert "evictable" in row
+
+
+def test_pin_and_forget_by_key_prefix(served):
+    root, lib, _, learned = served
+    result = runner.invoke(app, ["skills", "pin", learned[:8], "--skills", str(root)])
+    assert result.exit_code == 0, result.output
+    assert f"{learned}\tpinned" in result.output
+    with LearnedRegistry(lib.folder) as reg:
+        assert reg.get(learned) is not None and reg.get(learned).pinned
+    result = runner.invoke(app, ["skills", "forget", learned, "--skills", str(root)])
+    assert result.exit_code == 0, result.output
+    assert not lib.entry_path(learned).exists()
+    with LearnedRegistry(lib.folder) as reg:
+        assert learned not in reg
+
+
+@pytest.mark.parametrize("command", ["pin", "forget"])
+def test_unknown_short_and_registered_keys_are_clear_errors(served, command):
+    root, lib, registered, _ = served
+    for key, message in (("0123456789abcdef", "no learned entry"),
+                         ("abc", "not an entry key"),
+                         (registered, "registered skill")):
+        result = runner.invoke(app, ["skills", command, key, "--skills", str(root)])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+    assert lib.entry_path(registered).exists()
+
+
+def test_serve_learning_flags():
+    assert learn_config(False, 2, 32, None, None) is None
+    cfg = learn_config(True, 3, 16, "256MiB", "1MB")
+    assert cfg == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
+                              tenant_quota=10**6)
+    with pytest.raises(InvalidArgumentError, match="--learn"):
+        learn_config(False, 2, 32, "1GiB", None)
+    result = runner.invoke(app, ["serve", "--skills", "x", "--library-cap", "1GiB"])
+    assert result.exit_code == 2 and "add --learn" in result.output
+    result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--no-front"])
+    assert result.exit_code == 2 and "drop --no-front" in result.output
