@@ -137,35 +137,55 @@ class AgentOracle:
             self._notebooks[path] = Notebook.load(path, self.engine)
         return self._notebooks[path]
 
+    def text_parts(self, ids: Sequence[int]) -> list[str] | None:
+        """``ids`` as compose text parts that encode back to exactly ``ids`` (each part is
+        tokenized alone, as the front tokenizes a prompt's parts): the whole decoded, else its
+        halves, recursively; None when a single token does not come back."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            return []
+        text = self.engine.tokenizer.decode(ids)
+        if text and self.engine.tokens_of(text, bos=False)[0] == ids:
+            return [text]
+        if len(ids) == 1:
+            return None
+        mid = len(ids) // 2
+        left, right = self.text_parts(ids[:mid]), self.text_parts(ids[mid:])
+        return None if left is None or right is None else left + right
+
     def composed(self, ids: Sequence[int], plan: Mapping[str, Any]) -> Notebook | None:
         """The prompt composed as the plan says (None: an entry is missing, the repair is not
-        rebuilt here, or the composition's length is not the prompt's)."""
+        rebuilt here, a text span does not encode back, or the composition's tokens are not
+        the prompt's)."""
         repair = repair_of(str(plan.get("repair", "")))
         if repair is None:
             return None
-        starts: dict[int, int] = {}
+        e = self.engine
+        ids = [int(t) for t in ids]
+        bos = e.bos_id
+        if bos is not None and ids[:1] != [bos]:
+            return None  # compose starts with the BOS: the prompt must too
+        ends: dict[int, int] = {}
         for value in plan.get("ranges") or []:
             ps, _, end = (int(v) for v in value)
-            starts[ps] = max(end, starts.get(ps, end))
+            if bos is not None and ps == 0 and end == 1:
+                continue  # the BOS entry: compose's own BOS is its prefill
+            ends[ps] = max(end, ends.get(ps, end))
         parts: list[Any] = []
-        pos = 0
-        for ps in sorted(starts):
-            found = self.entries.matches(ids[ps:starts[ps]], ids[:ps])
-            if not found or ps < pos:
+        pos = 0 if bos is None else 1
+        for ps in sorted(ends):
+            found = self.entries.matches(ids[ps:ends[ps]], ids[:ps])
+            text = self.text_parts(ids[pos:ps]) if ps >= pos else None
+            if not found or text is None:
                 return None
-            if ps > pos:
-                parts.append(list(ids[pos:ps]))
+            parts += text
             parts.append(self._notebook(found[0]))
-            pos = starts[ps]
-        parts.append(list(ids[pos:]))
-        e = self.engine
-        if e.adds_bos and e.bos_id is not None and isinstance(parts[0], list) \
-                and parts[0][:1] == [e.bos_id]:
-            parts[0] = parts[0][1:]  # compose puts the BOS first itself
-            if not parts[0]:
-                parts.pop(0)
-        nb = e.compose(parts, repair=repair)
-        return nb if len(nb) == len(ids) else None
+            pos = ends[ps]
+        tail = self.text_parts(ids[pos:])
+        if tail is None:
+            return None
+        nb = e.compose(parts + tail, repair=repair)
+        return nb if nb.token_ids.tolist() == ids else None
 
     def candidates(self, ids: Sequence[int], plan: Mapping[str, Any] | None, n: int
                    ) -> Iterator[tuple[str, list[int]]]:
