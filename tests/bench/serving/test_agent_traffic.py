@@ -50,6 +50,7 @@ from kvnotes.bench.serving.agent_traffic_soak import (
     AgentSoakConfig,
     EntryKeeper,
     SoakRecord,
+    check_records,
     evictions,
     soak_clients,
 )
@@ -512,3 +513,40 @@ def test_the_sdk_client_reports_a_refused_request_as_failed(fake_server) -> None
 
     a = asyncio.run(go())
     assert not a.ok and a.error is not None and "NotFound" in a.error
+
+
+class FakeOracle:
+    """Exact answers [1, 2]; a composition only for plans that name ranges [[0, 0, 2]]."""
+
+    computed = 0
+
+    def composed(self, ids, plan):
+        return "nb" if plan.get("ranges") == [[0, 0, 2]] else None
+
+    def candidates(self, ids, plan, n):
+        if plan and self.composed(ids, plan) is not None:
+            yield "compose", [1, 9]
+        yield "exact", [1, 2]
+
+
+def test_check_records_gives_wrong_only_against_a_reference_it_could_build() -> None:
+    def answer(tokens, spliced=0, ranges=None, prompt=3):
+        return Answer(ok=True, tokens=tokens, margins=[1.0] * len(tokens), prompt_tokens=prompt,
+                      spliced_tokens=spliced,
+                      kvnotes={"plan": {"ranges": ranges}} if ranges else None)
+
+    r = tools_request(2)
+    records = [
+        (rec(0), r), (rec(1), r), (rec(2), r), (rec(3), r), (rec(4), r), (rec(5), r)]
+    records[0][0].answer = answer(["<1>", "<2>"])  # exact: ok
+    records[1][0].answer = answer(["<1>", "<9>"], 5, [[0, 0, 2]])  # the composition: ok
+    records[2][0].answer = answer(["<1>", "<7>"])  # nothing spliced, not exact: wrong
+    records[3][0].answer = answer(["<1>", "<7>"], 5, [[4, 4, 8]])  # no composition: unchecked
+    records[4][0].answer = answer(["<1>", "<2>"], prompt=4)  # another prompt: unchecked
+    records[5][0].answer = answer(["<1>", "<7>"], 5, [[0, 0, 2]])  # composition differs: wrong
+    check_records(records, FakeOracle(), Tok(), max_tokens=2, eos=[], tie_tau=0.05,
+                  render=lambda tok, req: [5, 6, 7])
+    got = [(x.verdict or {}).get("status") for x, _ in records]
+    assert got == ["ok", "ok", "wrong", "unchecked", "unchecked", "wrong"]
+    assert records[1][0].verdict["matched"] == "compose"
+    assert "the server counted 4" in records[4][0].verdict["why"]

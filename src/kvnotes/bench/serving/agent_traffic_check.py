@@ -45,16 +45,27 @@ _REPAIR_TAG = re.compile(r"^f(\d+)a(\d+)(e?)$")
 
 
 def render_ids(tokenizer: Any, request: AgentRequest) -> list[int]:
-    """The token ids the front sends upstream for ``request``: its messages and tools through
-    the model's chat template (generation prompt added), laid out as the front lays out a chat
-    prompt (the BOS as the tokenizer adds it, once). The check compares the count with the
-    server's ``prompt_tokens`` and leaves an answer unchecked when they differ."""
+    """The token ids the front sends upstream for ``request``: the front's own reading of the
+    chat body when it plans it (its ids, or its rendered text laid out as it lays out a chat
+    prompt), else the model's chat template with the request's tools. The check compares the
+    count with the server's ``prompt_tokens`` and leaves an answer unchecked when they differ.
+    """
     from kvnotes.serving.planning.front_plan import strip_bos_text
     from kvnotes.serving.planning.layout import prompt_ids
+    from kvnotes.serving.planning.request import Unplannable, read_request
 
-    text = tokenizer.apply_chat_template(request.messages(), tools=request.tools(),
-                                         add_generation_prompt=True, tokenize=False)
-    return prompt_ids(tokenizer, [strip_bos_text(tokenizer, str(text))])
+    try:
+        req = read_request("chat", {"model": "m", **request.body()}, tokenizer)
+    except Unplannable:
+        req = None
+    if req is not None and req.ids is not None:
+        return [int(t) for t in req.ids]
+    if req is not None and req.text:
+        text = req.text
+    else:
+        text = str(tokenizer.apply_chat_template(request.messages(), tools=request.tools(),
+                                                 add_generation_prompt=True, tokenize=False))
+    return prompt_ids(tokenizer, [strip_bos_text(tokenizer, text)])
 
 
 def repair_of(tag: str) -> Repair | None:

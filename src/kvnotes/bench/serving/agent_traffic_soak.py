@@ -192,6 +192,12 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
         v = verdict(rec.answer, oracle.candidates(ids, plan, max_tokens), tokenizer, eos=eos,
                     tie_tau=tie_tau)
         rec.verdict = v.to_dict()
+        if v.status != "ok" and plan and plan.get("ranges") and oracle.composed(ids, plan) is None:
+            # spliced, and its composition could not be rebuilt: no reference to call it wrong
+            rec.verdict = {**rec.verdict, "status": "unchecked", "why": "the spliced "
+                           "composition could not be rebuilt from the kept entries"}
+            say(f"  request {rec.index}: unchecked (composition not rebuilt)")
+            continue
         if v.status != "ok":
             say(f"  request {rec.index} (tools {rec.tools}, splice {rec.splice}): {v.status} "
                 f"at step {v.diverged_at}")
