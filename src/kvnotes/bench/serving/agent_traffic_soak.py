@@ -183,7 +183,12 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
     render = render or render_ids
     done = [(r, q) for r, q in records if r.answer.ok]
     for n, (rec, req) in enumerate(done):
-        ids = render(tokenizer, req)
+        try:
+            ids = render(tokenizer, req)
+        except Exception as err:  # noqa: BLE001  # e.g. no chat template: the answer is unchecked
+            rec.verdict = {"status": "unchecked", "why": f"the prompt could not be rebuilt: "
+                           f"{type(err).__name__}: {str(err)[:200]}"}
+            continue
         if rec.answer.prompt_tokens is not None and len(ids) != rec.answer.prompt_tokens:
             rec.verdict = {"status": "unchecked", "why": f"rebuilt {len(ids)} prompt tokens, "
                            f"the server counted {rec.answer.prompt_tokens}"}
