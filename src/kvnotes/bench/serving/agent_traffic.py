@@ -278,6 +278,9 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     if not config.learn:
         result.notes.append("learning off (--no-learn): the front splices registered skills "
                             "only; the figures are today's front's, not the feature's")
+        # nothing is learned: waiting for it would only idle
+        config = dataclasses.replace(config, protocol=dataclasses.replace(
+            config.protocol, learn_timeout_s=0.0))
     main_parts = [p for p in config.parts if p != "soak"]
     if main_parts:
         launch = launcher.prepare(learning_launch(
@@ -348,6 +351,7 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     if len(pool) < config.soak.tools_max or not questions:
         result.notes.append(f"soak: a pool of {len(pool)} tools is too small")
         return
+    base = dataclasses.replace(base, log_path=out / "server-soak.log")
     launch = launcher.prepare(learning_launch(
         base, out / "soak-skills", cap_bytes=config.library_cap_bytes,
         after=config.soak.sightings, learn=config.learn, timeout=request_timeout_s), engine)
