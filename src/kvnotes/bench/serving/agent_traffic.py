@@ -269,18 +269,20 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     """Every part of ``config`` on servers launched from ``base`` (see the module docstring)."""
     from kvnotes.serving.launch import launcher
 
+    notes = []
+    if not config.learn:
+        notes.append("learning off (--no-learn): the front splices registered skills only, "
+                     "and no compile runs beside the compile timing's probes; the figures are "
+                     "today's front's, not the feature's")
+        # nothing is learned: waiting for it would only idle
+        config = dataclasses.replace(config, protocol=dataclasses.replace(
+            config.protocol, learn_timeout_s=0.0))
     result = AgentResult(config=config, machine=MachineRecord.now(), started=utc_minute(),
-                         command=command, threads=thread_counts())
+                         command=command, threads=thread_counts(), notes=notes)
     tokenizer = engine.tokenizer
     tools, skipped = tool_set(config, tokenizer) if (
         "tools" in config.parts or "soak" in config.parts) else ([], [])
     result.skipped = skipped
-    if not config.learn:
-        result.notes.append("learning off (--no-learn): the front splices registered skills "
-                            "only; the figures are today's front's, not the feature's")
-        # nothing is learned: waiting for it would only idle
-        config = dataclasses.replace(config, protocol=dataclasses.replace(
-            config.protocol, learn_timeout_s=0.0))
     main_parts = [p for p in config.parts if p != "soak"]
     if main_parts:
         launch = launcher.prepare(learning_launch(
