@@ -57,6 +57,9 @@ def test_the_composition_rebuilt_from_a_front_plan_is_engine_compose(published, 
     before = oracle.computed
     dict(oracle.candidates(fp.ids, plan, 5))
     assert oracle.computed == before  # each reference computed once
+    if first:  # a plan whose repair regions are not the composition's is not rebuilt
+        other = {**plan, "regions": [[r[0], r[1] + BLOCK] for r in plan["regions"]]}
+        assert plan["regions"] and oracle.composed(fp.ids, other) is None
 
 
 def test_a_plan_whose_entry_is_missing_gives_only_the_exact_reference(published, tokenizer,

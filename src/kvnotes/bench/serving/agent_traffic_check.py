@@ -128,6 +128,7 @@ class AgentOracle:
         self.computed = 0
         self._cache: dict[tuple[Any, ...], list[int]] = {}
         self._notebooks: dict[Path, Notebook] = {}
+        self._composed: dict[tuple[Any, ...], Notebook | None] = {}
 
     def _memo(self, key: tuple[Any, ...], make: Any) -> list[int]:
         if key not in self._cache:
@@ -166,8 +167,8 @@ class AgentOracle:
 
     def composed(self, ids: Sequence[int], plan: Mapping[str, Any]) -> Notebook | None:
         """The prompt composed as the plan says (None: an entry is missing, the repair is not
-        rebuilt here, a text span does not encode back, or the composition's tokens are not
-        the prompt's)."""
+        rebuilt here, a text span does not encode back, or the composition's tokens or repair
+        regions are not the prompt's and the plan's); computed once per prompt and plan."""
         repair = repair_of(str(plan.get("repair", "")))
         if repair is None:
             return None
@@ -195,8 +196,16 @@ class AgentOracle:
         tail = self.text_parts(ids[pos:])
         if tail is None:
             return None
-        nb = e.compose(parts + tail, repair=repair)
-        return nb if nb.token_ids.tolist() == ids else None
+        key = (tuple(ids), repr(plan))
+        if key not in self._composed:
+            nb = e.compose(parts + tail, repair=repair)
+            # the composition must recompute what the plan had vLLM recompute: else it is not
+            # the server's (e.g. an entry whose compiled prefix compose does not see)
+            regions = plan.get("regions")
+            same = nb.token_ids.tolist() == ids and (
+                regions is None or [list(r) for r in regions] == nb.meta["compose"]["regions"])
+            self._composed[key] = nb if same else None
+        return self._composed[key]
 
     def candidates(self, ids: Sequence[int], plan: Mapping[str, Any] | None, n: int
                    ) -> Iterator[tuple[str, list[int]]]:
