@@ -518,9 +518,11 @@ def agent(
         "--learn/--no-learn", help="Serve with learning on (--no-learn: today's front, a "
         "baseline)")] = True,
     library_cap: Annotated[str, typer.Option(
-        "--library-cap", help="The soak server's library cap (e.g. 8MiB): below the working "
-        "set")] = "8MiB",
+        "--library-cap", help="The soak server's library cap (e.g. 64MiB): below the working "
+        "set")] = "64MiB",
     clients: Annotated[int, typer.Option("--clients", help="Soak clients")] = 4,
+    pool_tools: Annotated[int, typer.Option(
+        "--pool-tools", help="Soak: the tools requests draw from (a seeded sample)")] = 12,
     soak_requests: Annotated[int, typer.Option("--soak-requests",
                                                help="Soak requests in all")] = 200,
     exact_fraction: Annotated[float, typer.Option(
@@ -549,7 +551,7 @@ def agent(
             library_cap_bytes=parse_bytes(library_cap), tenant=tenant,
             protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
                                     learn_timeout_s=learn_timeout, seed=seed),
-            soak=AgentSoakConfig(clients=clients, requests=soak_requests,
+            soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
                                  exact_fraction=exact_fraction, max_tokens=max_tokens,
                                  sightings=sightings, seed=seed))
     except KvnotesError as err:

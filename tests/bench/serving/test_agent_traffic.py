@@ -444,6 +444,8 @@ def test_config_refuses_unknown_parts_and_sizes() -> None:
         AgentBenchConfig(parts=("tools", "nope"))
     with pytest.raises(InvalidArgumentError):
         AgentSoakConfig(tools_min=3, tools_max=2)
+    with pytest.raises(InvalidArgumentError, match="pool-tools"):
+        AgentSoakConfig(pool=3, tools_max=4)
     assert parse_bytes("4MiB") == 4 << 20 and parse_bytes("2 GB") == 2 * 1000 ** 3
     for bad in ("", "-1MiB", "3 parsecs", "MiB"):
         with pytest.raises(InvalidArgumentError):

@@ -79,7 +79,7 @@ class AgentBenchConfig:
     protocol: ProtocolConfig = field(default_factory=ProtocolConfig)
     repeats: int = 10
     learn: bool = True
-    library_cap_bytes: int = 32 << 20
+    library_cap_bytes: int = 64 << 20
     soak: AgentSoakConfig = field(default_factory=AgentSoakConfig)
     tenant: str | None = None
     max_context: int = 3500
@@ -336,6 +336,8 @@ async def _main_parts(config: AgentBenchConfig, launch: Launch, tools: Sequence[
 def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
                tools: Sequence[AgentRequest], result: AgentResult, *, out: Path,
                request_timeout_s: float, say: Callable[[str], None]) -> None:
+    import random
+
     from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries
     from kvnotes.bench.serving.agent_traffic_client import OpenAISender
     from kvnotes.bench.serving.agent_traffic_requests import tool_pool
@@ -348,7 +350,9 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     from kvnotes.serving.launch import launcher
     from kvnotes.serving.upstream import Client
 
-    pool = tool_pool(tools)
+    everything = tool_pool(tools)
+    pool = random.Random(f"kvnotes-agent-pool:{config.soak.seed}").sample(
+        everything, min(config.soak.pool, len(everything)))
     questions = sorted({r.question for r in tools})
     if len(pool) < config.soak.tools_max or not questions:
         result.notes.append(f"soak: a pool of {len(pool)} tools is too small")

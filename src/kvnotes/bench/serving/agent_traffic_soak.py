@@ -1,12 +1,14 @@
 """``serve-bench agent``'s capped-library soak: random tool subsets, every answer checked.
 
 ``clients`` concurrent clients send ``requests`` chat requests in all, each with a random
-subset (``tools`` = lo..hi) of a pool of BFCL ``live_multiple`` development tools in random
-order and one of the cases' questions, greedy, ``max_tokens`` tokens; a fraction is sent with
-``splice: false``. The server learns with a library cap smaller than the working set, so
-entries are evicted while requests use them. While the clients run, every entry the library
-publishes is kept (a hard link in ``out/entries``: an evicted entry stays readable for the
-check). After the run (the server stopped) every answer is checked against the engine
+subset (``tools`` = lo..hi) of a pool of ``pool`` BFCL ``live_multiple`` development tools (a
+seeded sample: an entry is ~30-50 KB per token in float32, so a dozen tools compiled behind a
+few prefixes each are already hundreds of MB) in random order and one of the cases' questions,
+greedy, ``max_tokens`` tokens; a fraction is sent with ``splice: false``. The server learns
+with a library cap smaller than the working set, so entries are evicted while requests use
+them. While the clients run, every entry the library publishes is kept (a hard link in
+``out/soak-entries``: an evicted entry stays readable for the check). After the run (the server
+stopped) every answer is checked against the engine
 (:mod:`~kvnotes.bench.serving.agent_traffic_check`).
 
 Reported: requests served and failed, answers wrong / near tie / unchecked, the hit rate
@@ -44,6 +46,7 @@ class AgentSoakConfig:
 
     clients: int = 4
     requests: int = 200
+    pool: int = 12  # tools drawn from (a seeded sample of the cases' tools)
     tools_min: int = 2
     tools_max: int = 4
     exact_fraction: float = 0.2
@@ -53,6 +56,9 @@ class AgentSoakConfig:
     tie_tau: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.pool < self.tools_max:
+            raise InvalidArgumentError(f"--pool-tools {self.pool}: at least the tools per "
+                                       f"request ({self.tools_max})")
         if self.clients < 1 or self.requests < 1:
             raise InvalidArgumentError("the soak needs at least one client and one request")
         if not 1 <= self.tools_min <= self.tools_max:
