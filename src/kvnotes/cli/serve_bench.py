@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench erratum|skills|soak``: the serving benchmarks on a real vLLM server.
+"""``kvnotes serve-bench erratum|skills|soak|agent``: the serving benchmarks on a real vLLM server.
 
 Both subcommands take the same server options (``--url`` of a running loopback server, or
 ``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch.launcher`), gathered in
@@ -12,6 +12,7 @@ Examples::
     kvnotes serve-bench erratum --url http://127.0.0.1:8000 --context-tokens 8000 --concurrency 1
     kvnotes serve-bench skills --launch --model smollm2-135m --concurrency 1,4 --dtype float32
     kvnotes serve-bench soak --duration 180 --clients 8 --corun --out out/serve-bench/soak
+    kvnotes serve-bench agent --model smollm2-135m --library-cap 8MiB --out out/serve-bench/agent
 """
 
 from __future__ import annotations
@@ -488,6 +489,87 @@ def soak(
                                   1, clients - 1)) if corun else None).run()
     if as_json:
         emit_json({k: v for k, v in data.items() if k != "requests"})
+    else:
+        typer.echo(markdown(data))
+        typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
+
+
+# ---- agent traffic ----------------------------------------------------------------------------
+@bench_app.command("agent")
+def agent(
+    model: Model = "smollm2-135m",
+    parts: Annotated[str | None, typer.Option(
+        "--parts", help="Parts to run, comma-separated, of tools (BFCL live_multiple with "
+        "tools=), documents (content parts), overhead (TTFT of a miss and beside a compile), "
+        "soak (capped library, every answer checked); default all")] = None,
+    cases: Annotated[int, typer.Option("--cases", help="BFCL live_multiple development "
+                                       "cases")] = 40,
+    docs: Annotated[int, typer.Option("--docs", help="Document requests")] = 20,
+    docs_k: Annotated[int, typer.Option("--docs-k", help="Documents per request")] = 3,
+    sightings: Annotated[int, typer.Option(
+        "--learn-after", help="Sightings after which the server learns a chunk (its "
+        "--learn-after)")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Greedy tokens per measured "
+                                            "answer")] = 16,
+    learn_timeout: Annotated[float, typer.Option(
+        "--learn-timeout", help="Seconds to wait per case for its chunks to be learned")] = 60.0,
+    repeats: Annotated[int, typer.Option("--repeats", help="Pairs per TTFT timing")] = 10,
+    learn: Annotated[bool, typer.Option(
+        "--learn/--no-learn", help="Serve with learning on (--no-learn: today's front, a "
+        "baseline)")] = True,
+    library_cap: Annotated[str, typer.Option(
+        "--library-cap", help="The soak server's library cap (e.g. 64MiB): below the working "
+        "set")] = "64MiB",
+    clients: Annotated[int, typer.Option("--clients", help="Soak clients")] = 4,
+    pool_tools: Annotated[int, typer.Option(
+        "--pool-tools", help="Soak: the tools requests draw from (a seeded sample)")] = 12,
+    soak_requests: Annotated[int, typer.Option("--soak-requests",
+                                               help="Soak requests in all")] = 200,
+    exact_fraction: Annotated[float, typer.Option(
+        "--exact-fraction", help="Soak requests sent with splice: false")] = 0.2,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Sent as kvnotes.tenant")] = None,
+    dtype: Dtype = "float32", block_size: BlockSize = None, kv_cache_gib: KvCacheGib = 3,
+    startup_timeout: StartupTimeout = 900.0, vllm_python: VllmPython = None,
+    request_timeout: RequestTimeout = 600.0, out: Out = Path("out/serve-bench/agent"),
+    as_json: AsJson = False,
+) -> None:
+    """Agent traffic through the OpenAI front with learning on: BFCL tools= and documents as
+    content parts, learned on sight and spliced in another order, against splice: false; the
+    TTFT of a miss and beside a compile; a capped-library soak checked against the engine."""
+    import kvnotes
+    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, parse_bytes, run_agent
+    from kvnotes.bench.serving.agent_traffic_protocol import ProtocolConfig
+    from kvnotes.bench.serving.agent_traffic_report import markdown, write_outputs
+    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
+    from kvnotes.core.errors import KvnotesError
+
+    try:
+        bench = AgentBenchConfig(
+            model=model, parts=_names(parts, ("tools", "documents", "overhead", "soak")),
+            cases=cases, docs=docs, docs_k=docs_k, repeats=repeats, learn=learn,
+            library_cap_bytes=parse_bytes(library_cap), tenant=tenant,
+            protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
+                                    learn_timeout_s=learn_timeout, seed=seed),
+            soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
+                                 exact_fraction=exact_fraction, max_tokens=max_tokens,
+                                 sightings=sightings, seed=seed))
+    except KvnotesError as err:
+        raise typer.BadParameter(str(err)) from err
+    server = ServerOptions(launch=True, model=model, dtype=dtype, block_size=block_size,
+                           kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout,
+                           vllm_python=vllm_python, request_timeout=request_timeout, out=out)
+    engine = kvnotes.load(model)
+    out.mkdir(parents=True, exist_ok=True)
+    target = server.target(max_model_len=4096)
+    assert target.launch is not None  # ServerOptions(launch=True)
+    result = run_agent(bench, target.launch, engine, out=out, request_timeout_s=request_timeout,
+                       command="kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                       say=_log)
+    data = result.to_dict()
+    paths = write_outputs(data, out)
+    if as_json:
+        emit_json({k: v for k, v in data.items() if k not in ("cases", "soak_requests")})
     else:
         typer.echo(markdown(data))
         typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvnotes.bench.serving import agent_traffic_report, skills_report, soak_report
 from kvnotes.bench.serving import report as erratum_report
-from kvnotes.bench.serving import skills_report, soak_report
 
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "serve-bench"
 
@@ -31,6 +31,7 @@ SECONDS = re.compile(r"\b\d+\.\d{3}s\b")
 SKILLS = _bundles("results.json", "skills")
 SOAK = _bundles("result.json", "soak")
 ERRATUM = _bundles("result.json", None)
+AGENT = _bundles("result.json", "agent")
 
 
 def _check(folder: Path, rendered: str) -> None:
@@ -45,7 +46,7 @@ def _check(folder: Path, rendered: str) -> None:
 def test_every_committed_bundle_is_covered():
     assert len(SKILLS) >= 6 and len(SOAK) >= 1 and len(ERRATUM) >= 15
     assert {p.name for p in RESULTS.iterdir() if p.is_dir()} == {
-        p.name for p in [*SKILLS, *SOAK, *ERRATUM]}
+        p.name for p in [*SKILLS, *SOAK, *ERRATUM, *AGENT]}
     assert EARLIER_WORDING <= {p.name for p in [*SKILLS, *ERRATUM]}
 
 
@@ -65,3 +66,9 @@ def test_soak_report_renders_as_committed(folder):
 def test_erratum_report_renders_as_committed(folder):
     data = json.loads((folder / "result.json").read_text())
     _check(folder, erratum_report.report_markdown(data))
+
+
+@pytest.mark.parametrize("folder", AGENT, ids=lambda p: p.name)
+def test_agent_report_renders_as_committed(folder):
+    data = json.loads((folder / "result.json").read_text())
+    _check(folder, agent_traffic_report.markdown(data))

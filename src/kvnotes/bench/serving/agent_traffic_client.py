@@ -1,0 +1,241 @@
+"""``serve-bench agent``'s client: the ``openai`` SDK's ``AsyncOpenAI`` against kvnotes' front.
+
+:class:`OpenAISender` sends an :class:`~kvnotes.bench.serving.agent_traffic_requests.AgentRequest`
+as a chat completion, greedy (temperature 0), with the first tokens' log-probs (their token
+strings compare two answers token by token), spliced (nothing added: what any client sends) or
+exact (``extra_body={"kvnotes": {"splice": false}}``), whole or streamed (the time to the first
+content or tool-call delta). :func:`answer_of` reads a response body into an :class:`Answer`
+(pure: tested without a server); :class:`Sender` is what the protocols need of a client.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
+
+_NAME_FIELD = re.compile(r'"name"\s*:\s*"([^"]+)"')
+_CALL = re.compile(r"^\W*([A-Za-z_][\w.\-]*)\s*\(")
+
+
+@dataclass
+class Answer:
+    """One response, as the benchmark reads it.
+
+    ``tokens`` are the answer's token strings from its log-probs (empty when the server sent
+    none), ``margins`` each step's top-2 log-prob gap, ``tool`` the name of its first tool call
+    (from ``tool_calls``, else read from its text: :func:`tool_choice`), ``kvnotes`` the
+    ``usage.kvnotes`` object (None: the front reported none, e.g. a forwarded request),
+    ``spliced_tokens`` its count (0 when absent).
+    """
+
+    ok: bool
+    error: str | None = None
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    margins: list[float | None] = field(default_factory=list)
+    tool: str | None = None
+    tool_calls: int = 0
+    prompt_tokens: int | None = None
+    spliced_tokens: int = 0
+    kvnotes: dict[str, Any] | None = None
+    ttft_s: float | None = None
+    total_s: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def first_token(self) -> str | None:
+        return self.tokens[0] if self.tokens else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Answer:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def tool_choice(text: str, candidates: Sequence[str] = ()) -> str | None:
+    """The tool an answer's text calls when the server sent no ``tool_calls``: the first
+    ``"name": "..."`` field (a JSON call), else a leading ``name(`` (a Python-style call), else
+    the candidate named earliest in the text; None when none is found.
+
+    Example:
+        >>> tool_choice('<tool_call>{"name": "get_weather", "arguments": {}}')
+        'get_weather'
+        >>> tool_choice("lookup(city='Paris')"), tool_choice("I will use b then a", ["a", "b"])
+        ('lookup', 'b')
+    """
+    m = _NAME_FIELD.search(text)
+    if m:
+        return m.group(1)
+    m = _CALL.match(text)
+    if m:
+        return m.group(1)
+    found = [(text.find(c), c) for c in candidates if c and c in text]
+    return min(found)[1] if found else None
+
+
+def _steps(logprobs: Any) -> list[dict[str, Any]]:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [c for c in content or [] if isinstance(c, dict)]
+
+
+def _tokens(logprobs: Any) -> list[str]:
+    return [str(c.get("token")) for c in _steps(logprobs)]
+
+
+def _margins(logprobs: Any) -> list[float | None]:
+    """Per step, the top-1 minus top-2 log-probability (None: fewer than two sent)."""
+    out: list[float | None] = []
+    for c in _steps(logprobs):
+        top = sorted((float(t.get("logprob") or 0.0) for t in c.get("top_logprobs") or []
+                      if isinstance(t, dict) and t.get("logprob") is not None), reverse=True)
+        out.append(top[0] - top[1] if len(top) >= 2 else None)
+    return out
+
+
+def answer_of(body: Mapping[str, Any], candidates: Sequence[str] = ()) -> Answer:
+    """A whole chat completion body (``ChatCompletion.model_dump()``) as an :class:`Answer`."""
+    choices = body.get("choices") or []
+    if not choices:
+        return Answer(ok=False, error="no choices in the response")
+    choice = choices[0]
+    message = choice.get("message") or {}
+    text = message.get("content") or ""
+    calls = message.get("tool_calls") or []
+    tool = None
+    if calls:
+        fn = (calls[0] or {}).get("function") or {}
+        tool = fn.get("name")
+    if tool is None:
+        # a call's arguments are part of the answer too: compare what the model wrote
+        tool = tool_choice(text, candidates)
+    if calls and not text:
+        text = json.dumps([c.get("function") for c in calls], sort_keys=True)
+    usage = body.get("usage") or {}
+    info = usage.get("kvnotes") if isinstance(usage.get("kvnotes"), dict) else None
+    return Answer(ok=True, text=text, tokens=_tokens(choice.get("logprobs")),
+                  margins=_margins(choice.get("logprobs")), tool=tool,
+                  tool_calls=len(calls), prompt_tokens=usage.get("prompt_tokens"),
+                  spliced_tokens=int((info or {}).get("spliced_tokens") or 0), kvnotes=info,
+                  finish_reason=choice.get("finish_reason"))
+
+
+class Sender(Protocol):
+    """What the benchmark's protocols need of a client."""
+
+    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+        """The whole greedy answer (with its tokens' log-probs)."""
+        ...
+
+    async def stream(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+        """A streamed greedy answer with its time to first token."""
+        ...
+
+
+def extra_body(splice: bool, tenant: str | None) -> dict[str, Any] | None:
+    """The ``kvnotes`` options of a request: nothing for a spliced one in the default tenant
+    (what an ordinary client sends), ``splice: false`` for the exact twin.
+
+    Example:
+        >>> extra_body(True, None), extra_body(False, "acme")
+        (None, {'kvnotes': {'splice': False, 'tenant': 'acme'}})
+    """
+    opts: dict[str, Any] = {}
+    if not splice:
+        opts["splice"] = False
+    if tenant is not None:
+        opts["tenant"] = tenant
+    return {"kvnotes": opts} if opts else None
+
+
+class OpenAISender:
+    """:class:`Sender` over ``AsyncOpenAI`` (one client, its own connection pool).
+
+    Args:
+        url: the front's URL (``http://127.0.0.1:PORT``).
+        model: the served model name.
+        timeout: seconds one request may take.
+        tenant: sent as ``kvnotes.tenant`` (None: the front's default tenant).
+        api_key: the key the front checks (any string when it checks none).
+    """
+
+    def __init__(self, url: str, model: str, *, timeout: float = 600.0,
+                 tenant: str | None = None, api_key: str = "kvnotes") -> None:
+        from openai import AsyncOpenAI
+
+        self.model, self.tenant = model, tenant
+        self.client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key,
+                                  timeout=timeout, max_retries=0)
+
+    def _args(self, request: AgentRequest, splice: bool, max_tokens: int) -> dict[str, Any]:
+        args: dict[str, Any] = {"model": self.model, "messages": request.messages(),
+                                "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
+                                "top_logprobs": 2}
+        tools = request.tools()
+        if tools is not None:
+            args["tools"] = tools
+        body = extra_body(splice, self.tenant)
+        if body is not None:
+            args["extra_body"] = body
+        return args
+
+    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+        import openai
+
+        t0 = time.perf_counter()
+        try:
+            resp = await self.client.chat.completions.create(
+                **self._args(request, splice, max_tokens))
+        except openai.OpenAIError as err:
+            return Answer(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
+        answer = answer_of(resp.model_dump(), request.candidates)
+        answer.total_s = time.perf_counter() - t0
+        return answer
+
+    async def stream(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+        import openai
+
+        t0 = time.perf_counter()
+        ttft = None
+        text: list[str] = []
+        tokens: list[str] = []
+        margins: list[float | None] = []
+        tool = None
+        usage: dict[str, Any] = {}
+        try:
+            stream = await self.client.chat.completions.create(
+                **self._args(request, splice, max_tokens), stream=True,
+                stream_options={"include_usage": True})
+            async for chunk in stream:
+                data = chunk.model_dump()
+                if data.get("usage"):
+                    usage = data["usage"]
+                for choice in data.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if ttft is None and (delta.get("content") or delta.get("tool_calls")):
+                        ttft = time.perf_counter() - t0
+                    text.append(delta.get("content") or "")
+                    for call in delta.get("tool_calls") or []:
+                        tool = tool or ((call or {}).get("function") or {}).get("name")
+                    tokens += _tokens(choice.get("logprobs"))
+                    margins += _margins(choice.get("logprobs"))
+        except openai.OpenAIError as err:
+            return Answer(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}",
+                          ttft_s=ttft)
+        info = usage.get("kvnotes") if isinstance(usage.get("kvnotes"), dict) else None
+        joined = "".join(text)
+        return Answer(ok=True, text=joined, tokens=tokens, margins=margins,
+                      tool=tool or tool_choice(joined, request.candidates),
+                      prompt_tokens=usage.get("prompt_tokens"),
+                      spliced_tokens=int((info or {}).get("spliced_tokens") or 0), kvnotes=info,
+                      ttft_s=ttft, total_s=time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        await self.client.close()

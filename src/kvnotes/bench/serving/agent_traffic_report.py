@@ -1,0 +1,151 @@
+"""``serve-bench agent``'s report (markdown) and plot, rendered from a typed
+:class:`~kvnotes.bench.serving.agent_traffic.AgentResult` (a stored ``result.json`` is read back
+with ``AgentResult.from_dict``, so it can be reported again)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvnotes.bench.kit.formats import fmt_ms, fmt_pct
+from kvnotes.bench.serving.agent_traffic import AgentResult
+from kvnotes.bench.serving.agent_traffic_overhead import OVERHEAD_GOAL
+from kvnotes.bench.serving.agent_traffic_protocol import CHOICE_GOAL, SHARE_GOAL
+from kvnotes.eval.reports import write_bundle
+
+SET_NAMES = {"tools": "BFCL live_multiple (tools=)", "documents": "airline documents (content "
+             "parts)"}
+
+
+def _loads(load: list[float] | None) -> str:
+    return "-" if not load else "/".join(f"{x:.1f}" for x in load)
+
+
+def _goal(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "NOT met")
+
+
+def markdown(result: Mapping[str, Any]) -> str:
+    """The report of a result's JSON form (``AgentResult.to_dict()`` or a stored file)."""
+    return report(AgentResult.from_dict(result))
+
+
+def report(result: AgentResult) -> str:
+    """The markdown report of one run."""
+    cfg, m = result.config, result.machine
+    p = cfg.protocol
+    lines = [f"# serve-bench agent ({cfg.model})", "",
+             f"Run {result.started or '?'} to {result.finished or '?'} UTC"
+             + (f": `{result.command}`" if result.command else "") + ".",
+             f"Machine: {m.cpus} CPUs ({m.cpu_model or '?'}); threads {result.threads or '?'}; "
+             f"load average (1/5/15 min) at start {_loads(m.load_average)}, at end "
+             f"{_loads(m.load_average_end)}.",
+             f"Learning {'on' if cfg.learn else 'OFF'}; a chunk learned once seen {p.sightings} "
+             f"times; measured answers greedy, {p.max_tokens} tokens; learning waited for at "
+             f"most {p.learn_timeout_s:.0f} s per case.", ""]
+    summaries = result.summaries()
+    if summaries:
+        lines += [f"Goals: share of prompt tokens spliced >= {SHARE_GOAL:.0%}, tool choice "
+                  f"identical to `splice: false` >= {CHOICE_GOAL:.0%}.", "",
+                  "| set | cases | measured | learned | share spliced (mean / pooled / cases >= "
+                  "goal) | tool choice identical | first token identical | "
+                  f"{p.max_tokens} tokens identical | choice correct spliced / exact | goals |",
+                  "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+        for s in summaries:
+            lines.append(
+                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.cases} | {s.measured} | {s.learned} | "
+                f"{fmt_pct(s.share_mean)} / {fmt_pct(s.share_pooled)} / "
+                f"{fmt_pct(s.share_at_goal)} | {fmt_pct(s.choice_identical)} | "
+                f"{fmt_pct(s.first_token_identical)} | {fmt_pct(s.answer_identical)} | "
+                f"{fmt_pct(s.choice_correct_spliced)} / {fmt_pct(s.choice_correct_exact)} | "
+                f"share {_goal(s.share_goal_met)}"
+                + (f", choice {_goal(s.choice_goal_met)}" if s.kind == "tools" else "") + " |")
+    if result.timings:
+        lines += ["", f"TTFT (streamed, medians; goal: at most {OVERHEAD_GOAL:.0%} over the "
+                  "reference). Timings are valid only on an otherwise idle machine.", "",
+                  "| timing | measured | reference | overhead | pairs | failed | load before / "
+                  "after | goal |", "|---|---:|---:|---:|---:|---:|---|---|"]
+        what = {"miss": "first sight vs splice:false",
+                "compile": "beside a background compile vs without"}
+        for t in result.timings:
+            ov = t.overhead
+            lines.append(f"| {what.get(t.name, t.name)} | {fmt_ms(t.median_measured_s)} | "
+                         f"{fmt_ms(t.median_reference_s)} | {fmt_pct(ov)} | "
+                         f"{len(t.measured)} | {t.failed} | {_loads(t.load_before)} / "
+                         f"{_loads(t.load_after)} | "
+                         f"{_goal(None if ov is None else ov <= OVERHEAD_GOAL)} |")
+    soak = result.soak_summary()
+    if soak is not None:
+        info = result.soak
+        ev = info.get("evictions")
+        lines += ["", f"Soak: {cfg.soak.clients} clients, {soak.requests} requests of "
+                  f"{cfg.soak.tools_min}-{cfg.soak.tools_max} tools from a pool of "
+                  f"{info.get('pool_tools', '?')}, {cfg.soak.exact_fraction:.0%} with `splice: "
+                  f"false`; library cap {info.get('library_cap_bytes', '?')} bytes, "
+                  f"{info.get('library_bytes_published', '?')} bytes published in "
+                  f"{info.get('entries_published', '?')} entries; {info.get('wall_s', '?')} s.", "",
+                  "| served | failed | checked | wrong | near tie | unchecked | hit rate | "
+                  "share spliced | evictions | matched |", "|---:|---:|---:|---:|---:|---:|---:|"
+                  "---:|---:|---|",
+                  f"| {soak.served} | {soak.failed} | {soak.checked} | {soak.wrong} | "
+                  f"{soak.near_tie} | {soak.unchecked} | {fmt_pct(soak.hit_rate)} "
+                  f"({soak.spliced}/{soak.eligible}) | {fmt_pct(soak.share_pooled)} | "
+                  f"{'-' if ev is None else f'{ev:.0f}'} | "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(soak.matched.items())) + " |"]
+        if soak.errors:
+            lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))
+    if result.skipped:
+        lines += ["", f"Left out: {len(result.skipped)} cases ("
+                  + ", ".join(f"{x['id']}: {x['why']}" for x in result.skipped[:5])
+                  + (", ..." if len(result.skipped) > 5 else "") + ")."]
+    if result.notes:
+        lines += ["", "Notes:", *(f"- {n}" for n in result.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: AgentResult, path: Path) -> None:
+    """Left: per set, the share spliced and the identity rates; right: the TTFT medians of each
+    timing's arms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    metrics = ("share_mean", "choice_identical", "first_token_identical", "answer_identical")
+    labels = ("share spliced", "tool choice =", "first token =", "16 tokens =")
+    summaries = result.summaries()
+    width = 0.8 / max(1, len(summaries))
+    for i, s in enumerate(summaries):
+        values = [getattr(s, k) or 0.0 for k in metrics]
+        ax.bar([j + i * width for j in range(len(metrics))], values, width,
+               label=SET_NAMES.get(s.kind, s.kind))
+    ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(metrics))], labels)
+    ax.axhline(SHARE_GOAL, color="gray", ls=":", lw=1)
+    ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("spliced vs splice:false (reordered chunks)")
+    if summaries:
+        ax.legend(fontsize=8)
+    names = [t.name for t in result.timings]
+    ms = [1000 * (t.median_measured_s or 0.0) for t in result.timings]
+    ref = [1000 * (t.median_reference_s or 0.0) for t in result.timings]
+    bx.bar([i - 0.2 for i in range(len(names))], ms, 0.4, label="measured")
+    bx.bar([i + 0.2 for i in range(len(names))], ref, 0.4, label="reference")
+    bx.set_xticks(range(len(names)), names)
+    bx.set_ylabel("median TTFT (ms)")
+    bx.set_title("miss: first sight / splice:false; compile: beside / without")
+    if names:
+        bx.legend(fontsize=8)
+    fig.suptitle(f"serve-bench agent ({result.config.model})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(data: Mapping[str, Any], out: Path) -> dict[str, Path]:
+    """``result.json``, ``report.md`` and ``agent.png`` in ``out``."""
+    result = AgentResult.from_dict(data)
+    return write_bundle(out, dict(data), report=report(result), json_name="result.json",
+                        plot_name="agent.png", plot=lambda path: plot(result, path))
