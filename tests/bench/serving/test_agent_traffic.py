@@ -455,20 +455,15 @@ def test_config_refuses_unknown_parts_and_sizes() -> None:
 
 
 def test_learning_launch_turns_the_front_on_over_the_skill_folder(tmp_path) -> None:
-    from kvnotes.serving.front.config import FrontConfig
 
     base = LaunchConfig(model="smollm2-135m")
     plain = learning_launch(base, tmp_path / "skills", learn=False, timeout=30.0)
     assert plain.skills == tmp_path / "skills" and plain.front is not None
     assert plain.front.timeout == 30.0
-    names = {f.name for f in dataclasses.fields(FrontConfig)}
-    if "learn" in names:
-        on = learning_launch(base, tmp_path / "skills", cap_bytes=1 << 20, after=3)
-        assert on.front is not None
-        assert (on.front.learn, on.front.learn_after) == (True, 3)  # type: ignore[attr-defined]
-    else:  # a front without learning: refused by name, not run as if it learned
-        with pytest.raises(InvalidArgumentError, match="no learning settings"):
-            learning_launch(base, tmp_path / "skills", cap_bytes=1 << 20)
+    assert plain.front.learn is None
+    on = learning_launch(base, tmp_path / "skills", cap_bytes=1 << 20, after=3)
+    assert on.front is not None and on.front.learn is not None
+    assert (on.front.learn.after, on.front.learn.library_cap) == (3, 1 << 20)
 
 
 def test_the_command_refuses_bad_options_before_loading_a_model() -> None:

@@ -113,22 +113,16 @@ def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None =
                     after: int = 2, learn: bool = True, timeout: float = 600.0) -> LaunchConfig:
     """``base`` with the connector over ``skills`` and the OpenAI front in front of it.
 
-    With ``learn``, the front learns on sight: ``learn=True`` (``kvnotes serve --learn``),
-    ``learn_after=after`` (a chunk is compiled once seen that many times, per tenant) and
-    ``library_cap_bytes=cap_bytes`` (``--library-cap``; None: no cap), set on
-    :class:`~kvnotes.serving.front.config.FrontConfig`. Without it, the front is today's: it
-    splices only registered skills.
+    With ``learn``, the front learns on sight (``kvnotes serve --learn``): a
+    :class:`~kvnotes.serving.front.config.LearnConfig` with ``after`` (a chunk is compiled once
+    seen that many times, per tenant) and ``library_cap=cap_bytes`` (``--library-cap``; None: no
+    cap). Without it, the front is today's: it splices only registered skills.
     """
-    from kvnotes.serving.front.config import FrontConfig
+    from kvnotes.serving.front.config import FrontConfig, LearnConfig
 
     front = FrontConfig(timeout=timeout)
     if learn:
-        try:
-            front = dataclasses.replace(front, learn=True, learn_after=after,  # type: ignore[call-arg]
-                                        library_cap_bytes=cap_bytes)
-        except TypeError as err:
-            raise InvalidArgumentError(f"this kvnotes' front has no learning settings ({err}): "
-                                       "run with --no-learn for today's front") from err
+        front = dataclasses.replace(front, learn=LearnConfig(after=after, library_cap=cap_bytes))
     return dataclasses.replace(base, skills=skills, front=front)
 
 
