@@ -46,7 +46,9 @@ def test_list_shows_registered_and_learned_entries(served, tiny_folder):
                                  str(root)])
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
-    assert any("header\t" in line and line.endswith(f"position 0\t{registered}")
+    # registered skills grouped with their variants; the learned entry only in its own row
+    assert any(line.startswith("header\t") and "variant(s)" in line for line in lines)
+    assert any(line.startswith("  position ") and line.endswith(f"\t{registered}")
                for line in lines)
     (row,) = [line for line in lines if learned in line]
     assert row.startswith("learned tool-") and "tenant acme" in row and "1 hits" in row
