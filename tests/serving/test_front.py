@@ -153,8 +153,8 @@ def test_a_skill_removed_between_match_and_plan_is_computed_not_spliced(
     refunds = next(p for p in catalog.pieces() if p.name == "refunds")
     find = catalog.find
 
-    def find_then_remove(text: str) -> list[Part]:
-        found = find(text)
+    def find_then_remove(text: str, tenant: str | None = None) -> list[Part]:
+        found = find(text, tenant)
         assert "refunds" in [p.skill.name for p in found if p.skill]
         (folder / f"{refunds.key}.safetensors").unlink()
         return found

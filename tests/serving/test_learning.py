@@ -354,7 +354,7 @@ def test_the_front_observes_learns_in_the_background_and_leases(fake, lib, token
     seen = chunk(tokenizer, BAGGAGE, after=HEADER + REFUNDS, kind="content")
     read = service_module.read_request
     monkeypatch.setattr(service_module, "read_request",
-                        lambda *a: _WithChunks(read(*a), (seen,)))
+                        lambda *a, **k: _WithChunks(read(*a, **k), (seen,)))
     learner = learner_for(lib, after=2)
     leases: list[tuple[str, ...]] = []
     lease = learner.lease
