@@ -60,6 +60,18 @@ _TENANT_SALTS = (f"{SPLICE_SALT}:", f"{TENANT_SALT}:")
 log = logging.getLogger("kvnotes.serving.front")
 
 
+def why_not(err: Exception, request_id: str = "") -> Unplannable:
+    """Why a request is answered exactly, from what its planning raised: an
+    :class:`Unplannable` as it is, a kvnotes or value error as ``not_planned``, anything else as
+    ``plan_error`` (logged with its traceback: planning should not fail)."""
+    if isinstance(err, Unplannable):
+        return err
+    if isinstance(err, (KvnotesError, ValueError)):
+        return Unplannable(f"not planned: {err}")
+    log.error("request %s: planning failed; answered exactly", request_id, exc_info=err)
+    return Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
+
+
 class FrontService:
     """One front's shared state and its answer to a checked request (see the module
     docstring)."""
@@ -206,16 +218,9 @@ class FrontService:
             req, fp = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._plan, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
-        except Unplannable as err:
-            return await self.proxy.forward(kind, exact, call, err, self._passed_auth(client_auth))
-        except (KvnotesError, ValueError) as err:
-            return await self.proxy.forward(kind, exact, call, Unplannable(f"not planned: {err}"),
-                                            self._passed_auth(client_auth))
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
-            log.exception("request %s: planning failed; forwarded exactly", call.id)
-            return await self.proxy.forward(
-                kind, exact, call, Unplannable(f"planning failed: {type(err).__name__}",
-                                               "plan_error"), self._passed_auth(client_auth))
+            return await self.proxy.forward(kind, exact, call, why_not(err, call.id),
+                                            self._passed_auth(client_auth))
         if isinstance(fp, Unplannable):
             return await self.proxy.exact(req, model, call, fp, salt)
         if self.learner is not None:  # the entries it was planned with stay until it ends
@@ -238,18 +243,9 @@ class FrontService:
                 raise block_size
             repair = self.config.repair_for(opts.repair)
             return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
-        except Unplannable as why:
-            if req.structured:
-                return req, why
-            raise
-        except (KvnotesError, ValueError) as err:
-            if req.structured:
-                return req, Unplannable(f"not planned: {err}")
-            raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
-            if req.structured:
-                log.exception("planning failed; answered exactly")
-                return req, Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
+            if req.structured:  # answered exactly as the same ids, not forwarded
+                return req, why_not(err)
             raise
 
     # ---- learning ------------------------------------------------------------------------
