@@ -167,10 +167,29 @@ def vllm_launch(smollm2, tmp_path_factory):
         smollm2)
     assert launch.skills is not None and launch.front is not None
     with launch:
-        yield launch
+        _RUNNING.append(launch)
+        try:
+            yield launch
+        finally:
+            _RUNNING.remove(launch)
     # the server process (and every process it started) is gone
     assert launch.server.proc is not None and launch.server.proc.poll() is not None
     assert launch.server.alive_pids() == [], f"left running: {launch.server.alive_pids()}"
+
+
+_RUNNING: list = []  # the session's launched server while it runs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A failed vLLM test shows what the server logged last: on CI that log is the only trace
+    # of a server that stopped answering.
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _RUNNING and item.get_closest_marker("vllm") is not None:
+        server = _RUNNING[-1].server
+        report.sections.append((f"vLLM server log {server.log_path} (last lines)",
+                                server.log_tail(80) or "(empty)"))
 
 
 def skill_copy(name: str, owner: str) -> str:

@@ -132,7 +132,10 @@ class FrontConfig:
         max_concurrent: requests in flight on ``/v1`` (429 beyond it).
         max_connections: connections plus requests uvicorn serves at once (503 beyond it).
         backlog: the listen backlog (a burst of connections waits, not reset).
-        keep_alive_s: seconds an idle keep-alive connection is held.
+        keep_alive_s: seconds an idle keep-alive connection is held. Longer than the idle
+            expiry of common clients (httpx and the ``openai`` SDK drop idle connections after
+            5 s): a server that closes an idle connection at the same moment a client reuses
+            it makes that request fail ("Server disconnected without sending a response").
         max_header_bytes: the most of a request head (line and headers) buffered before it is
             complete (h11's bound: a longer head is refused with 400 as it arrives).
         upstream_connections: the pool of connections to vLLM.
@@ -162,7 +165,7 @@ class FrontConfig:
     max_concurrent: int = 512
     max_connections: int = 2048
     backlog: int = 2048
-    keep_alive_s: float = 5.0
+    keep_alive_s: float = 15.0
     max_header_bytes: int = 16 << 10
     upstream_connections: int = 512
     plan_workers: int = 4

@@ -30,6 +30,10 @@ ROUTES = {"completion": COMPLETIONS, "chat": CHAT}
 # poll per connection): with 64 streams in flight that scan costs more than the rest of the
 # front. Requests are spread over several smaller pools instead.
 POOL_SHARDS = 8
+# An idle pooled connection to vLLM is dropped well before vLLM's own keep-alive closes it
+# (uvicorn's 5 s there by default, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing a connection the server
+# is closing at that moment fails the request with no response at all.
+UPSTREAM_KEEPALIVE_S = 2.0
 _BLOCK_SIZE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 
@@ -67,7 +71,8 @@ class Upstream:
         self._clients = [httpx2.AsyncClient(
             trust_env=False, verify=False,  # plain http to loopback: no CA bundle to load
             timeout=httpx2.Timeout(c.timeout, connect=c.connect_timeout, pool=c.timeout),
-            limits=httpx2.Limits(max_connections=each, max_keepalive_connections=each))
+            limits=httpx2.Limits(max_connections=each, max_keepalive_connections=each,
+                                 keepalive_expiry=UPSTREAM_KEEPALIVE_S))
             for _ in range(shards)]
 
     async def close(self) -> None:

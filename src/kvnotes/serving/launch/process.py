@@ -26,6 +26,7 @@ from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.serving.upstream import Client
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
+VLLM_KEEP_ALIVE_S = 30
 _REPO_ROOT = Path(__file__).resolve().parents[4]  # src/kvnotes/serving/launch/process.py -> checkout
 
 
@@ -143,7 +144,12 @@ class VLLMServer:
                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
                     *extra_args]
         self.kv_cache_gib = check_kv_cache_gib(kv_cache_gib)
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+        # vLLM's HTTP keep-alive outlasts every client's idle expiry (httpx and the openai SDK:
+        # 5 s, the front's pool: 2 s), so a client never reuses a connection the server is
+        # closing at that moment (the request would fail with no response); an operator's own
+        # setting wins.
+        self.env = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(VLLM_KEEP_ALIVE_S), **os.environ,
+                    "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                     "PYTHONUNBUFFERED": "1", **(env or {})}
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen[bytes] | None = None
