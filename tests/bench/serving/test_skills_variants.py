@@ -165,3 +165,13 @@ def test_recompute_shares_variant_hits_and_the_report():
     assert "| variants | 12.5% | 14.3% | 1/4 | 1 |" in md
     assert "2 (predecessor, skill) pairs of 1 skills" in md and "3.0 MiB" in md
     assert "amortized over the run" in md
+
+
+def test_cli_refuses_the_variants_policy_without_the_front():
+    from typer.testing import CliRunner
+
+    from kvnotes.cli import app
+
+    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies",
+                                   "repaired,variants"])
+    assert res.exit_code == 2 and "--via front" in res.output
