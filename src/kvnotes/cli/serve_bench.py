@@ -300,9 +300,12 @@ def skills(
         "--policies", help="Policies, comma-separated, of cold, prefix, compose (bare splice), "
         "repaired (each skill's first --repair tokens computed by vLLM in phases, aligned to the "
         "block size), guarded (repaired, answered exactly when the first token is a close "
-        "call); default all five")] = None,
+        "call), variants (repaired, each skill also compiled behind the header and the skill "
+        "that precedes it in the run's requests; needs --via front); default all but "
+        "variants")] = None,
     fidelity_samples: Annotated[int, typer.Option(
-        "--fidelity-samples", help="Prompts each spliced policy (compose, repaired, guarded) "
+        "--fidelity-samples", help="Prompts each spliced policy (compose, repaired, guarded, "
+        "variants) "
         "answers, checked against the exact prompt")] = 20,
     guard_tau: Annotated[float | None, typer.Option(
         "--guard-tau", help="The guard's top-1 minus top-2 log-prob margin (default: chosen "
@@ -353,7 +356,7 @@ def skills(
     Skills are spliced by kvnotes' connector, bare (compose) or with each skill's first tokens
     computed in context by phased requests (repaired, guarded); fidelity compares each
     spliced policy's answers with the same prompts sent exactly."""
-    from kvnotes.bench.serving.skills_config import SKILL_POLICIES, SkillsBenchConfig
+    from kvnotes.bench.serving.skills_config import DEFAULT_POLICIES, SkillsBenchConfig
     from kvnotes.bench.serving.skills_report import markdown
 
     if recheck_engine:
@@ -370,7 +373,7 @@ def skills(
     bench = SkillsBenchConfig(
         model=model, k=k, requests=requests,
         concurrency=_ints(concurrency, "--concurrency") if concurrency else (1, 4),
-        policies=_names(policies, SKILL_POLICIES), fidelity_samples=fidelity_samples,
+        policies=_names(policies, DEFAULT_POLICIES), fidelity_samples=fidelity_samples,
         guard_tau=guard_tau, calibration_samples=calibration_samples, prompts=prompts,
         cases=cases, max_context=max_context, via=via, repair=repair, engine_check=engine_check,
         fidelity_concurrency=_ints(fidelity_concurrency, "--fidelity-concurrency"))

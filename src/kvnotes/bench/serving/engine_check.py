@@ -5,7 +5,9 @@ This check says whether the gap is the server's or the method's: each fidelity p
 composed by :meth:`Engine.compose` from the very notebooks the server splices (read from its
 skill folder), bare (``compose``) or with the phased policies' repair aligned to the server's
 block size (``repaired``; ``guarded`` answers from the engine's full prefill when the repaired
-first token's top-2 margin is under the run's tau), and greedily continued for as many tokens.
+first token's top-2 margin is under the run's tau; ``variants``: ``repaired`` with the skill
+folder as ``Engine.compose``'s library, so it swaps in the variants the run declared), and
+greedily continued for as many tokens.
 
 Per spliced policy and concurrency level it counts the server's answers equal to the engine's
 under the same policy and the server's exact answers equal to the engine's full prefill, and it
@@ -72,11 +74,15 @@ def _answer(engine: Engine, nb: Notebook, query: str, tokens: int) -> EngineAnsw
 
 def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Path, *,
                    anchor: bool, block_size: int, repair_tokens: int, tokens: int,
+                   variants: bool = False,
                    log: Callable[[str], None] = print) -> dict[str, list[EngineAnswer]]:
     """Per prompt, the engine's answer as ``exact`` (every part prefilled), ``compose`` (the
     stored skills spliced bare) and ``repaired`` (their first ``repair_tokens`` recomputed in
-    context, regions ending on a multiple of ``block_size``). Each prompt is ``[header,
-    *skills, question]``, the layout the prompt sets publish."""
+    context, regions ending on a multiple of ``block_size``); with ``variants``, also
+    ``variants``: ``repaired`` composed with the folder as its library
+    (``Engine.compose(library=..., variants=True)``), so each skill is swapped for the stored
+    variant that ranks first where it is placed, the declared ones included. Each prompt is
+    ``[header, *skills, question]``, the layout the prompt sets publish."""
     from kvnotes.ops.store import SkillLibrary
 
     library = SkillLibrary(skills_dir, engine,
@@ -99,6 +105,8 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
         return loaded[text, header]
 
     out: dict[str, list[EngineAnswer]] = {"exact": [], "compose": [], "repaired": []}
+    if variants:
+        out["variants"] = []
     for i, parts in enumerate(prompts):
         header, skills, query = parts[0], parts[1:-1], parts[-1]
         compiled = [stored(t, header) for t in skills]
@@ -107,6 +115,10 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
         for policy, repair in repairs.items():
             nb = engine.compose([header, *compiled], repair=repair)
             out[policy].append(_answer(engine, nb, query, tokens))
+        if variants:
+            nb = engine.compose([header, *compiled], repair=repairs["repaired"],
+                                library=library, variants=True)
+            out["variants"].append(_answer(engine, nb, query, tokens))
         log(f"engine check: {i + 1}/{len(prompts)} prompts")
     return out
 

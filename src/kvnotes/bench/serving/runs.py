@@ -157,6 +157,15 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     launch = launcher.prepare(base, engine)
     assert launch.skills is not None  # the connector is on: prepare made the library
     prompts.register(launch.skills, anchor=anchor, log=log)
+    variants = None
+    if "variants" in config.policies:
+        from kvnotes.bench.serving.skills import policy_prompts
+        from kvnotes.bench.serving.skills_variants import declare_variants, variant_pairs
+
+        # the variants the policy's requests will want, compiled before the server starts
+        variants = declare_variants(
+            launch.skills, variant_pairs(policy_prompts(config, prompts, "variants")),
+            names=skill_names(prompts), log=log)
     log(f"starting vLLM ({launch.model.dtype}) with the kvnotes connector"
         + (" and the OpenAI front" if config.via == "front" else "")
         + f"; log: {launch.server.log_path}")
@@ -170,10 +179,22 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
                                timeout=target.request_timeout_s)
                  if config.via == "front" else None)
         result = run_skills_benchmark(client, dataclasses.replace(config, model=name),
-                                      anchor=anchor, prompt_set=prompts, front=front, log=log)
+                                      anchor=anchor, prompt_set=prompts, front=front,
+                                      variants=variants, log=log)
     result.launch = launch.record()
     # after the server is down: the engine gets the machine to itself
     return _with_engine_check(result, engine, prompts, skills_dir, anchor=anchor, log=log)
+
+
+def skill_names(prompts: PromptSet) -> dict[str, str]:
+    """A prompt set's skill names by their text (empty when it names none)."""
+    from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts, skill_texts
+
+    if isinstance(prompts, BfclPrompts):
+        return {text: name for name, text in prompts.skills.items()}
+    if isinstance(prompts, AirlinePrompts):
+        return {text: name for name, text in skill_texts().items()}
+    return {}
 
 
 def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
@@ -190,7 +211,8 @@ def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
         return result
     answers = engine_answers(engine, fidelity_prompts(prompts, config), skills_dir,
                              anchor=anchor, block_size=block, repair_tokens=config.repair,
-                             tokens=config.fidelity_tokens, log=log)
+                             tokens=config.fidelity_tokens,
+                             variants="variants" in config.policies, log=log)
     result.engine_check = check_against_engine(answers, result.fidelity, tau=result.guard_tau,
                                                prompt_set=prompts)
     for c in result.engine_check:
@@ -228,7 +250,8 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     fidelity = [Fidelity.from_dict(f) for f in data["fidelity"]]
     answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
                              anchor=data.get("skills_anchor") == "header", block_size=int(block),
-                             repair_tokens=config.repair, tokens=config.fidelity_tokens, log=log)
+                             repair_tokens=config.repair, tokens=config.fidelity_tokens,
+                             variants="variants" in config.policies, log=log)
     checks = check_against_engine(answers, fidelity, tau=data.get("guard_tau"),
                                   prompt_set=prompts)
     data["engine_check"] = [c.to_dict() for c in checks]

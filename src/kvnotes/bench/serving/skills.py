@@ -15,7 +15,11 @@ decision the function name the answer writes). Policies:
   block boundary, the rest spliced (``Repair(first=repair)`` aligned to the server's block
   size; 32, the default, is the rule ``Engine.compose`` follows by default);
 - ``guarded``: ``repaired``, and when the first answer token's top-1 minus top-2 log-prob is
-  below ``tau`` the answer comes from an exact request instead.
+  below ``tau`` the answer comes from an exact request instead;
+- ``variants`` (``via="front"`` only): ``repaired``, with each skill also compiled behind the
+  header and the skill that precedes it, for the (predecessor, skill) pairs the policy's
+  requests contain (declared before the run, :mod:`~kvnotes.bench.serving.skills_variants`);
+  the front splices the variant that ranks first, and an exactly placed one is not repaired.
 
 ``via="vllm"`` sends each policy's requests to vLLM as token ids, planned by
 :class:`~kvnotes.serving.compose_client.ComposeClient`; ``via="front"`` sends the prompt's text
@@ -75,6 +79,7 @@ from kvnotes.bench.serving.skills_fidelity import (
     fidelity_prompts,
     measure_fidelity,
 )
+from kvnotes.bench.serving.skills_variants import DeclaredVariants
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.upstream import Client
@@ -163,6 +168,7 @@ class SkillsResult:
     started: str = ""  # UTC, when the first request was sent ("%Y-%m-%d %H:%M")
     finished: str = ""
     command: str = ""  # the command line that ran it, when known
+    variants: DeclaredVariants | None = None  # what the variants policy declared beforehand
 
     def phased_rows(self) -> list[PhasedRow]:
         """Per phased (policy, concurrency) row: phases per request, guard fires, and the
@@ -200,7 +206,8 @@ class SkillsResult:
                "calibration": None if self.calibration is None else self.calibration.to_dict(),
                "fidelity": [f.to_dict() for f in self.fidelity],
                "engine_check": [c.to_dict() for c in self.engine_check],
-               "requests": [asdict(r) for r in self.requests]}
+               "requests": [asdict(r) for r in self.requests],
+               "variants": None if self.variants is None else self.variants.to_dict()}
         if self.launch is not None:
             out["launch"] = self.launch.to_dict()
         return out
@@ -218,6 +225,7 @@ class SkillsResult:
             checks = [EngineCheck.from_dict(c) for c in d["engine_check"]]
         launch = d.get("launch")
         calibration = d.get("calibration")
+        variants = d.get("variants")
         return cls(config=config_from_dict(d["config"]),
                    machine=MachineRecord.from_dict(d.get("machine") or {}),
                    server=ServerRecord.from_dict(d["server"]) if d.get("server") else None,
@@ -232,17 +240,41 @@ class SkillsResult:
                    guard_tau=d.get("guard_tau"), prompt_set=d.get("prompt_set", ""),
                    skipped=[dict(x) for x in d.get("skipped") or []], engine_check=checks,
                    started=d.get("started", ""), finished=d.get("finished", ""),
-                   command=d.get("command", ""))
+                   command=d.get("command", ""),
+                   variants=DeclaredVariants.from_dict(variants) if variants else None)
+
+
+def phase_prompts(config: SkillsBenchConfig, prompt_set: PromptSet
+                  ) -> list[tuple[int, str, list[list[str]]]]:
+    """``(concurrency, policy, prompts)`` of each TTFT row, in the order they run (each row
+    its own random prompts: prefix caching sees no planted repeats)."""
+    return [(conc, policy, prompt_set.requests(config.requests, config.seed + 100 * i + j,
+                                               "ttft"))
+            for i, conc in enumerate(config.concurrency)
+            for j, policy in enumerate(config.policies)]
+
+
+def policy_prompts(config: SkillsBenchConfig, prompt_set: PromptSet, policy: str
+                   ) -> list[list[str]]:
+    """Every prompt a run of ``config`` sends under ``policy``: its TTFT rows', then the
+    fidelity pass's."""
+    out = [p for _, name, prompts in phase_prompts(config, prompt_set) if name == policy
+           for p in prompts]
+    if config.fidelity_samples:
+        out += fidelity_prompts(prompt_set, config)
+    return out
 
 
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                          anchor: bool = True, prompt_set: PromptSet | None = None,
                          front: ComposeClient | None = None,
+                         variants: DeclaredVariants | None = None,
                          log: Callable[[str], None] = print) -> SkillsResult:
     """Every policy x concurrency phase, then fidelity, on the server ``client`` talks to
     (vLLM itself); with ``front`` (a client of kvnotes' OpenAI front before that server), the
     measured requests go through the front as text. ``prompt_set`` defaults to the airline
-    library with ``config.k`` skills."""
+    library with ``config.k`` skills; ``variants``: what was declared for the variants policy
+    (published before the server was asked anything)."""
     prompts_of = prompt_set or AirlinePrompts(config.k)
     metrics = Client(client.url)
     server = ServerRecord.read(metrics, client.model, log=log)
@@ -269,16 +301,13 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
         log(f"guard tau {calibration.tau} ({calibration.rule}; margins "
             + ", ".join(f"{c['margin']:.3f}{'' if c['agree'] else '*'}"
                         for c in calibration.cases) + "; * differs from the exact prompt)")
-    for i, conc in enumerate(config.concurrency):
-        for j, policy in enumerate(config.policies):
-            # each phase gets its own random prompts: prefix caching sees no planted repeats
-            prompts = prompts_of.requests(config.requests, config.seed + 100 * i + j, "ttft")
-            log(f"{policy}, concurrency {conc}: {len(prompts)} requests (load {load_now()})")
-            summary, recs = run_phase(clients, policy, conc, prompts, config.max_tokens,
-                                      metrics=metrics, log=log)
-            phases.append(summary)
-            records += recs
-            log(phase_line(summary))
+    for conc, policy, prompts in phase_prompts(config, prompts_of):
+        log(f"{policy}, concurrency {conc}: {len(prompts)} requests (load {load_now()})")
+        summary, recs = run_phase(clients, policy, conc, prompts, config.max_tokens,
+                                  metrics=metrics, log=log)
+        phases.append(summary)
+        records += recs
+        log(phase_line(summary))
     fidelity: list[Fidelity] = []
     spliced = [p for p in SPLICED_POLICIES if p in config.policies]
     if spliced and config.fidelity_samples:
@@ -294,14 +323,16 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                 f"{fmt_pct(f.top20_overlap_mean)} over {f.samples}"
                 + (f", decision {fmt_pct(f.decision_identity)}"
                    if f.decision_identity is not None else "")
-                + (f", guard fired {f.guard_fires}" if f.guard_fires is not None else ""))
+                + (f", guard fired {f.guard_fires}" if f.guard_fires is not None else "")
+                + (f", recomputed {fmt_pct(f.repaired_share)} of prompt tokens"
+                   if f.repaired_share is not None else ""))
     machine.finish()
     return SkillsResult(config=config, machine=machine, server=server, phases=phases,
                         fidelity=fidelity, requests=records, anchor="header" if anchor else "none",
                         calibration=calibration, guard_tau=clients.tau,
                         prompt_set=prompts_of.describe(),
                         skipped=list(getattr(prompts_of, "skipped", [])),
-                        started=started, finished=utc_minute())
+                        started=started, finished=utc_minute(), variants=variants)
 
 
 def utc_minute() -> str:

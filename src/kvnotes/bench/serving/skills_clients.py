@@ -50,6 +50,9 @@ class Clients:
         if policy in ("prefix", "compose"):
             return self.plain.complete(parts, max_tokens=max_tokens, splice=policy == "compose",
                                        logprobs=logprobs)
+        if policy == "variants":
+            raise InvalidArgumentError("the variants policy goes through kvnotes' OpenAI front "
+                                       "(--via front)")
         client = self.repaired if policy == "repaired" else self.guarded
         if client is None:
             raise InvalidArgumentError(f"policy {policy!r} needs a phased client")
@@ -61,7 +64,10 @@ class Clients:
 class FrontClients:
     """The policies sent as text to kvnotes' OpenAI front (``front``: a client of its URL),
     each spliced policy in its own tenant; the front finds the skills, plans the phases and
-    runs the guard. ``plain`` talks to vLLM itself (the exact references)."""
+    runs the guard. ``plain`` talks to vLLM itself (the exact references). ``variants`` is
+    ``repaired`` in the tenant the declared variants are published to
+    (:data:`~kvnotes.bench.serving.skills_variants.VARIANTS_TENANT`): its requests see them
+    beside the shared header-anchored skills, the other policies' never do."""
 
     plain: ComposeClient
     front: ComposeClient
@@ -75,6 +81,7 @@ class FrontClients:
             return {"splice": False}
         if policy == "compose":
             return {"tenant": "compose", "repair": 0, "guard": 0}
+        # the policy's name is its tenant (the variants policy's: where its variants are)
         return {"tenant": policy, "repair": self.repair.first,
                 "guard": (self.tau or 0.0) if policy == "guarded" else 0}
 

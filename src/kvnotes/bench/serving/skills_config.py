@@ -12,9 +12,11 @@ from kvnotes.bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, Promp
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.serving.planning.phases import check_tau
 
-SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
-SPLICED_POLICIES = ("compose", "repaired", "guarded")  # the ones fidelity is measured for
-PHASED_POLICIES = ("repaired", "guarded")
+SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded", "variants")
+# the default policies: ``variants`` compiles extra entries first, so it is asked for by name
+DEFAULT_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
+SPLICED_POLICIES = ("compose", "repaired", "guarded", "variants")  # fidelity is measured for
+PHASED_POLICIES = ("repaired", "guarded", "variants")
 VIAS = ("vllm", "front")
 # the phased policies' repair: each skill's first 32 tokens (the engine's default), aligned to
 # the server's block size when planned
@@ -35,7 +37,7 @@ class SkillsBenchConfig:
     k: int = 4
     requests: int = 16
     concurrency: tuple[int, ...] = (1, 4)
-    policies: tuple[str, ...] = SKILL_POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     max_tokens: int = 1  # TTFT phases: the first token is what is measured
     fidelity_samples: int = 20
     fidelity_tokens: int = 16
@@ -59,6 +61,9 @@ class SkillsBenchConfig:
             raise UnknownNameError("prompt set", self.prompts, PROMPT_SETS)
         if self.via not in VIAS:
             raise UnknownNameError("--via", self.via, VIAS)
+        if "variants" in self.policies and self.via != "front":
+            raise InvalidArgumentError("the variants policy goes through kvnotes' OpenAI front: "
+                                       "give --via front")
         if self.prompts == "airline":
             AirlinePrompts(self.k)  # checks k against the library
         if self.requests < 1:

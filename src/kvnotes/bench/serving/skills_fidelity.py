@@ -55,6 +55,10 @@ class Fidelity:
     forwarded: int = 0  # sent through the front, but forwarded exactly (nothing planned)
     halves: dict[str, HalfCounts] = field(default_factory=dict)
     concurrency: int = 1  # the policy's requests in flight at once
+    # the plans' skill tokens recomputed in context, over all prompt tokens and over the
+    # tokens of the pieces they placed (spliced + recomputed); None: no plan reported them
+    repaired_share: float | None = None
+    repaired_of_pieces: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +114,10 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
         "spliced_tokens": got.spliced_tokens,
         "skills_found": (got.plan or {}).get("skills") if got.usage_kvnotes is not None
         else None,
-        "forwarded": got.usage_kvnotes is None and got.plan is None}
+        "forwarded": got.usage_kvnotes is None and got.plan is None,
+        # what the plan recomputed, and which entry each piece was spliced from
+        "repaired_tokens": (got.plan or {}).get("repaired_tokens"),
+        "entries": (got.plan or {}).get("entries")}
     if got.top_logprobs and ref.top_logprobs:
         a, b = set(got.top_logprobs[0]), set(ref.top_logprobs[0])
         case["top20_overlap"] = len(a & b) / max(1, len(b))
@@ -130,6 +137,11 @@ def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decision
 
     def share(key: str) -> float | None:
         return sum(bool(c.get(key)) for c in ok) / n if n else None
+
+    planned = [c for c in ok if c.get("repaired_tokens") is not None]
+    repaired = sum(int(c["repaired_tokens"]) for c in planned)
+    prompt = sum(int(c.get("prompt_tokens") or 0) for c in planned)
+    pieces = repaired + sum(int(c.get("spliced_tokens") or 0) for c in planned)
 
     overlaps = [c["top20_overlap"] for c in ok if "top20_overlap" in c]
     halves: dict[str, HalfCounts] = {}
@@ -153,7 +165,9 @@ def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decision
         right_exact=sum(c["exact_right"] for c in answered) if answered else None,
         right_spliced=sum(c["right"] for c in answered) if answered else None,
         forwarded=sum(bool(c.get("forwarded")) for c in ok), halves=halves,
-        concurrency=concurrency)
+        concurrency=concurrency,
+        repaired_share=repaired / prompt if planned and prompt else None,
+        repaired_of_pieces=repaired / pieces if planned and pieces else None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from kvnotes.bench.kit.formats import fmt_pct, fmt_s
 from kvnotes.bench.serving.skills import SkillsResult
 from kvnotes.bench.serving.skills_config import SKILL_POLICIES
 from kvnotes.bench.serving.skills_fidelity import Fidelity
+from kvnotes.bench.serving.skills_variants import DeclaredVariants, variant_use
 from kvnotes.eval.reports import write_bundle
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ def report(result: SkillsResult) -> str:
     fid = result.fidelity
     if fid:
         lines += fidelity_lines(fid)
+        lines += recompute_lines(fid, result.variants, len(result.requests))
     if result.engine_check:
         lines += engine_lines(result.engine_check, fid[0].continuation_tokens if fid else 0)
     return "\n".join(lines) + "\n"
@@ -145,6 +147,40 @@ def fidelity_lines(fid: Sequence[Fidelity]) -> list[str]:
                 lines.append(f"| {policy} | {half} | {h.n} | {h.decision_identical} | "
                              f"{h.first_token_agree} | {h.continuation_identical} | "
                              f"{h.guard_fired if policy.startswith('guarded') else '-'} |")
+    return lines
+
+
+def recompute_lines(fid: Sequence[Fidelity], variants: DeclaredVariants | None,
+                    requests: int) -> list[str]:
+    """What each policy's fidelity plans recomputed and, with declared variants, how often a
+    plan spliced one (and spliced it as it is: exactly placed) and what they cost."""
+    rows = [f for f in fid if f.repaired_share is not None]
+    if not rows:
+        return []
+    several = len({f.concurrency for f in fid}) > 1
+    lines = ["", "Recomputed in context by the fidelity prompts' plans (skill tokens computed by "
+             "vLLM instead of spliced), over all prompt tokens and over the placed pieces' "
+             "tokens" + ("; variant hits: pieces spliced from a declared variant (of all pieces "
+                         "placed, BOS and header included), exact: of those, spliced with "
+                         "nothing recomputed" if variants is not None else "") + ":", "",
+             "| policy | recomputed / prompt tokens | recomputed / piece tokens |"
+             + (" variant hits / pieces | exact hits |" if variants is not None else ""),
+             "|---|---:|---:|" + ("---:|---:|" if variants is not None else "")]
+    for f in rows:
+        row = (f"| {_policy_at(f, several)} | {fmt_pct(f.repaired_share)} | "
+               f"{fmt_pct(f.repaired_of_pieces)} |")
+        if variants is not None:
+            use = variant_use(f.cases, variants.keys)
+            row += f" {use['hits']}/{use['spliced']} | {use['exact']} |"
+        lines.append(row)
+    if variants is not None:
+        lines += ["", f"Declared variants (the variants policy's tenant `{variants.tenant}`): "
+                  f"{variants.pairs} (predecessor, skill) pairs of {variants.skills} skills, "
+                  f"each compiled behind the header and its predecessor ({variants.compiled} "
+                  f"compiled by this run), {variants.bytes / 2**20:.1f} MiB on disk; compiled "
+                  f"in {variants.compile_s:.1f} s before the server started, once: the "
+                  f"compiles amortized over the run ({requests} measured requests and the "
+                  "fidelity prompts)."]
     return lines
 
 

@@ -63,18 +63,31 @@ def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
 
 @dataclass(frozen=True, slots=True)
 class FrontPlan:
-    """A request's prompt as sent (``ids``), its layout and its phase plan."""
+    """A request's prompt as sent (``ids``), its layout and its phase plan; ``keys``: the
+    entry chosen for each piece span, in order (which variant of a skill was spliced)."""
 
     ids: list[int]
     spans: list[PartSpan]
     plan: PhasePlan
+    keys: tuple[str, ...] = ()
 
     @property
     def skills(self) -> list[str]:
         return [s.name for s in self.spans if s.is_piece]
 
+    def entries(self) -> list[dict[str, Any]]:
+        """Per piece span: its name, the entry's key, its tokens and how many of them the plan
+        recomputes in context (0: spliced as it is, e.g. an exactly placed variant)."""
+        pieces = [s for s in self.spans if s.is_piece]
+        if len(self.keys) != len(pieces):
+            return []
+        return [{"name": s.name, "key": key, "start": s.start, "end": s.end,
+                 "repaired": sum(max(0, min(b, s.end) - max(a, s.start))
+                                 for a, b in self.plan.regions)}
+                for s, key in zip(pieces, self.keys, strict=True)]
+
     def to_dict(self) -> dict[str, Any]:
-        return {**self.plan.to_dict(), "skills": self.skills}
+        return {**self.plan.to_dict(), "skills": self.skills, "entries": self.entries()}
 
 
 __all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body",
@@ -140,7 +153,8 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
     if not plan.ranges:
         raise Unplannable("nothing left to splice: every skill found is recomputed",
                           "nothing_left")
-    return FrontPlan([t for p in parts for t in p.token_ids], spans, plan)
+    keys = tuple(p.piece.key for p in parts if p.piece is not None and p.token_ids)
+    return FrontPlan([t for p in parts for t in p.token_ids], spans, plan, keys)
 
 
 def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:
