@@ -43,24 +43,51 @@ def report(result: AgentResult) -> str:
              f"{_loads(m.load_average_end)}.",
              f"Learning {'on' if cfg.learn else 'OFF'}; a chunk learned once seen {p.sightings} "
              f"times; measured answers greedy, {p.max_tokens} tokens; learning waited for at "
-             f"most {p.learn_timeout_s:.0f} s per case.", ""]
+             f"most {p.learn_timeout_s:.0f} s per case (until the front's learner compiled the "
+             "case's new chunks). The front's repair: "
+             f"{cfg.repair or 'its default'}; KV block size "
+             f"{(result.launches.get('main') or {}).get('block_size') or 'vLLM default'}"
+             + (f"; also measured with `kvnotes.repair` K = "
+                f"{', '.join(str(k) for k in p.repairs)} (no share floor)" if p.repairs else "")
+             + ".", ""]
     summaries = result.summaries()
     if summaries:
         lines += [f"Goals: share of prompt tokens spliced >= {SHARE_GOAL:.0%}, tool choice "
                   f"identical to `splice: false` >= {CHOICE_GOAL:.0%}.", "",
-                  "| set | cases | measured | learned | share spliced (mean / pooled / cases >= "
-                  "goal) | tool choice identical | first token identical | "
+                  "| set | repair | cases | measured | learned | share spliced (mean / pooled / "
+                  "cases >= goal) | tool choice identical | first token identical | "
                   f"{p.max_tokens} tokens identical | choice correct spliced / exact | goals |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+                  "|---|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
         for s in summaries:
             lines.append(
-                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.cases} | {s.measured} | {s.learned} | "
+                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.repair} | {s.cases} | {s.measured} | "
+                f"{s.learned} | "
                 f"{fmt_pct(s.share_mean)} / {fmt_pct(s.share_pooled)} / "
                 f"{fmt_pct(s.share_at_goal)} | {fmt_pct(s.choice_identical)} | "
                 f"{fmt_pct(s.first_token_identical)} | {fmt_pct(s.answer_identical)} | "
                 f"{fmt_pct(s.choice_correct_spliced)} / {fmt_pct(s.choice_correct_exact)} | "
                 f"share {_goal(s.share_goal_met)}"
                 + (f", choice {_goal(s.choice_goal_met)}" if s.kind == "tools" else "") + " |")
+    pooled = [s for s in summaries if s.breakdown is not None]
+    if pooled:
+        lines += ["", "Where the measured requests' prompt tokens went (pooled over the set): "
+                  "spliced; recomputed by the repair rule (each matched chunk's first max(K, "
+                  "share x len)); recomputed to reach a KV block boundary; in chunks no learned "
+                  "entry matched; text that is never a chunk (template, system turn, question; "
+                  "the header before the first chunk in brackets).", "",
+                  "| set | repair | spliced | repaired | block alignment | chunks unmatched | "
+                  "text (header) | chunks / matched / spliced per request |",
+                  "|---|---|---:|---:|---:|---:|---|---|"]
+        for s in pooled:
+            b = s.breakdown
+            assert b is not None
+            sh = b.shares
+            lines.append(
+                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.repair} | {fmt_pct(sh['spliced'])} | "
+                f"{fmt_pct(sh['repaired'])} | {fmt_pct(sh['aligned'])} | "
+                f"{fmt_pct(sh['unmatched'])} | {fmt_pct(sh['text'])} "
+                f"({fmt_pct(sh['text_head'])}) | {b.chunks_mean:.1f} / {b.matched_mean:.1f} / "
+                f"{b.spliced_chunks_mean:.1f} |")
     if result.timings:
         lines += ["", f"TTFT (streamed, medians; goal: at most {OVERHEAD_GOAL:.0%} over the "
                   "reference). Timings are valid only on an otherwise idle machine.", "",
@@ -120,7 +147,8 @@ def plot(result: AgentResult, path: Path) -> None:
     for i, s in enumerate(summaries):
         values = [getattr(s, k) or 0.0 for k in metrics]
         ax.bar([j + i * width for j in range(len(metrics))], values, width,
-               label=SET_NAMES.get(s.kind, s.kind))
+               label=SET_NAMES.get(s.kind, s.kind)
+               + ("" if s.repair == "front" else f", repair {s.repair}"))
     ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(metrics))], labels)
     ax.axhline(SHARE_GOAL, color="gray", ls=":", lw=1)
     ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
