@@ -194,8 +194,9 @@ async def run_case(sender: LearningSender, request: AgentRequest, config: Protoc
                    known: set[tuple[int, ...]] | None = None) -> CaseRecord:
     """One case through the protocol (see the module docstring). ``known``: the chunks learned
     (or tried) by earlier cases on the same front, updated here; ``learnable`` None counts
-    every chunk of the request as new."""
+    every chunk of the request (by its content) as learnable."""
     known = set() if known is None else known
+    chunks: set[tuple[int, ...]]
     if learnable is None:  # every chunk counts, known by its content
         chunks = {(zlib.crc32(json.dumps(c, sort_keys=True).encode()),) for c in request.chunks}
     else:
