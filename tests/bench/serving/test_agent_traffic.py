@@ -35,7 +35,7 @@ from kvnotes.bench.serving.agent_traffic_protocol import (
     run_cases,
     summarize,
 )
-from kvnotes.bench.serving.agent_traffic_report import markdown, write_outputs
+from kvnotes.bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
 from kvnotes.bench.serving.agent_traffic_requests import (
     AgentRequest,
     document_requests,
@@ -486,6 +486,10 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
                          threads={"torch": 2, "python": 1})
     result.cases["tools"] = asyncio.run(run_cases(sender, reqs, FAST))
     result.cases["documents"] = asyncio.run(run_cases(sender, docs, FAST))
+    from kvnotes.bench.serving.agent_traffic_share import breakdown
+
+    result.cases["tools"][0].breakdown = breakdown(
+        {"repair": "f32a64", "ranges": [[10, 64, 100]]}, 120, [(10, 100)], 100)
     result.timings.append(asyncio.run(miss_overhead(sender, reqs, 2)))
     result.soak_records = [rec(0), rec(1, status="wrong")]
     result.soak = {"evictions": 4.0, "pool_tools": 3, "library_cap_bytes": 1 << 20}
@@ -500,9 +504,13 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
     assert "BFCL live_multiple" in text and "airline documents" in text
     assert "first sight vs splice:false" in text and "a note" in text
     assert "| 2 | 0 | 2 | 1 |" in text  # served, failed, checked, wrong
+    # the breakdown table: 36 spliced, 32 repaired, 22 aligned, 30 text (10 header) of 120
+    assert "| 30.0% | 26.7% | 18.3% | 0.0% | 25.0% (8.3%) | 1.0 / 1.0 / 1.0 |" in text
     paths = write_outputs(data, tmp_path)
     assert json.loads(paths["json"].read_text()) == data
     assert paths["plot"].stat().st_size > 1000 and paths["report"].read_text() == text
+    share_plot([("a", back), ("b", back)], tmp_path / "share.png")
+    assert (tmp_path / "share.png").stat().st_size > 1000
 
 
 def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
