@@ -26,6 +26,22 @@ def _goal(met: bool | None) -> str:
     return "-" if met is None else ("met" if met else "NOT met")
 
 
+def _counted(result: AgentResult) -> bool:
+    """Whether learning was read from the front's learner counters (runs before that waited
+    for a probe to splice, and recorded no counts)."""
+    return any(r.learn for records in result.cases.values() for r in records)
+
+
+def _settings(result: AgentResult) -> str:
+    """The learning wait, the front's repair, the block size and the repair variants."""
+    p = result.config.protocol
+    block = (result.launches.get("main") or {}).get("block_size") or "vLLM's default"
+    return (" (until the front's learner compiled the case's new chunks). The front's repair: "
+            f"{result.config.repair or 'its default'}; KV block size {block}"
+            + (f"; also measured with `kvnotes.repair` K = {', '.join(str(k) for k in p.repairs)}"
+               " (no share floor)" if p.repairs else "") + ".")
+
+
 def markdown(result: Mapping[str, Any]) -> str:
     """The report of a result's JSON form (``AgentResult.to_dict()`` or a stored file)."""
     return report(AgentResult.from_dict(result))
@@ -43,25 +59,22 @@ def report(result: AgentResult) -> str:
              f"{_loads(m.load_average_end)}.",
              f"Learning {'on' if cfg.learn else 'OFF'}; a chunk learned once seen {p.sightings} "
              f"times; measured answers greedy, {p.max_tokens} tokens; learning waited for at "
-             f"most {p.learn_timeout_s:.0f} s per case (until the front's learner compiled the "
-             "case's new chunks). The front's repair: "
-             f"{cfg.repair or 'its default'}; KV block size "
-             f"{(result.launches.get('main') or {}).get('block_size') or 'vLLM default'}"
-             + (f"; also measured with `kvnotes.repair` K = "
-                f"{', '.join(str(k) for k in p.repairs)} (no share floor)" if p.repairs else "")
-             + ".", ""]
+             f"most {p.learn_timeout_s:.0f} s per case"
+             + (_settings(result) if _counted(result) else "."), ""]
     summaries = result.summaries()
     if summaries:
         lines += [f"Goals: share of prompt tokens spliced >= {SHARE_GOAL:.0%}, tool choice "
                   f"identical to `splice: false` >= {CHOICE_GOAL:.0%}.", "",
-                  "| set | repair | cases | measured | learned | share spliced (mean / pooled / "
-                  "cases >= goal) | tool choice identical | first token identical | "
-                  f"{p.max_tokens} tokens identical | choice correct spliced / exact | goals |",
-                  "|---|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+                  "| set |" + (" repair |" if p.repairs else "") + " cases | measured | "
+                  "learned | share spliced (mean / pooled / cases >= goal) | tool choice "
+                  f"identical | first token identical | {p.max_tokens} tokens identical | "
+                  "choice correct spliced / exact | goals |",
+                  "|---|" + ("---|" if p.repairs else "") + "---:|---:|---:|---|---:|---:|---:|"
+                  "---|---|"]
         for s in summaries:
             lines.append(
-                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.repair} | {s.cases} | {s.measured} | "
-                f"{s.learned} | "
+                f"| {SET_NAMES.get(s.kind, s.kind)} |" + (f" {s.repair} |" if p.repairs else "")
+                + f" {s.cases} | {s.measured} | {s.learned} | "
                 f"{fmt_pct(s.share_mean)} / {fmt_pct(s.share_pooled)} / "
                 f"{fmt_pct(s.share_at_goal)} | {fmt_pct(s.choice_identical)} | "
                 f"{fmt_pct(s.first_token_identical)} | {fmt_pct(s.answer_identical)} | "
