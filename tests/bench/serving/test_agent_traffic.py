@@ -522,7 +522,7 @@ def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
             "regions": [[10, 64], [101, 140]]}
     b = breakdown(plan, 200, [(10, 100), (101, 140), (141, 190)], 200)
     assert (b.spliced, b.repaired, b.aligned, b.unmatched) == (37, 32 + 32, 22 + 7, 49)
-    assert b.text == 200 - 178 - 1 and b.text_head == 10
+    assert b.text == 200 - 178 - 1 and b.text_head == 9  # the header less the spliced BOS
     assert sum(getattr(b, k) for k in BUCKETS) == b.prompt and b.layout_ok
     assert (b.chunks, b.matched, b.spliced_chunks) == (3, 2, 1)
     assert breakdown(plan, 200, [(10, 100)], 199).layout_ok is False

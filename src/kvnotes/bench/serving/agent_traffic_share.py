@@ -139,7 +139,9 @@ def breakdown(plan: Mapping[str, Any] | None, prompt_len: int,
     text = prompt_len - chunk_tokens - spliced_outside
     return ShareBreakdown(
         prompt=prompt_len, spliced=spliced, repaired=repaired, aligned=aligned,
-        unmatched=unmatched, text=text, text_head=spans[0][0] if spans else text,
+        unmatched=unmatched, text=text,
+        text_head=spans[0][0] - sum(min(e, spans[0][0]) - s for _, s, e in ranges
+                                    if s < spans[0][0]) if spans else text,
         chunks=len(spans), matched=matched, spliced_chunks=spliced_chunks,
         chunk_tokens=chunk_tokens, repair=str(plan.get("repair", "")),
         layout_ok=prompt_tokens is None or prompt_tokens == prompt_len)
