@@ -83,6 +83,19 @@ def _names(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     return default if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
 
 
+def _counts(text: str | None) -> tuple[int, ...]:
+    """``--repair-variants``' token counts (``"16,8"``); a bad one raises InvalidArgumentError."""
+    from kvnotes.core.errors import InvalidArgumentError
+
+    out = []
+    for part in _names(text, ()):
+        if not part.isdigit():
+            raise InvalidArgumentError(f"--repair-variants {text}: give token counts >= 0, "
+                                       "comma-separated, e.g. 16,8")
+        out.append(int(part))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """The server options of both subcommands: where the requests go and how a launched server
@@ -532,6 +545,12 @@ def agent(
         "--exact-fraction", help="Soak requests sent with splice: false")] = 0.2,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Sent as kvnotes.tenant")] = None,
+    repair: Annotated[str | None, typer.Option(
+        "--repair", help="The launched front's repair, as `kvnotes serve --repair` spells it: "
+        "K or K@F (default: the front's)")] = None,
+    repair_variants: Annotated[str | None, typer.Option(
+        "--repair-variants", help="Also measure each reordered request spliced with "
+        "kvnotes.repair K for these K, comma-separated (e.g. 16,8; no share floor)")] = None,
     dtype: Dtype = "float32", block_size: BlockSize = None, kv_cache_gib: KvCacheGib = 3,
     startup_timeout: StartupTimeout = 900.0, vllm_python: VllmPython = None,
     request_timeout: RequestTimeout = 600.0, out: Out = Path("out/serve-bench/agent"),
@@ -551,9 +570,10 @@ def agent(
         bench = AgentBenchConfig(
             model=model, parts=_names(parts, ("tools", "documents", "overhead", "soak")),
             cases=cases, docs=docs, docs_k=docs_k, repeats=repeats, learn=learn,
-            library_cap_bytes=parse_bytes(library_cap), tenant=tenant,
+            library_cap_bytes=parse_bytes(library_cap), tenant=tenant, repair=repair,
             protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
-                                    learn_timeout_s=learn_timeout, seed=seed),
+                                    learn_timeout_s=learn_timeout, seed=seed,
+                                    repairs=_counts(repair_variants)),
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
                                  exact_fraction=exact_fraction, max_tokens=max_tokens,
                                  sightings=sightings, seed=seed))

@@ -35,7 +35,7 @@ from kvnotes.bench.serving.agent_traffic_protocol import (
     run_cases,
     summarize,
 )
-from kvnotes.bench.serving.agent_traffic_report import markdown, write_outputs
+from kvnotes.bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
 from kvnotes.bench.serving.agent_traffic_requests import (
     AgentRequest,
     document_requests,
@@ -224,23 +224,37 @@ def test_extra_body_is_empty_for_a_plain_spliced_request() -> None:
 
 # ---- the protocol against a fake client ----------------------------------------------------
 class FakeSender:
-    """A server that learns a request's chunks once they were seen ``after`` times (after
-    ``lag`` more polls), splices ``share`` of the prompt from then on, and answers by a rule."""
+    """A server that compiles a request's chunks once they were seen ``after`` times (``lag``
+    learner polls later; its ``compiles`` counter grows by the request's chunks), splices
+    ``share`` of the prompt from then on, and answers by a rule. ``learns=False``: its learner
+    compiles nothing; ``learner=False``: it has no learner (no counters)."""
 
     def __init__(self, *, after: int = 2, lag: int = 1, share: float = 0.6,
-                 learns: bool = True, flip: set[str] | None = None) -> None:
+                 learns: bool = True, flip: set[str] | None = None, learner: bool = True) -> None:
         self.after, self.lag, self.share, self.learns = after, lag, share, learns
         self.flip = flip or set()  # case ids whose spliced answer differs
         self.seen: dict[frozenset, int] = {}
         self.sent: list[tuple[str, bool, int]] = []
+        self.repairs: list[int | None] = []
+        self.has_learner = learner
+        self.pending: dict[frozenset, int] = {}  # polls left before the compile
+        self.compiled: set[frozenset] = set()
+        self.compiles = 0
 
-    def _answer(self, request: AgentRequest, splice: bool, max_tokens: int) -> Answer:
+    def _answer(self, request: AgentRequest, splice: bool, max_tokens: int,
+                repair: int | None = None) -> Answer:
         key = frozenset(json.dumps(c, sort_keys=True) for c in request.chunks)
         self.sent.append((request.id, splice, max_tokens))
+        self.repairs.append(repair)
         if splice:
             self.seen[key] = self.seen.get(key, 0) + 1
-        learned = self.learns and self.seen.get(key, 0) > self.after + self.lag
+            if self.learns and self.seen[key] == self.after and key not in self.compiled:
+                self.pending[key] = self.lag
+        learned = key in self.compiled or (self.learns and self.seen.get(key, 0)
+                                           > self.after + self.lag)
         spliced = int(100 * self.share) if splice and learned else 0
+        if repair is not None and spliced:
+            spliced -= repair  # a smaller repair splices more
         tokens = [f"t{i}" for i in range(max_tokens)]
         tool = min(request.candidates) if request.candidates else None
         if splice and spliced and request.id.split("~")[0] in self.flip:
@@ -249,12 +263,24 @@ class FakeSender:
         return Answer(ok=True, text="".join(tokens), tokens=tokens, tool=tool,
                       prompt_tokens=100, spliced_tokens=spliced, ttft_s=0.1 if splice else 0.2)
 
-    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int,
+                   repair: int | None = None) -> Answer:
         await asyncio.sleep(0)  # other clients run meanwhile, as over a network
-        return self._answer(request, splice, max_tokens)
+        return self._answer(request, splice, max_tokens, repair)
 
     async def stream(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
         return self._answer(request, splice, max_tokens)
+
+    async def learner(self) -> dict[str, int] | None:
+        if not self.has_learner:
+            return None
+        for key in list(self.pending):
+            self.pending[key] -= 1
+            if self.pending[key] <= 0:
+                del self.pending[key]
+                self.compiled.add(key)
+                self.compiles += len(key)
+        return {"sightings": 0, "compiles": self.compiles, "failures": 0}
 
 
 FAST = ProtocolConfig(sightings=2, max_tokens=16, learn_timeout_s=5.0, poll_s=0.0, seed=3)
@@ -264,8 +290,9 @@ def test_a_case_is_learned_then_measured_reordered_against_its_exact_twin() -> N
     sender = FakeSender()
     r = tools_request(3)
     rec = asyncio.run(run_case(sender, r, FAST))
-    # the fake publishes one poll after the second sighting: 0, then positive, then the same
-    assert rec.learned and rec.polls == 3
+    # the fake's learner compiles the three chunks one poll after the second sighting
+    assert rec.learned and rec.polls == 1
+    assert rec.learn == {"expected": 3, "compiles": 3, "failures": 0}
     assert rec.order == permutation(3, "3:c1")
     assert [s[1:] for s in sender.sent[:2]] == [(True, 1), (True, 1)]  # the two sightings
     assert sender.sent[-2:] == [("c1", True, 16), ("c1", False, 16)]
@@ -280,6 +307,45 @@ def test_a_case_that_is_never_learned_is_measured_and_recorded_as_not_learned() 
                                dataclasses.replace(FAST, learn_timeout_s=0.0)))
     assert not rec.learned and rec.polls == 1 and rec.share == 0.0
     assert rec.answer_identical
+    # a front without a learner: nothing to wait for
+    rec = asyncio.run(run_case(FakeSender(learner=False), tools_request(2), FAST))
+    assert not rec.learned and rec.polls == 0
+
+
+def test_learning_is_read_from_the_learner_even_when_the_probe_would_splice_nothing() -> None:
+    # the learner compiles after 3 polls; a probe of the original order would splice nothing
+    # (the fake splices a key only once compiled): the case waits for the counters
+    sender = FakeSender(lag=3)
+    rec = asyncio.run(run_case(sender, tools_request(3), FAST))
+    assert rec.learned and rec.polls == 3 and rec.share == pytest.approx(0.6)
+    assert [s for s in sender.sent if s[2] == 1] == [("c1", True, 1)] * 2  # no probe sent
+
+
+def test_chunks_learned_by_an_earlier_case_are_not_waited_for_again() -> None:
+    # learnable: each chunk's "token ids"; the short one (under min_tokens) is never expected
+    def learnable(req: AgentRequest) -> list[tuple[int, ...]]:
+        return [tuple(range(40 + i)) for i in range(len(req.chunks))] + [(1, 2)]
+
+    sender = FakeSender()
+    known: set[tuple[int, ...]] = set()
+    first = asyncio.run(run_case(sender, tools_request(3, "a"), FAST, learnable, known))
+    assert first.learned and first.learn["expected"] == 3 and len(known) == 3
+    second = asyncio.run(run_case(sender, tools_request(2, "b"), FAST, learnable, known))
+    assert second.learned and second.learn["expected"] == 0 and second.polls == 1
+
+
+def test_repair_variants_are_measured_and_summarized_apart() -> None:
+    sender = FakeSender()
+    cfg = dataclasses.replace(FAST, repairs=(16, 8))
+    recs = asyncio.run(run_cases(sender, [tools_request(3, "a"), tools_request(3, "b")], cfg))
+    assert [v.repair for v in recs[0].variants] == [16, 8]
+    assert sender.repairs[-4:] == [None, 16, 8, None]  # spliced, the variants, then exact
+    front, k16, k8 = (summarize("tools", recs, k) for k in (None, 16, 8))
+    assert front.repair == "front" and k8.repair == "8"
+    assert front.share_mean == pytest.approx(0.6) and k8.share_mean == pytest.approx(0.52)
+    assert k16.share_mean == pytest.approx(0.44) and k16.cases == 2
+    back = CaseRecord.from_dict(json.loads(json.dumps(recs[0].to_dict())))
+    assert back == recs[0]
 
 
 def test_summary_counts_shares_choices_and_goals() -> None:
@@ -420,6 +486,10 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
                          threads={"torch": 2, "python": 1})
     result.cases["tools"] = asyncio.run(run_cases(sender, reqs, FAST))
     result.cases["documents"] = asyncio.run(run_cases(sender, docs, FAST))
+    from kvnotes.bench.serving.agent_traffic_share import breakdown
+
+    result.cases["tools"][0].breakdown = breakdown(
+        {"repair": "f32a64", "ranges": [[10, 64, 100]]}, 120, [(10, 100)], 100)
     result.timings.append(asyncio.run(miss_overhead(sender, reqs, 2)))
     result.soak_records = [rec(0), rec(1, status="wrong")]
     result.soak = {"evictions": 4.0, "pool_tools": 3, "library_cap_bytes": 1 << 20}
@@ -434,9 +504,31 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
     assert "BFCL live_multiple" in text and "airline documents" in text
     assert "first sight vs splice:false" in text and "a note" in text
     assert "| 2 | 0 | 2 | 1 |" in text  # served, failed, checked, wrong
+    # the breakdown table: 36 spliced, 32 repaired, 22 aligned, 30 text (10 header) of 120
+    assert "| 30.0% | 26.7% | 18.3% | 0.0% | 25.0% (8.3%) | 1.0 / 1.0 / 1.0 |" in text
     paths = write_outputs(data, tmp_path)
     assert json.loads(paths["json"].read_text()) == data
     assert paths["plot"].stat().st_size > 1000 and paths["report"].read_text() == text
+    share_plot([("a", back), ("b", back)], tmp_path / "share.png")
+    assert (tmp_path / "share.png").stat().st_size > 1000
+
+
+def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
+    from kvnotes.bench.serving.agent_traffic_share import BUCKETS, answer_breakdown, breakdown
+
+    # BOS spliced; chunk [10, 100) repaired to 32, aligned to 64; chunk [101, 140) wholly
+    # recomputed (its region reaches its end); chunk [141, 190) unmatched
+    plan = {"repair": "f32a64s0.1", "ranges": [[0, 0, 1], [10, 64, 100]],
+            "regions": [[10, 64], [101, 140]]}
+    b = breakdown(plan, 200, [(10, 100), (101, 140), (141, 190)], 200)
+    assert (b.spliced, b.repaired, b.aligned, b.unmatched) == (37, 32 + 32, 22 + 7, 49)
+    assert b.text == 200 - 178 - 1 and b.text_head == 9  # the header less the spliced BOS
+    assert sum(getattr(b, k) for k in BUCKETS) == b.prompt and b.layout_ok
+    assert (b.chunks, b.matched, b.spliced_chunks) == (3, 2, 1)
+    assert breakdown(plan, 200, [(10, 100)], 199).layout_ok is False
+    none = answer_breakdown(Answer(ok=True, prompt_tokens=50), (50, [(5, 45)]))
+    assert none is not None and (none.spliced, none.unmatched, none.text) == (0, 40, 10)
+    assert answer_breakdown(Answer(ok=False), (50, [])) is None
 
 
 def test_config_refuses_unknown_parts_and_sizes() -> None:
@@ -464,6 +556,11 @@ def test_learning_launch_turns_the_front_on_over_the_skill_folder(tmp_path) -> N
     on = learning_launch(base, tmp_path / "skills", cap_bytes=1 << 20, after=3)
     assert on.front is not None and on.front.learn is not None
     assert (on.front.learn.after, on.front.learn.library_cap) == (3, 1 << 20)
+    assert (on.front.repair, on.front.repair_share) == (32, 0.1)  # the front's default
+    k = learning_launch(base, tmp_path / "skills", repair="16@0.05")
+    assert k.front is not None and (k.front.repair, k.front.repair_share) == (16, 0.05)
+    with pytest.raises(InvalidArgumentError):
+        AgentBenchConfig(repair="16~0.2")
 
 
 def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
@@ -475,6 +572,8 @@ def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
     assert result.exit_code == 2 and "bogus" in result.output
     result = runner.invoke(app, ["serve-bench", "agent", "--library-cap", "lots"])
     assert result.exit_code == 2 and "lots" in result.output
+    result = runner.invoke(app, ["serve-bench", "agent", "--repair-variants", "16,x"])
+    assert result.exit_code == 2 and "16,x" in result.output
 
 
 # ---- the SDK client against the fake vLLM ---------------------------------------------------
@@ -496,6 +595,57 @@ def test_the_sdk_client_streams_tools_requests_and_their_exact_twin(fake_server)
         assert a.ttft_s is not None and a.total_s is not None and a.total_s >= a.ttft_s > 0
         assert a.text in ("Yes.", "No.") and a.prompt_tokens and a.spliced_tokens == 0
     assert state.requests == 2
+
+
+@pytest.fixture()
+def stats_server():
+    """A front's ``/kvnotes/stats`` (its learner counters) in a thread; ``state["stats"]`` is
+    what it answers (None: 404, as a front without the route)."""
+    import http.server
+    import threading
+
+    state: dict = {"stats": {"requests": 3, "learner": {"sightings": 4, "compiles": 2,
+                                                        "failures": 0, "learned_entries": 2}}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  # the stdlib's name
+            if self.path != "/kvnotes/stats" or state["stats"] is None:
+                self.send_error(404)
+                return
+            body = json.dumps(state["stats"]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_the_sdk_client_reads_the_front_learner_counters(stats_server, fake_server) -> None:
+    url, state = stats_server
+
+    async def read(at: str) -> dict | None:
+        sender = OpenAISender(at, "smollm2-135m", timeout=10.0)
+        try:
+            return await sender.learner()
+        finally:
+            await sender.close()
+
+    got = asyncio.run(read(url))
+    assert got is not None and got["compiles"] == 2 and got["learned_entries"] == 2
+    state["stats"] = {"requests": 1}  # a front without a learner
+    assert asyncio.run(read(url)) is None
+    state["stats"] = None
+    assert asyncio.run(read(url)) is None
+    assert asyncio.run(read(fake_server[0])) is None  # vLLM itself: no such route
 
 
 def test_the_sdk_client_reports_a_refused_request_as_failed(fake_server) -> None:

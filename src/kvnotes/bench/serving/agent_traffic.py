@@ -69,6 +69,8 @@ class AgentBenchConfig:
         tenant: sent as ``kvnotes.tenant`` (None: the front's default tenant).
         max_context: prompts longer than this (tokens, as the tokenizer counts the request's
             text) are left out and listed.
+        repair: the launched front's repair as ``kvnotes serve --repair`` spells it (``K`` or
+            ``K@F``; None: the front's default).
     """
 
     model: str = "smollm2-135m"
@@ -83,6 +85,7 @@ class AgentBenchConfig:
     soak: AgentSoakConfig = field(default_factory=AgentSoakConfig)
     tenant: str | None = None
     max_context: int = 3500
+    repair: str | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.parts) - set(PARTS)
@@ -93,6 +96,8 @@ class AgentBenchConfig:
             raise InvalidArgumentError("--cases and --docs must be >= 0, --repeats >= 1")
         if self.library_cap_bytes < 1:
             raise InvalidArgumentError("--library-cap must be a positive size")
+        if self.repair is not None:
+            front_repair(self.repair)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,24 +108,47 @@ class AgentBenchConfig:
         if "parts" in kw:
             kw["parts"] = tuple(kw["parts"])
         if isinstance(kw.get("protocol"), dict):
-            kw["protocol"] = ProtocolConfig(**kw["protocol"])
+            proto = dict(kw["protocol"])
+            proto["repairs"] = tuple(proto.get("repairs") or ())
+            kw["protocol"] = ProtocolConfig(**proto)
         if isinstance(kw.get("soak"), dict):
             kw["soak"] = AgentSoakConfig(**kw["soak"])
         return cls(**kw)
 
 
+def front_repair(spec: str) -> tuple[int, float]:
+    """``(repair, repair_share)`` of the front for a ``--repair`` spelling (``K`` or ``K@F``).
+
+    Example:
+        >>> front_repair("16@0.05"), front_repair("8")
+        ((16, 0.05), (8, 0.0))
+    """
+    from kvnotes.core.repair import parse_repair
+
+    plan = parse_repair(spec)
+    if plan.adapt is not None:
+        raise InvalidArgumentError(f"--repair {spec}: a server plans its phases before the "
+                                   "request runs; give K or K@F, e.g. 32@0.1")
+    return plan.first, plan.share
+
+
 def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None = None,
-                    after: int = 2, learn: bool = True, timeout: float = 600.0) -> LaunchConfig:
+                    after: int = 2, learn: bool = True, timeout: float = 600.0,
+                    repair: str | None = None) -> LaunchConfig:
     """``base`` with the connector over ``skills`` and the OpenAI front in front of it.
 
     With ``learn``, the front learns on sight (``kvnotes serve --learn``): a
     :class:`~kvnotes.serving.front.config.LearnConfig` with ``after`` (a chunk is compiled once
     seen that many times, per tenant) and ``library_cap=cap_bytes`` (``--library-cap``; None: no
-    cap). Without it, the front is today's: it splices only registered skills.
+    cap). Without it, the front is today's: it splices only registered skills. ``repair``:
+    the front's repair (``K`` or ``K@F``; None: its default).
     """
     from kvnotes.serving.front.config import FrontConfig, LearnConfig
 
     front = FrontConfig(timeout=timeout)
+    if repair is not None:
+        first, share = front_repair(repair)
+        front = dataclasses.replace(front, repair=first, repair_share=share)
     if learn:
         front = dataclasses.replace(front, learn=LearnConfig(after=after, library_cap=cap_bytes))
     return dataclasses.replace(base, skills=skills, front=front)
@@ -145,7 +173,9 @@ class AgentResult:
     notes: list[str] = field(default_factory=list)
 
     def summaries(self) -> list[FidelitySummary]:
-        return [summarize(kind, recs) for kind, recs in self.cases.items()]
+        """Per set, the front's repair, then each ``kvnotes.repair`` variant measured."""
+        return [summarize(kind, recs, repair) for kind, recs in self.cases.items()
+                for repair in (None, *self.config.protocol.repairs)]
 
     def soak_summary(self) -> SoakSummary | None:
         from kvnotes.bench.serving.agent_traffic_soak import summarize as soak_summarize
@@ -281,13 +311,15 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     if main_parts:
         launch = launcher.prepare(learning_launch(
             base, out / "skills", cap_bytes=None, after=config.protocol.sightings,
-            learn=config.learn, timeout=request_timeout_s), engine)
+            learn=config.learn, timeout=request_timeout_s, repair=config.repair), engine)
         say(f"starting vLLM ({launch.model.dtype}) with the connector and the front"
             f"{' (learning)' if config.learn else ''}; log: {launch.server.log_path}")
         with launch:
             say(f"server up at {launch.url} after {launch.server.startup_s:.0f} s")
-            asyncio.run(_main_parts(config, launch, tools, result, request_timeout_s, say))
+            asyncio.run(_main_parts(config, launch, tools, result, request_timeout_s, say,
+                                    tokenizer))
         result.launches["main"] = launch.record().to_dict()
+        attach_breakdowns(result, tokenizer)
     if "soak" in config.parts:
         _soak_part(config, base, engine, tools, result, out=out,
                    request_timeout_s=request_timeout_s, say=say)
@@ -296,8 +328,42 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     return result
 
 
+def learnable_chunks(tokenizer: Any) -> Callable[[AgentRequest], list[tuple[int, ...]]]:
+    """A request's chunks as the front lays them out (its learner counts these token ids)."""
+    from kvnotes.serving.planning.chat_render import lay_out_chat, render_chat_parts
+
+    def chunks(request: AgentRequest) -> list[tuple[int, ...]]:
+        laid = lay_out_chat(tokenizer, render_chat_parts(tokenizer, request.messages(),
+                                                         request.tools()).parts)
+        return [c.token_ids for c in laid.chunks]
+
+    return chunks
+
+
+def attach_breakdowns(result: AgentResult, tokenizer: Any) -> None:
+    """Each measured answer's :class:`~.agent_traffic_share.ShareBreakdown`: the request
+    (rebuilt from the run's config) laid out as the front does, against the plan the answer
+    reports. Works on a result read back from its JSON too."""
+    from kvnotes.bench.serving.agent_traffic_share import answer_breakdown, chunk_spans
+
+    config = result.config
+    tools = tool_set(config, tokenizer)[0] if "tools" in result.cases else []
+    docs = document_set(config) if config.docs and "documents" in result.cases else []
+    by_id = {r.id: r for r in (*tools, *docs)}
+    for records in result.cases.values():
+        for rec in records:
+            request = by_id.get(rec.id)
+            if request is None:
+                continue
+            layout = chunk_spans(request.reordered(config.protocol.seed), tokenizer)
+            rec.breakdown = answer_breakdown(rec.spliced, layout)
+            for v in rec.variants:
+                v.breakdown = answer_breakdown(v.answer, layout)
+
+
 async def _main_parts(config: AgentBenchConfig, launch: Launch, tools: Sequence[AgentRequest],
-                      result: AgentResult, timeout: float, say: Callable[[str], None]) -> None:
+                      result: AgentResult, timeout: float, say: Callable[[str], None],
+                      tokenizer: Any) -> None:
     from kvnotes.bench.serving.agent_traffic_client import OpenAISender
     from kvnotes.bench.serving.agent_traffic_overhead import compile_overhead, miss_overhead
     from kvnotes.bench.serving.agent_traffic_protocol import run_cases
@@ -307,13 +373,17 @@ async def _main_parts(config: AgentBenchConfig, launch: Launch, tools: Sequence[
     try:
         if "tools" in config.parts and tools:
             say(f"tools: {len(tools)} BFCL live_multiple cases (load {load_now()})")
-            result.cases["tools"] = await run_cases(sender, tools, config.protocol, log=say)
+            result.cases["tools"] = await run_cases(sender, tools, config.protocol,
+                                                    learnable=learnable_chunks(tokenizer),
+                                                    log=say)
         docs = document_set(config) if config.docs and (
             "documents" in config.parts or "overhead" in config.parts) else []
         if "documents" in config.parts and docs:
             say(f"documents: {len(docs)} requests of {config.docs_k} documents "
                 f"(load {load_now()})")
-            result.cases["documents"] = await run_cases(sender, docs, config.protocol, log=say)
+            result.cases["documents"] = await run_cases(sender, docs, config.protocol,
+                                                        learnable=learnable_chunks(tokenizer),
+                                                        log=say)
         if "overhead" in config.parts:
             bases = list(tools) or docs
             if not bases:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 
+STATS_PATH = "/kvnotes/stats"  # the front's counters (kvnotes.serving.front.app)
 _NAME_FIELD = re.compile(r'"name"\s*:\s*"([^"]+)"')
 _CALL = re.compile(r"^\W*([A-Za-z_][\w.\-]*)\s*\(")
 
@@ -139,19 +140,39 @@ class Sender(Protocol):
         ...
 
 
-def extra_body(splice: bool, tenant: str | None) -> dict[str, Any] | None:
+class LearningSender(Sender, Protocol):
+    """A :class:`Sender` that also reads the front's learner and names a request's repair
+    (what the fidelity protocol needs)."""
+
+    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int,
+                   repair: int | None = None) -> Answer:
+        """As :meth:`Sender.send`; ``repair``: ``kvnotes.repair`` (the first tokens of each
+        spliced chunk recomputed; None: the front's own repair)."""
+        ...
+
+    async def learner(self) -> dict[str, int] | None:
+        """The front's learner counters (``/kvnotes/stats``' ``learner``: ``compiles``,
+        ``failures``, ...); None when the front has no learner or does not answer."""
+        ...
+
+
+def extra_body(splice: bool, tenant: str | None, repair: int | None = None
+               ) -> dict[str, Any] | None:
     """The ``kvnotes`` options of a request: nothing for a spliced one in the default tenant
-    (what an ordinary client sends), ``splice: false`` for the exact twin.
+    with the front's repair (what an ordinary client sends), ``splice: false`` for the exact
+    twin, ``repair: K`` for a request that names its repair.
 
     Example:
-        >>> extra_body(True, None), extra_body(False, "acme")
-        (None, {'kvnotes': {'splice': False, 'tenant': 'acme'}})
+        >>> extra_body(True, None), extra_body(False, "acme"), extra_body(True, None, 8)
+        (None, {'kvnotes': {'splice': False, 'tenant': 'acme'}}, {'kvnotes': {'repair': 8}})
     """
     opts: dict[str, Any] = {}
     if not splice:
         opts["splice"] = False
     if tenant is not None:
         opts["tenant"] = tenant
+    if repair is not None:
+        opts["repair"] = repair
     return {"kvnotes": opts} if opts else None
 
 
@@ -170,29 +191,32 @@ class OpenAISender:
                  tenant: str | None = None, api_key: str = "kvnotes") -> None:
         from openai import AsyncOpenAI
 
-        self.model, self.tenant = model, tenant
+        self.model, self.tenant, self.url = model, tenant, url.rstrip("/")
+        self.timeout = timeout
         self.client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key,
                                   timeout=timeout, max_retries=0)
 
-    def _args(self, request: AgentRequest, splice: bool, max_tokens: int) -> dict[str, Any]:
+    def _args(self, request: AgentRequest, splice: bool, max_tokens: int,
+              repair: int | None = None) -> dict[str, Any]:
         args: dict[str, Any] = {"model": self.model, "messages": request.messages(),
                                 "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
                                 "top_logprobs": 2}
         tools = request.tools()
         if tools is not None:
             args["tools"] = tools
-        body = extra_body(splice, self.tenant)
+        body = extra_body(splice, self.tenant, repair)
         if body is not None:
             args["extra_body"] = body
         return args
 
-    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+    async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int,
+                   repair: int | None = None) -> Answer:
         import openai
 
         t0 = time.perf_counter()
         try:
             resp = await self.client.chat.completions.create(
-                **self._args(request, splice, max_tokens))
+                **self._args(request, splice, max_tokens, repair))
         except openai.OpenAIError as err:
             return Answer(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
         answer = answer_of(resp.model_dump(), request.candidates)
@@ -236,6 +260,22 @@ class OpenAISender:
                       prompt_tokens=usage.get("prompt_tokens"),
                       spliced_tokens=int((info or {}).get("spliced_tokens") or 0), kvnotes=info,
                       ttft_s=ttft, total_s=time.perf_counter() - t0)
+
+    async def learner(self) -> dict[str, int] | None:
+        """The front's learner counters, from ``GET /kvnotes/stats``."""
+        import httpx2
+
+        try:
+            async with httpx2.AsyncClient(trust_env=False, timeout=self.timeout) as http:
+                resp = await http.get(self.url + STATS_PATH)
+                resp.raise_for_status()
+                stats = resp.json()
+        except (httpx2.HTTPError, ValueError):
+            return None
+        counters = stats.get("learner") if isinstance(stats, dict) else None
+        if not isinstance(counters, dict):
+            return None
+        return {str(k): int(v) for k, v in counters.items() if isinstance(v, int)}
 
     async def close(self) -> None:
         await self.client.close()

@@ -4,7 +4,7 @@ with ``AgentResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,22 @@ def _goal(met: bool | None) -> str:
     return "-" if met is None else ("met" if met else "NOT met")
 
 
+def _counted(result: AgentResult) -> bool:
+    """Whether learning was read from the front's learner counters (runs before that waited
+    for a probe to splice, and recorded no counts)."""
+    return any(r.learn for records in result.cases.values() for r in records)
+
+
+def _settings(result: AgentResult) -> str:
+    """The learning wait, the front's repair, the block size and the repair variants."""
+    p = result.config.protocol
+    block = (result.launches.get("main") or {}).get("block_size") or "vLLM's default"
+    return (" (until the front's learner compiled the case's new chunks). The front's repair: "
+            f"{result.config.repair or 'its default'}; KV block size {block}"
+            + (f"; also measured with `kvnotes.repair` K = {', '.join(str(k) for k in p.repairs)}"
+               " (no share floor)" if p.repairs else "") + ".")
+
+
 def markdown(result: Mapping[str, Any]) -> str:
     """The report of a result's JSON form (``AgentResult.to_dict()`` or a stored file)."""
     return report(AgentResult.from_dict(result))
@@ -43,24 +59,48 @@ def report(result: AgentResult) -> str:
              f"{_loads(m.load_average_end)}.",
              f"Learning {'on' if cfg.learn else 'OFF'}; a chunk learned once seen {p.sightings} "
              f"times; measured answers greedy, {p.max_tokens} tokens; learning waited for at "
-             f"most {p.learn_timeout_s:.0f} s per case.", ""]
+             f"most {p.learn_timeout_s:.0f} s per case"
+             + (_settings(result) if _counted(result) else "."), ""]
     summaries = result.summaries()
     if summaries:
         lines += [f"Goals: share of prompt tokens spliced >= {SHARE_GOAL:.0%}, tool choice "
                   f"identical to `splice: false` >= {CHOICE_GOAL:.0%}.", "",
-                  "| set | cases | measured | learned | share spliced (mean / pooled / cases >= "
-                  "goal) | tool choice identical | first token identical | "
-                  f"{p.max_tokens} tokens identical | choice correct spliced / exact | goals |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|---|---|"]
+                  "| set |" + (" repair |" if p.repairs else "") + " cases | measured | "
+                  "learned | share spliced (mean / pooled / cases >= goal) | tool choice "
+                  f"identical | first token identical | {p.max_tokens} tokens identical | "
+                  "choice correct spliced / exact | goals |",
+                  "|---|" + ("---|" if p.repairs else "") + "---:|---:|---:|---|---:|---:|---:|"
+                  "---|---|"]
         for s in summaries:
             lines.append(
-                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.cases} | {s.measured} | {s.learned} | "
+                f"| {SET_NAMES.get(s.kind, s.kind)} |" + (f" {s.repair} |" if p.repairs else "")
+                + f" {s.cases} | {s.measured} | {s.learned} | "
                 f"{fmt_pct(s.share_mean)} / {fmt_pct(s.share_pooled)} / "
                 f"{fmt_pct(s.share_at_goal)} | {fmt_pct(s.choice_identical)} | "
                 f"{fmt_pct(s.first_token_identical)} | {fmt_pct(s.answer_identical)} | "
                 f"{fmt_pct(s.choice_correct_spliced)} / {fmt_pct(s.choice_correct_exact)} | "
                 f"share {_goal(s.share_goal_met)}"
                 + (f", choice {_goal(s.choice_goal_met)}" if s.kind == "tools" else "") + " |")
+    pooled = [s for s in summaries if s.breakdown is not None]
+    if pooled:
+        lines += ["", "Where the measured requests' prompt tokens went (pooled over the set): "
+                  "spliced; recomputed by the repair rule (each matched chunk's first max(K, "
+                  "share x len)); recomputed to reach a KV block boundary; in chunks no learned "
+                  "entry matched; text that is never a chunk (template, system turn, question; "
+                  "the header before the first chunk in brackets).", "",
+                  "| set | repair | spliced | repaired | block alignment | chunks unmatched | "
+                  "text (header) | chunks / matched / spliced per request |",
+                  "|---|---|---:|---:|---:|---:|---|---|"]
+        for s in pooled:
+            b = s.breakdown
+            assert b is not None
+            sh = b.shares
+            lines.append(
+                f"| {SET_NAMES.get(s.kind, s.kind)} | {s.repair} | {fmt_pct(sh['spliced'])} | "
+                f"{fmt_pct(sh['repaired'])} | {fmt_pct(sh['aligned'])} | "
+                f"{fmt_pct(sh['unmatched'])} | {fmt_pct(sh['text'])} "
+                f"({fmt_pct(sh['text_head'])}) | {b.chunks_mean:.1f} / {b.matched_mean:.1f} / "
+                f"{b.spliced_chunks_mean:.1f} |")
     if result.timings:
         lines += ["", f"TTFT (streamed, medians; goal: at most {OVERHEAD_GOAL:.0%} over the "
                   "reference). Timings are valid only on an otherwise idle machine.", "",
@@ -120,7 +160,8 @@ def plot(result: AgentResult, path: Path) -> None:
     for i, s in enumerate(summaries):
         values = [getattr(s, k) or 0.0 for k in metrics]
         ax.bar([j + i * width for j in range(len(metrics))], values, width,
-               label=SET_NAMES.get(s.kind, s.kind))
+               label=SET_NAMES.get(s.kind, s.kind)
+               + ("" if s.repair == "front" else f", repair {s.repair}"))
     ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(metrics))], labels)
     ax.axhline(SHARE_GOAL, color="gray", ls=":", lw=1)
     ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
@@ -139,6 +180,50 @@ def plot(result: AgentResult, path: Path) -> None:
     if names:
         bx.legend(fontsize=8)
     fig.suptitle(f"serve-bench agent ({result.config.model})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def share_plot(runs: Sequence[tuple[str, AgentResult]], path: Path) -> None:
+    """Share spliced (mean over cases) against identity with ``splice: false``, one panel per
+    set: per labelled run, a line through its repairs (the front's and each variant) for the
+    tool choice, the first token and the whole answer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted({k for _, r in runs for k in r.cases}, key=lambda k: k != "tools")
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(6 * max(1, len(kinds)), 4.5),
+                             squeeze=False)
+    metrics = (("choice_identical", "o", "tool choice"), ("first_token_identical", "s",
+                                                          "first token"),
+               ("answer_identical", "^", "16 tokens"))
+    for ax, kind in zip(axes[0], kinds, strict=False):
+        for i, (label, result) in enumerate(runs):
+            sums = sorted((s for s in result.summaries() if s.kind == kind
+                           and s.share_mean is not None), key=lambda s: s.share_mean or 0.0)
+            color = f"C{i}"
+            for key, marker, name in metrics:
+                pts = [(s.share_mean, getattr(s, key)) for s in sums
+                       if getattr(s, key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), marker=marker, color=color, lw=1,
+                            label=f"{label}: {name}")
+            for s in sums:
+                ax.annotate("K=" + ("front" if s.repair == "front" else s.repair),
+                            (s.share_mean or 0.0, 0.02), fontsize=6, color=color,
+                            rotation=90)
+        ax.axvline(SHARE_GOAL, color="gray", ls=":", lw=1)
+        ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("share of prompt tokens spliced (mean over cases)")
+        ax.set_ylabel("identical to splice:false (share of cases)")
+        ax.set_title(SET_NAMES.get(kind, kind))
+        ax.legend(fontsize=6, loc="lower left")
+    fig.suptitle("serve-bench agent: share spliced vs identity, by repair and block size")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
