@@ -527,6 +527,10 @@ def agent(
                                                help="Soak requests in all")] = 200,
     exact_fraction: Annotated[float, typer.Option(
         "--exact-fraction", help="Soak requests sent with splice: false")] = 0.2,
+    drift_tau: Annotated[float | None, typer.Option(
+        "--drift-tau", help="Soak check: compare greedy answers only up to the first step where "
+        "the server's or the engine's top-2 log-prob margin is below this (a near tie; the "
+        "answers cut short are counted); default: compared whole")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Sent as kvnotes.tenant")] = None,
     dtype: Dtype = "float32", block_size: BlockSize = None, kv_cache_gib: KvCacheGib = 3,
@@ -553,7 +557,7 @@ def agent(
                                     learn_timeout_s=learn_timeout, seed=seed),
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
                                  exact_fraction=exact_fraction, max_tokens=max_tokens,
-                                 sightings=sightings, seed=seed))
+                                 sightings=sightings, seed=seed, drift_tau=drift_tau))
     except KvnotesError as err:
         raise typer.BadParameter(str(err)) from err
     server = ServerOptions(launch=True, model=model, dtype=dtype, block_size=block_size,

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_engine
 
-from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries
+from kvnotes.bench.serving.agent_traffic_check import (
+    AgentOracle,
+    KeptEntries,
+    Reference,
+    served_strings,
+    verdict,
+)
+from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.core.repair import Repair
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.match import SkillCatalog
@@ -49,13 +56,13 @@ def test_the_composition_rebuilt_from_a_front_plan_is_engine_compose(published, 
              lib.get(REFUNDS, name="refunds", after=HEADER), USER]
     want = engine.compose(parts, repair=Repair(first=first, align=BLOCK))
     assert want.token_ids.tolist() == fp.ids
-    got = dict(oracle.candidates(fp.ids, plan, 5))
+    got = {r.label: r.ids for r in oracle.candidates(fp.ids, plan, 5)}
     assert got["compose"] == engine.greedy(want, None, 5).token_ids
     assert got["exact"] == engine.greedy(engine.prefill(fp.ids), None, 5).token_ids
     partial = [k for k in got if k.startswith("partial@")]
     assert partial == [f"partial@{c}" for c in range(BLOCK, len(fp.ids), BLOCK)]
     before = oracle.computed
-    dict(oracle.candidates(fp.ids, plan, 5))
+    list(oracle.candidates(fp.ids, plan, 5))
     assert oracle.computed == before  # each reference computed once
     if first:  # a plan whose repair regions are not the composition's is not rebuilt
         other = {**plan, "regions": [[r[0], r[1] + BLOCK] for r in plan["regions"]]}
@@ -70,4 +77,38 @@ def test_a_plan_whose_entry_is_missing_gives_only_the_exact_reference(published,
                       None)
     oracle = AgentOracle(published.engine, KeptEntries(tmp_path, None))  # nothing kept
     assert oracle.composed(fp.ids, fp.to_dict()) is None
-    assert [k for k, _ in oracle.candidates(fp.ids, fp.to_dict(), 3)] == ["exact"]
+    assert oracle.why_not(fp.ids, fp.to_dict()).startswith("no kept entry holds")
+    assert [r.label for r in oracle.candidates(fp.ids, fp.to_dict(), 3)] == ["exact"]
+
+
+def test_a_korean_answer_is_compared_as_vllm_spells_its_byte_tokens(tokenizer):
+    # recorded: SmolLM2 soak request 15 (2026-12-03), flagged wrong at its first token because
+    # each engine id was decoded alone ("\ufffd") while vLLM spells an unfinished UTF-8
+    # character "" and the whole character on the token that completes it
+    ids = [183, 228, 114, 184, 223, 230, 46258, 184, 219, 122, 25947, 117, 230, 182, 237, 114]
+    server = ["", "", "스", "", "", "테", "이", "", "", "크", "", "", " 만", "", "", "들"]
+    assert served_strings(tokenizer, ids) == server
+    assert [tokenizer.decode([t]) for t in ids] != server
+    answer = Answer(ok=True, text="스테이크 만들", tokens=server, margins=[1.0] * 16,
+                    finish_reason="length")
+    v = verdict(answer, [Reference("exact", ids)], tokenizer, eos=[], tie_tau=0.05)
+    assert v.status == "ok" and v.matched == "exact"
+    other = [*ids[:6], 46258, 184, 219, 123, *ids[10:]]  # another third character
+    v = verdict(answer, [Reference("exact", other)], tokenizer, eos=[], tie_tau=0.05)
+    assert v.status == "wrong" and v.diverged_at == 9
+
+
+def test_the_references_stop_where_the_server_stops(published, tmp_path):
+    # the front sends a base model's chat with stop "\n\nUser:": vLLM ends the answer at the
+    # token that completes it, and so must the reference (else it is longer than the answer)
+    engine = published.engine
+    ids = engine.tokens_of(HEADER + USER)[0]
+    oracle = AgentOracle(engine, KeptEntries(tmp_path, None))
+    whole = oracle.exact(ids, 8)
+    assert len(whole.ids) == len(whole.margins) and all(m >= 0 for m in whole.margins)
+    assert whole.ids == engine.greedy(engine.prefill(ids), None, 8).token_ids
+    stop = engine.decode(whole.ids[:3])[-2:]
+    cut = oracle.exact(ids, 8, (stop,))
+    assert stop in engine.decode(cut.ids) and stop not in engine.decode(cut.ids[:-1])
+    assert cut.ids == whole.ids[:len(cut.ids)] and len(cut.ids) <= 3
+    assert cut.margins == whole.margins[:len(cut.ids)]

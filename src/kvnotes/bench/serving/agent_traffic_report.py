@@ -93,6 +93,16 @@ def report(result: AgentResult) -> str:
                   f"({soak.spliced}/{soak.eligible}) | {fmt_pct(soak.share_pooled)} | "
                   f"{'-' if ev is None else f'{ev:.0f}'} | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(soak.matched.items())) + " |"]
+        tau = cfg.soak.drift_tau
+        if tau is not None:
+            lines.append(
+                f"\nDrift rule: answers compared up to the first step where the server's or the "
+                f"engine's top-2 margin is below {tau:g}; {soak.cut} ok answers were cut short"
+                + (" (compared steps: " + ", ".join(f"{k}: {v}" for k, v in soak.cut_at.items())
+                   + ")" if soak.cut_at else "") + ".")
+        if info.get("records"):
+            lines.append(f"Every request, its prompt ids, plan, answer and verdict: "
+                         f"`{info['records']}`.")
         if soak.errors:
             lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))
     if result.skipped:
