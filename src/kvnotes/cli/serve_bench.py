@@ -577,3 +577,30 @@ def agent(
     else:
         typer.echo(markdown(data))
         typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
+
+
+@bench_app.command("agent-check")
+def agent_check(
+    folder: Annotated[Path, typer.Argument(help="A serve-bench agent output folder with a soak "
+                                           "run (result.json, soak-requests.jsonl, "
+                                           "soak-entries, soak-skills)")],
+    drift_tau: Annotated[float | None, typer.Option(
+        "--drift-tau", help="The drift rule's threshold (default: the run's own)")] = None,
+) -> None:
+    """Check a stored agent soak run's answers again against the engine (no server) and
+    rewrite its bundle: records, result.json, report and plot."""
+    import kvnotes
+    from kvnotes.bench.serving.agent_traffic import AgentResult
+    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes.bench.serving.agent_traffic_report import report
+    from kvnotes.core.errors import KvnotesError
+
+    try:
+        import json
+
+        model = json.loads((folder / "result.json").read_text(encoding="utf-8"))["config"]["model"]
+        result: AgentResult = recheck_bundle(folder, kvnotes.load(model), drift_tau=drift_tau,
+                                             say=_log)
+    except (KvnotesError, OSError, KeyError, ValueError) as err:
+        raise typer.BadParameter(str(err)) from err
+    typer.echo(report(result))

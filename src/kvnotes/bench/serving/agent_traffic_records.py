@@ -29,6 +29,7 @@ class SoakRequestRecord:
 
     index: int
     client: int
+    sent_s: float  # seconds into the run
     tenant: str | None
     splice: bool
     eligible: bool

@@ -188,7 +188,7 @@ def request_record(rec: SoakRecord, rendered: Rendered | None, tenant: str | Non
     """The per-request record of ``rec`` (its prompt as rebuilt: ``rendered``)."""
     a = rec.answer
     row = SoakRequestRecord(
-        index=rec.index, client=rec.client, tenant=tenant, splice=rec.splice,
+        index=rec.index, client=rec.client, sent_s=rec.sent_s, tenant=tenant, splice=rec.splice,
         eligible=rec.eligible, tools=list(rec.tools), question=rec.question, ok=a.ok,
         error=a.error, prompt_tokens=a.prompt_tokens, spliced_tokens=a.spliced_tokens,
         plan=(a.kvnotes or {}).get("plan") if a.spliced_tokens else None,
