@@ -11,6 +11,7 @@ from kvnotes.bench.serving.agent_traffic_check import (
     AgentOracle,
     KeptEntries,
     Reference,
+    cached_prefixes,
     served_strings,
     verdict,
 )
@@ -112,3 +113,29 @@ def test_the_references_stop_where_the_server_stops(published, tmp_path):
     assert stop in engine.decode(cut.ids) and stop not in engine.decode(cut.ids[:-1])
     assert cut.ids == whole.ids[:len(cut.ids)] and len(cut.ids) <= 3
     assert cut.margins == whole.margins[:len(cut.ids)]
+
+
+@pytest.mark.parametrize("first", [0, 8])
+def test_a_cached_prefix_of_the_same_composition_gives_the_composition(published, tokenizer,
+                                                                      first):
+    # vLLM's prefix cache may hold an earlier request's notes of the prompt's first blocks;
+    # when that request composed them as this one does, the answer built on the cached prefix
+    # (the plan's loaded tokens from there on, the rest computed) is the composition's
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    req = read_request("completion", {"model": "m", "prompt": "".join(texts)}, tokenizer)
+    fp = plan_request(req, SkillCatalog(published.folder, tokenizer),
+                      Repair(first=first, align=BLOCK), BLOCK, None)
+    plan = {**fp.to_dict(), "salt": "s"}
+    oracle = AgentOracle(published.engine, KeptEntries(published.folder,
+                                                       published.manifest.fingerprint_obj))
+    ids = fp.ids
+    loaded = min(r[1] for r in plan["ranges"] if r[2] - r[0] > 1)
+    cut = len(ids) - 8  # an earlier request shared all but the last tokens
+    other = [*ids[:cut], *(t + 1 for t in ids[cut:])]
+    cached = cached_prefixes(ids, plan, [(7, ids, plan), (8, other, {**plan, "salt": "x"})])
+    assert [c.label for c in cached] == [f"cached@{(len(ids) - 1) // BLOCK * BLOCK}:7"]
+    assert cached[0].tokens > loaded and cached[0].plan is not None
+    refs = {r.label: r.ids for r in oracle.candidates(ids, plan, 5, (), cached)}
+    assert refs[cached[0].label] == refs["compose"]
+    exact = cached_prefixes(ids, plan, [(9, other, {**plan, "ranges": [[cut, cut, cut + 2]]})])
+    assert exact and exact[0].plan is None  # its ranges start past the shared blocks: exact

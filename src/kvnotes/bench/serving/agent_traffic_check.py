@@ -293,20 +293,110 @@ class AgentOracle:
         return nb, ""
 
     def candidates(self, ids: Sequence[int], plan: Mapping[str, Any] | None, n: int,
-                   stop: Sequence[str] = ()) -> Iterator[Reference]:
-        """The references in order: compose, exact, partial@c (see the module doc); only exact
-        without a plan."""
+                   stop: Sequence[str] = (), cached: Sequence[CachedPrefix] = ()
+                   ) -> Iterator[Reference]:
+        """The references in order: compose, exact, partial@c, then one per ``cached``
+        prefix (see the module doc); only exact without a plan."""
         composed = self.composed(ids, plan) if plan and plan.get("ranges") else None
         key = (tuple(ids), n, tuple(stop), repr(plan))
         if composed is not None:
             yield self._memo(("compose", *key), "compose",
                              lambda: self.greedy(composed, None, n, stop))
         yield self.exact(ids, n, stop)
-        if composed is not None:
-            block = int((plan or {}).get("block_size") or 0)
-            for c in range(block, len(ids), block) if block else ():
-                yield self._memo(("partial", c, *key), f"partial@{c}",
-                                 lambda c=c: self.greedy(composed.slice(0, c), ids[c:], n, stop))
+        if composed is None or plan is None:
+            return
+        block = int(plan.get("block_size") or 0)
+        for c in range(block, len(ids), block) if block else ():
+            yield self._memo(("partial", c, *key), f"partial@{c}",
+                             lambda c=c: self.greedy(composed.slice(0, c), ids[c:], n, stop))
+        for src in cached:
+            prefix = self._prefix(src)
+            if prefix is not None:
+                yield self._memo(("cached", src.label, *key), src.label,
+                                 lambda p=prefix: self._on_cached(p, ids, plan, composed, n, stop))
+
+    def _prefix(self, src: CachedPrefix) -> Notebook | None:
+        """The notes of ``src``'s first ``src.tokens`` tokens as its request computed them."""
+        ids = list(src.ids[:src.tokens])
+        if src.plan is None:
+            return self.engine.prefill(ids, bos=False)
+        nb = self.composed(src.ids, src.plan)
+        return None if nb is None else nb.slice(0, src.tokens)
+
+    def _on_cached(self, prefix: Notebook, ids: Sequence[int], plan: Mapping[str, Any],
+                   composed: Notebook, n: int, stop: Sequence[str]) -> Reference:
+        """The answer when vLLM's prefix cache holds ``prefix`` (another request's notes of
+        the same first tokens): from there on, the plan's loaded tokens (``[start, end)`` of
+        each range) are the composition's (an entry's notes do not depend on what precedes
+        them), every other token is computed on top, as vLLM computes it."""
+        from kvnotes.core.notebook import Notebook
+
+        e = self.engine
+        loaded = [(max(int(r[1]), len(prefix)), int(r[2])) for r in plan.get("ranges") or []]
+        nb, pos, last = prefix, len(prefix), len(ids) - 1
+        for start, end in sorted((a, b) for a, b in loaded if b > a):
+            if start > pos:
+                nb = e.forward(nb, list(ids[pos:min(start, last)])).notebook
+                pos = min(start, last)
+            if pos < min(end, last):
+                nb = Notebook.concat([nb, composed.slice(pos, min(end, last))])
+                pos = min(end, last)
+        if pos < last:
+            nb = e.forward(nb, list(ids[pos:last])).notebook
+        return self.greedy(nb, list(ids[last:]), n, stop)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """An earlier request of the same cache salt whose first ``tokens`` tokens (whole blocks)
+    are the prompt's own: vLLM's prefix cache may hold its notes of them (``plan`` None: it
+    computed them exactly; else its composition)."""
+
+    label: str
+    ids: list[int]
+    plan: dict[str, Any] | None
+    tokens: int
+
+
+def cached_prefixes(ids: Sequence[int], plan: Mapping[str, Any],
+                    earlier: Iterable[tuple[int, Sequence[int], Mapping[str, Any]]]
+                    ) -> list[CachedPrefix]:
+    """The prefixes vLLM's prefix cache may hold for a spliced prompt ``ids`` from ``earlier``
+    requests (``(index, ids, plan)``, sent before it): those of the same cache salt sharing
+    whole blocks past the plan's first loaded token (the blocks before it are computed text
+    either way), longest first. An earlier request whose own ranges all start past the shared
+    blocks computed them exactly.
+
+    Example:
+        >>> plan = {"salt": "s", "block_size": 4, "ranges": [[2, 2, 9]]}
+        >>> other = {"salt": "s", "block_size": 4, "ranges": [[9, 9, 12]]}
+        >>> [(c.label, c.tokens, c.plan) for c in cached_prefixes(
+        ...     list(range(12)), plan, [(3, list(range(10)) + [0, 0], other)])]
+        [('cached@8:3', 8, None)]
+    """
+    block = int(plan.get("block_size") or 0)
+    salt = plan.get("salt")
+    starts = [int(r[1]) for r in plan.get("ranges") or [] if int(r[2]) - int(r[0]) > 1]
+    if not block or not starts:
+        return []
+    first = min(starts)
+    out: list[CachedPrefix] = []
+    for index, other, their in earlier:
+        if their.get("salt") != salt:
+            continue
+        common = 0
+        for a, b in zip(ids, other, strict=False):
+            if a != b:
+                break
+            common += 1
+        c = min(common, len(ids) - 1) // block * block
+        if c <= first:
+            continue
+        exact = all(int(r[1]) >= c for r in their.get("ranges") or []
+                    if int(r[2]) - int(r[0]) > 1)
+        out.append(CachedPrefix(f"cached@{c}:{index}", [int(t) for t in other],
+                                None if exact else dict(their), c))
+    return sorted(out, key=lambda x: -x.tokens)
 
 
 # ---- the server's token strings ----------------------------------------------------------------
@@ -517,11 +607,14 @@ class CheckConfig:
 
 
 def check_request(record: SoakRequestRecord, oracle: AgentOracle, tokenizer: Any,
-                  config: CheckConfig) -> AgentVerdict:
+                  config: CheckConfig, others: Sequence[SoakRequestRecord] = ()
+                  ) -> AgentVerdict:
     """The verdict on one answered request from its record: ``unchecked`` when its prompt
     could not be rebuilt or has another token count than the server's, or when it differs
     from every reference and its spliced composition could not be rebuilt (no reference to
-    call it wrong); else :func:`verdict` against compose / exact / partial@c."""
+    call it wrong); else :func:`verdict` against compose / exact / partial@c / cached@c
+    (``others``: the run's other requests; those sent before it, spliced under the same salt,
+    are the prefixes the prefix cache may hold: :func:`cached_prefixes`)."""
     ids = record.prompt_ids
     if ids is None:
         return AgentVerdict("unchecked", why="the prompt could not be rebuilt")
@@ -529,7 +622,12 @@ def check_request(record: SoakRequestRecord, oracle: AgentOracle, tokenizer: Any
         return AgentVerdict("unchecked", why=f"rebuilt {len(ids)} prompt tokens, the server "
                             f"counted {record.prompt_tokens}")
     plan = record.plan if record.spliced_tokens else None
-    v = verdict(record.answer(), oracle.candidates(ids, plan, config.max_tokens, record.stop),
+    cached = cached_prefixes(ids, plan, [
+        (o.index, o.prompt_ids, o.plan) for o in others
+        if o.sent_s < record.sent_s and o.plan and o.spliced_tokens and o.prompt_ids
+        and o.index != record.index]) if plan else []
+    v = verdict(record.answer(), oracle.candidates(ids, plan, config.max_tokens, record.stop,
+                                                   cached),
                 tokenizer, eos=config.eos, tie_tau=config.tie_tau, drift_tau=config.drift_tau)
     if v.status != "ok" and plan and plan.get("ranges"):
         why = oracle.why_not(ids, plan)

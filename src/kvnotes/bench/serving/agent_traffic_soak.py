@@ -223,7 +223,7 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
     done = [(rec, row) for (rec, _), row in zip(records, rows, strict=True) if rec.answer.ok]
     for n, (rec, row) in enumerate(done):
         if row.verdict is None:
-            row.verdict = check_request(row, oracle, tokenizer, config).to_dict()
+            row.verdict = check_request(row, oracle, tokenizer, config, rows).to_dict()
         rec.verdict = row.verdict
         status = row.verdict.get("status")
         if status != "ok":
@@ -302,7 +302,7 @@ def recheck(folder: Path, engine: Engine, config: CheckConfig,
     oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
     for row in rows:
         if row.ok and row.prompt_ids is not None:
-            row.verdict = check_request(row, oracle, engine.tokenizer, config).to_dict()
+            row.verdict = check_request(row, oracle, engine.tokenizer, config, rows).to_dict()
             if row.verdict["status"] != "ok":
                 say(f"  request {row.index} (splice {row.splice}): {row.verdict['status']} "
                     f"at {row.verdict.get('diverged_at')} {row.verdict.get('why') or ''}")
