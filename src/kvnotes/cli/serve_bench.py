@@ -589,18 +589,12 @@ def agent_check(
 ) -> None:
     """Check a stored agent soak run's answers again against the engine (no server) and
     rewrite its bundle: records, result.json, report and plot."""
-    import kvnotes
-    from kvnotes.bench.serving.agent_traffic import AgentResult
     from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
     from kvnotes.bench.serving.agent_traffic_report import report
     from kvnotes.core.errors import KvnotesError
 
     try:
-        import json
-
-        model = json.loads((folder / "result.json").read_text(encoding="utf-8"))["config"]["model"]
-        result: AgentResult = recheck_bundle(folder, kvnotes.load(model), drift_tau=drift_tau,
-                                             say=_log)
-    except (KvnotesError, OSError, KeyError, ValueError) as err:
+        result = recheck_bundle(folder, drift_tau=drift_tau, say=_log)
+    except (KvnotesError, OSError) as err:
         raise typer.BadParameter(str(err)) from err
     typer.echo(report(result))

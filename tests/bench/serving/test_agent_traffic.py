@@ -499,6 +499,15 @@ def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
     assert result.exit_code == 2 and "bogus" in result.output
     result = runner.invoke(app, ["serve-bench", "agent", "--library-cap", "lots"])
     assert result.exit_code == 2 and "lots" in result.output
+    result = runner.invoke(app, ["serve-bench", "agent", "--drift-tau", "-1"])
+    assert result.exit_code == 2 and "drift" in result.output
+
+
+def test_agent_check_refuses_a_folder_without_a_soak_run(tmp_path) -> None:
+    from kvnotes.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve-bench", "agent-check", str(tmp_path)])
+    assert result.exit_code == 2 and "no soak run" in result.output
 
 
 # ---- the SDK client against the fake vLLM ---------------------------------------------------
@@ -547,7 +556,7 @@ class FakeOracle:
     def why_not(self, ids, plan):
         return None if self.composed(ids, plan) else "no kept entry"
 
-    def candidates(self, ids, plan, n, stop=()):
+    def candidates(self, ids, plan, n, stop=(), cached=()):
         if plan and self.composed(ids, plan) is not None:
             yield Reference("compose", [1, 9])
         yield Reference("exact", [1, 2])

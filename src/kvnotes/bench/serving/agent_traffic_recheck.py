@@ -25,10 +25,12 @@ if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
 
 
-def recheck_bundle(folder: Path, engine: Engine, *, drift_tau: float | None = None,
+def recheck_bundle(folder: Path, engine: Engine | None = None, *,
+                   drift_tau: float | None = None,
                    say: Callable[[str], None] = print) -> AgentResult:
-    """Every answer of the soak run in ``folder`` checked again (``drift_tau``: the drift rule's
-    threshold, None: the run's own); the bundle rewritten; returns the result."""
+    """Every answer of the soak run in ``folder`` checked again (``engine``: the run's model,
+    None: loaded by its name; ``drift_tau``: the drift rule's threshold, None: the run's own);
+    the bundle rewritten; returns the result."""
     from kvnotes.bench.serving.agent_traffic_check import CheckConfig
     from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
     from kvnotes.bench.serving.agent_traffic_report import write_outputs
@@ -39,6 +41,10 @@ def recheck_bundle(folder: Path, engine: Engine, *, drift_tau: float | None = No
         raise InvalidArgumentError(f"{folder}: no soak run here (it needs result.json and "
                                    f"{RECORDS_NAME})")
     result = AgentResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    if engine is None:
+        import kvnotes
+
+        engine = kvnotes.load(result.config.model)
     soak = result.config.soak
     if drift_tau is not None:
         soak = dataclasses.replace(soak, drift_tau=drift_tau)
