@@ -139,3 +139,68 @@ def test_a_cached_prefix_of_the_same_composition_gives_the_composition(published
     assert refs[cached[0].label] == refs["compose"]
     exact = cached_prefixes(ids, plan, [(9, other, {**plan, "ranges": [[cut, cut, cut + 2]]})])
     assert exact and exact[0].plan is None  # its ranges start past the shared blocks: exact
+
+
+def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokenizer, tmp_path):
+    import json
+    import shutil
+
+    from kvnotes.bench.kit.machine import MachineRecord
+    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, AgentResult
+    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes.bench.serving.agent_traffic_records import (
+        RECORDS_NAME,
+        SoakRequestRecord,
+        read_records,
+        write_records,
+    )
+    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord
+
+    engine = make_tiny_engine("llama", tokenizer)
+    lib = ServingSkills(tmp_path / "soak-skills", engine)
+    lib.add(HEADER, name="header")
+    lib.add(BAGGAGE, name="baggage", after=HEADER)
+    lib.add(REFUNDS, name="refunds", after=HEADER)
+    (tmp_path / "soak-entries").mkdir()
+    for path in (tmp_path / "soak-skills").rglob("*.safetensors"):
+        shutil.copy(path, tmp_path / "soak-entries" / path.name)
+    req = read_request("completion", {"model": "m",
+                                      "prompt": HEADER + BAGGAGE + REFUNDS + USER}, tokenizer)
+    fp = plan_request(req, SkillCatalog(lib.folder, tokenizer), Repair(first=4, align=BLOCK),
+                      BLOCK, None)
+    want = engine.compose([lib.library.get(HEADER, name="header"),
+                           lib.library.get(BAGGAGE, name="baggage", after=HEADER),
+                           lib.library.get(REFUNDS, name="refunds", after=HEADER), USER],
+                          repair=Repair(first=4, align=BLOCK))
+    n = AgentBenchConfig().soak.max_tokens  # the run's answers' length
+    spliced = engine.greedy(want, None, n).token_ids
+    exact = engine.greedy(engine.prefill(fp.ids), None, n).token_ids
+
+    def row(i: int, ids: list[int], splice: bool) -> SoakRequestRecord:
+        return SoakRequestRecord(
+            index=i, client=0, sent_s=float(i), tenant=None, splice=splice, eligible=splice,
+            tools=["t"], question=0, ok=True, prompt_ids=fp.ids, prompt_source="front",
+            prompt_tokens=len(fp.ids), plan=fp.to_dict() if splice else None,
+            spliced_tokens=fp.plan.spliced_tokens if splice else 0,
+            tokens=served_strings(tokenizer, ids), margins=[1.0] * len(ids),
+            verdict={"status": "unchecked"})
+
+    rows = [row(0, spliced, True), row(1, exact, False), row(2, [*exact[:2], 7, 7], False)]
+    assert spliced != exact  # the composition is told apart from the exact answer
+    write_records(rows, tmp_path / RECORDS_NAME)
+    result = AgentResult(config=AgentBenchConfig(parts=("soak",)), machine=MachineRecord.now(),
+                         soak_records=[SoakRecord(r.index, 0, r.sent_s, ["t"], 0, r.splice,
+                                                  r.eligible, r.answer(), r.verdict)
+                                       for r in rows])
+    (tmp_path / "result.json").write_text(json.dumps(result.to_dict()))
+    got = recheck_bundle(tmp_path, engine, say=lambda s: None)
+    status = [(r.verdict or {}).get("status") for r in got.soak_records]
+    assert status == ["ok", "ok", "wrong"]
+    assert [(r.verdict or {}).get("matched") for r in got.soak_records][:2] == ["compose",
+                                                                                 "exact"]
+    assert got.soak_records[2].verdict["diverged_at"] == 2
+    again = read_records(tmp_path / RECORDS_NAME)
+    assert [r.verdict for r in again] == [r.verdict for r in got.soak_records]
+    stored = json.loads((tmp_path / "result.json").read_text())
+    assert stored["soak"]["summary"]["wrong"] == 1 and "checked again" in stored["notes"][-1]
+    assert (tmp_path / "report.md").is_file()

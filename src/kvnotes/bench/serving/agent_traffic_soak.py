@@ -295,10 +295,15 @@ def recheck(folder: Path, engine: Engine, config: CheckConfig,
     fingerprint of its ``soak-skills`` library); the records are returned with new verdicts."""
     from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
     from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records
-    from kvnotes.serving.library.manifest import ServingManifest
+    from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
 
     rows = read_records(folder / RECORDS_NAME)
-    fingerprint = ServingManifest.read(folder / "soak-skills").fingerprint_obj
+    manifests = sorted((folder / "soak-skills").rglob(MANIFEST_NAME),
+                       key=lambda p: len(p.parts))
+    if not manifests:
+        raise InvalidArgumentError(f"{folder / 'soak-skills'}: no {MANIFEST_NAME} (the soak "
+                                   "server's library) to read the kept entries with")
+    fingerprint = ServingManifest.read(manifests[0].parent).fingerprint_obj
     oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
     for row in rows:
         if row.ok and row.prompt_ids is not None:
