@@ -204,3 +204,25 @@ def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokeniz
     stored = json.loads((tmp_path / "result.json").read_text())
     assert stored["soak"]["summary"]["wrong"] == 1 and "checked again" in stored["notes"][-1]
     assert (tmp_path / "report.md").is_file()
+
+
+def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, tmp_path):
+    # one chunk compiled behind two prefixes: the entry whose compile prefix the prompt ends
+    # with is the one the front and the connector place (splice.preferred), the other next
+    engine = make_tiny_engine("llama", tokenizer)
+    lib = ServingSkills(tmp_path / "lib", engine)
+    lib.add(REFUNDS, name="refunds", after=HEADER)
+    lib.add(REFUNDS, name="refunds", after=HEADER + BAGGAGE)
+    kept = KeptEntries(lib.folder, lib.manifest.fingerprint_obj)
+    ids = engine.tokens_of(REFUNDS, bos=False)[0]
+    assert len(kept) == 2
+    behind_baggage = engine.tokens_of(HEADER + BAGGAGE)[0]
+    behind_header = engine.tokens_of(HEADER)[0]
+    first = kept.matches(ids, behind_baggage)
+    other = kept.matches(ids, behind_header)
+    assert len(first) == 2 and set(first) == set(other) and first != other
+    info = {p: kept.by_ids[tuple(ids)][i][0] for i, (_, p) in enumerate(kept.by_ids[tuple(ids)])}
+    assert list(info[first[0]].behind) == behind_baggage[-len(info[first[0]].behind):]
+    assert kept.variants([*behind_header, *ids], {"ranges": [[len(behind_header), 0,
+                                                              len(behind_header) + len(ids)]]}) \
+        == {len(behind_header): 2}

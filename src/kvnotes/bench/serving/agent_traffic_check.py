@@ -96,11 +96,6 @@ def rendered_prompt(tokenizer: Any, request: AgentRequest) -> Rendered:
     return Rendered(prompt_ids(tokenizer, [strip_bos_text(tokenizer, text)]), stop, "template")
 
 
-def render_ids(tokenizer: Any, request: AgentRequest) -> list[int]:
-    """The token ids of :func:`rendered_prompt`."""
-    return rendered_prompt(tokenizer, request).ids
-
-
 def _stops(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -146,16 +141,28 @@ class KeptEntries:
         return sum(len(v) for v in self.by_ids.values())
 
     def matches(self, ids: Sequence[int], before: Sequence[int]) -> list[Path]:
-        """Entries holding ``ids``, the one compiled behind a suffix of ``before`` (the
-        prompt's tokens before the range) first."""
-        found = self.by_ids.get(tuple(int(t) for t in ids), [])
-        before = list(before)
+        """Entries holding ``ids`` placed after the prompt's tokens ``before``, in the order
+        the server prefers them (:func:`~kvnotes.serving.library.splice.preferred`, the rule
+        the front and the connector share: the longest shared suffix of its compile prefix
+        with ``before``, then the one prefilled at that position, then the latest)."""
+        from kvnotes.serving.library.splice import preferred
 
-        def rank(item: tuple[PieceInfo, Path]) -> int:
-            behind = list(item[0].behind)
-            return 0 if behind and before[-len(behind):] == behind else 1
+        left = list(self.by_ids.get(tuple(int(t) for t in ids), []))
+        pos, before = len(before), [int(t) for t in before]
+        out: list[Path] = []
+        while left:
+            best = preferred([piece for piece, _ in left], pos, before)
+            at = next(i for i, (piece, _) in enumerate(left) if piece is best)
+            out.append(left.pop(at)[1])
+        return out
 
-        return [p for _, p in sorted(found, key=rank)]
+    def variants(self, ids: Sequence[int], plan: Mapping[str, Any]) -> dict[int, int]:
+        """Per piece start of the plan's ranges, how many kept entries hold its tokens."""
+        out: dict[int, int] = {}
+        for ps, _, end in (tuple(int(v) for v in r) for r in plan.get("ranges") or []):
+            if end - ps > 1:
+                out[ps] = max(out.get(ps, 0), len(self.by_ids.get(tuple(ids[ps:end]), [])))
+        return out
 
 
 class AgentOracle:
@@ -237,12 +244,15 @@ class AgentOracle:
         left, right = self.text_parts(ids[:mid]), self.text_parts(ids[mid:])
         return None if left is None or right is None else left + right
 
-    def composed(self, ids: Sequence[int], plan: Mapping[str, Any]) -> Notebook | None:
-        """The prompt composed as the plan says (None: see :meth:`why_not`); computed once per
-        prompt and plan."""
-        key = (tuple(int(t) for t in ids), repr(plan))
+    def composed(self, ids: Sequence[int], plan: Mapping[str, Any],
+                 variant: tuple[int, int] | None = None) -> Notebook | None:
+        """The prompt composed as the plan says (None: see :meth:`why_not`), each range from
+        the entry the server prefers, or, with ``variant`` ``(piece_start, k)``, the range
+        at ``piece_start`` from its ``k``-th preferred entry (the preferred one may have been
+        evicted, or not yet published, when the request was planned); computed once each."""
+        key = (tuple(int(t) for t in ids), repr(plan), variant)
         if key not in self._composed:
-            nb, why = self._compose(list(key[0]), plan)
+            nb, why = self._compose(list(key[0]), plan, variant)
             self._composed[key] = nb
             self._why[key] = why
         return self._composed[key]
@@ -250,9 +260,10 @@ class AgentOracle:
     def why_not(self, ids: Sequence[int], plan: Mapping[str, Any]) -> str | None:
         """Why the plan's composition of ``ids`` could not be rebuilt (None: it was)."""
         self.composed(ids, plan)
-        return self._why.get((tuple(int(t) for t in ids), repr(plan)))
+        return self._why.get((tuple(int(t) for t in ids), repr(plan), None)) or None
 
-    def _compose(self, ids: list[int], plan: Mapping[str, Any]) -> tuple[Notebook | None, str]:
+    def _compose(self, ids: list[int], plan: Mapping[str, Any],
+                 variant: tuple[int, int] | None) -> tuple[Notebook | None, str]:
         repair = repair_of(str(plan.get("repair", "")))
         if repair is None:
             return None, f"repair {plan.get('repair')!r} is not rebuilt by the check"
@@ -276,7 +287,10 @@ class AgentOracle:
             if text is None:
                 return None, f"prompt tokens [{pos}, {ps}) do not encode back as text"
             parts += text
-            parts.append(self._notebook(found[0]))
+            k = variant[1] if variant is not None and variant[0] == ps else 0
+            if k >= len(found):
+                return None, f"no {k}-th kept entry holds prompt tokens [{ps}, {ends[ps]})"
+            parts.append(self._notebook(found[k]))
             pos = ends[ps]
         tail = self.text_parts(ids[pos:])
         if tail is None:
@@ -305,6 +319,12 @@ class AgentOracle:
         yield self.exact(ids, n, stop)
         if composed is None or plan is None:
             return
+        for ps, count in sorted(self.entries.variants(ids, plan).items()):
+            for k in range(1, count):
+                other = self.composed(ids, plan, (ps, k))
+                if other is not None:
+                    yield self._memo(("variant", ps, k, *key), f"compose@{ps}v{k}",
+                                     lambda nb=other: self.greedy(nb, None, n, stop))
         block = int(plan.get("block_size") or 0)
         for c in range(block, len(ids), block) if block else ():
             yield self._memo(("partial", c, *key), f"partial@{c}",
