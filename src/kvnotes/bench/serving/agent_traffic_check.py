@@ -515,7 +515,10 @@ class AgentVerdict:
     answer's when the drift rule cut the comparison short: both sides agree up to a step where
     one of them is within ``drift_tau`` of a tie); against the first reference when none
     matched: ``diverged_at``, its ``expected`` ids, the server's ``margin`` and the engine's
-    ``ref_margin`` at that step; ``why``: why it is unchecked.
+    ``ref_margin`` at that step; ``margin_gap``: the largest difference between the server's
+    and the matched reference's top-2 margins over the compared steps (float noise, ~1e-4, when
+    the reference is the server's very computation; more when only the tokens agree); ``why``:
+    why it is unchecked.
     """
 
     status: str
@@ -527,6 +530,7 @@ class AgentVerdict:
     margin: float | None = None
     ref_margin: float | None = None
     ref_margins: list[float] = field(default_factory=list)  # the matched (else first) reference's
+    margin_gap: float | None = None  # the largest |server - engine| margin over compared steps
     why: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -592,12 +596,14 @@ def verdict(answer: Answer, refs: Iterable[Reference], tokenizer: Any, *,
             continue
         if got == want:
             return AgentVerdict("ok", matched=ref.label, compared=len(got),
-                                ref_margins=_rounded(ref.margins))
+                                ref_margins=_rounded(ref.margins),
+                                margin_gap=_gap(answer.margins, ref.margins, len(got)))
         if drift_tau is not None:
             cut = drift_cut(answer.margins, ref.margins, drift_tau)
             if cut is not None and got[:cut] == want[:cut]:
                 return AgentVerdict("ok", matched=ref.label, compared=cut, cut=True,
-                                    ref_margins=_rounded(ref.margins))
+                                    ref_margins=_rounded(ref.margins),
+                                    margin_gap=_gap(answer.margins, ref.margins, cut))
     if first is None:
         return AgentVerdict("wrong", why="no reference")
     ref, want, ids = first
@@ -607,6 +613,12 @@ def verdict(answer: Answer, refs: Iterable[Reference], tokenizer: Any, *,
     status = "near_tie" if margin is not None and margin < tie_tau else "wrong"
     return AgentVerdict(status, diverged_at=step, expected=ids, margin=margin,
                         ref_margin=ref_margin, ref_margins=_rounded(ref.margins))
+
+
+def _gap(server: Sequence[float | None], engine: Sequence[float], steps: int) -> float | None:
+    gaps = [abs(a - b) for a, b in zip(server[:steps], engine[:steps], strict=False)
+            if a is not None]
+    return max(gaps) if gaps else None
 
 
 def _rounded(values: Sequence[float]) -> list[float]:

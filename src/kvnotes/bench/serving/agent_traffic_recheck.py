@@ -42,9 +42,9 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
                                    f"{RECORDS_NAME})")
     result = AgentResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
     if engine is None:
-        import kvnotes
+        from kvnotes.core.models import load
 
-        engine = kvnotes.load(result.config.model)
+        engine = load(result.config.model)
     soak = result.config.soak
     if drift_tau is not None:
         soak = dataclasses.replace(soak, drift_tau=drift_tau)

@@ -42,6 +42,12 @@ if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
 
 
+# vLLM's float32 CPU kernels and the engine give the same computation's top-2 log-prob margins
+# within ~3e-5 (measured on the soak's splice: false answers); a larger gap on an answer whose
+# tokens equal a reference says the reference is not the server's very computation
+GAP_TAU = 1e-3
+
+
 @dataclass(frozen=True)
 class AgentSoakConfig:
     """The soak's traffic (see the module docstring)."""
@@ -254,6 +260,10 @@ class SoakSummary:
     errors: dict[str, int] = field(default_factory=dict)
     cut: int = 0  # ok answers compared only up to a near tie (the drift rule)
     cut_at: dict[str, int] = field(default_factory=dict)  # the step compared up to: count
+    # ok answers whose top-2 margins differ from the matched reference's by more than
+    # GAP_TAU somewhere: equal tokens, but not the reference's very computation
+    gapped: int = 0
+    gap_max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,6 +283,7 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
     hits = sum(r.answer.spliced_tokens > 0 for r in eligible)
     cut = Counter(str((r.verdict or {}).get("compared")) for r in ok
                   if (r.verdict or {}).get("status") == "ok" and (r.verdict or {}).get("cut"))
+    gaps = [float(g) for r in ok if (g := (r.verdict or {}).get("margin_gap")) is not None]
     spliced_mode = [r for r in ok if r.splice and r.answer.prompt_tokens]
     prompt = sum(r.answer.prompt_tokens or 0 for r in spliced_mode)
     return SoakSummary(
@@ -285,7 +296,8 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
                       if prompt else None),
         errors=dict(Counter((r.answer.error or "?").split(":")[0] for r in records
                             if not r.answer.ok)),
-        cut=sum(cut.values()), cut_at=dict(sorted(cut.items(), key=lambda kv: int(kv[0]))))
+        cut=sum(cut.values()), cut_at=dict(sorted(cut.items(), key=lambda kv: int(kv[0]))),
+        gapped=sum(g > GAP_TAU for g in gaps), gap_max=max(gaps) if gaps else None)
 
 
 def recheck(folder: Path, engine: Engine, config: CheckConfig,
