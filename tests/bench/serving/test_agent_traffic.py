@@ -417,6 +417,10 @@ def test_the_drift_rule_compares_paths_up_to_a_near_tie_on_either_side() -> None
     assert verdict(got, [ref], Tok(), eos=[], tie_tau=0.05).status == "wrong"
     v = verdict(got, [ref], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1)
     assert v.status == "ok" and v.cut and v.compared == 1
+    assert v.margin_gap == 0.0  # over the compared step only
+    same = verdict(got, [Reference("exact", [1, 2, 3], [2.0, 1.4, 1.0])], Tok(), eos=[],
+                   tie_tau=0.05)
+    assert same.status == "ok" and same.margin_gap == pytest.approx(0.1)
     early = Reference("exact", [4, 2, 3], [2.0, 0.02, 1.0])  # differs before the near tie
     assert verdict(got, [early], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1).status == "wrong"
 
