@@ -543,6 +543,10 @@ def agent(
                                                help="Soak requests in all")] = 200,
     exact_fraction: Annotated[float, typer.Option(
         "--exact-fraction", help="Soak requests sent with splice: false")] = 0.2,
+    drift_tau: Annotated[float | None, typer.Option(
+        "--drift-tau", help="Soak check: compare greedy answers only up to the first step where "
+        "the server's or the engine's top-2 log-prob margin is below this (a near tie; the "
+        "answers cut short are counted); default: compared whole")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     tenant: Annotated[str | None, typer.Option("--tenant", help="Sent as kvnotes.tenant")] = None,
     repair: Annotated[str | None, typer.Option(
@@ -576,7 +580,7 @@ def agent(
                                     repairs=_counts(repair_variants)),
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
                                  exact_fraction=exact_fraction, max_tokens=max_tokens,
-                                 sightings=sightings, seed=seed))
+                                 sightings=sightings, seed=seed, drift_tau=drift_tau))
     except KvnotesError as err:
         raise typer.BadParameter(str(err)) from err
     server = ServerOptions(launch=True, model=model, dtype=dtype, block_size=block_size,
@@ -596,3 +600,24 @@ def agent(
     else:
         typer.echo(markdown(data))
         typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
+
+
+@bench_app.command("agent-check")
+def agent_check(
+    folder: Annotated[Path, typer.Argument(help="A serve-bench agent output folder with a soak "
+                                           "run (result.json, soak-requests.jsonl, "
+                                           "soak-entries, soak-skills)")],
+    drift_tau: Annotated[float | None, typer.Option(
+        "--drift-tau", help="The drift rule's threshold (default: the run's own)")] = None,
+) -> None:
+    """Check a stored agent soak run's answers again against the engine (no server) and
+    rewrite its bundle: records, result.json, report and plot."""
+    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes.bench.serving.agent_traffic_report import report
+    from kvnotes.core.errors import KvnotesError
+
+    try:
+        result = recheck_bundle(folder, drift_tau=drift_tau, say=_log)
+    except (KvnotesError, OSError) as err:
+        raise typer.BadParameter(str(err)) from err
+    typer.echo(report(result))

@@ -19,7 +19,14 @@ from kvnotes.bench.serving.agent_traffic import (
     learning_launch,
     parse_bytes,
 )
-from kvnotes.bench.serving.agent_traffic_check import KeptEntries, repair_of, verdict
+from kvnotes.bench.serving.agent_traffic_check import (
+    CheckConfig,
+    KeptEntries,
+    Reference,
+    Rendered,
+    repair_of,
+    verdict,
+)
 from kvnotes.bench.serving.agent_traffic_client import (
     Answer,
     OpenAISender,
@@ -35,6 +42,7 @@ from kvnotes.bench.serving.agent_traffic_protocol import (
     run_cases,
     summarize,
 )
+from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records, write_records
 from kvnotes.bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
 from kvnotes.bench.serving.agent_traffic_requests import (
     AgentRequest,
@@ -455,16 +463,32 @@ class Tok:
 
 def test_verdict_takes_the_first_equal_reference_else_wrong_or_near_tie() -> None:
     got = Answer(ok=True, tokens=["<1>", "<2>", "<3>"], margins=[2.0, 0.01, 1.0])
-    refs = [("compose", [1, 5, 3]), ("exact", [1, 2, 3, 0])]
+    refs = [Reference("compose", [1, 5, 3]), Reference("exact", [1, 2, 3, 0])]
     v = verdict(got, iter(refs), Tok(), eos=[0], tie_tau=0.05)
-    assert v.status == "ok" and v.matched == "exact"
+    assert v.status == "ok" and v.matched == "exact" and not v.cut
     v = verdict(got, iter(refs[:1]), Tok(), eos=[0], tie_tau=0.05)
     assert v.status == "near_tie" and v.diverged_at == 1 and v.expected == [1, 5, 3]
-    v = verdict(got, iter([("exact", [4, 2, 3])]), Tok(), eos=[0], tie_tau=0.05)
+    v = verdict(got, iter([Reference("exact", [4, 2, 3], [0.5, 1.0, 1.0])]), Tok(), eos=[0],
+                tie_tau=0.05)
     assert v.status == "wrong" and v.diverged_at == 0 and v.margin == 2.0
+    assert v.ref_margin == 0.5
     text_only = Answer(ok=True, text="<7><8>")
-    assert verdict(text_only, iter([("exact", [7, 8])]), Tok(), eos=[],
+    assert verdict(text_only, iter([Reference("exact", [7, 8])]), Tok(), eos=[],
                    tie_tau=0.05).status == "ok"
+
+
+def test_the_drift_rule_compares_paths_up_to_a_near_tie_on_either_side() -> None:
+    got = Answer(ok=True, tokens=["<1>", "<2>", "<3>"], margins=[2.0, 1.5, 1.0])
+    ref = Reference("exact", [1, 2, 9], [2.0, 0.02, 1.0])  # the engine's step 1 is a near tie
+    assert verdict(got, [ref], Tok(), eos=[], tie_tau=0.05).status == "wrong"
+    v = verdict(got, [ref], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1)
+    assert v.status == "ok" and v.cut and v.compared == 1
+    assert v.margin_gap == 0.0  # over the compared step only
+    same = verdict(got, [Reference("exact", [1, 2, 3], [2.0, 1.4, 1.0])], Tok(), eos=[],
+                   tie_tau=0.05)
+    assert same.status == "ok" and same.margin_gap == pytest.approx(0.1)
+    early = Reference("exact", [4, 2, 3], [2.0, 0.02, 1.0])  # differs before the near tie
+    assert verdict(got, [early], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1).status == "wrong"
 
 
 def test_repair_tags_are_read_back() -> None:
@@ -472,7 +496,11 @@ def test_repair_tags_are_read_back() -> None:
     assert r is not None and (r.first, r.align, r.skip_exact) == (32, 16, True)
     r = repair_of("f0a1e")
     assert r is not None and (r.first, r.skip_exact) == (0, False)
+    r = repair_of("f32a128s0.1")  # the server's default: a share floor
+    assert r is not None and (r.first, r.align, r.share) == (32, 128, 0.1)
+    assert r.tag() == "f32a128s0.1"
     assert repair_of("f8a1b0.5first") is None and repair_of("") is None
+    assert repair_of("f32a1t0.2k32c0.25") is None
 
 
 # ---- the result, its report and the command -------------------------------------------------
@@ -574,6 +602,15 @@ def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
     assert result.exit_code == 2 and "lots" in result.output
     result = runner.invoke(app, ["serve-bench", "agent", "--repair-variants", "16,x"])
     assert result.exit_code == 2 and "16,x" in result.output
+    result = runner.invoke(app, ["serve-bench", "agent", "--drift-tau", "-1"])
+    assert result.exit_code == 2 and "drift" in result.output
+
+
+def test_agent_check_refuses_a_folder_without_a_soak_run(tmp_path) -> None:
+    from kvnotes.cli.app import app
+
+    result = CliRunner().invoke(app, ["serve-bench", "agent-check", str(tmp_path)])
+    assert result.exit_code == 2 and "no soak run" in result.output
 
 
 # ---- the SDK client against the fake vLLM ---------------------------------------------------
@@ -670,13 +707,16 @@ class FakeOracle:
     def composed(self, ids, plan):
         return "nb" if plan.get("ranges") == [[0, 0, 2]] else None
 
-    def candidates(self, ids, plan, n):
+    def why_not(self, ids, plan):
+        return None if self.composed(ids, plan) else "no kept entry"
+
+    def candidates(self, ids, plan, n, stop=(), cached=()):
         if plan and self.composed(ids, plan) is not None:
-            yield "compose", [1, 9]
-        yield "exact", [1, 2]
+            yield Reference("compose", [1, 9])
+        yield Reference("exact", [1, 2])
 
 
-def test_check_records_gives_wrong_only_against_a_reference_it_could_build() -> None:
+def test_check_records_gives_wrong_only_against_a_reference_it_could_build(tmp_path) -> None:
     def answer(tokens, spliced=0, ranges=None, prompt=3):
         return Answer(ok=True, tokens=tokens, margins=[1.0] * len(tokens), prompt_tokens=prompt,
                       spliced_tokens=spliced,
@@ -691,9 +731,17 @@ def test_check_records_gives_wrong_only_against_a_reference_it_could_build() -> 
     records[3][0].answer = answer(["<1>", "<7>"], 5, [[4, 4, 8]])  # no composition: unchecked
     records[4][0].answer = answer(["<1>", "<2>"], prompt=4)  # another prompt: unchecked
     records[5][0].answer = answer(["<1>", "<7>"], 5, [[0, 0, 2]])  # composition differs: wrong
-    check_records(records, FakeOracle(), Tok(), max_tokens=2, eos=[], tie_tau=0.05,
-                  render=lambda tok, req: [5, 6, 7])
+    rows = check_records(records, FakeOracle(), Tok(), CheckConfig(max_tokens=2),
+                         tenant="t", render=lambda tok, req: Rendered([5, 6, 7], ("\n",)))
     got = [(x.verdict or {}).get("status") for x, _ in records]
     assert got == ["ok", "ok", "wrong", "unchecked", "unchecked", "wrong"]
     assert records[1][0].verdict["matched"] == "compose"
     assert "the server counted 4" in records[4][0].verdict["why"]
+    assert "no kept entry" in records[3][0].verdict["why"]
+    # one record per request, with what it takes to check it again
+    assert [x.index for x in rows] == [x.index for x, _ in records]
+    assert rows[1].prompt_ids == [5, 6, 7] and rows[1].stop == ["\n"] and rows[1].tenant == "t"
+    assert rows[1].plan == {"ranges": [[0, 0, 2]]} and rows[0].plan is None
+    assert [x.verdict for x in rows] == [x.verdict for x, _ in records]
+    back = read_records(write_records(rows, tmp_path / RECORDS_NAME))
+    assert back == rows and back[5].answer().tokens == ["<1>", "<7>"]

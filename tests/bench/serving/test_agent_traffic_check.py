@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 from conftest import make_tiny_engine
 
-from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries
+from kvnotes.bench.serving.agent_traffic_check import (
+    AgentOracle,
+    KeptEntries,
+    Reference,
+    cached_prefixes,
+    served_strings,
+    verdict,
+)
+from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.core.repair import Repair
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.match import SkillCatalog
@@ -49,13 +57,13 @@ def test_the_composition_rebuilt_from_a_front_plan_is_engine_compose(published, 
              lib.get(REFUNDS, name="refunds", after=HEADER), USER]
     want = engine.compose(parts, repair=Repair(first=first, align=BLOCK))
     assert want.token_ids.tolist() == fp.ids
-    got = dict(oracle.candidates(fp.ids, plan, 5))
+    got = {r.label: r.ids for r in oracle.candidates(fp.ids, plan, 5)}
     assert got["compose"] == engine.greedy(want, None, 5).token_ids
     assert got["exact"] == engine.greedy(engine.prefill(fp.ids), None, 5).token_ids
     partial = [k for k in got if k.startswith("partial@")]
     assert partial == [f"partial@{c}" for c in range(BLOCK, len(fp.ids), BLOCK)]
     before = oracle.computed
-    dict(oracle.candidates(fp.ids, plan, 5))
+    list(oracle.candidates(fp.ids, plan, 5))
     assert oracle.computed == before  # each reference computed once
     if first:  # a plan whose repair regions are not the composition's is not rebuilt
         other = {**plan, "regions": [[r[0], r[1] + BLOCK] for r in plan["regions"]]}
@@ -70,4 +78,151 @@ def test_a_plan_whose_entry_is_missing_gives_only_the_exact_reference(published,
                       None)
     oracle = AgentOracle(published.engine, KeptEntries(tmp_path, None))  # nothing kept
     assert oracle.composed(fp.ids, fp.to_dict()) is None
-    assert [k for k, _ in oracle.candidates(fp.ids, fp.to_dict(), 3)] == ["exact"]
+    assert oracle.why_not(fp.ids, fp.to_dict()).startswith("no kept entry holds")
+    assert [r.label for r in oracle.candidates(fp.ids, fp.to_dict(), 3)] == ["exact"]
+
+
+def test_a_korean_answer_is_compared_as_vllm_spells_its_byte_tokens(tokenizer):
+    # recorded: SmolLM2 soak request 15 (2026-12-03), flagged wrong at its first token because
+    # each engine id was decoded alone ("\ufffd") while vLLM spells an unfinished UTF-8
+    # character "" and the whole character on the token that completes it
+    ids = [183, 228, 114, 184, 223, 230, 46258, 184, 219, 122, 25947, 117, 230, 182, 237, 114]
+    server = ["", "", "스", "", "", "테", "이", "", "", "크", "", "", " 만", "", "", "들"]
+    assert served_strings(tokenizer, ids) == server
+    assert [tokenizer.decode([t]) for t in ids] != server
+    answer = Answer(ok=True, text="스테이크 만들", tokens=server, margins=[1.0] * 16,
+                    finish_reason="length")
+    v = verdict(answer, [Reference("exact", ids)], tokenizer, eos=[], tie_tau=0.05)
+    assert v.status == "ok" and v.matched == "exact"
+    other = [*ids[:6], 46258, 184, 219, 123, *ids[10:]]  # another third character
+    v = verdict(answer, [Reference("exact", other)], tokenizer, eos=[], tie_tau=0.05)
+    assert v.status == "wrong" and v.diverged_at == 9
+
+
+def test_the_references_stop_where_the_server_stops(published, tmp_path):
+    # the front sends a base model's chat with stop "\n\nUser:": vLLM ends the answer at the
+    # token that completes it, and so must the reference (else it is longer than the answer)
+    engine = published.engine
+    ids = engine.tokens_of(HEADER + USER)[0]
+    oracle = AgentOracle(engine, KeptEntries(tmp_path, None))
+    whole = oracle.exact(ids, 8)
+    assert len(whole.ids) == len(whole.margins) and all(m >= 0 for m in whole.margins)
+    assert whole.ids == engine.greedy(engine.prefill(ids), None, 8).token_ids
+    stop = engine.decode(whole.ids[:3])[-2:]
+    cut = oracle.exact(ids, 8, (stop,))
+    assert stop in engine.decode(cut.ids) and stop not in engine.decode(cut.ids[:-1])
+    assert cut.ids == whole.ids[:len(cut.ids)] and len(cut.ids) <= 3
+    assert cut.margins == whole.margins[:len(cut.ids)]
+
+
+@pytest.mark.parametrize("first", [0, 8])
+def test_a_cached_prefix_of_the_same_composition_gives_the_composition(published, tokenizer,
+                                                                      first):
+    # vLLM's prefix cache may hold an earlier request's notes of the prompt's first blocks;
+    # when that request composed them as this one does, the answer built on the cached prefix
+    # (the plan's loaded tokens from there on, the rest computed) is the composition's
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    req = read_request("completion", {"model": "m", "prompt": "".join(texts)}, tokenizer)
+    fp = plan_request(req, SkillCatalog(published.folder, tokenizer),
+                      Repair(first=first, align=BLOCK), BLOCK, None)
+    plan = {**fp.to_dict(), "salt": "s"}
+    oracle = AgentOracle(published.engine, KeptEntries(published.folder,
+                                                       published.manifest.fingerprint_obj))
+    ids = fp.ids
+    loaded = min(r[1] for r in plan["ranges"] if r[2] - r[0] > 1)
+    cut = len(ids) - 8  # an earlier request shared all but the last tokens
+    other = [*ids[:cut], *(t + 1 for t in ids[cut:])]
+    cached = cached_prefixes(ids, plan, [(7, ids, plan), (8, other, {**plan, "salt": "x"})])
+    assert [c.label for c in cached] == [f"cached@{(len(ids) - 1) // BLOCK * BLOCK}:7"]
+    assert cached[0].tokens > loaded and cached[0].plan is not None
+    refs = {r.label: r.ids for r in oracle.candidates(ids, plan, 5, (), cached)}
+    assert refs[cached[0].label] == refs["compose"]
+    exact = cached_prefixes(ids, plan, [(9, other, {**plan, "ranges": [[cut, cut, cut + 2]]})])
+    assert exact and exact[0].plan is None  # its ranges start past the shared blocks: exact
+
+
+def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokenizer, tmp_path):
+    import json
+    import shutil
+
+    from kvnotes.bench.kit.machine import MachineRecord
+    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, AgentResult
+    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes.bench.serving.agent_traffic_records import (
+        RECORDS_NAME,
+        SoakRequestRecord,
+        read_records,
+        write_records,
+    )
+    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord
+
+    engine = make_tiny_engine("llama", tokenizer)
+    lib = ServingSkills(tmp_path / "soak-skills", engine)
+    lib.add(HEADER, name="header")
+    lib.add(BAGGAGE, name="baggage", after=HEADER)
+    lib.add(REFUNDS, name="refunds", after=HEADER)
+    (tmp_path / "soak-entries").mkdir()
+    for path in (tmp_path / "soak-skills").rglob("*.safetensors"):
+        shutil.copy(path, tmp_path / "soak-entries" / path.name)
+    req = read_request("completion", {"model": "m",
+                                      "prompt": HEADER + BAGGAGE + REFUNDS + USER}, tokenizer)
+    fp = plan_request(req, SkillCatalog(lib.folder, tokenizer), Repair(first=4, align=BLOCK),
+                      BLOCK, None)
+    want = engine.compose([lib.library.get(HEADER, name="header"),
+                           lib.library.get(BAGGAGE, name="baggage", after=HEADER),
+                           lib.library.get(REFUNDS, name="refunds", after=HEADER), USER],
+                          repair=Repair(first=4, align=BLOCK))
+    n = AgentBenchConfig().soak.max_tokens  # the run's answers' length
+    spliced = engine.greedy(want, None, n).token_ids
+    exact = engine.greedy(engine.prefill(fp.ids), None, n).token_ids
+
+    def row(i: int, ids: list[int], splice: bool) -> SoakRequestRecord:
+        return SoakRequestRecord(
+            index=i, client=0, sent_s=float(i), tenant=None, splice=splice, eligible=splice,
+            tools=["t"], question=0, ok=True, prompt_ids=fp.ids, prompt_source="front",
+            prompt_tokens=len(fp.ids), plan=fp.to_dict() if splice else None,
+            spliced_tokens=fp.plan.spliced_tokens if splice else 0,
+            tokens=served_strings(tokenizer, ids), margins=[1.0] * len(ids),
+            verdict={"status": "unchecked"})
+
+    rows = [row(0, spliced, True), row(1, exact, False), row(2, [*exact[:2], 7, 7], False)]
+    assert spliced != exact  # the composition is told apart from the exact answer
+    write_records(rows, tmp_path / RECORDS_NAME)
+    result = AgentResult(config=AgentBenchConfig(parts=("soak",)), machine=MachineRecord.now(),
+                         soak_records=[SoakRecord(r.index, 0, r.sent_s, ["t"], 0, r.splice,
+                                                  r.eligible, r.answer(), r.verdict)
+                                       for r in rows])
+    (tmp_path / "result.json").write_text(json.dumps(result.to_dict()))
+    got = recheck_bundle(tmp_path, engine, say=lambda s: None)
+    status = [(r.verdict or {}).get("status") for r in got.soak_records]
+    assert status == ["ok", "ok", "wrong"]
+    assert [(r.verdict or {}).get("matched") for r in got.soak_records][:2] == ["compose",
+                                                                                 "exact"]
+    assert got.soak_records[2].verdict["diverged_at"] == 2
+    again = read_records(tmp_path / RECORDS_NAME)
+    assert [r.verdict for r in again] == [r.verdict for r in got.soak_records]
+    stored = json.loads((tmp_path / "result.json").read_text())
+    assert stored["soak"]["summary"]["wrong"] == 1 and "checked again" in stored["notes"][-1]
+    assert (tmp_path / "report.md").is_file()
+
+
+def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, tmp_path):
+    # one chunk compiled behind two prefixes: the entry whose compile prefix the prompt ends
+    # with is the one the front and the connector place (splice.preferred), the other next
+    engine = make_tiny_engine("llama", tokenizer)
+    lib = ServingSkills(tmp_path / "lib", engine)
+    lib.add(REFUNDS, name="refunds", after=HEADER)
+    lib.add(REFUNDS, name="refunds", after=HEADER + BAGGAGE)
+    kept = KeptEntries(lib.folder, lib.manifest.fingerprint_obj)
+    ids = engine.tokens_of(REFUNDS, bos=False)[0]
+    assert len(kept) == 2
+    behind_baggage = engine.tokens_of(HEADER + BAGGAGE)[0]
+    behind_header = engine.tokens_of(HEADER)[0]
+    first = kept.matches(ids, behind_baggage)
+    other = kept.matches(ids, behind_header)
+    assert len(first) == 2 and set(first) == set(other) and first != other
+    info = {p: kept.by_ids[tuple(ids)][i][0] for i, (_, p) in enumerate(kept.by_ids[tuple(ids)])}
+    assert list(info[first[0]].behind) == behind_baggage[-len(info[first[0]].behind):]
+    assert kept.variants([*behind_header, *ids], {"ranges": [[len(behind_header), 0,
+                                                              len(behind_header) + len(ids)]]}) \
+        == {len(behind_header): 2}

@@ -402,8 +402,9 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
                request_timeout_s: float, say: Callable[[str], None]) -> None:
     import random
 
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries
+    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
     from kvnotes.bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
     from kvnotes.bench.serving.agent_traffic_requests import tool_pool
     from kvnotes.bench.serving.agent_traffic_soak import (
         EntryKeeper,
@@ -471,7 +472,9 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     from kvnotes.serving.library.manifest import ServingManifest
 
     entries = KeptEntries(keeper.keep, ServingManifest.read(launch.skills.folder).fingerprint_obj)
-    check_records(records, AgentOracle(engine, entries), engine.tokenizer,
-                  max_tokens=config.soak.max_tokens, eos=sorted(engine.eos_ids),
-                  tie_tau=config.soak.tie_tau, say=say)
+    check = CheckConfig(max_tokens=config.soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
+                        tie_tau=config.soak.tie_tau, drift_tau=config.soak.drift_tau)
+    rows = check_records(records, AgentOracle(engine, entries), engine.tokenizer, check,
+                         tenant=config.tenant, say=say)
+    result.soak["records"] = write_records(rows, out / RECORDS_NAME).name
     result.soak_records = [r for r, _ in records]

@@ -12,6 +12,7 @@ from kvnotes.bench.kit.formats import fmt_ms, fmt_pct
 from kvnotes.bench.serving.agent_traffic import AgentResult
 from kvnotes.bench.serving.agent_traffic_overhead import OVERHEAD_GOAL
 from kvnotes.bench.serving.agent_traffic_protocol import CHOICE_GOAL, SHARE_GOAL
+from kvnotes.bench.serving.agent_traffic_soak import GAP_TAU
 from kvnotes.eval.reports import write_bundle
 
 SET_NAMES = {"tools": "BFCL live_multiple (tools=)", "documents": "airline documents (content "
@@ -133,6 +134,20 @@ def report(result: AgentResult) -> str:
                   f"({soak.spliced}/{soak.eligible}) | {fmt_pct(soak.share_pooled)} | "
                   f"{'-' if ev is None else f'{ev:.0f}'} | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(soak.matched.items())) + " |"]
+        tau = cfg.soak.drift_tau
+        if tau is not None:
+            lines.append(
+                f"\nDrift rule: answers compared up to the first step where the server's or the "
+                f"engine's top-2 margin is below {tau:g}; {soak.cut} ok answers were cut short"
+                + (" (compared steps: " + ", ".join(f"{k}: {v}" for k, v in soak.cut_at.items())
+                   + ")" if soak.cut_at else "") + ".")
+        if soak.gap_max is not None:
+            lines.append(f"\nServer and engine top-2 margins over the matched steps: largest gap "
+                         f"{soak.gap_max:.2g}; {soak.gapped} ok answers with a gap over "
+                         f"{GAP_TAU:g} (equal tokens, not the reference's very computation).")
+        if info.get("records"):
+            lines.append(f"Every request, its prompt ids, plan, answer and verdict: "
+                         f"`{info['records']}`.")
         if soak.errors:
             lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))
     if result.skipped:

@@ -33,11 +33,19 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.machine import load_now
 from kvnotes.bench.serving.agent_traffic_client import Answer, Sender
+from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest, subset_request
 from kvnotes.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle
+    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig, Rendered
+    from kvnotes.core.engine import Engine
+
+
+# vLLM's float32 CPU kernels and the engine give the same computation's top-2 log-prob margins
+# within ~3e-5 (measured on the soak's splice: false answers); a larger gap on an answer whose
+# tokens equal a reference says the reference is not the server's very computation
+GAP_TAU = 1e-3
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class AgentSoakConfig:
     sightings: int = 2
     seed: int = 0
     tie_tau: float = 0.05
+    drift_tau: float | None = None  # compare greedy paths up to a near tie (None: whole)
 
     def __post_init__(self) -> None:
         if self.pool < self.tools_max:
@@ -66,6 +75,8 @@ class AgentSoakConfig:
                                        "give 1 <= min <= max")
         if not 0.0 <= self.exact_fraction <= 1.0:
             raise InvalidArgumentError("--exact-fraction must lie in [0, 1]")
+        if self.drift_tau is not None and not self.drift_tau >= 0.0:
+            raise InvalidArgumentError("--drift-tau must be >= 0")
 
 
 @dataclass
@@ -178,42 +189,56 @@ async def soak_clients(sender: Sender, pool: Sequence[dict[str, Any]], questions
     return records, time.monotonic() - t0
 
 
-def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: AgentOracle,
-                  tokenizer: Any, *, max_tokens: int, eos: Sequence[int], tie_tau: float,
-                  render: Callable[[Any, AgentRequest], list[int]] | None = None,
-                  say: Callable[[str], None] = lambda s: None) -> None:
-    """A verdict for every answered request (``unchecked`` when the rebuilt prompt does not
-    have the server's token count)."""
-    from kvnotes.bench.serving.agent_traffic_check import render_ids, verdict
+def request_record(rec: SoakRecord, rendered: Rendered | None, tenant: str | None,
+                   why: str | None = None) -> SoakRequestRecord:
+    """The per-request record of ``rec`` (its prompt as rebuilt: ``rendered``)."""
+    a = rec.answer
+    row = SoakRequestRecord(
+        index=rec.index, client=rec.client, sent_s=rec.sent_s, tenant=tenant, splice=rec.splice,
+        eligible=rec.eligible, tools=list(rec.tools), question=rec.question, ok=a.ok,
+        error=a.error, prompt_tokens=a.prompt_tokens, spliced_tokens=a.spliced_tokens,
+        plan=(a.kvnotes or {}).get("plan") if a.spliced_tokens else None,
+        tokens=list(a.tokens), margins=list(a.margins), text=a.text,
+        finish_reason=a.finish_reason)
+    if rendered is not None:
+        row.prompt_ids, row.prompt_source = list(rendered.ids), rendered.source
+        row.stop = list(rendered.stop)
+    elif a.ok:
+        row.verdict = {"status": "unchecked", "why": why or "the prompt could not be rebuilt"}
+    return row
 
-    render = render or render_ids
-    done = [(r, q) for r, q in records if r.answer.ok]
-    for n, (rec, req) in enumerate(done):
+
+def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: AgentOracle,
+                  tokenizer: Any, config: CheckConfig, *, tenant: str | None = None,
+                  render: Callable[[Any, AgentRequest], Rendered] | None = None,
+                  say: Callable[[str], None] = lambda s: None) -> list[SoakRequestRecord]:
+    """A verdict for every answered request (:func:`~kvnotes.bench.serving.
+    agent_traffic_check.check_request`), set on its :class:`SoakRecord`; returns the
+    per-request records, failed requests included."""
+    from kvnotes.bench.serving.agent_traffic_check import check_request, rendered_prompt
+
+    render = render or rendered_prompt
+    rows: list[SoakRequestRecord] = []
+    for rec, req in records:
         try:
-            ids = render(tokenizer, req)
+            rendered, why = render(tokenizer, req), None
         except Exception as err:  # noqa: BLE001  # e.g. no chat template: the answer is unchecked
-            rec.verdict = {"status": "unchecked", "why": f"the prompt could not be rebuilt: "
-                           f"{type(err).__name__}: {str(err)[:200]}"}
-            continue
-        if rec.answer.prompt_tokens is not None and len(ids) != rec.answer.prompt_tokens:
-            rec.verdict = {"status": "unchecked", "why": f"rebuilt {len(ids)} prompt tokens, "
-                           f"the server counted {rec.answer.prompt_tokens}"}
-            continue
-        plan = (rec.answer.kvnotes or {}).get("plan") if rec.answer.spliced_tokens else None
-        v = verdict(rec.answer, oracle.candidates(ids, plan, max_tokens), tokenizer, eos=eos,
-                    tie_tau=tie_tau)
-        rec.verdict = v.to_dict()
-        if v.status != "ok" and plan and plan.get("ranges") and oracle.composed(ids, plan) is None:
-            # spliced, and its composition could not be rebuilt: no reference to call it wrong
-            rec.verdict = {**rec.verdict, "status": "unchecked", "why": "the spliced "
-                           "composition could not be rebuilt from the kept entries"}
-            say(f"  request {rec.index}: unchecked (composition not rebuilt)")
-            continue
-        if v.status != "ok":
-            say(f"  request {rec.index} (tools {rec.tools}, splice {rec.splice}): {v.status} "
-                f"at step {v.diverged_at}")
+            rendered, why = None, (f"the prompt could not be rebuilt: {type(err).__name__}: "
+                                   f"{str(err)[:200]}")
+        rows.append(request_record(rec, rendered, tenant, why))
+    done = [(rec, row) for (rec, _), row in zip(records, rows, strict=True) if rec.answer.ok]
+    for n, (rec, row) in enumerate(done):
+        if row.verdict is None:
+            row.verdict = check_request(row, oracle, tokenizer, config, rows).to_dict()
+        rec.verdict = row.verdict
+        status = row.verdict.get("status")
+        if status != "ok":
+            say(f"  request {rec.index} (tools {rec.tools}, splice {rec.splice}): {status}"
+                + (f" at step {row.verdict.get('diverged_at')}" if status != "unchecked"
+                   else f" ({row.verdict.get('why')})"))
         if (n + 1) % 50 == 0:
             say(f"  checked {n + 1}/{len(done)} ({oracle.computed} references)")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -233,6 +258,12 @@ class SoakSummary:
     hit_rate: float | None  # spliced / eligible
     share_pooled: float | None  # spliced tokens over prompt tokens, spliced-mode requests
     errors: dict[str, int] = field(default_factory=dict)
+    cut: int = 0  # ok answers compared only up to a near tie (the drift rule)
+    cut_at: dict[str, int] = field(default_factory=dict)  # the step compared up to: count
+    # ok answers whose top-2 margins differ from the matched reference's by more than
+    # GAP_TAU somewhere: equal tokens, but not the reference's very computation
+    gapped: int = 0
+    gap_max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -250,6 +281,9 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
                       if (r.verdict or {}).get("status") == "ok")
     eligible = [r for r in ok if r.eligible]
     hits = sum(r.answer.spliced_tokens > 0 for r in eligible)
+    cut = Counter(str((r.verdict or {}).get("compared")) for r in ok
+                  if (r.verdict or {}).get("status") == "ok" and (r.verdict or {}).get("cut"))
+    gaps = [float(g) for r in ok if (g := (r.verdict or {}).get("margin_gap")) is not None]
     spliced_mode = [r for r in ok if r.splice and r.answer.prompt_tokens]
     prompt = sum(r.answer.prompt_tokens or 0 for r in spliced_mode)
     return SoakSummary(
@@ -261,4 +295,32 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
         share_pooled=(sum(r.answer.spliced_tokens for r in spliced_mode) / prompt
                       if prompt else None),
         errors=dict(Counter((r.answer.error or "?").split(":")[0] for r in records
-                            if not r.answer.ok)))
+                            if not r.answer.ok)),
+        cut=sum(cut.values()), cut_at=dict(sorted(cut.items(), key=lambda kv: int(kv[0]))),
+        gapped=sum(g > GAP_TAU for g in gaps), gap_max=max(gaps) if gaps else None)
+
+
+def recheck(folder: Path, engine: Engine, config: CheckConfig,
+            say: Callable[[str], None] = lambda s: None) -> list[SoakRequestRecord]:
+    """The per-request records of a soak run's output ``folder`` checked again (no server):
+    its ``soak-requests.jsonl`` against the entries it kept (``soak-entries``, read with the
+    fingerprint of its ``soak-skills`` library); the records are returned with new verdicts."""
+    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
+    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records
+    from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
+
+    rows = read_records(folder / RECORDS_NAME)
+    manifests = sorted((folder / "soak-skills").rglob(MANIFEST_NAME),
+                       key=lambda p: len(p.parts))
+    if not manifests:
+        raise InvalidArgumentError(f"{folder / 'soak-skills'}: no {MANIFEST_NAME} (the soak "
+                                   "server's library) to read the kept entries with")
+    fingerprint = ServingManifest.read(manifests[0].parent).fingerprint_obj
+    oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
+    for row in rows:
+        if row.ok and row.prompt_ids is not None:
+            row.verdict = check_request(row, oracle, engine.tokenizer, config, rows).to_dict()
+            if row.verdict["status"] != "ok":
+                say(f"  request {row.index} (splice {row.splice}): {row.verdict['status']} "
+                    f"at {row.verdict.get('diverged_at')} {row.verdict.get('why') or ''}")
+    return rows

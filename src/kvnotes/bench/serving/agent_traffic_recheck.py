@@ -1,0 +1,63 @@
+"""The agent soak's check run again on a stored run (no server): ``kvnotes serve-bench
+agent-check OUT``.
+
+A soak run's output folder holds its ``result.json``, the per-request records
+(:data:`~kvnotes.bench.serving.agent_traffic_records.RECORDS_NAME`) and the entries the library
+published while it ran (``soak-entries``, read with the fingerprint of ``soak-skills``). The
+check (:mod:`~kvnotes.bench.serving.agent_traffic_check`) is run again over them, as the
+records say the server answered, and the bundle (records, ``result.json``, report, plot) is
+rewritten with the new verdicts: a change to the check is applied to a measured run without
+serving it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvnotes.bench.serving.agent_traffic import AgentResult, utc_minute
+from kvnotes.core.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
+
+
+def recheck_bundle(folder: Path, engine: Engine | None = None, *,
+                   drift_tau: float | None = None,
+                   say: Callable[[str], None] = print) -> AgentResult:
+    """Every answer of the soak run in ``folder`` checked again (``engine``: the run's model,
+    None: loaded by its name; ``drift_tau``: the drift rule's threshold, None: the run's own);
+    the bundle rewritten; returns the result."""
+    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
+    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+    from kvnotes.bench.serving.agent_traffic_report import write_outputs
+    from kvnotes.bench.serving.agent_traffic_soak import recheck
+
+    path = folder / "result.json"
+    if not path.is_file() or not (folder / RECORDS_NAME).is_file():
+        raise InvalidArgumentError(f"{folder}: no soak run here (it needs result.json and "
+                                   f"{RECORDS_NAME})")
+    result = AgentResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    if engine is None:
+        from kvnotes.core.models import load
+
+        engine = load(result.config.model)
+    soak = result.config.soak
+    if drift_tau is not None:
+        soak = dataclasses.replace(soak, drift_tau=drift_tau)
+        result.config = dataclasses.replace(result.config, soak=soak)
+    check = CheckConfig(max_tokens=soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
+                        tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
+    rows = recheck(folder, engine, check, say=say)
+    verdicts = {r.index: r.verdict for r in rows}
+    for rec in result.soak_records:
+        rec.verdict = verdicts.get(rec.index, rec.verdict)
+    write_records(rows, folder / RECORDS_NAME)
+    result.notes.append(f"answers checked again {utc_minute()} UTC from the stored records and "
+                        "kept entries (`kvnotes serve-bench agent-check`)"
+                        + ("" if drift_tau is None else f", drift rule at {drift_tau:g}"))
+    write_outputs(result.to_dict(), folder)
+    return result
