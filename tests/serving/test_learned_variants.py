@@ -220,3 +220,18 @@ def test_the_front_learns_a_variant_and_reports_its_hits(fake, lib, tokenizer):
     assert "kvnotes_front_learned_variants 1.0" in metrics
     row = learner.registry.get(entry.key)
     assert (row.hits, row.exact) == (1, 1)  # written when the learner stopped
+
+
+def test_the_common_prefix_by_bisection_is_the_tokenwise_one():
+    import random
+
+    from kvnotes.serving.planning.variants import _common_prefix
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 20))]
+        b = [rng.randint(0, 2) for _ in range(rng.randint(0, 20))]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert _common_prefix(a, b) == n

@@ -86,11 +86,21 @@ def variant_candidates(spans: Sequence[PartSpan], ids: Sequence[int]) -> list[Va
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: slices compared by bisection (C-level
+    comparisons, not a Python loop per token: this runs on every planned request when
+    learning is on)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    x, y = tuple(a[:n]), tuple(b[:n])
+    if x == y:
+        return n
+    lo, hi = 0, n  # x[:lo] == y[:lo], x[:hi] != y[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x[:mid] == y[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
