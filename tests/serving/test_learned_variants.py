@@ -196,20 +196,21 @@ def test_the_front_learns_a_variant_and_reports_its_hits(fake, lib, tokenizer):
     learner = learner_for(lib, after=2)
     catalog = SkillCatalog(lib.folder, tokenizer, rescan_s=0)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    parts, _ = planned(lib, tokenizer, PROMPT)
+    start = next(s.start for s in sent_spans(parts) if s.name == "baggage")
     with Front(FrontConfig(upstream=fake.url), catalog, learner) as front:
         for _ in range(2):
             resp = httpx2.post(front.url + "/v1/completions", json=body, timeout=30)
             assert resp.is_success
             plan = resp.json()["usage"]["kvnotes"]["plan"]
             assert "baggage" not in plan["exactly_placed"]
+            assert any(a <= start < b for a, b in plan["regions"])  # its first tokens repaired
         assert learner.wait_idle(120)
         (entry,) = learner.registry.entries()
         assert (entry.variant_of, entry.behind) == ("baggage", "refunds")
         resp = httpx2.post(front.url + "/v1/completions", json=body, timeout=30)
         plan = resp.json()["usage"]["kvnotes"]["plan"]
         assert "baggage" in plan["exactly_placed"]
-        parts, _ = planned(lib, tokenizer, PROMPT)
-        start = next(s.start for s in sent_spans(parts) if s.name == "baggage")
         assert not any(a <= start < b for a, b in plan["regions"])  # nothing of it repaired
         metrics = httpx2.get(front.url + "/metrics", timeout=30).text
     label = f'entry="{entry.key}",skill="baggage"'
