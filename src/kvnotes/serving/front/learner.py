@@ -19,13 +19,16 @@ the sightings of each (tenant, ids behind, skill ids) are counted in the same ma
 after=candidate.after, tenant=tenant)``, the text decoded from its ids and checked to encode
 back to them). A learned variant is a learned entry like any other (registry, leases, pins,
 quota and cap); beyond ``max_variants`` learned entries of one skill, the least recently used
-are evicted. What never happens on a request's path: a
-compile, a file write or delete, a registry write; :meth:`observe`, :meth:`use`,
-:meth:`lease` and :meth:`release` take one short in-memory lock.
+are evicted.
+
+What never happens on a request's path: a compile, a file write or delete, a registry write;
+:meth:`observe`, :meth:`observe_variants`, :meth:`use`, :meth:`lease` and :meth:`release` take
+one short in-memory lock.
 
 Bounds (learned entries only: the operator's registered skills are not in the registry and are
-never evicted): ``tenant_quota`` bytes per tenant, then ``library_cap`` bytes in all, each
-enforced by evicting the least recently used entries, except pinned ones and those under lease.
+never evicted): ``max_variants`` learned entries per skill, ``tenant_quota`` bytes per
+tenant, then ``library_cap`` bytes in all, each enforced by evicting the least recently used
+entries (last spliced), except pinned ones and those under lease.
 The front leases the entries a request was planned with for the request's duration
 (:meth:`lease` after planning, :meth:`release` when it ends). An entry evicted between a
 request's planning and its lease (or planned by a client that sends ranges itself) fails its
