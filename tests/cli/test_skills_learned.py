@@ -86,9 +86,32 @@ def test_serve_learning_flags():
     cfg = learn_config(True, 3, 16, "256MiB", "1MB")
     assert cfg == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
                               tenant_quota=10**6)
+    assert learn_config(True, 2, 32, None, None, 2).max_variants == 2
     with pytest.raises(InvalidArgumentError, match="--learn"):
         learn_config(False, 2, 32, "1GiB", None)
     result = runner.invoke(app, ["serve", "--skills", "x", "--library-cap", "1GiB"])
     assert result.exit_code == 2 and "add --learn" in result.output
     result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--no-front"])
     assert result.exit_code == 2 and "drop --no-front" in result.output
+
+
+def test_list_shows_a_learned_variant_with_what_it_is_behind(served, tiny_folder):
+    from kvnotes.serving.planning.variants import VariantCandidate
+
+    root, lib, _, _ = served
+    learner = Learner(LearnConfig(after=1, min_tokens=4), lib)
+    lib.add("Context: the user is in Paris.\n", name="context", after=HEADER)
+    after = tuple(lib.after_skill("context", header=HEADER))
+    cand = VariantCandidate(after, "weather", tuple(encode(lib.engine.tokenizer, TOOL)),
+                            len(after), "context")
+    learner.observe_variants("acme", [cand])
+    assert learner.run_pending() == 1
+    assert learner.counters()["failures"] == 0, learner.counters()
+    key = next(e.key for e in learner.registry.entries() if e.variant_of is not None)
+    result = runner.invoke(app, ["skills", "list", "--model", str(tiny_folder), "--skills",
+                                 str(root)])
+    assert result.exit_code == 0, result.output
+    (row,) = [line for line in result.stdout.splitlines() if key in line]
+    assert row.startswith("learned weather\tvariant of weather\tbehind context "
+                          f"({len(after)} tokens)")
+    assert "tenant acme" in row and "0 hits (0 exact)" in row

@@ -358,7 +358,8 @@ def test_the_front_observes_learns_in_the_background_and_leases(fake, lib, token
     learner = learner_for(lib, after=2)
     leases: list[tuple[str, ...]] = []
     lease = learner.lease
-    monkeypatch.setattr(learner, "lease", lambda keys: leases.append(lease(keys)) or leases[-1])
+    monkeypatch.setattr(learner, "lease",
+                        lambda keys, **kw: leases.append(lease(keys, **kw)) or leases[-1])
     catalog = SkillCatalog(lib.folder, tokenizer, rescan_s=0)
     body = {"model": MODEL, "prompt": HEADER + REFUNDS + BAGGAGE + USER, "max_tokens": 2}
     with Front(FrontConfig(upstream=fake.url), catalog, learner) as front:

@@ -91,6 +91,11 @@ def serve(
                                            "used evicted beyond it (default: no cap)"),
     tenant_quota: str | None = typer.Option(None, "--tenant-quota", help="With --learn: bytes "
                                             "of learned entries one tenant keeps (e.g. 64MiB)"),
+    learn_max_variants: int = typer.Option(4, "--learn-max-variants", min=1, help="With "
+                                           "--learn: learned entries kept per skill (the "
+                                           "skill behind each predecessor seen --learn-after "
+                                           "times before it); least recently used evicted "
+                                           "beyond it"),
     vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
                                           "flags after --, passed unchanged (e.g. -- "
                                           "--tensor-parallel-size 2 --gpu-memory-utilization "
@@ -113,7 +118,8 @@ def serve(
     check_vllm_args(vllm_args or [])
     plan = server_repair_spelled(repair)
     tau, why = resolve_guard(guard, model)
-    learning = learn_config(learn, learn_after, learn_min_tokens, library_cap, tenant_quota)
+    learning = learn_config(learn, learn_after, learn_min_tokens, library_cap, tenant_quota,
+                            learn_max_variants)
     if no_front and learning is not None:
         raise InvalidArgumentError("--learn is the front's (it sees the requests' chunks): "
                                    "drop --no-front")
@@ -154,7 +160,9 @@ def serve(
                 typer.echo(f"  learning: chunks of {learning.after} sightings and "
                            f"{learning.min_tokens}+ tokens; cap "
                            f"{learning.library_cap or 'none'} bytes, tenant quota "
-                           f"{learning.tenant_quota or 'none'} bytes", err=True)
+                           f"{learning.tenant_quota or 'none'} bytes; variants of skills "
+                           f"behind predecessors seen {learning.after} times, "
+                           f"{learning.max_variants} kept per skill", err=True)
             typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
                        f"{'stderr, one JSON line each' if request_log else 'off'}", err=True)
             typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
@@ -175,7 +183,7 @@ def serve(
 
 
 def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | None,
-                 tenant_quota: str | None) -> LearnConfig | None:
+                 tenant_quota: str | None, max_variants: int = 4) -> LearnConfig | None:
     """The front's :class:`LearnConfig` from ``kvnotes serve``'s flags (None without --learn;
     a bound given without --learn is an error, not ignored)."""
     from kvnotes.serving.front.config import LearnConfig, parse_size
@@ -187,7 +195,8 @@ def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | No
         return None
     return LearnConfig(after=after, min_tokens=min_tokens,
                        library_cap=None if library_cap is None else parse_size(library_cap),
-                       tenant_quota=None if tenant_quota is None else parse_size(tenant_quota))
+                       tenant_quota=None if tenant_quota is None else parse_size(tenant_quota),
+                       max_variants=max_variants)
 
 
 def log_requests_to_stderr() -> None:
@@ -241,7 +250,8 @@ def skills_list(
     skills: Path = typer.Option(..., "--skills"),
 ) -> None:
     """The skills a server for this model would splice: the registered ones, then the chunks
-    learned on sight (`kvnotes serve --learn`) with their tenant, size and use."""
+    and variants learned on sight (`kvnotes serve --learn`) with their tenant, what a variant
+    is of and behind, its size and its use (hits, of them exactly placed)."""
     import kvnotes
     from kvnotes.serving.library.registry import LearnedRegistry, registry_path
     from kvnotes.serving.skills import ServingSkills
@@ -263,8 +273,11 @@ def skills_list(
                        f"{v.bytes} bytes\t{v.piece.key}")
     for e in sorted(learned.values(), key=lambda e: -e.last_used):
         used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
-        typer.echo(f"learned {e.name}\ttenant {e.tenant or '-'}\t{e.tokens} tokens\t"
-                   f"{e.bytes} bytes\t{e.hits} hits\tlast used {used}\t"
+        what = (f"variant of {e.variant_of}\tbehind {e.behind or '?'} ({e.behind_tokens} "
+                "tokens)" if e.variant_of is not None else f"{e.kind}\tbehind "
+                f"{e.behind_tokens} tokens")
+        typer.echo(f"learned {e.name}\t{what}\ttenant {e.tenant or '-'}\t{e.tokens} tokens\t"
+                   f"{e.bytes} bytes\t{e.hits} hits ({e.exact} exact)\tlast used {used}\t"
                    f"{'pinned' if e.pinned else 'evictable'}\t{e.key}")
 
 

@@ -129,7 +129,8 @@ class ServingSkills:
             self._add_bos(engine.bos_id)
 
     def add(self, text: str, *, name: str = "skill",
-            after: str | Sequence[int] | None = None, tenant: str | None = None) -> PieceInfo:
+            after: str | Sequence[int] | None = None, tenant: str | None = None,
+            capped: bool = True) -> PieceInfo:
         """Compile ``text`` (once: the library keeps it) and publish it to running servers.
 
         ``after``: compile it behind this prefix (text, BOS added per the library's anchor, or
@@ -139,7 +140,9 @@ class ServingSkills:
         anchoring is its own entry, a *variant* of the skill (e.g. behind the header and the
         skill that precedes it: ``kvnotes skills add --after NAME``); the server splices the
         variant whose prefix the prompt ends with (:func:`kvnotes.core.variants.variant_rank`).
-        Beyond ``max_variants`` entries of one skill, the oldest are deleted.
+        Beyond ``max_variants`` entries of one skill, the oldest are deleted (``capped=False``:
+        none is; the learner bounds its learned entries itself, least recently used first, and
+        never deletes the operator's).
 
         ``tenant``: whose entry it is (None: the operator's, spliced for every tenant). A
         tenant's entry is spliced only into that tenant's requests, and its address includes
@@ -154,8 +157,9 @@ class ServingSkills:
         info = PieceInfo(self.path_for(text, after=after, tenant=tenant).stem, name,
                          tuple(int(t) for t in skill.token_ids.tolist()),
                          int(skill.positions[0]), tenant, behind)
-        cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, tenant,
-                     self.max_variants, keep=info.key)
+        if capped:
+            cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, tenant,
+                         self.max_variants, keep=info.key)
         return info
 
     def after_skill(self, name: str, *, header: str | None = None) -> list[int]:

@@ -74,6 +74,9 @@ class LearnConfig:
         queue_size: compile jobs waiting for the worker (a job beyond it is dropped, counted,
             and queued again at a later sighting).
         flush_s: how often, at most, hit counts are written to the registry.
+        max_variants: learned entries kept per skill (its variants: the skill compiled behind
+            each predecessor seen ``after`` times before it, and the chunk learned itself);
+            the least recently used beyond it is evicted (pinned and leased ones are kept).
     """
 
     after: int = 2
@@ -83,9 +86,10 @@ class LearnConfig:
     max_tracked: int = 100_000
     queue_size: int = 64
     flush_s: float = 5.0
+    max_variants: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("after", "min_tokens", "max_tracked", "queue_size"):
+        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"LearnConfig.{name} must be a positive integer, "

@@ -9,13 +9,26 @@ worker thread, which compiles the chunk behind the prefix it was seen after
 (``ServingSkills.add(text, after=ids, tenant=tenant)``), publishes it to the serving folder
 (atomically; the connector and the front pick it up at their next rescan), records it in the
 :class:`~kvnotes.serving.library.registry.LearnedRegistry` and enforces the bounds. Until then
-requests are planned without it (computed exactly). What never happens on a request's path: a
-compile, a file write or delete, a registry write; :meth:`observe`, :meth:`use`,
-:meth:`lease` and :meth:`release` take one short in-memory lock.
+requests are planned without it (computed exactly).
+
+Variants are learned the same way: after planning, the front hands the (predecessor, skill)
+pairs its request would have spliced better with a variant
+(:func:`~kvnotes.serving.planning.variants.variant_candidates`) to :meth:`Learner.observe_variants`;
+the sightings of each (tenant, ids behind, skill ids) are counted in the same map, and at the
+``after``-th the skill is compiled behind its predecessor (``ServingSkills.add(text,
+after=candidate.after, tenant=tenant)``, the text decoded from its ids and checked to encode
+back to them). A learned variant is a learned entry like any other (registry, leases, pins,
+quota and cap); beyond ``max_variants`` learned entries of one skill, the least recently used
+are evicted.
+
+What never happens on a request's path: a compile, a file write or delete, a registry write;
+:meth:`observe`, :meth:`observe_variants`, :meth:`use`, :meth:`lease` and :meth:`release` take
+one short in-memory lock.
 
 Bounds (learned entries only: the operator's registered skills are not in the registry and are
-never evicted): ``tenant_quota`` bytes per tenant, then ``library_cap`` bytes in all, each
-enforced by evicting the least recently used entries, except pinned ones and those under lease.
+never evicted): ``max_variants`` learned entries per skill, ``tenant_quota`` bytes per
+tenant, then ``library_cap`` bytes in all, each enforced by evicting the least recently used
+entries (last spliced), except pinned ones and those under lease.
 The front leases the entries a request was planned with for the request's duration
 (:meth:`lease` after planning, :meth:`release` when it ends). An entry evicted between a
 request's planning and its lease (or planned by a client that sends ranges itself) fails its
@@ -39,6 +52,7 @@ from typing import TYPE_CHECKING
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry, forget
 from kvnotes.serving.planning.chunks import SeenChunk
+from kvnotes.serving.planning.variants import VariantCandidate
 
 if TYPE_CHECKING:
     from kvnotes.serving.skills import ServingSkills
@@ -48,9 +62,19 @@ log = logging.getLogger("kvnotes.serving.front")
 
 @dataclass(frozen=True, slots=True)
 class _Job:
+    """A chunk to learn (``chunk``) or a variant of a skill to compile (``variant``)."""
+
     chunk_id: bytes
     tenant: str | None
-    chunk: SeenChunk
+    chunk: SeenChunk | None
+    variant: VariantCandidate | None = None
+
+    @property
+    def what(self) -> str:
+        if self.variant is not None:
+            return f"variant of {self.variant.name} ({len(self.variant.token_ids)} tokens)"
+        assert self.chunk is not None
+        return f"{self.chunk.kind} chunk of {len(self.chunk)} tokens"
 
 
 @dataclass
@@ -64,6 +88,10 @@ class LearnerStats:
     evictions: int = 0  # entries evicted by the bounds
     learned_bytes: int = 0  # bytes of learned entries in the folder (as last enforced)
     learned_entries: int = 0
+    variant_sightings: int = 0  # (predecessor, skill) pairs observed that want a variant
+    variant_compiles: int = 0  # variants compiled and published
+    learned_variants: int = 0  # learned variants in the folder (as last enforced)
+    learned_variant_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -75,6 +103,21 @@ def chunk_id(tenant: str | None, token_ids: Sequence[int]) -> bytes:
     h.update((tenant or "").encode() + b"\0" + (b"t" if tenant is not None else b"s"))
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def variant_id(tenant: str | None, after: Sequence[int], token_ids: Sequence[int]) -> bytes:
+    """The identity of a variant for counting: its tenant, the ids behind it, its token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(b"variant\0" + (tenant or "").encode() + b"\0"
+             + (b"t" if tenant is not None else b"s"))
+    h.update(len(after).to_bytes(8, "little") + array("q", after).tobytes())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def skill_id(tenant: str | None, token_ids: Sequence[int]) -> str:
+    """The registry's identity of a skill (its learned entries, all its variants, share it)."""
+    return chunk_id(tenant, token_ids).hex()
 
 
 class Learner:
@@ -102,6 +145,7 @@ class Learner:
         self._known: OrderedDict[bytes, str] = OrderedDict()
         self._chunk_of: dict[str, bytes] = {}
         self._hits: Counter[str] = Counter()  # uses not yet written to the registry
+        self._exact: Counter[str] = Counter()  # of those, the exactly placed ones
         self._leases: Counter[str] = Counter()
         self._queue: queue.Queue[_Job | None] = queue.Queue(config.queue_size)
         self._stop = threading.Event()
@@ -123,32 +167,57 @@ class Learner:
             seen_now.add(cid)
             with self._lock:
                 self.stats.sightings += 1
-                if cid in self._known or cid in self._busy:
-                    continue
-                count = self._seen.pop(cid, 0) + 1
-                self._seen[cid] = count  # most recently seen last
-                while len(self._seen) > cfg.max_tracked:
-                    self._seen.popitem(last=False)
-                if count < cfg.after:
-                    continue
-                try:
-                    self._queue.put_nowait(_Job(cid, tenant, chunk))
-                except queue.Full:
-                    self.stats.dropped += 1  # counted on: the next sighting queues it again
-                    continue
-                self._busy.add(cid)
+                self._sighted(cid, _Job(cid, tenant, chunk))
+
+    def observe_variants(self, tenant: str | None,
+                         candidates: Iterable[VariantCandidate]) -> None:
+        """Count one request's variant candidates; queue the ones seen ``after`` times. Never
+        blocks (the same map, queue and worker as :meth:`observe`)."""
+        cfg = self.config
+        seen_now: set[bytes] = set()
+        for cand in candidates:
+            if len(cand.token_ids) < cfg.min_tokens:
+                continue
+            vid = variant_id(tenant, cand.after, cand.token_ids)
+            if vid in seen_now:
+                continue
+            seen_now.add(vid)
+            with self._lock:
+                self.stats.variant_sightings += 1
+                self._sighted(vid, _Job(vid, tenant, None, cand))
+
+    def _sighted(self, cid: bytes, job: _Job) -> None:
+        """One sighting of ``cid`` (under the lock): counted, and queued at the ``after``-th."""
+        cfg = self.config
+        if cid in self._known or cid in self._busy:
+            return
+        count = self._seen.pop(cid, 0) + 1
+        self._seen[cid] = count  # most recently seen last
+        while len(self._seen) > cfg.max_tracked:
+            self._seen.popitem(last=False)
+        if count < cfg.after:
+            return
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats.dropped += 1  # counted on: the next sighting queues it again
+            return
+        self._busy.add(cid)
 
     def use(self, keys: Iterable[str]) -> None:
         """Count a use of each entry (its hits and last use; written by the worker)."""
         with self._lock:
             self._hits.update(keys)
 
-    def lease(self, keys: Iterable[str]) -> tuple[str, ...]:
-        """Hold ``keys`` against eviction (and count their use) until :meth:`release`."""
+    def lease(self, keys: Iterable[str], *, used: Iterable[str] | None = None,
+              exact: Iterable[str] = ()) -> tuple[str, ...]:
+        """Hold ``keys`` against eviction until :meth:`release`, and count a use of each of
+        ``used`` (default: of ``keys``), ``exact`` of them exactly placed."""
         held = tuple(dict.fromkeys(keys))
         with self._lock:
             self._leases.update(held)
-            self._hits.update(held)
+            self._hits.update(held if used is None else used)
+            self._exact.update(exact)
         return held
 
     def release(self, keys: Iterable[str]) -> None:
@@ -220,17 +289,21 @@ class Learner:
 
     def _do(self, job: _Job) -> None:
         try:
-            self._compile(job)
+            if job.variant is not None:
+                self._compile_variant(job, job.variant)
+            else:
+                self._compile(job)
         except Exception as err:  # noqa: BLE001 -- a failed compile costs reuse, not serving
             self._count("failures")
-            log.warning("kvnotes learner: a %s chunk of %d tokens was not learned: %s: %s",
-                        job.chunk.kind, len(job.chunk), type(err).__name__, err)
+            log.warning("kvnotes learner: a %s was not learned: %s: %s", job.what,
+                        type(err).__name__, err)
         finally:
             with self._lock:
                 self._busy.discard(job.chunk_id)
 
     def _compile(self, job: _Job) -> None:
         chunk, tenant = job.chunk, job.tenant
+        assert chunk is not None
         after = list(chunk.after_ids) or None
         name = f"{chunk.kind}-{job.chunk_id.hex()[:8]}"
         path = self.skills.path_for(chunk.text, after=after, tenant=tenant)
@@ -239,7 +312,7 @@ class Learner:
             self._learned(job, path.stem)
             return
         existed = path.is_file()
-        info = self.skills.add(chunk.text, name=name, after=after, tenant=tenant)
+        info = self.skills.add(chunk.text, name=name, after=after, tenant=tenant, capped=False)
         if info.token_ids != tuple(chunk.token_ids):
             # the text alone encodes to other tokens than the request holds: never matched
             if not existed:
@@ -249,14 +322,65 @@ class Learner:
             log.warning("kvnotes learner: a %s chunk encodes alone to other tokens than in "
                         "its request; not learned", chunk.kind)
             return
+        skill = skill_id(tenant, info.token_ids)
         self.registry.record(LearnedEntry(info.key, tenant, name, chunk.kind, len(info),
-                                          path.stat().st_size))
+                                          path.stat().st_size, skill=skill,
+                                          behind_tokens=len(chunk.after_ids)))
         if not existed:
             self._count("compiles")
         self._learned(job, info.key)
         log.info("kvnotes learner: learned %s (%d tokens%s)", name, len(info),
                  f", tenant {tenant}" if tenant else "")
+        self.cap_variants(skill, keep=info.key)
         self.enforce(tenant)
+
+    def _compile_variant(self, job: _Job, cand: VariantCandidate) -> None:
+        """Compile skill ``cand`` behind ``cand.after`` (its text: its ids decoded, which must
+        encode back to them, or the entry would never match)."""
+        tenant, after = job.tenant, list(cand.after)
+        text = self.skills.engine.tokenizer.decode(list(cand.token_ids))
+        path = self.skills.path_for(text, after=after, tenant=tenant)
+        if path.is_file() and path.stem not in self.registry:
+            self._learned(job, path.stem)  # the operator declared this very variant
+            return
+        existed = path.is_file()
+        info = self.skills.add(text, name=cand.name, after=after, tenant=tenant, capped=False)
+        if info.token_ids != tuple(cand.token_ids):
+            if not existed:
+                path.unlink(missing_ok=True)
+            self._count("failures")
+            self._learned(job, "")
+            log.warning("kvnotes learner: skill %s decodes to a text that encodes to other "
+                        "tokens; its variant is not learned", cand.name)
+            return
+        skill = skill_id(tenant, info.token_ids)
+        self.registry.record(LearnedEntry(
+            info.key, tenant, cand.name, "variant", len(info), path.stat().st_size, skill=skill,
+            variant_of=cand.name, behind=cand.predecessor or None, behind_tokens=len(after)))
+        if not existed:
+            self._count("variant_compiles")
+        self._learned(job, info.key)
+        log.info("kvnotes learner: learned a variant of %s behind %s (%d tokens%s)", cand.name,
+                 cand.predecessor or "?", len(after), f", tenant {tenant}" if tenant else "")
+        self.cap_variants(skill, keep=info.key)
+        self.enforce(tenant)
+
+    def cap_variants(self, skill: str, keep: str | None = None) -> int:
+        """Evict the least recently used learned entries of ``skill`` beyond ``max_variants``
+        (never ``keep``, pinned or leased ones); returns how many."""
+        self._flush()
+        entries = self.registry.of_skill(skill)
+        over = len(entries) - self.config.max_variants
+        evicted = 0
+        for entry in entries:
+            if over <= 0:
+                break
+            if entry.key == keep or entry.pinned:
+                continue
+            if self.evict(entry.key):
+                over -= 1
+                evicted += 1
+        return evicted
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -331,17 +455,21 @@ class Learner:
     def _flush(self) -> None:
         with self._lock:
             hits, self._hits = self._hits, Counter()
+            exact, self._exact = self._exact, Counter()
             self._flushed = time.monotonic()
-        if hits:
+        if hits or exact:
             try:
-                self.registry.use(hits)
+                self.registry.use(hits, exact=exact)
             except Exception as err:  # noqa: BLE001 -- counts are advisory; serving goes on
                 log.warning("kvnotes learner: hits not recorded: %s", err)
 
     def _refresh_totals(self) -> None:
         total, count = self.registry.total_bytes(), len(self.registry)
+        variants, variant_bytes = self.registry.variant_totals()
         with self._lock:
             self.stats.learned_bytes, self.stats.learned_entries = total, count
+            self.stats.learned_variants = variants
+            self.stats.learned_variant_bytes = variant_bytes
 
     def counters(self) -> dict[str, int]:
         with self._lock:

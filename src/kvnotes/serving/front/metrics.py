@@ -4,6 +4,11 @@ Label values come from fixed vocabularies only (:data:`OUTCOMES`, the planning r
 :data:`~kvnotes.serving.planning.request.REASONS`, :data:`ROUTES`): no client-chosen string
 becomes a label or a key, so the set of series stays bounded whatever clients send.
 Each front has its own registry (several fronts in one process do not share counters).
+The one exception, the per-entry variant series (``kvnotes_front_variant_*{entry, skill}``), is
+labelled by library entries: their keys (content addresses) and names (the operator's, or the
+learner's); one series per entry of the serving folder that a plan spliced, dropped at the
+scrape after its file is gone, so they are as bounded as the folder (the library cap, the
+variant cap).
 """
 
 from __future__ import annotations
@@ -11,9 +16,14 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.planning.request import REASONS
+
+if TYPE_CHECKING:
+    from kvnotes.serving.planning.variants import VariantHits
 
 OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "upstream_error",
             "bad_request", "unauthorized", "rejected", "disconnected")
@@ -25,11 +35,16 @@ LEARN_COUNTERS = {
     "compiles": "Chunks compiled in the background and published",
     "failures": "Background compiles that failed (or whose text encodes to other tokens)",
     "dropped": "Compile jobs dropped because the queue was full",
-    "evictions": "Learned entries evicted by the library cap or a tenant's quota",
+    "evictions": "Learned entries evicted by the library cap, a tenant's quota or the "
+                 "variant cap",
+    "variant_sightings": "Skills seen behind a predecessor they have no variant for",
+    "variant_compiles": "Skill variants compiled in the background and published",
 }
 LEARN_GAUGES = {
     "learned_bytes": "Bytes of learned entries in the serving folder",
     "learned_entries": "Learned entries in the serving folder",
+    "learned_variants": "Learned skill variants in the serving folder",
+    "learned_variant_bytes": "Bytes of learned skill variants in the serving folder",
 }
 _LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
             60, 120)
@@ -95,6 +110,13 @@ class FrontMetrics:
         self._learner = counters
         self.registry.register(_LearnerCollector(counters))
 
+    def watch_variants(self, hits: VariantHits, folder: Path | None) -> None:
+        """Expose per-entry splice counts (``kvnotes_front_variant_spliced_total``,
+        ``_exact_total``: their ratio is the entry's hit rate) and each entry's bytes on disk
+        (``kvnotes_front_variant_bytes``), read at each scrape; ``folder``: the serving folder
+        (an entry whose file is gone is forgotten)."""
+        self.registry.register(_VariantCollector(hits, folder))
+
     def stats(self) -> dict[str, Any]:
         """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
         with self._lock:
@@ -126,3 +148,36 @@ class _LearnerCollector:
                                       value=now.get(name, 0))
         for name, help_text in LEARN_GAUGES.items():
             yield GaugeMetricFamily(f"kvnotes_front_{name}", help_text, value=now.get(name, 0))
+
+
+class _VariantCollector:
+    """A Prometheus collector over a front's :class:`VariantHits` (read at each scrape)."""
+
+    def __init__(self, hits: VariantHits, folder: Path | None) -> None:
+        self.hits, self.folder = hits, folder
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["entry", "skill"]
+        spliced = CounterMetricFamily("kvnotes_front_variant_spliced", "Plans that spliced "
+                                      "this entry (a skill's variant)", labels=labels)
+        exact = CounterMetricFamily("kvnotes_front_variant_exact", "Plans that spliced this "
+                                    "entry exactly placed (behind the ids it was compiled "
+                                    "behind: nothing repaired)", labels=labels)
+        size = GaugeMetricFamily("kvnotes_front_variant_bytes", "Bytes of this entry's file",
+                                 labels=labels)
+        for key, name, used, placed in self.hits.rows():
+            nbytes = 0
+            if self.folder is not None:
+                try:
+                    nbytes = (self.folder / f"{key}{ENTRY_SUFFIX}").stat().st_size
+                except OSError:
+                    self.hits.forget(key)  # evicted or deleted: its series ends
+                    continue
+            spliced.add_metric([key, name], used)
+            exact.add_metric([key, name], placed)
+            size.add_metric([key, name], nbytes)
+        yield spliced
+        yield exact
+        yield size

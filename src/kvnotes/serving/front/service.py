@@ -15,6 +15,12 @@ salted as its own too.
 Learning (a :class:`~kvnotes.serving.front.learner.Learner`, with ``--learn``): every request's
 chunks are counted (:meth:`FrontService.observe`, in memory: compiles run on the learner's own
 thread), and a spliced request holds a lease on the entries it was planned with until it ends.
+A planned request's (predecessor, skill) pairs that a variant would splice better
+(:func:`~kvnotes.serving.planning.variants.variant_candidates`) are counted too
+(:meth:`Learner.observe_variants`), and learned the same way.
+
+Every spliced request's entries are counted in :attr:`FrontService.variant_hits` (spliced,
+exactly placed: the hit rate of each variant), learning on or off; ``/metrics`` shows them.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from kvnotes.serving.planning.request import (
     read_options,
     read_request,
 )
+from kvnotes.serving.planning.variants import VariantHits, variant_candidates
 
 if TYPE_CHECKING:
     from kvnotes.serving.front.learner import Learner
@@ -92,6 +99,8 @@ class FrontService:
         self.learner = learner
         if learner is not None:
             self.metrics.watch_learner(learner.counters)
+        self.variant_hits = VariantHits()
+        self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None))
 
     @property
     def stats(self) -> Counter[str]:
@@ -223,8 +232,10 @@ class FrontService:
                                             self._passed_auth(client_auth))
         if isinstance(fp, Unplannable):
             return await self.proxy.exact(req, model, call, fp, salt)
+        used, exact_keys = self.variant_hits.record(fp.parts)
         if self.learner is not None:  # the entries it was planned with stay until it ends
-            call.leased = self.learner.lease(self.plan_keys(fp, tenant))
+            call.leased = self.learner.lease(self.plan_keys(fp, tenant), used=used,
+                                             exact=exact_keys)
         tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
@@ -242,7 +253,9 @@ class FrontService:
             if isinstance(block_size, Unplannable):
                 raise block_size
             repair = self.config.repair_for(opts.repair)
-            return req, plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+            fp = plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+            self.observe_variants(tenant, fp)
+            return req, fp
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             if req.structured:  # answered exactly as the same ids, not forwarded
                 return req, why_not(err)
@@ -258,6 +271,15 @@ class FrontService:
                 self.learner.observe(tenant, chunks)
             except Exception:  # noqa: BLE001 -- learning is an optimization: serve on
                 log.exception("learner: a request's chunks were not counted")
+
+    def observe_variants(self, tenant: str | None, fp: FrontPlan) -> None:
+        """Count the variants ``fp`` would have spliced better with (nothing when learning is
+        off; in memory, never blocks)."""
+        if self.learner is not None:
+            try:
+                self.learner.observe_variants(tenant, variant_candidates(fp.spans, fp.ids))
+            except Exception:  # noqa: BLE001 -- learning is an optimization: serve on
+                log.exception("learner: a request's variants were not counted")
 
     def plan_keys(self, fp: FrontPlan, tenant: str | None) -> list[str]:
         """The keys of the entries ``fp`` splices (every anchoring of each spliced piece's

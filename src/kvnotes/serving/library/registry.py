@@ -45,6 +45,15 @@ CREATE TABLE IF NOT EXISTS learned (
     created REAL NOT NULL
 )
 """
+# columns added since the table's first version, in order (a registry written before them gets
+# them by ALTER TABLE when opened; SELECT * reads every row in this one column order)
+_ADDED = (
+    ("skill", "TEXT NOT NULL DEFAULT ''"),
+    ("variant_of", "TEXT"),
+    ("behind", "TEXT"),
+    ("behind_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("exact", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,11 @@ class LearnedEntry:
     last_used: float = 0.0  # seconds since the epoch
     pinned: bool = False
     created: float = 0.0
+    skill: str = ""  # the skill's identity (its tenant and tokens): its variants share it
+    variant_of: str | None = None  # a learned variant: the skill's name (else None)
+    behind: str | None = None  # a learned variant: the predecessor it was compiled behind
+    behind_tokens: int = 0  # the ids it was compiled behind (BOS, lead, predecessor)
+    exact: int = 0  # of its hits, those exactly placed (nothing repaired)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +106,15 @@ class LearnedRegistry:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints; fast commits
         self._db.execute(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._write() as db:
+            have = {str(r[1]) for r in db.execute("PRAGMA table_info(learned)").fetchall()}
+            for name, decl in _ADDED:
+                if name not in have:
+                    db.execute(f"ALTER TABLE learned ADD COLUMN {name} {decl}")
+            db.execute("CREATE INDEX IF NOT EXISTS learned_skill ON learned (skill)")
 
     def close(self) -> None:
         with self._lock:
@@ -118,7 +141,8 @@ class LearnedRegistry:
         with self._lock:
             rows = self._db.execute(sql, tuple(args)).fetchall()
         return [LearnedEntry(r[0], r[1], r[2], r[3], int(r[4]), int(r[5]), int(r[6]),
-                             float(r[7]), bool(r[8]), float(r[9])) for r in rows]
+                             float(r[7]), bool(r[8]), float(r[9]), str(r[10]), r[11], r[12],
+                             int(r[13]), int(r[14])) for r in rows]
 
     # ---- writing -------------------------------------------------------------------------
     def record(self, entry: LearnedEntry) -> None:
@@ -127,20 +151,27 @@ class LearnedRegistry:
         with self._write() as db:
             db.execute(
                 "INSERT INTO learned (key, tenant, name, kind, tokens, bytes, hits, last_used, "
-                "pinned, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO "
+                "pinned, created, skill, variant_of, behind, behind_tokens, exact) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(key) DO "
                 "UPDATE SET bytes = excluded.bytes, last_used = excluded.last_used",
                 (entry.key, entry.tenant, entry.name, entry.kind, entry.tokens, entry.bytes,
-                 entry.hits, entry.last_used or now, int(entry.pinned), entry.created or now))
+                 entry.hits, entry.last_used or now, int(entry.pinned), entry.created or now,
+                 entry.skill, entry.variant_of, entry.behind, entry.behind_tokens,
+                 entry.exact))
 
-    def use(self, hits: Mapping[str, int], when: float | None = None) -> None:
-        """Count ``hits[key]`` more uses of each entry, last used ``when`` (default now);
-        keys that are not learned entries are ignored."""
+    def use(self, hits: Mapping[str, int], when: float | None = None, *,
+            exact: Mapping[str, int] | None = None) -> None:
+        """Count ``hits[key]`` more uses of each entry (``exact[key]`` of them exactly placed),
+        last used ``when`` (default now); keys that are not learned entries are ignored."""
         when = time.time() if when is None else when
-        if not hits:
+        exact = exact or {}
+        if not hits and not exact:
             return
         with self._write() as db:
-            db.executemany("UPDATE learned SET hits = hits + ?, last_used = MAX(last_used, ?) "
-                           "WHERE key = ?", [(int(n), when, k) for k, n in hits.items()])
+            db.executemany("UPDATE learned SET hits = hits + ?, exact = exact + ?, "
+                           "last_used = MAX(last_used, ?) WHERE key = ?",
+                           [(int(hits.get(k, 0)), int(exact.get(k, 0)), when, k)
+                            for k in {**hits, **exact}])
 
     def pin(self, key: str, pinned: bool = True) -> bool:
         """Pin (never evicted) or unpin an entry; False when it is not a learned entry."""
@@ -179,6 +210,18 @@ class LearnedRegistry:
                 row = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM learned WHERE "
                                        "tenant IS ?", (tenant,)).fetchone()
         return int(row[0])
+
+    def of_skill(self, skill: str) -> list[LearnedEntry]:
+        """The learned entries of one skill (its variants), least recently used first."""
+        return self._rows("SELECT * FROM learned WHERE skill = ? ORDER BY last_used, key",
+                          (skill,))
+
+    def variant_totals(self) -> tuple[int, int]:
+        """``(entries, bytes)`` of the learned variants (entries with a ``variant_of``)."""
+        with self._lock:
+            row = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM learned "
+                                   "WHERE variant_of IS NOT NULL").fetchone()
+        return int(row[0]), int(row[1])
 
     def evictable(self, tenant: str | None = None, *, every: bool = True) -> list[LearnedEntry]:
         """Unpinned entries (all, or ``tenant``'s), least recently used first."""

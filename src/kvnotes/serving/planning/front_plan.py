@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.core.repair import Repair
+from kvnotes.core.variants import exactly_placed
 from kvnotes.serving.library.splice import PieceIndex
 from kvnotes.serving.planning.chat_render import strip_bos_text
 from kvnotes.serving.planning.layout import SentPart
@@ -63,31 +64,52 @@ def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
 
 @dataclass(frozen=True, slots=True)
 class FrontPlan:
-    """A request's prompt as sent (``ids``), its layout and its phase plan; ``keys``: the
-    entry chosen for each piece span, in order (which variant of a skill was spliced)."""
+    """A request's prompt as sent (``ids``), its layout, its phase plan, and its parts (each
+    with the entry chosen for it: which variant of a skill was spliced, what
+    :class:`~kvnotes.serving.planning.variants.VariantHits` counts)."""
 
     ids: list[int]
     spans: list[PartSpan]
     plan: PhasePlan
-    keys: tuple[str, ...] = ()
+    parts: tuple[SentPart, ...] = ()
 
     @property
     def skills(self) -> list[str]:
         return [s.name for s in self.spans if s.is_piece]
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The entry chosen for each piece span, in order."""
+        return tuple(p.piece.key for p in self.parts if p.piece is not None and p.token_ids)
+
     def entries(self) -> list[dict[str, Any]]:
         """Per piece span: its name, the entry's key, its tokens and how many of them the plan
         recomputes in context (0: spliced as it is, e.g. an exactly placed variant)."""
         pieces = [s for s in self.spans if s.is_piece]
-        if len(self.keys) != len(pieces):
+        keys = self.keys
+        if len(keys) != len(pieces):
             return []
         return [{"name": s.name, "key": key, "start": s.start, "end": s.end,
                  "repaired": sum(max(0, min(b, s.end) - max(a, s.start))
                                  for a, b in self.plan.regions)}
-                for s, key in zip(pieces, self.keys, strict=True)]
+                for s, key in zip(pieces, keys, strict=True)]
+
+    @property
+    def exactly_placed(self) -> list[str]:
+        """The spliced skills whose entries sit behind the very ids they were compiled behind
+        (nothing of them repaired: an exactly placed variant)."""
+        out: list[str] = []
+        pos = 0
+        for part in self.parts:
+            piece = part.piece
+            if piece is not None and exactly_placed(piece.behind, piece.origin, self.ids, pos):
+                out.append(piece.name)
+            pos += len(part.token_ids)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.plan.to_dict(), "skills": self.skills, "entries": self.entries()}
+        return {**self.plan.to_dict(), "skills": self.skills, "entries": self.entries(),
+                "exactly_placed": self.exactly_placed}
 
 
 __all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body",
@@ -153,8 +175,7 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
     if not plan.ranges:
         raise Unplannable("nothing left to splice: every skill found is recomputed",
                           "nothing_left")
-    keys = tuple(p.piece.key for p in parts if p.piece is not None and p.token_ids)
-    return FrontPlan([t for p in parts for t in p.token_ids], spans, plan, keys)
+    return FrontPlan([t for p in parts for t in p.token_ids], spans, plan, tuple(parts))
 
 
 def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:

@@ -29,16 +29,17 @@ from kvnotes.serving.planning.phases import PartSpan
 class VariantCandidate:
     """A variant worth compiling: skill ``name`` (its ``token_ids``, placed at token ``start``
     of the request) compiled behind ``after`` (token ids, BOS included: the lead its entry was
-    compiled behind, then its predecessor up to the skill)."""
+    compiled behind, then its predecessor, ``predecessor``, up to the skill)."""
 
     after: tuple[int, ...]
     name: str
     token_ids: tuple[int, ...]
     start: int
+    predecessor: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"after": list(self.after), "name": self.name, "tokens": len(self.token_ids),
-                "start": self.start}
+                "start": self.start, "predecessor": self.predecessor}
 
 
 def variant_candidates(spans: Sequence[PartSpan], ids: Sequence[int]) -> list[VariantCandidate]:
@@ -79,40 +80,75 @@ def variant_candidates(spans: Sequence[PartSpan], ids: Sequence[int]) -> list[Va
         after = ids[:lead] + ids[prev.start:span.start]
         if after == behind:
             continue
-        out.append(VariantCandidate(after, span.name, ids[span.start:span.end], span.start))
+        out.append(VariantCandidate(after, span.name, ids[span.start:span.end], span.start,
+                                    prev.name))
     return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: slices compared by bisection (C-level
+    comparisons, not a Python loop per token: this runs on every planned request when
+    learning is on)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    x, y = tuple(a[:n]), tuple(b[:n])
+    if x == y:
+        return n
+    lo, hi = 0, n  # x[:lo] == y[:lo], x[:hi] != y[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x[:mid] == y[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
 class VariantHits:
     """Per-entry counts of what plans spliced: ``used`` (the entry was chosen for a skill) and
-    ``exact`` (it was exactly placed: nothing repaired). Thread-safe; call :meth:`record` with
-    each planned request's parts (``SentPart``, as the front lays them out)."""
+    ``exact`` (it was exactly placed: nothing repaired), and each entry's name. Thread-safe;
+    call :meth:`record` with each planned request's parts (``SentPart``, as the front lays them
+    out), :meth:`forget` an entry that is gone (its counts are then dropped)."""
 
     used: dict[str, int] = field(default_factory=dict)
     exact: dict[str, int] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, parts: Sequence[SentPart]) -> None:
+    def record(self, parts: Sequence[SentPart]) -> tuple[list[str], list[str]]:
+        """Count one plan's parts; returns the keys it spliced and those exactly placed."""
         pos = 0
         ids: list[int] = []
+        used: list[str] = []
+        exact: list[str] = []
+        for part in parts:
+            piece = part.piece
+            if piece is not None:
+                used.append(piece.key)
+                if exactly_placed(piece.behind, piece.origin, ids, pos):
+                    exact.append(piece.key)
+            ids.extend(part.token_ids)
+            pos += len(part.token_ids)
         with self._lock:
             for part in parts:
-                piece = part.piece
-                if piece is not None:
-                    self.used[piece.key] = self.used.get(piece.key, 0) + 1
-                    if exactly_placed(piece.behind, piece.origin, ids, pos):
-                        self.exact[piece.key] = self.exact.get(piece.key, 0) + 1
-                ids.extend(part.token_ids)
-                pos += len(part.token_ids)
+                if part.piece is not None:
+                    self.names[part.piece.key] = part.piece.name
+            for key in used:
+                self.used[key] = self.used.get(key, 0) + 1
+            for key in exact:
+                self.exact[key] = self.exact.get(key, 0) + 1
+        return used, exact
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            for counts in (self.used, self.exact, self.names):
+                counts.pop(key, None)
+
+    def rows(self) -> list[tuple[str, str, int, int]]:
+        """``(key, name, used, exact)`` of each entry counted (a snapshot)."""
+        with self._lock:
+            return [(k, self.names.get(k, ""), n, self.exact.get(k, 0))
+                    for k, n in self.used.items()]
 
     def rate(self, key: str) -> float:
         """The share of this entry's uses that were exactly placed (0 when never used)."""
