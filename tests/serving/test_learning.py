@@ -399,3 +399,28 @@ def test_a_chunk_whose_text_encodes_to_other_tokens_is_not_learned(lib, tokenize
     assert entry_paths(lib.folder) == []  # nothing left behind
     learner.observe(None, [merged])
     assert learner.run_pending() == 0  # not tried again
+
+
+def test_the_compile_thread_runs_at_the_configured_nice_value() -> None:
+    import os
+    import threading
+
+    from kvnotes.serving.front.learner import lower_priority
+
+    seen: dict[str, int | bool] = {}
+
+    def worker() -> None:
+        seen["lowered"] = lower_priority(7)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    if not seen["lowered"]:
+        pytest.skip("this platform sets no per-thread priority")
+    assert seen["nice"] >= 7
+    # the caller's own thread is untouched
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 7
+    assert lower_priority(0) is False
+    with pytest.raises(InvalidArgumentError):
+        LearnConfig(compile_nice=20)

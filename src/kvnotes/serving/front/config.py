@@ -77,6 +77,10 @@ class LearnConfig:
         max_variants: learned entries kept per skill (its variants: the skill compiled behind
             each predecessor seen ``after`` times before it, and the chunk learned itself);
             the least recently used beyond it is evicted (pinned and leased ones are kept).
+        compile_nice: the nice value of the compile thread (Linux sets it per thread, and
+            the threads it starts inherit it): a compile then takes the CPU time that serving
+            leaves, instead of delaying the first tokens of concurrent requests (0: the
+            server's own priority).
     """
 
     after: int = 2
@@ -87,6 +91,7 @@ class LearnConfig:
     queue_size: int = 64
     flush_s: float = 5.0
     max_variants: int = 4
+    compile_nice: int = 19
 
     def __post_init__(self) -> None:
         for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants"):
@@ -101,6 +106,10 @@ class LearnConfig:
         if not float(self.flush_s) > 0:
             raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
                                        "seconds")
+        nice = self.compile_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise InvalidArgumentError(f"LearnConfig.compile_nice must be an integer from 0 "
+                                       f"to 19, got {nice!r}")
 
 
 @dataclass(frozen=True, slots=True)

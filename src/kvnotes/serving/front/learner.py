@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -95,6 +96,20 @@ class LearnerStats:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def lower_priority(nice: int) -> bool:
+    """Give the calling thread (and the threads it starts, e.g. torch's CPU pool for its own
+    parallel regions) the nice value ``nice``; False where the platform cannot (only Linux
+    sets it per thread) or a value not above the current one is asked for."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:
+        return False
+    return True
 
 
 def chunk_id(tenant: str | None, token_ids: Sequence[int]) -> bytes:
@@ -274,6 +289,7 @@ class Learner:
                 done += 1
 
     def _run(self) -> None:
+        lower_priority(self.config.compile_nice)
         while not self._stop.is_set():
             try:
                 job = self._queue.get(timeout=self.config.flush_s)

@@ -31,6 +31,9 @@ from kvnotes.core.variants import variant_rank
 
 # The key of a request's ``kv_transfer_params`` that carries its splice ranges.
 SPLICE_PARAMS_KEY = "kvnotes_splice"
+# the entry the planner chose for each range, in order: the connector loads exactly that entry
+# (one skill's variants hold the same tokens) or computes the range
+SPLICE_KEYS_PARAMS_KEY = "kvnotes_splice_keys"
 
 # Index key length: pieces are looked up by the hash of their first KEY_TOKENS tokens, so a
 # position costs one dict lookup plus a full compare of the (few) candidates, whatever the
@@ -266,16 +269,26 @@ class CheckedRanges:
     reason: str | None = None
 
 
-def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object) -> CheckedRanges:
+def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object,
+                 keys: object = None) -> CheckedRanges:
     """Validate ``value`` (the ``kvnotes_splice`` list) against the prompt, in order.
 
     A range is valid when it is well formed, starts at or after the previous range's end, lies
     inside the prompt, and a registered piece holds exactly the prompt's tokens
-    ``[piece_start, end)``. The first invalid range and every range after it are dropped.
+    ``[piece_start, end)``: with ``keys`` (the ``kvnotes_splice_keys`` list, one entry key per
+    range), the very entry the planner chose, else the one :meth:`PieceIndex.match_exact`
+    prefers. A planner and a server whose views of the library differ for a moment (an entry
+    published or evicted between the plan and the match) then never splice another variant
+    than the one planned: the range is computed instead. The first invalid range and every
+    range after it are dropped.
     """
     if not isinstance(value, (list, tuple)):
         return CheckedRanges((), (), 0, f"kvnotes_splice must be a list of [piece_start, "
                                         f"start, end], got {type(value).__name__}")
+    if keys is not None and (not isinstance(keys, (list, tuple)) or len(keys) != len(value)
+                             or not all(isinstance(k, str) for k in keys)):
+        return CheckedRanges((), (), len(value), "kvnotes_splice_keys must be a list of entry "
+                                                 "keys, one per splice range")
     ranges: list[SpliceRange] = []
     pieces: list[PieceInfo] = []
     for i, item in enumerate(value):
@@ -289,6 +302,13 @@ def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object) -> Che
                 reason = f"range {r.to_list()} overlaps the one before it"
             elif r.end > len(tokens):
                 reason = f"range {r.to_list()} ends past the prompt's {len(tokens)} tokens"
+            elif keys is not None:
+                key = str(keys[i])
+                found = index.get(key)
+                piece = found if found is not None and found.token_ids == tuple(
+                    tokens[r.piece_start:r.end]) else None
+                reason = (f"entry {key} is not in the library or does not hold the prompt's "
+                          f"tokens [{r.piece_start}, {r.end})")
             else:
                 piece = index.match_exact(tokens, r.piece_start, r.end)
                 reason = (f"no registered piece holds the prompt's tokens [{r.piece_start}, "

@@ -36,7 +36,12 @@ from kvnotes.core.repair import Repair, prefix_digest
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
 from kvnotes.serving.library.manifest import splice_salt
-from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY, PieceIndex, SpliceRange
+from kvnotes.serving.library.splice import (
+    SPLICE_KEYS_PARAMS_KEY,
+    SPLICE_PARAMS_KEY,
+    PieceIndex,
+    SpliceRange,
+)
 from kvnotes.serving.planning.layout import SentPart
 
 # How many top log-probs the guarded real request asks for (the first token's margin).
@@ -51,7 +56,8 @@ class PartSpan:
     ``ids``: the part's token ids (None: not known; then no later piece can be told exactly
     placed by its prefix); ``behind``: the ids the piece was prefilled behind (its variant's
     prefix; () when the entry does not record it, then it is trusted at its origin behind a
-    chain of pieces, ``trust_chain``)."""
+    chain of pieces, ``trust_chain``); ``key``: the entry's key ("" when not known: the
+    server then picks among the entries holding these tokens by its own rule)."""
 
     start: int
     end: int
@@ -59,6 +65,7 @@ class PartSpan:
     name: str = ""
     ids: tuple[int, ...] | None = None
     behind: tuple[int, ...] = ()
+    key: str = ""
 
     @property
     def is_piece(self) -> bool:
@@ -108,7 +115,8 @@ def sent_spans(parts: Sequence[SentPart]) -> list[PartSpan]:
             piece = part.piece
             spans.append(PartSpan(pos, end, None if piece is None else piece.origin,
                                   "" if piece is None else piece.name, tuple(part.token_ids),
-                                  () if piece is None else piece.behind))
+                                  () if piece is None else piece.behind,
+                                  "" if piece is None else piece.key))
         pos = end
     return spans
 
@@ -157,7 +165,10 @@ class PhasePlan:
     - ``regions``: the pieces' tokens vLLM computes in context instead (merged when adjacent);
     - ``phase_ends``: the end ``r`` of the recomputed region each phase caches, in order;
     - ``salt``: ``splice_salt(tenant, tag=repair.tag())``, shared by the phases and the real
-      request (blocks of one repair plan never serve another).
+      request (blocks of one repair plan never serve another);
+    - ``keys``: the entry of each range, in order (``kv_transfer_params["kvnotes_splice_keys"]``:
+      the connector supplies a range from that very entry or computes it); () when a span's
+      entry is not known (the connector then picks by its own rule).
     """
 
     prompt_len: int
@@ -167,6 +178,7 @@ class PhasePlan:
     ranges: tuple[SpliceRange, ...]
     regions: tuple[tuple[int, int], ...]
     phase_ends: tuple[int, ...]
+    keys: tuple[str, ...] = ()
 
     @property
     def spliced_tokens(self) -> int:
@@ -190,7 +202,10 @@ class PhasePlan:
         """The ``kv_transfer_params`` of a request for the prompt's first ``end`` tokens (all of
         them by default)."""
         ranges = self.ranges if end is None else self.ranges_before(end)
-        return {SPLICE_PARAMS_KEY: [r.to_list() for r in ranges]}
+        params: dict[str, Any] = {SPLICE_PARAMS_KEY: [r.to_list() for r in ranges]}
+        if self.keys:
+            params[SPLICE_KEYS_PARAMS_KEY] = list(self.keys[:len(ranges)])
+        return params
 
     def phase_bodies(self, ids: Sequence[int], model: str) -> list[dict[str, Any]]:
         """The ``/v1/completions`` bodies of the phases, to send one after the other (each one's
@@ -266,6 +281,7 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
     plan = plan_repair([layout_part(span) for span in spans], repair)
     by_index = plan.by_index()
     ranges: list[SpliceRange] = []
+    key_of: dict[int, str] = {}  # a range's start -> its entry's key
     regions: list[tuple[int, int]] = []
     for i, span in enumerate(spans):
         if span.origin is None:
@@ -279,6 +295,7 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
                 regions.append((span.start, r))
         if r < span.end:
             ranges.append(SpliceRange(span.start, r, span.end))
+            key_of[r] = span.key
     kept: list[SpliceRange] = []
     ends: list[int] = []
     for group in _groups(ranges):
@@ -288,8 +305,10 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
         if g:
             ends.append(g)
         kept += group
+    keys = tuple(key_of[r.start] for r in kept)
     return PhasePlan(prompt_len=pos, block_size=int(block_size), repair=repair, salt=salt,
-                     ranges=tuple(kept), regions=tuple(regions), phase_ends=tuple(ends))
+                     ranges=tuple(kept), regions=tuple(regions), phase_ends=tuple(ends),
+                     keys=keys if all(keys) else ())
 
 
 def layout_part(span: PartSpan) -> LayoutPart:

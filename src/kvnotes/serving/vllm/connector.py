@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.serving.library.manifest import ServingManifest, is_splice_salt, salt_tenant
 from kvnotes.serving.library.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
-from kvnotes.serving.library.splice import SPLICE_PARAMS_KEY
+from kvnotes.serving.library.splice import SPLICE_KEYS_PARAMS_KEY, SPLICE_PARAMS_KEY
 from kvnotes.serving.vllm.checks import (
     ServedModel,
     check_layers,
@@ -96,6 +96,15 @@ def splice_ranges(request: Any) -> object:
     if not isinstance(params, dict):
         return None
     return params.get(SPLICE_PARAMS_KEY)
+
+
+def splice_keys(request: Any) -> object:
+    """The request's ``kvnotes_splice_keys`` value (the entry planned for each range,
+    unchecked), or None when it sent none."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return None
+    return params.get(SPLICE_KEYS_PARAMS_KEY)
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -190,7 +199,8 @@ class KvnotesConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         # a tenant is matched against the shared pieces and its own, never another tenant's
         return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
-                                  self.store.view(tenant), splice_ranges(request)), False
+                                  self.store.view(tenant), splice_ranges(request),
+                                  splice_keys(request)), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

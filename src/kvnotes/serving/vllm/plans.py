@@ -98,14 +98,17 @@ class SplicePlanner:
         self._warned: set[str] = set()  # requests whose dropped ranges were logged
 
     def match(self, req_id: str, tenant: str | None, tokens: Sequence[int],
-              num_computed_tokens: int, index: PieceIndex, ranges: object = None) -> int:
+              num_computed_tokens: int, index: PieceIndex, ranges: object = None,
+              keys: object = None) -> int:
         """External tokens the pieces in ``index`` supply past ``num_computed_tokens``.
 
         ``ranges``: the request's ``kvnotes_splice`` value, or None when it sent none. With
         ranges, only tokens inside them are supplied: those of the range holding the local
         hit (and the ranges contiguous after it), from the hit on; nothing when no range holds
         it. The first invalid range and every range after it are dropped, logged once per
-        request. Without ranges, the prompt's leading run of known pieces.
+        request. ``keys``: its ``kvnotes_splice_keys`` (the entry planned for each range; a
+        range whose entry is not in ``index`` is computed). Without ranges, the prompt's
+        leading run of known pieces.
 
         Called again on every admission attempt: the latest answer is the plan.
         """
@@ -114,7 +117,7 @@ class SplicePlanner:
             run = leading_run(tokens, index)
         else:
             # the server checks each range itself: no client, the front included, is trusted
-            checked = check_ranges(tokens, index, ranges)
+            checked = check_ranges(tokens, index, ranges, keys)
             if checked.reason is not None and req_id not in self._warned:
                 self._warned.add(req_id)
                 log.warning("kvnotes: request %s: %d of its splice ranges dropped (%s); their "
