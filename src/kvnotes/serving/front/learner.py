@@ -56,6 +56,7 @@ from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.variants import VariantCandidate
 
 if TYPE_CHECKING:
+    from kvnotes.serving.library.splice import PieceInfo
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.front")
@@ -322,64 +323,68 @@ class Learner:
         assert chunk is not None
         after = list(chunk.after_ids) or None
         name = f"{chunk.kind}-{job.chunk_id.hex()[:8]}"
-        path = self.skills.path_for(chunk.text, after=after, tenant=tenant)
-        if path.is_file() and path.stem not in self.registry:
-            # the operator registered this very entry: it is theirs, never learned or evicted
-            self._learned(job, path.stem)
+        published = self._publish(job, chunk.text, name, after, chunk.token_ids,
+                                  f"a {chunk.kind} chunk encodes alone to other tokens than in "
+                                  "its request; not learned")
+        if published is None:
             return
-        existed = path.is_file()
-        info = self.skills.add(chunk.text, name=name, after=after, tenant=tenant, capped=False)
-        if info.token_ids != tuple(chunk.token_ids):
-            # the text alone encodes to other tokens than the request holds: never matched
-            if not existed:
-                path.unlink(missing_ok=True)
-            self._count("failures")
-            self._learned(job, "")
-            log.warning("kvnotes learner: a %s chunk encodes alone to other tokens than in "
-                        "its request; not learned", chunk.kind)
-            return
-        skill = skill_id(tenant, info.token_ids)
-        self.registry.record(LearnedEntry(info.key, tenant, name, chunk.kind, len(info),
-                                          path.stat().st_size, skill=skill,
-                                          behind_tokens=len(chunk.after_ids)))
-        if not existed:
-            self._count("compiles")
-        self._learned(job, info.key)
+        info, size, existed = published
+        self._finish(job, info, existed, "compiles", LearnedEntry(
+            info.key, tenant, name, chunk.kind, len(info), size,
+            skill=skill_id(tenant, info.token_ids), behind_tokens=len(chunk.after_ids)))
         log.info("kvnotes learner: learned %s (%d tokens%s)", name, len(info),
                  f", tenant {tenant}" if tenant else "")
-        self.cap_variants(skill, keep=info.key)
-        self.enforce(tenant)
 
     def _compile_variant(self, job: _Job, cand: VariantCandidate) -> None:
         """Compile skill ``cand`` behind ``cand.after`` (its text: its ids decoded, which must
         encode back to them, or the entry would never match)."""
         tenant, after = job.tenant, list(cand.after)
         text = self.skills.engine.tokenizer.decode(list(cand.token_ids))
+        published = self._publish(job, text, cand.name, after, cand.token_ids,
+                                  f"skill {cand.name} decodes to a text that encodes to other "
+                                  "tokens; its variant is not learned")
+        if published is None:
+            return
+        info, size, existed = published
+        self._finish(job, info, existed, "variant_compiles", LearnedEntry(
+            info.key, tenant, cand.name, "variant", len(info), size,
+            skill=skill_id(tenant, info.token_ids), variant_of=cand.name,
+            behind=cand.predecessor or None, behind_tokens=len(after)))
+        log.info("kvnotes learner: learned a variant of %s behind %s (%d tokens%s)", cand.name,
+                 cand.predecessor or "?", len(after), f", tenant {tenant}" if tenant else "")
+
+    def _publish(self, job: _Job, text: str, name: str, after: list[int] | None,
+                 token_ids: Sequence[int], mismatch: str) -> tuple[PieceInfo, int, bool] | None:
+        """Compile ``text`` behind ``after`` and publish it: ``(info, bytes, existed)``; None
+        when it was not learned (already the operator's entry: recorded as such; or its text
+        encodes to other tokens than ``token_ids``: counted as a failure, never matched, and
+        ``mismatch`` logged)."""
+        tenant = job.tenant
         path = self.skills.path_for(text, after=after, tenant=tenant)
         if path.is_file() and path.stem not in self.registry:
-            self._learned(job, path.stem)  # the operator declared this very variant
-            return
+            # the operator registered this very entry: it is theirs, never learned or evicted
+            self._learned(job, path.stem)
+            return None
         existed = path.is_file()
-        info = self.skills.add(text, name=cand.name, after=after, tenant=tenant, capped=False)
-        if info.token_ids != tuple(cand.token_ids):
+        info = self.skills.add(text, name=name, after=after, tenant=tenant, capped=False)
+        if info.token_ids != tuple(token_ids):
             if not existed:
                 path.unlink(missing_ok=True)
             self._count("failures")
             self._learned(job, "")
-            log.warning("kvnotes learner: skill %s decodes to a text that encodes to other "
-                        "tokens; its variant is not learned", cand.name)
-            return
-        skill = skill_id(tenant, info.token_ids)
-        self.registry.record(LearnedEntry(
-            info.key, tenant, cand.name, "variant", len(info), path.stat().st_size, skill=skill,
-            variant_of=cand.name, behind=cand.predecessor or None, behind_tokens=len(after)))
+            log.warning("kvnotes learner: %s", mismatch)
+            return None
+        return info, path.stat().st_size, existed
+
+    def _finish(self, job: _Job, info: PieceInfo, existed: bool, counter: str,
+                entry: LearnedEntry) -> None:
+        """Record a published entry, count it when new, and enforce the bounds."""
+        self.registry.record(entry)
         if not existed:
-            self._count("variant_compiles")
+            self._count(counter)
         self._learned(job, info.key)
-        log.info("kvnotes learner: learned a variant of %s behind %s (%d tokens%s)", cand.name,
-                 cand.predecessor or "?", len(after), f", tenant {tenant}" if tenant else "")
-        self.cap_variants(skill, keep=info.key)
-        self.enforce(tenant)
+        self.cap_variants(entry.skill, keep=info.key)
+        self.enforce(job.tenant)
 
     def cap_variants(self, skill: str, keep: str | None = None) -> int:
         """Evict the least recently used learned entries of ``skill`` beyond ``max_variants``
