@@ -77,22 +77,13 @@ class FrontPlan:
     def skills(self) -> list[str]:
         return [s.name for s in self.spans if s.is_piece]
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """The entry chosen for each piece span, in order."""
-        return tuple(p.piece.key for p in self.parts if p.piece is not None and p.token_ids)
-
     def entries(self) -> list[dict[str, Any]]:
         """Per piece span: its name, the entry's key, its tokens and how many of them the plan
         recomputes in context (0: spliced as it is, e.g. an exactly placed variant)."""
-        pieces = [s for s in self.spans if s.is_piece]
-        keys = self.keys
-        if len(keys) != len(pieces):
-            return []
-        return [{"name": s.name, "key": key, "start": s.start, "end": s.end,
+        return [{"name": s.name, "key": s.key, "start": s.start, "end": s.end,
                  "repaired": sum(max(0, min(b, s.end) - max(a, s.start))
                                  for a, b in self.plan.regions)}
-                for s, key in zip(pieces, keys, strict=True)]
+                for s in self.spans if s.is_piece]
 
     @property
     def exactly_placed(self) -> list[str]:
