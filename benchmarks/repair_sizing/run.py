@@ -10,9 +10,9 @@ extra tokens and forwards and the relative change measured after each forward; a
 ``load.jsonl``, the load average sampled each minute (the machine is shared: fidelity figures
 are exact counts, timings are not reported).
 
-Example (under the shared lock, as every heavy run on the 2-core machine)::
+Example::
 
-    flock /work/wt/notes/heavy.lock env PYTHONPATH=src python benchmarks/repair_sizing/run.py \\
+    python benchmarks/repair_sizing/run.py \\
         --model smollm2-135m --set multi_turn --cases 16 --min-skills 2 --max-context 8192 \\
         --strategies exact,epic:32,epic:32@0.1,epic:32~0.15 \\
         --out docs/results/tools/smollm2-135m-multi_turn-repair-sizing
