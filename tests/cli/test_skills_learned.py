@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 import kvnotes
 from kvnotes.cli import app
-from kvnotes.cli.serve import learn_config
+from kvnotes.cli.serve import learn_config, serve_block_size
 from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import LearnConfig
@@ -87,6 +87,14 @@ def test_serve_learning_flags():
     assert cfg == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
                               tenant_quota=10**6)
     assert learn_config(True, 2, 32, None, None, 2).max_variants == 2
+    assert learn_config(True, 2, 32, None, None).compile_nice == 15
+    assert learn_config(True, 2, 32, None, None, 4, 19).compile_nice == 19
+    assert serve_block_size(None, learn=True) == 32
+    assert serve_block_size(None, learn=False) is None
+    assert serve_block_size(128, learn=True) == 128
+    result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--learn-compile-nice",
+                                 "20"])
+    assert result.exit_code == 2 and "--learn-compile-nice" in result.output
     with pytest.raises(InvalidArgumentError, match="--learn"):
         learn_config(False, 2, 32, "1GiB", None)
     result = runner.invoke(app, ["serve", "--skills", "x", "--library-cap", "1GiB"])

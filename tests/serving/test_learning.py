@@ -424,3 +424,16 @@ def test_the_compile_thread_runs_at_the_configured_nice_value() -> None:
     assert lower_priority(0) is False
     with pytest.raises(InvalidArgumentError):
         LearnConfig(compile_nice=20)
+
+
+def test_a_compile_s_share_of_a_busy_core_follows_the_kernel_weights() -> None:
+    from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE, busy_core_share
+
+    shares = [busy_core_share(n) for n in range(20)]
+    assert shares[0] == 0.5
+    assert all(a > b for a, b in zip(shares, shares[1:], strict=False))  # higher nice, less
+    assert 0.03 < busy_core_share(DEFAULT_COMPILE_NICE) < 0.04
+    assert busy_core_share(19) < 0.015
+    assert LearnConfig().compile_nice == DEFAULT_COMPILE_NICE
+    with pytest.raises(InvalidArgumentError):
+        busy_core_share(20)

@@ -11,6 +11,12 @@ import typer
 from kvnotes.cli.app import app, folder_option, read_text_file
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
+from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
+
+# vLLM's KV block for a learning server: repair regions are rounded up to blocks, and agent
+# traffic's chunks are short, so at the CPU build's default 128 rounding costs 14-16 points of
+# the spliced share (docs/results.md, agent traffic)
+LEARN_BLOCK_SIZE = 32
 
 if TYPE_CHECKING:
     from kvnotes.serving.front.config import LearnConfig
@@ -67,7 +73,7 @@ def serve(
     dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
                               "CPU has native bf16, else float32), float32 or bfloat16"),
     block_size: int | None = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
-                                          "multiple of 32; default 128)"),
+                                          "multiple of 32; default 128, 32 with --learn)"),
     max_model_len: int = typer.Option(4096, "--max-model-len"),
     kv_cache_gib: float = typer.Option(2, "--kv-cache-gib", help="CPU KV cache size in whole "
                                        "GiB (vLLM's CPU build takes no fractions)"),
@@ -96,6 +102,10 @@ def serve(
                                            "skill behind each predecessor seen --learn-after "
                                            "times before it); least recently used evicted "
                                            "beyond it"),
+    learn_compile_nice: int = typer.Option(
+        DEFAULT_COMPILE_NICE, "--learn-compile-nice", min=0, max=19, help="With --learn: the "
+        "compile thread's nice value; on a saturated core it gets a fixed share (15: 3.4%, "
+        "19: 1.4%, 0: half), on an idle one all of it"),
     vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
                                           "flags after --, passed unchanged (e.g. -- "
                                           "--tensor-parallel-size 2 --gpu-memory-utilization "
@@ -106,6 +116,7 @@ def serve(
     context) for any OpenAI client. Stops on Ctrl-C."""
     import kvnotes
     from kvnotes.serving.front.app import FrontConfig
+    from kvnotes.serving.front.config import busy_core_share
     from kvnotes.serving.front.guard_defaults import resolve_guard
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
     from kvnotes.serving.launch.process import check_kv_cache_gib
@@ -119,7 +130,8 @@ def serve(
     plan = server_repair_spelled(repair)
     tau, why = resolve_guard(guard, model)
     learning = learn_config(learn, learn_after, learn_min_tokens, library_cap, tenant_quota,
-                            learn_max_variants)
+                            learn_max_variants, learn_compile_nice)
+    block_size = serve_block_size(block_size, learn=learning is not None)
     if no_front and learning is not None:
         raise InvalidArgumentError("--learn is the front's (it sees the requests' chunks): "
                                    "drop --no-front")
@@ -162,7 +174,9 @@ def serve(
                            f"{learning.library_cap or 'none'} bytes, tenant quota "
                            f"{learning.tenant_quota or 'none'} bytes; variants of skills "
                            f"behind predecessors seen {learning.after} times, "
-                           f"{learning.max_variants} kept per skill", err=True)
+                           f"{learning.max_variants} kept per skill; compiles at nice "
+                           f"{learning.compile_nice} ({busy_core_share(learning.compile_nice):.1%}"
+                           f" of a busy core); vLLM blocks of {block_size}", err=True)
             typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
                        f"{'stderr, one JSON line each' if request_log else 'off'}", err=True)
             typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
@@ -182,8 +196,17 @@ def serve(
                        f"; log: {server.log_path}\n{server.log_tail(20)}")
 
 
+def serve_block_size(block_size: int | None, *, learn: bool) -> int | None:
+    """vLLM's KV block for ``kvnotes serve``: the one given, else :data:`LEARN_BLOCK_SIZE` for
+    a learning server, else vLLM's default (None)."""
+    if block_size is None and learn:
+        return LEARN_BLOCK_SIZE
+    return block_size
+
+
 def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | None,
-                 tenant_quota: str | None, max_variants: int = 4) -> LearnConfig | None:
+                 tenant_quota: str | None, max_variants: int = 4,
+                 compile_nice: int = DEFAULT_COMPILE_NICE) -> LearnConfig | None:
     """The front's :class:`LearnConfig` from ``kvnotes serve``'s flags (None without --learn;
     a bound given without --learn is an error, not ignored)."""
     from kvnotes.serving.front.config import LearnConfig, parse_size
@@ -196,7 +219,7 @@ def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | No
     return LearnConfig(after=after, min_tokens=min_tokens,
                        library_cap=None if library_cap is None else parse_size(library_cap),
                        tenant_quota=None if tenant_quota is None else parse_size(tenant_quota),
-                       max_variants=max_variants)
+                       max_variants=max_variants, compile_nice=compile_nice)
 
 
 def log_requests_to_stderr() -> None:

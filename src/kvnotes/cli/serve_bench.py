@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvnotes.cli.app import app, emit_json, folder_option
+from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmarks are imported when a command runs
     from kvnotes.bench.serving.corun import CorunConfig
@@ -552,6 +553,9 @@ def agent(
     repair: Annotated[str | None, typer.Option(
         "--repair", help="The launched front's repair, as `kvnotes serve --repair` spells it: "
         "K or K@F (default: the front's)")] = None,
+    compile_nice: Annotated[int, typer.Option(
+        "--learn-compile-nice", min=0, max=19, help="The server's compile thread nice value "
+        "(its `kvnotes serve --learn-compile-nice`)")] = DEFAULT_COMPILE_NICE,
     repair_variants: Annotated[str | None, typer.Option(
         "--repair-variants", help="Also measure each reordered request spliced with "
         "kvnotes.repair K for these K, comma-separated (e.g. 16,8; no share floor)")] = None,
@@ -575,7 +579,7 @@ def agent(
             model=model, parts=_names(parts, ("tools", "documents", "overhead", "soak")),
             cases=cases, docs=docs, docs_k=docs_k, repeats=repeats, learn=learn,
             library_cap_bytes=parse_bytes(library_cap), tenant=tenant, repair=repair,
-            protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
+            compile_nice=compile_nice, protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
                                     learn_timeout_s=learn_timeout, seed=seed,
                                     repairs=_counts(repair_variants)),
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,

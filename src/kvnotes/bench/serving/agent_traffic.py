@@ -43,6 +43,7 @@ from kvnotes.bench.serving.agent_traffic_protocol import (
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord, SoakSummary
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -71,6 +72,8 @@ class AgentBenchConfig:
             text) are left out and listed.
         repair: the launched front's repair as ``kvnotes serve --repair`` spells it (``K`` or
             ``K@F``; None: the front's default).
+        compile_nice: the learner's compile thread nice value (``kvnotes serve
+            --learn-compile-nice``).
     """
 
     model: str = "smollm2-135m"
@@ -86,6 +89,7 @@ class AgentBenchConfig:
     tenant: str | None = None
     max_context: int = 3500
     repair: str | None = None
+    compile_nice: int = DEFAULT_COMPILE_NICE
 
     def __post_init__(self) -> None:
         unknown = set(self.parts) - set(PARTS)
@@ -134,14 +138,16 @@ def front_repair(spec: str) -> tuple[int, float]:
 
 def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None = None,
                     after: int = 2, learn: bool = True, timeout: float = 600.0,
-                    repair: str | None = None) -> LaunchConfig:
+                    repair: str | None = None,
+                    compile_nice: int = DEFAULT_COMPILE_NICE) -> LaunchConfig:
     """``base`` with the connector over ``skills`` and the OpenAI front in front of it.
 
     With ``learn``, the front learns on sight (``kvnotes serve --learn``): a
     :class:`~kvnotes.serving.front.config.LearnConfig` with ``after`` (a chunk is compiled once
     seen that many times, per tenant) and ``library_cap=cap_bytes`` (``--library-cap``; None: no
     cap). Without it, the front is today's: it splices only registered skills. ``repair``:
-    the front's repair (``K`` or ``K@F``; None: its default).
+    the front's repair (``K`` or ``K@F``; None: its default). ``compile_nice``: the learner's
+    compile thread nice value.
     """
     from kvnotes.serving.front.config import FrontConfig, LearnConfig
 
@@ -150,7 +156,8 @@ def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None =
         first, share = front_repair(repair)
         front = dataclasses.replace(front, repair=first, repair_share=share)
     if learn:
-        front = dataclasses.replace(front, learn=LearnConfig(after=after, library_cap=cap_bytes))
+        front = dataclasses.replace(front, learn=LearnConfig(after=after, library_cap=cap_bytes,
+                                                              compile_nice=compile_nice))
     return dataclasses.replace(base, skills=skills, front=front)
 
 
@@ -311,7 +318,8 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     if main_parts:
         launch = launcher.prepare(learning_launch(
             base, out / "skills", cap_bytes=None, after=config.protocol.sightings,
-            learn=config.learn, timeout=request_timeout_s, repair=config.repair), engine)
+            learn=config.learn, timeout=request_timeout_s, repair=config.repair,
+            compile_nice=config.compile_nice), engine)
         say(f"starting vLLM ({launch.model.dtype}) with the connector and the front"
             f"{' (learning)' if config.learn else ''}; log: {launch.server.log_path}")
         with launch:
@@ -425,7 +433,8 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     base = dataclasses.replace(base, log_path=out / "server-soak.log")
     launch = launcher.prepare(learning_launch(
         base, out / "soak-skills", cap_bytes=config.library_cap_bytes,
-        after=config.soak.sightings, learn=config.learn, timeout=request_timeout_s), engine)
+        after=config.soak.sightings, learn=config.learn, timeout=request_timeout_s,
+        compile_nice=config.compile_nice), engine)
     assert launch.skills is not None  # learning_launch sets the skill folder
     keeper = EntryKeeper(launch.skills.folder, out / "soak-entries")
     say(f"soak: {config.soak.requests} requests from {config.soak.clients} clients over "

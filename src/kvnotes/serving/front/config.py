@@ -57,6 +57,31 @@ def parse_size(value: str | int) -> int:
     return size
 
 
+# Linux CFS load weights by nice value (kernel/sched/core.c, sched_prio_to_weight): a runnable
+# thread's CPU share on a contended core is its weight over the sum of the weights there.
+_CFS_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
+               110, 87, 70, 56, 45, 36, 29, 23, 18, 15)
+
+
+# a compile's nice value: 3.4% of a saturated core (busy_core_share), all of an idle one
+DEFAULT_COMPILE_NICE = 15
+
+
+def busy_core_share(nice: int) -> float:
+    """The share of a core a thread at ``nice`` gets beside one busy thread at nice 0 (Linux's
+    scheduler weights): the CPU a background compile takes from, and is guaranteed by, a
+    saturated server.
+
+    Example:
+        >>> round(busy_core_share(15), 3), busy_core_share(0)
+        (0.034, 0.5)
+    """
+    if not 0 <= nice <= 19:
+        raise InvalidArgumentError(f"nice {nice!r}: use 0 to 19")
+    weight = _CFS_WEIGHT[nice]
+    return weight / (_CFS_WEIGHT[0] + weight)
+
+
 @dataclass(frozen=True, slots=True)
 class LearnConfig:
     """How the front learns the chunks it sees (:mod:`kvnotes.serving.front.learner`).
@@ -78,9 +103,13 @@ class LearnConfig:
             each predecessor seen ``after`` times before it, and the chunk learned itself);
             the least recently used beyond it is evicted (pinned and leased ones are kept).
         compile_nice: the nice value of the compile thread (Linux sets it per thread, and
-            the threads it starts inherit it): a compile then takes the CPU time that serving
-            leaves, instead of delaying the first tokens of concurrent requests (0: the
-            server's own priority).
+            the threads it starts inherit it). On an idle CPU a compile runs at full speed at
+            any value; on a core that a serving thread keeps busy, the kernel's scheduler
+            gives the compile a share of that core fixed by this value
+            (:func:`busy_core_share`: 3.4% at the default 15), so it costs concurrent requests
+            at most about that share of their CPU and still always finishes. At 19 (1.4%) a
+            compile under saturating load barely progresses; at 0 (50%) it delays concurrent
+            first tokens by a third on 2 cores (``docs/results.md``, learning's TTFT cost).
     """
 
     after: int = 2
@@ -91,7 +120,7 @@ class LearnConfig:
     queue_size: int = 64
     flush_s: float = 5.0
     max_variants: int = 4
-    compile_nice: int = 19
+    compile_nice: int = DEFAULT_COMPILE_NICE
 
     def __post_init__(self) -> None:
         for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants"):
