@@ -64,6 +64,7 @@ bench: models
 	$(PY) -m kvnotes.bench.micro.splice_bandwidth --out $(OUT)/bench
 	$(PY) -m kvnotes.bench.micro.batch_decode --out $(OUT)/bench
 	$(PY) -m kvnotes.bench.micro.front_overhead --out $(OUT)/bench
+	$(PY) -m kvnotes.bench.micro.compile_share --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT)

@@ -226,3 +226,20 @@ def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, 
     assert kept.variants([*behind_header, *ids], {"ranges": [[len(behind_header), 0,
                                                               len(behind_header) + len(ids)]]}) \
         == {len(behind_header): 2}
+
+
+def test_the_entry_a_plan_names_is_taken_first(tokenizer, tmp_path):
+    # the front sends each range's entry key and the connector loads that very entry: the
+    # check rebuilds the composition from it, even where the preference rule would pick another
+    engine = make_tiny_engine("llama", tokenizer)
+    lib = ServingSkills(tmp_path / "lib", engine)
+    lib.add(REFUNDS, name="refunds", after=HEADER)
+    lib.add(REFUNDS, name="refunds", after=HEADER + BAGGAGE)
+    kept = KeptEntries(lib.folder, lib.manifest.fingerprint_obj)
+    ids = engine.tokens_of(REFUNDS, bos=False)[0]
+    behind_baggage = engine.tokens_of(HEADER + BAGGAGE)[0]
+    preferred_first = kept.matches(ids, behind_baggage)
+    other = preferred_first[1]
+    named = kept.matches(ids, behind_baggage, key=other.stem)
+    assert named == [other, preferred_first[0]]
+    assert kept.matches(ids, behind_baggage, key="not-kept") == preferred_first

@@ -128,6 +128,7 @@ class KeptEntries:
         from kvnotes.serving.library.piece_store import index_entry
 
         self.by_ids: dict[tuple[int, ...], list[tuple[PieceInfo, Path]]] = {}
+        self.by_key: dict[str, Path] = {}
         self.skipped = 0
         for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
             try:
@@ -136,20 +137,28 @@ class KeptEntries:
                 self.skipped += 1
                 continue
             self.by_ids.setdefault(piece.token_ids, []).append((piece, path))
+            self.by_key[piece.key] = path
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_ids.values())
 
-    def matches(self, ids: Sequence[int], before: Sequence[int]) -> list[Path]:
-        """Entries holding ``ids`` placed after the prompt's tokens ``before``, in the order
-        the server prefers them (:func:`~kvnotes.serving.library.splice.preferred`, the rule
-        the front and the connector share: the longest shared suffix of its compile prefix
-        with ``before``, then the one prefilled at that position, then the latest)."""
+    def matches(self, ids: Sequence[int], before: Sequence[int],
+                key: str | None = None) -> list[Path]:
+        """Entries holding ``ids`` placed after the prompt's tokens ``before``: the entry
+        ``key`` first (the one the plan names: the connector loads that very entry, or
+        computes the range), then the others in the order the server prefers them
+        (:func:`~kvnotes.serving.library.splice.preferred`, the rule the front and the
+        connector share: the longest shared suffix of its compile prefix with ``before``, then
+        the one prefilled at that position, then the latest)."""
         from kvnotes.serving.library.splice import preferred
 
         left = list(self.by_ids.get(tuple(int(t) for t in ids), []))
         pos, before = len(before), [int(t) for t in before]
         out: list[Path] = []
+        named = self.by_key.get(key) if key else None
+        if named is not None and any(path == named for _, path in left):
+            out.append(named)
+            left = [(piece, path) for piece, path in left if path != named]
         while left:
             best = preferred([piece for piece, _ in left], pos, before)
             at = next(i for i, (piece, _) in enumerate(left) if piece is best)
@@ -277,10 +286,12 @@ class AgentOracle:
             if bos is not None and ps == 0 and end == 1:
                 continue  # the BOS entry: compose's own BOS is its prefill
             ends[ps] = max(end, ends.get(ps, end))
+        keys = {int(e["start"]): str(e["key"]) for e in plan.get("entries") or []
+                if e.get("key")}
         parts: list[Any] = []
         pos = 0 if bos is None else 1
         for ps in sorted(ends):
-            found = self.entries.matches(ids[ps:ends[ps]], ids[:ps])
+            found = self.entries.matches(ids[ps:ends[ps]], ids[:ps], keys.get(ps))
             if not found:
                 return None, f"no kept entry holds prompt tokens [{ps}, {ends[ps]})"
             text = self.text_parts(ids[pos:ps]) if ps >= pos else None
