@@ -8,8 +8,8 @@ instead). A request the front sends as its own ids (``FrontRequest.sent_as_ids``
 structured chat, with tools, content parts or no template; a completion text containing a
 registered skill) that is not spliced is sent exactly by the front itself (:meth:`Proxy.exact`:
 the same part-wise ids to ``/v1/completions``, no splice salt, answered in the client's
-format), never forwarded for vLLM to tokenize or render. A stream holds its first token back until the guard has decided; an
-upstream stream that breaks ends with an error event and ``[DONE]``.
+format), never forwarded for vLLM to tokenize or render. A stream holds its first token back
+until the guard has decided; an upstream stream that breaks ends with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations

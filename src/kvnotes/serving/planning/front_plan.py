@@ -4,7 +4,8 @@ A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serv
 and tokenized part by part as ``engine.compose`` lays a prompt out (BOS when the tokenizer adds
 one, then each part alone: the layout of ``layout.prompt_ids``; the front lays it out when it
 reads the request, :func:`~kvnotes.serving.planning.request.read_completion_text`, and sends
-these ids spliced or not); a prompt of token ids is split where the pieces' tokens occur. Either way the match says which piece each part is,
+these ids spliced or not); a prompt of token ids is split where the pieces' tokens occur.
+Either way the match says which piece each part is,
 and the layout is built from it (matched once). The part layout is planned by
 :func:`kvnotes.serving.planning.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
 salt), and the bodies come from the plan's builders with the client's sampling fields laid
