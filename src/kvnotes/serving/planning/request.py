@@ -1,7 +1,9 @@
 """Reading one OpenAI request for the front: can it be planned, and what does it ask.
 
 :func:`read_request` turns a client's JSON body for ``/v1/completions`` or
-``/v1/chat/completions`` into a :class:`FrontRequest`: the prompt (text, or token ids), the
+``/v1/chat/completions`` into a :class:`FrontRequest`: the prompt (text, or token ids; a
+completion text containing a registered skill laid out part by part,
+:func:`read_completion_text`, the ids the front sends spliced or not), the
 sampling fields passed on to vLLM's completions endpoint, streaming, what the client asked of
 ``usage`` and ``logprobs``, and the per-request kvnotes options (``extra_body={"kvnotes":
 {...}}``: :class:`FrontOptions`). A chat's messages (and ``tools``) are rendered by the front
