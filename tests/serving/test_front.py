@@ -292,6 +292,17 @@ def test_a_completion_text_is_sent_as_the_same_ids_spliced_or_not(front, fake, t
     assert sent["True"] == sent["False"] == ids
 
 
+def test_an_opted_out_completion_text_streams_in_openai_format(front, fake, client, tokenizer):
+    texts = [HEADER, REFUNDS, USER]
+    stream = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=3,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"kvnotes": {"splice": False}})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "exact answer"
+    assert kvnotes_usage(chunks[-1].usage)["exact"] == "opted_out"
+    assert fake.posted()[-1]["prompt"] == [t for p in part_ids(tokenizer, texts) for t in p]
+
+
 def test_an_opted_out_completion_keeps_its_salt_and_one_without_skills_is_forwarded(
         front, fake):
     text = HEADER + REFUNDS + USER
