@@ -268,6 +268,64 @@ def test_opt_out_is_forwarded_exactly(front, fake, client):
     assert fake.posted() == []
 
 
+def test_a_completion_text_is_sent_as_the_same_ids_spliced_or_not(front, fake, tokenizer):
+    """Tokenized whole, this text merges tokens at a skill's edge (SmolLM2: the skill's
+    closing "." and the user text's opening ".." become one "..."); the front sends its
+    part-wise ids both ways, so the two answers differ only by the KV spliced."""
+    texts = [HEADER, REFUNDS, ".." + USER]
+    text = "".join(texts)
+    ids = [t for p in part_ids(tokenizer, texts) for t in p]
+    assert tokenizer(text)["input_ids"] != ids  # what vLLM would compute for the text
+    sent: dict[str, list[int]] = {}
+    for splice in (True, False):
+        resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": text, "max_tokens": 3, "temperature": 0,
+            "kvnotes": {"splice": splice}})
+        assert resp.status_code == 200, resp.text
+        sent[str(splice)] = fake.posted()[-1]["prompt"]
+        if not splice:
+            assert resp.headers[REASON_HEADER].startswith("exact: opted_out")
+            assert resp.json()["choices"][0]["text"] == "exact answer"
+            assert resp.json()["usage"]["kvnotes"]["exact"] == "opted_out"
+            assert "kv_transfer_params" not in fake.posted()[-1]
+            assert "cache_salt" not in fake.posted()[-1]
+    assert sent["True"] == sent["False"] == ids
+
+
+def test_an_opted_out_completion_text_streams_in_openai_format(front, fake, client, tokenizer):
+    texts = [HEADER, REFUNDS, USER]
+    stream = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=3,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"kvnotes": {"splice": False}})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "exact answer"
+    assert kvnotes_usage(chunks[-1].usage)["exact"] == "opted_out"
+    assert fake.posted()[-1]["prompt"] == [t for p in part_ids(tokenizer, texts) for t in p]
+
+
+def test_an_opted_out_completion_keeps_its_salt_and_one_without_skills_is_forwarded(
+        front, fake):
+    text = HEADER + REFUNDS + USER
+    resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": text, "cache_salt": "mine", "kvnotes": {"splice": False}})
+    assert resp.headers[REASON_HEADER].startswith("exact: opted_out")
+    assert fake.posted()[-1]["cache_salt"] == "mine"
+    for prompt in ("no registered skill here", [1, 2, 3]):
+        body = {"model": MODEL, "prompt": prompt, "kvnotes": {"splice": False}}
+        resp = httpx2.post(front.url + "/v1/completions", timeout=30, json=body)
+        assert resp.headers[REASON_HEADER].startswith("forwarded: opted_out")
+        assert fake.posted()[-1] == {k: v for k, v in body.items() if k != "kvnotes"}
+
+
+def test_a_completion_text_not_planned_is_answered_as_its_part_wise_ids(front, fake,
+                                                                        tokenizer):
+    texts = ["Hello.", REFUNDS, ".." + USER]  # no header: the skill is all repaired
+    resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "".join(texts), "kvnotes": {"repair": 10_000}})
+    assert resp.headers[REASON_HEADER].startswith("exact: nothing_left")
+    assert fake.posted()[-1]["prompt"] == [t for p in part_ids(tokenizer, texts) for t in p]
+
+
 @pytest.mark.parametrize("body", [
     {"prompt": "no registered skill here", "max_tokens": 2},
     {"prompt": HEADER + REFUNDS + USER, "suffix": "x"},

@@ -37,8 +37,8 @@ def test_a_pair_seen_twice_is_learned_and_then_spliced_exactly_placed(vllm_launc
     prompt = HEADER + pred + skill + USER
     name = launch.server.served_name
 
-    def ask(front: Front, prompt_ids: list[int] | None = None, **opts: object) -> dict:
-        body = {"model": name, "prompt": prompt if prompt_ids is None else prompt_ids,
+    def ask(front: Front, **opts: object) -> dict:
+        body = {"model": name, "prompt": prompt,
                 "max_tokens": 16, "temperature": 0, "kvnotes": {"tenant": OWNER, **opts}}
         resp = httpx2.post(front.url + "/v1/completions", json=body, timeout=600)
         assert resp.status_code == 200, resp.text
@@ -61,12 +61,12 @@ def test_a_pair_seen_twice_is_learned_and_then_spliced_exactly_placed(vllm_launc
         assert f"{OWNER}-baggage" in plan["exactly_placed"]
         assert not any(a <= start < b for a, b in plan["regions"])  # nothing of it repaired
         assert got["usage"]["kvnotes"]["spliced_tokens"] > start
-        # the same token ids computed exactly (the front lays a text prompt out part by part,
-        # each part tokenized alone; the text sent whole may tokenize otherwise at a boundary)
+        # the same text computed exactly: the front sends the same part-wise ids unspliced
         ids = prompt_ids(tok, [HEADER, pred, skill, USER])
         assert len(ids) == plan["prompt_len"]
-        exact = ask(front, splice=False, prompt_ids=ids)
-    assert "kvnotes" not in exact["usage"]
+        exact = ask(front, splice=False)
+    assert exact["usage"]["kvnotes"]["exact"] == "opted_out"
+    assert exact["usage"]["prompt_tokens"] == len(ids)
     assert learner.counters()["variant_compiles"] == 1
     spliced, unspliced = got["choices"][0]["text"], exact["choices"][0]["text"]
     # every entry of the chain sits behind the very ids it was compiled behind: the spliced KV

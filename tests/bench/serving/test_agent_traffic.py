@@ -642,10 +642,15 @@ def stats_server():
     import threading
 
     state: dict = {"stats": {"requests": 3, "learner": {"sightings": 4, "compiles": 2,
-                                                        "failures": 0, "learned_entries": 2}}}
+                                                        "failures": 0, "learned_entries": 2}},
+                   "key": None}  # a key: the route answers 401 without it, as a front's
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802  # the stdlib's name
+            if state["key"] is not None and \
+                    self.headers.get("Authorization") != f"Bearer {state['key']}":
+                self.send_error(401)
+                return
             if self.path != "/kvnotes/stats" or state["stats"] is None:
                 self.send_error(404)
                 return
@@ -683,6 +688,22 @@ def test_the_sdk_client_reads_the_front_learner_counters(stats_server, fake_serv
     state["stats"] = None
     assert asyncio.run(read(url)) is None
     assert asyncio.run(read(fake_server[0])) is None  # vLLM itself: no such route
+
+
+def test_the_sdk_client_reads_the_counters_with_its_api_key(stats_server) -> None:
+    url, state = stats_server
+    state["key"] = "sekret"
+
+    async def read(key: str) -> dict | None:
+        sender = OpenAISender(url, "smollm2-135m", timeout=10.0, api_key=key)
+        try:
+            return await sender.learner()
+        finally:
+            await sender.close()
+
+    got = asyncio.run(read("sekret"))
+    assert got is not None and got["compiles"] == 2
+    assert asyncio.run(read("wrong")) is None  # refused: no counters
 
 
 def test_the_sdk_client_reports_a_refused_request_as_failed(fake_server) -> None:

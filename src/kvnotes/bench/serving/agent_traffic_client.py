@@ -192,7 +192,7 @@ class OpenAISender:
         from openai import AsyncOpenAI
 
         self.model, self.tenant, self.url = model, tenant, url.rstrip("/")
-        self.timeout = timeout
+        self.timeout, self.api_key = timeout, api_key
         self.client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key,
                                   timeout=timeout, max_retries=0)
 
@@ -262,12 +262,14 @@ class OpenAISender:
                       ttft_s=ttft, total_s=time.perf_counter() - t0)
 
     async def learner(self) -> dict[str, int] | None:
-        """The front's learner counters, from ``GET /kvnotes/stats``."""
+        """The front's learner counters, from ``GET /kvnotes/stats`` (sent with the key the
+        requests use: a front with ``--api-key`` checks it there too)."""
         import httpx2
 
         try:
             async with httpx2.AsyncClient(trust_env=False, timeout=self.timeout) as http:
-                resp = await http.get(self.url + STATS_PATH)
+                resp = await http.get(self.url + STATS_PATH,
+                                      headers={"Authorization": f"Bearer {self.api_key}"})
                 resp.raise_for_status()
                 stats = resp.json()
         except (httpx2.HTTPError, ValueError):

@@ -114,7 +114,8 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
         "spliced_tokens": got.spliced_tokens,
         "skills_found": (got.plan or {}).get("skills") if got.usage_kvnotes is not None
         else None,
-        "forwarded": got.usage_kvnotes is None and got.plan is None,
+        # not spliced: forwarded, or sent exactly as its part-wise ids
+        "forwarded": got.plan is None,
         # what the plan recomputed, and which entry each piece was spliced from
         "repaired_tokens": (got.plan or {}).get("repaired_tokens"),
         "entries": (got.plan or {}).get("entries")}

@@ -19,12 +19,15 @@ here. Routes:
 - ``GET /kvnotes/stats``: the front's counters; any other route is a 404.
 
 Per request, ``extra_body={"kvnotes": {...}}``
-(:class:`~kvnotes.serving.planning.request.FrontOptions`): ``splice`` (false: forwarded
-exactly), ``tenant``, ``repair`` (first tokens), ``guard`` (tau). A wrong body (bad JSON, a
-field of the wrong type, an unknown or invalid kvnotes option) is a 400 naming the field. A
-valid request the front cannot plan (no skill found, a field it does not model, a template that
-fails) is forwarded to vLLM exactly; the reason is in the ``x-kvnotes`` response header and in
-``kvnotes_front_forwarded_total{reason}``. vLLM's errors come back with their status and body.
+(:class:`~kvnotes.serving.planning.request.FrontOptions`): ``splice`` (false: answered exactly;
+a prompt the front lays out itself, a completion text with a registered skill or a structured
+chat, is sent as the same part-wise ids unspliced), ``tenant``, ``repair`` (first tokens),
+``guard`` (tau). A wrong body (bad JSON, a field of the wrong type, an unknown or invalid
+kvnotes option) is a 400 naming the field. A valid request the front cannot plan (no skill
+found, a field it does not model, a template that fails) is forwarded to vLLM exactly (a prompt
+the front lays out itself: sent exactly as its part-wise ids); the reason is in the
+``x-kvnotes`` response header and in ``kvnotes_front_forwarded_total{reason}``. vLLM's errors
+come back with their status and body.
 
 Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, ``/v1`` and
 ``/kvnotes`` need one (401), a request's tenant is its key's (a ``kvnotes.tenant`` naming

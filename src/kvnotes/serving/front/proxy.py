@@ -4,11 +4,12 @@ A request is either forwarded exactly (:meth:`Proxy.forward`: vLLM's answer rela
 comes, the reason in the :data:`REASON_HEADER` header) or spliced (:meth:`Proxy.spliced`: the
 phase requests, then the real one, answered in the client's format by
 :class:`~kvnotes.serving.front.format.Shaper`; when the guard fires, the exact request's answer
-instead). A structured chat (tools, content parts, no template: ``FrontRequest.structured``)
-that is not spliced is sent exactly by the front itself (:meth:`Proxy.exact`: the same
-part-wise ids to ``/v1/completions``, no splice salt, answered as a chat), never forwarded to
-vLLM's chat endpoint. A stream holds its first token back until the guard has decided; an
-upstream stream that breaks ends with an error event and ``[DONE]``.
+instead). A request the front sends as its own ids (``FrontRequest.sent_as_ids``: a
+structured chat, with tools, content parts or no template; a completion text containing a
+registered skill) that is not spliced is sent exactly by the front itself (:meth:`Proxy.exact`:
+the same part-wise ids to ``/v1/completions``, no splice salt, answered in the client's
+format), never forwarded for vLLM to tokenize or render. A stream holds its first token back
+until the guard has decided; an upstream stream that breaks ends with an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Proxy:
             if status != 200:
                 why = Unplannable(f"a phase failed: HTTP {status}: "
                                   f"{data[:200].decode(errors='replace')}", "phase_failed")
-                if req.structured:
+                if req.sent_as_ids:
                     reply = await self.exact(req, model, call, why, salt)
                 else:
                     reply = await self.forward(req.kind, exact, call, why, None)
@@ -111,8 +112,9 @@ class Proxy:
 
     async def exact(self, req: FrontRequest, model: str, call: Call, why: Unplannable,
                     salt: str | None) -> Reply:
-        """A structured chat sent exactly: its part-wise ids to ``/v1/completions`` (the
-        exact ``salt``, no splice salt), answered as a chat; ``why`` in the reason header."""
+        """A request sent exactly as its own ids (a structured chat, a completion text with
+        a registered skill): its part-wise ids to ``/v1/completions`` (the exact ``salt``, no
+        splice salt), answered in the client's format; ``why`` in the reason header."""
         call.outcome, call.reason = "exact", why.code
         call.upstream_started()
         body = exact_body(req.prompt_ids, req, model)

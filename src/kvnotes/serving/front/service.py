@@ -5,7 +5,8 @@ catalog, the keys, the metrics, the pooled client to vLLM, the planning threads)
 checked body: planned on a small thread pool (each thread with its own tokenizer copy, no
 global lock), then spliced, or answered exactly with the reason
 (:class:`~kvnotes.serving.front.proxy.Proxy`): forwarded as it came, or, for a structured
-chat (tools, content parts, no chat template), its same part-wise ids sent unspliced.
+chat (tools, content parts, no chat template) or a completion text containing a registered
+skill, its same part-wise ids sent unspliced.
 :class:`~kvnotes.serving.front.app.Front` serves it over HTTP.
 
 Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request's tenant is
@@ -215,14 +216,12 @@ class FrontService:
         if salt is not None:
             exact["cache_salt"] = salt
         try:
-            if not opts.splice and kind != "chat":
-                raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
             block_size: int | Unplannable = Unplannable(f"{OPTIONS_KEY}.splice is false",
                                                         "opted_out")
             if opts.splice:
                 try:
                     block_size = await self.up.block_size()
-                except Unplannable as err:  # a structured chat is still answered exactly
+                except Unplannable as err:  # sent as its own ids, it is answered exactly
                     block_size = err
             req, fp = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._plan, kind, data, opts, tenant, block_size)
@@ -243,9 +242,10 @@ class FrontService:
 
     def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
               block_size: int | Unplannable) -> tuple[FrontRequest, FrontPlan | Unplannable]:
-        """The request and its plan; for a structured chat that is not spliced, why not
-        (it is then sent exactly as the same ids). ``block_size``: why not, when unknown or
-        opted out."""
+        """The request and its plan; for a request sent as its own ids
+        (:attr:`FrontRequest.sent_as_ids`: a structured chat, a completion text with a
+        registered skill) that is not spliced, why not (it is then sent exactly as the same
+        ids). ``block_size``: why not, when unknown or opted out."""
         tokenizer = self._tokenizer()
         req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
         self.observe(tenant, req.chunks)
@@ -257,7 +257,7 @@ class FrontService:
             self.observe_variants(tenant, fp)
             return req, fp
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
-            if req.structured:  # answered exactly as the same ids, not forwarded
+            if req.sent_as_ids:  # answered exactly as the same ids, not forwarded
                 return req, why_not(err)
             raise
 

@@ -2,8 +2,10 @@
 
 A text prompt is split at the registered skills it contains (:mod:`~kvnotes.serving.planning.match`)
 and tokenized part by part as ``engine.compose`` lays a prompt out (BOS when the tokenizer adds
-one, then each part alone: the layout of ``layout.prompt_ids``); a prompt of token ids
-is split where the pieces' tokens occur. Either way the match says which piece each part is,
+one, then each part alone: the layout of ``layout.prompt_ids``; the front lays it out when it
+reads the request, :func:`~kvnotes.serving.planning.request.read_completion_text`, and sends
+these ids spliced or not); a prompt of token ids is split where the pieces' tokens occur.
+Either way the match says which piece each part is,
 and the layout is built from it (matched once). The part layout is planned by
 :func:`kvnotes.serving.planning.phases.plan_phases` (the repair rule, block-aligned, with the tenant's
 salt), and the bodies come from the plan's builders with the client's sampling fields laid
@@ -12,7 +14,8 @@ each of its chunks (a tool, a content part) and each registered skill found in i
 matched as a whole by its tokens at its position. A prompt with no registered skill or known
 chunk, or whose pieces are all recomputed, raises
 :class:`~kvnotes.serving.planning.request.Unplannable` (the request is forwarded as it came, or,
-for a structured chat, sent exactly as the same ids).
+when the front sends it as its own ids, a structured chat or a completion text with a
+registered skill, sent exactly as the same ids).
 """
 
 from __future__ import annotations
@@ -127,8 +130,9 @@ def catalog_view(catalog: SkillCatalog, tenant: str | None) -> CatalogView:
 
 
 def chat_parts(req: FrontRequest, index: PieceIndex) -> list[SentPart]:
-    """A laid-out chat's parts as sent: the BOS part, each registered skill and each chunk
-    with the piece whose tokens are exactly its own at its position (None: computed)."""
+    """A laid-out prompt's parts as sent (a chat's, or a completion text's): the BOS part,
+    each registered skill and each chunk with the piece whose tokens are exactly its own at
+    its position (None: computed)."""
     ids = req.prompt_ids
     out: list[SentPart] = []
     pos = len(req.lead_ids)

@@ -1,7 +1,9 @@
 """Reading one OpenAI request for the front: can it be planned, and what does it ask.
 
 :func:`read_request` turns a client's JSON body for ``/v1/completions`` or
-``/v1/chat/completions`` into a :class:`FrontRequest`: the prompt (text, or token ids), the
+``/v1/chat/completions`` into a :class:`FrontRequest`: the prompt (text, or token ids; a
+completion text containing a registered skill laid out part by part,
+:func:`read_completion_text`, the ids the front sends spliced or not), the
 sampling fields passed on to vLLM's completions endpoint, streaming, what the client asked of
 ``usage`` and ``logprobs``, and the per-request kvnotes options (``extra_body={"kvnotes":
 {...}}``: :class:`FrontOptions`). A chat's messages (and ``tools``) are rendered by the front
@@ -38,6 +40,7 @@ from kvnotes.serving.planning.chat_render import (
     render_chat_parts,
 )
 from kvnotes.serving.planning.chunks import SeenChunk
+from kvnotes.serving.planning.layout import part_ids
 
 OPTIONS_KEY = "kvnotes"
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -238,8 +241,17 @@ class FrontRequest:
 
     @property
     def prompt_ids(self) -> list[int]:
-        """A chat's prompt token ids as laid out (the BOS part, then every part's)."""
+        """The prompt's token ids as laid out (the BOS part, then every part's): a chat's, or a
+        completion text's split at the registered skills it contains."""
         return [*self.lead_ids, *(t for p in self.parts for t in p.token_ids)]
+
+    @property
+    def sent_as_ids(self) -> bool:
+        """Whether the front sends this prompt as its own laid-out ids however it is answered
+        (spliced, guarded, opted out, not planned): a structured chat, or a completion text
+        that contains a registered skill. Its exact counterpart is then these same ids, never
+        the request forwarded for vLLM to tokenize."""
+        return self.structured or (self.kind == "completion" and bool(self.parts))
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
@@ -320,24 +332,61 @@ def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
     req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
 
 
+def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find) -> None:
+    """Lay a completion's text prompt out into ``req`` when it contains a registered skill
+    (``find``: the catalog's registered texts): the text split at them, BOS first when the
+    tokenizer adds one, then each part tokenized alone
+    (:func:`~kvnotes.serving.planning.layout.part_ids`, the layout ``engine.compose`` and the
+    skills' compiles use), each skill a ``"skill"`` part. These ids are what the front sends,
+    spliced or not (:attr:`FrontRequest.sent_as_ids`). No skill found: :class:`Unplannable`
+    (``no_skill``, or ``opted_out`` for ``kvnotes.splice`` false); the request is forwarded as
+    it came, and vLLM tokenizes its text.
+
+    Why part-wise, not the ids vLLM computes for the whole text: tokenizing across a part's
+    edge merges tokens there, so a skill's ids would often not occur in the whole text's ids
+    at all and could not be spliced. The bundled SmolLM2's byte-level BPE tokenizes a part
+    ending in a blank line (``"...\n\n"``) as one ``"\n\n"`` token alone but as two
+    ``"\n"`` tokens before a letter in the whole text: in a prompt laid out as a header and
+    skills, each ending in a blank line, not one part's ids occur in the whole text's.
+    The exact counterpart (``splice`` false, the guard's, an unplanned request's) is sent as
+    the same ids instead, so a spliced answer differs from the exact one only by the KV it
+    reuses.
+    """
+    found = find(req.text or "")
+    if not any(p.skill is not None for p in found):
+        if not req.options.splice:
+            raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
+        raise Unplannable("no registered skill in the prompt", "no_skill")
+    found = [p for p in found if p.text]
+    ids = part_ids(tokenizer, [p.text for p in found])
+    lead = len(ids) - len(found)  # the BOS part, when the tokenizer adds one
+    req.lead_ids = tuple(t for tokens in ids[:lead] for t in tokens)
+    req.parts = tuple(ChatPart(p.text, "text" if p.skill is None else "skill", tuple(tokens))
+                      for p, tokens in zip(found, ids[lead:], strict=True))
+
+
 def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = None
                  ) -> FrontRequest:
     """A :class:`FrontRequest` of a client's body (``kind``: a value of :data:`ENDPOINTS`);
     :class:`Unplannable` when it must be forwarded as it came. ``find``: the catalog's
-    registered texts (a chat's text parts are split at them; None: not split). A structured
-    chat (:attr:`FrontRequest.structured`) with ``kvnotes.splice`` false is read all the same:
-    its exact counterpart is sent by the front."""
+    registered texts (a chat's text parts and a completion's text are split at them; None: not
+    split, and a completion text is laid out by the planner). A structured chat
+    (:attr:`FrontRequest.structured`) and a completion text containing a registered skill with
+    ``kvnotes.splice`` false are read all the same: their exact counterpart is sent by the
+    front as the same ids (:attr:`FrontRequest.sent_as_ids`)."""
     if not isinstance(body, dict):
         raise Unplannable("the body is not a JSON object", "prompt_shape")
     options = read_options(body.get(OPTIONS_KEY))
-    if not options.splice and kind != "chat":
+    if not options.splice and kind != "chat" and (kind != "completion" or find is None):
         raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     _one_choice(body)
     stream, include_usage = _stream_fields(body)
     sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
     req = FrontRequest(kind, options, sampling, stream=stream, include_usage=include_usage)
     if kind == "completion":
-        _check_fields(body, COMPLETION_FIELDS, "completion")
+        # an opted-out request's own cache_salt is kept (nothing of it is spliced)
+        _check_fields(body, COMPLETION_FIELDS | ({"cache_salt"} if not options.splice
+                                                 else frozenset()), "completion")
         if body.get("echo"):
             raise Unplannable("echo is passed to vLLM as it is", "echo")
         if body.get("add_special_tokens", True) is not True:
@@ -348,8 +397,12 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
             req.text = prompt
+            if find is not None:
+                read_completion_text(req, tokenizer, find)
         elif (isinstance(prompt, list) and prompt
               and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+            if not options.splice:  # token ids mean the same to vLLM: sent as they came
+                raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
             req.ids = [int(t) for t in prompt]
         else:
             raise Unplannable("the prompt is not one text or one list of token ids",
