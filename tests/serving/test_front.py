@@ -257,15 +257,32 @@ def test_client_logprobs_are_trimmed_to_what_it_asked(front, fake, client):
 
 
 # ---- forwarded exactly -------------------------------------------------------------------------
-def test_opt_out_is_forwarded_exactly(front, fake, client):
+def test_an_opted_out_chat_without_skills_is_forwarded_exactly(front, fake, client):
+    messages = [{"role": "user", "content": "I cancelled after two days. What do I get back?"}]
     resp = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=chat_messages(), max_tokens=3,
-        extra_body={"kvnotes": {"splice": False}})
+        model=MODEL, messages=messages, max_tokens=3, extra_body={"kvnotes": {"splice": False}})
     assert resp.parse().choices[0].message.content == "vllm chat"
     assert resp.headers[REASON_HEADER].startswith("forwarded")
     assert fake.posted("/v1/chat/completions") == [
-        {"model": MODEL, "messages": chat_messages(), "max_tokens": 3}]
+        {"model": MODEL, "messages": messages, "max_tokens": 3}]
     assert fake.posted() == []
+
+
+def test_a_chat_with_a_skill_is_sent_as_the_same_ids_spliced_or_not(front, fake, client):
+    # vLLM's chat endpoint would render and tokenize the chat whole; the front sends the
+    # opted-out chat as the laid-out ids its spliced counterpart is planned on
+    sent: dict[bool, list[int]] = {}
+    for splice in (True, False):
+        resp = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=chat_messages(), max_tokens=3, temperature=0,
+            extra_body={"kvnotes": {"splice": splice}})
+        sent[splice] = fake.posted()[-1]["prompt"]
+        if not splice:
+            assert resp.headers[REASON_HEADER].startswith("exact: opted_out")
+            assert resp.parse().choices[0].message.content == "exact answer"
+            assert "cache_salt" not in fake.posted()[-1]
+    assert sent[True] == sent[False]
+    assert fake.posted("/v1/chat/completions") == []
 
 
 def test_a_completion_text_is_sent_as_the_same_ids_spliced_or_not(front, fake, tokenizer):

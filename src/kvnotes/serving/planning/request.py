@@ -248,10 +248,12 @@ class FrontRequest:
     @property
     def sent_as_ids(self) -> bool:
         """Whether the front sends this prompt as its own laid-out ids however it is answered
-        (spliced, guarded, opted out, not planned): a structured chat, or a completion text
-        that contains a registered skill. Its exact counterpart is then these same ids, never
-        the request forwarded for vLLM to tokenize."""
-        return self.structured or (self.kind == "completion" and bool(self.parts))
+        (spliced, guarded, opted out, not planned): a structured chat, a chat whose text holds
+        a registered skill, or a completion text that contains one. Its exact counterpart is
+        then these same ids, never the request forwarded for vLLM to render or tokenize."""
+        if self.structured or (self.kind == "completion" and bool(self.parts)):
+            return True
+        return self.kind == "chat" and any(p.kind == "skill" for p in self.parts)
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
@@ -312,13 +314,17 @@ def _tool_choice(body: Mapping[str, Any]) -> bool:
 def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
               find: Find | None) -> None:
     """Render and lay out a chat into ``req`` (``find``: the catalog's registered texts, which
-    split the text parts; None: none). An opted-out chat that is not structured raises
-    :class:`Unplannable` before it is tokenized (it is forwarded as it came)."""
+    split the text parts; None: none). An opted-out chat that is neither structured nor holds
+    a registered skill raises :class:`Unplannable` (it is forwarded as it came); one that holds
+    a skill is sent as the same laid-out ids as its spliced counterpart
+    (:attr:`FrontRequest.sent_as_ids`)."""
     try:
         rendered = render_chat_parts(tokenizer, body.get("messages"), body.get("tools"))
     except ChatShapeError as err:
         raise Unplannable(str(err), err.code) from err
-    if not req.options.splice and not rendered.structured:
+    laid = lay_out_chat(tokenizer, rendered.parts, find)
+    if not req.options.splice and not rendered.structured \
+            and not any(p.kind == "skill" for p in laid.parts):
         raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     req.tool_calls = _tool_choice(body)
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
@@ -327,7 +333,6 @@ def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
         req.sampling.setdefault("skip_special_tokens", False)
     if rendered.layout == "default":  # a base model: its answer ends where a user turn would
         req.sampling.setdefault("stop", list(DEFAULT_STOP))
-    laid = lay_out_chat(tokenizer, rendered.parts, find)
     req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
     req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
 
