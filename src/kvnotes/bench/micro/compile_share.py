@@ -218,8 +218,8 @@ def plot(result: CompileShareResult, path: Path) -> None:
     ax.plot(nices, [r.idle_s for r in result.rows], "o-", color="tab:green", label="idle CPU")
     ax.plot(nices, [r.busy_s for r in result.rows], "o-", color="tab:red",
             label=f"beside {result.busy_processes} busy processes")
-    ax.plot(nices, [result.rows[0].idle_s / (2 * r.predicted_share) for r in result.rows], ":",
-            color="gray", label="idle time / (2 x predicted share)")
+    ax.plot(nices, [r.idle_s / r.predicted_share for r in result.rows], ":",
+            color="gray", label="idle time / predicted share")
     ax.set_yscale("log")
     ax.set_xlabel("compile thread nice value")
     ax.set_ylabel("seconds per compile (median)")
