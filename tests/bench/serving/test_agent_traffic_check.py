@@ -206,15 +206,21 @@ def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokeniz
     assert (tmp_path / "report.md").is_file()
 
 
-def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, tmp_path):
-    # one chunk compiled behind two prefixes: the entry whose compile prefix the prompt ends
-    # with is the one the front and the connector place (splice.preferred), the other next
+def refunds_behind_two_prefixes(tokenizer, tmp_path):
+    """REFUNDS compiled behind the header and behind the header and BAGGAGE: the engine, the
+    kept entries and the chunk's ids."""
     engine = make_tiny_engine("llama", tokenizer)
     lib = ServingSkills(tmp_path / "lib", engine)
     lib.add(REFUNDS, name="refunds", after=HEADER)
     lib.add(REFUNDS, name="refunds", after=HEADER + BAGGAGE)
     kept = KeptEntries(lib.folder, lib.manifest.fingerprint_obj)
-    ids = engine.tokens_of(REFUNDS, bos=False)[0]
+    return engine, kept, engine.tokens_of(REFUNDS, bos=False)[0]
+
+
+def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, tmp_path):
+    # one chunk compiled behind two prefixes: the entry whose compile prefix the prompt ends
+    # with is the one the front and the connector place (splice.preferred), the other next
+    engine, kept, ids = refunds_behind_two_prefixes(tokenizer, tmp_path)
     assert len(kept) == 2
     behind_baggage = engine.tokens_of(HEADER + BAGGAGE)[0]
     behind_header = engine.tokens_of(HEADER)[0]
@@ -231,12 +237,7 @@ def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, 
 def test_the_entry_a_plan_names_is_taken_first(tokenizer, tmp_path):
     # the front sends each range's entry key and the connector loads that very entry: the
     # check rebuilds the composition from it, even where the preference rule would pick another
-    engine = make_tiny_engine("llama", tokenizer)
-    lib = ServingSkills(tmp_path / "lib", engine)
-    lib.add(REFUNDS, name="refunds", after=HEADER)
-    lib.add(REFUNDS, name="refunds", after=HEADER + BAGGAGE)
-    kept = KeptEntries(lib.folder, lib.manifest.fingerprint_obj)
-    ids = engine.tokens_of(REFUNDS, bos=False)[0]
+    engine, kept, ids = refunds_behind_two_prefixes(tokenizer, tmp_path)
     behind_baggage = engine.tokens_of(HEADER + BAGGAGE)[0]
     preferred_first = kept.matches(ids, behind_baggage)
     other = preferred_first[1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import shlex
 import statistics
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ class CompileShareResult:
         return cls(**kw)
 
 
-def time_compiles(compile_once: Any, nice: int, reps: int) -> list[float]:
+def time_compiles(compile_once: Callable[[], None], nice: int, reps: int) -> list[float]:
     """``reps`` compiles timed in a fresh thread lowered to ``nice`` (the caller's priority is
     untouched, so each nice value starts from the process's own)."""
     times: list[float] = []
@@ -163,7 +164,7 @@ def run(config: CompileShareConfig, engine: Engine | None = None,
     prefix = engine.tokenizer.encode(PREFIX)
     with tempfile.TemporaryDirectory() as folder:
         lib = ServingSkills(folder, engine)
-        counter = iter(range(1 << 30))
+        counter = itertools.count()
 
         def compile_once() -> None:
             # a new text each time: an entry already in the folder would not be compiled again

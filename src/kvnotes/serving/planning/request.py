@@ -251,9 +251,7 @@ class FrontRequest:
         (spliced, guarded, opted out, not planned): a structured chat, a chat whose text holds
         a registered skill, or a completion text that contains one. Its exact counterpart is
         then these same ids, never the request forwarded for vLLM to render or tokenize."""
-        if self.structured or (self.kind == "completion" and bool(self.parts)):
-            return True
-        return self.kind == "chat" and any(p.kind == "skill" for p in self.parts)
+        return self.structured or any(p.kind == "skill" for p in self.parts)
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
@@ -323,8 +321,9 @@ def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
     except ChatShapeError as err:
         raise Unplannable(str(err), err.code) from err
     laid = lay_out_chat(tokenizer, rendered.parts, find)
-    if not req.options.splice and not rendered.structured \
-            and not any(p.kind == "skill" for p in laid.parts):
+    req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
+    req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
+    if not req.options.splice and not req.sent_as_ids:
         raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     req.tool_calls = _tool_choice(body)
     req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
@@ -333,8 +332,6 @@ def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
         req.sampling.setdefault("skip_special_tokens", False)
     if rendered.layout == "default":  # a base model: its answer ends where a user turn would
         req.sampling.setdefault("stop", list(DEFAULT_STOP))
-    req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
-    req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
 
 
 def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find) -> None:
