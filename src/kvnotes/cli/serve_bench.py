@@ -315,12 +315,12 @@ def skills(
         "repaired (each skill's first --repair tokens computed by vLLM in phases, aligned to the "
         "block size), guarded (repaired, answered exactly when the first token is a close "
         "call), variants (repaired, each skill also compiled behind the header and the skill "
-        "that precedes it in the run's requests; needs --via front); default all but "
-        "variants")] = None,
+        "that precedes it in the run's requests; needs --via front), variants-guarded "
+        "(variants with the guard: the front's default when its library holds variants; "
+        "needs --via front); default all but the variants ones")] = None,
     fidelity_samples: Annotated[int, typer.Option(
         "--fidelity-samples", help="Prompts each spliced policy (compose, repaired, guarded, "
-        "variants) "
-        "answers, checked against the exact prompt")] = 20,
+        "variants, variants-guarded) answers, checked against the exact prompt")] = 20,
     guard_tau: Annotated[float | None, typer.Option(
         "--guard-tau", help="The guard's top-1 minus top-2 log-prob margin (default: chosen "
         "on --calibration-samples development prompts)")] = None,
@@ -347,7 +347,8 @@ def skills(
         "--fidelity-concurrency", help="Fidelity requests in flight at once, comma-separated "
         "levels (each a full fidelity pass)")] = "1",
     repair: Annotated[int, typer.Option(
-        "--repair", help="repaired/guarded: tokens computed in context at the start of each "
+        "--repair", help="The phased policies (repaired, guarded, variants*): tokens computed "
+        "in context at the start of each "
         "spliced skill (rounded up to the block size)")] = 32,
     engine_check: Annotated[bool, typer.Option(
         "--engine-check", help="Also compose the fidelity prompts in kvnotes' engine from the "

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvnotes.bench.serving.engine_check import EngineAnswer, check_against_engine, engine_answers
+from kvnotes.bench.serving.engine_check import (
+    EngineAnswer,
+    check_against_engine,
+    engine_answers,
+    guarded_answers,
+)
 from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts
 from kvnotes.bench.serving.skills_fidelity import Fidelity
 from kvnotes.bench.serving.skills_report import markdown
@@ -75,6 +80,32 @@ def test_check_counts_server_answers_equal_to_the_engine():
                    "summaries": [], "ratios": [], "fidelity": [f.to_dict() for f in fid],
                    "engine_check": [r.to_dict() for r in rows.values()]})
     assert "Against kvnotes' engine" in md and "| guarded @ 4 | 3 | 3 | 3 | 3 | 3 | 3 | 1 |" in md
+
+
+def test_variants_guarded_is_the_engines_variants_answer_unless_the_guard_fires():
+    a = EngineAnswer
+    answers = {"exact": [a('get_a", "x', 1, 2.0), a('get_b", "y', 5, 0.1), a("z", 7, 3.0)],
+               # repaired would keep every answer (wide margins): only variants' margins count
+               "repaired": [a('get_a", "q', 1, 9.0), a('get_c"', 6, 9.0), a("w", 8, 9.0)],
+               "variants": [a('get_a", "x', 1, 1.5), a('get_c"', 6, 0.05), a("w", 8, 0.2)]}
+    fired, mine = guarded_answers(answers["variants"], answers["exact"], 0.3)
+    assert fired == [False, True, True]
+    assert [m.text for m in mine] == ['get_a", "x', 'get_b", "y', "z"]
+    assert guarded_answers(answers["variants"], answers["exact"], None)[0] == [False] * 3
+    exact = ['get_a", "x', 'get_b", "y', "z"]
+    fid = [_fidelity("variants", ['get_a", "x', 'get_c"', "w"], exact),
+           _fidelity("variants-guarded", ['get_a", "x', 'get_b", "y', "z"], exact)]
+    bfcl = BfclPrompts(cases=[], header="", skills={})
+    rows = {r.policy: r for r in check_against_engine(answers, fid, tau=0.3, prompt_set=bfcl)}
+    plain, guarded = rows["variants"], rows["variants-guarded"]
+    assert plain.guard_fires is None and plain.server_equals_engine == 3
+    assert plain.engine_continuation == 1
+    assert guarded.guard_fires == 2 and guarded.server_equals_engine == 3
+    assert guarded.engine_continuation == 3  # the fired two answered by the full prefill
+    md = markdown({"config": {"model": "m", "requests": 1, "k": 4}, "machine": {},
+                   "summaries": [], "ratios": [], "fidelity": [f.to_dict() for f in fid],
+                   "engine_check": [r.to_dict() for r in rows.values()]})
+    assert "| variants-guarded | 3 | 3 | 3 | 3 | 3 | 3 | 2 |" in md
 
 
 def test_recheck_engine_reads_a_stored_run_and_its_skill_folder(fake_server, tokenizer,

@@ -1,17 +1,26 @@
-"""The skills workload's variants policy without vLLM: the pairs a run declares, the entries
-published in the policy's tenant, the front's plan splicing them (an exactly placed one not
-repaired), the counts and the report."""
+"""The skills workload's variants policies without vLLM: the pairs a run declares, the entries
+published in their tenant, the front's plan splicing them (an exactly placed one not
+repaired), ``variants-guarded``'s options and guard, the counts and the report."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from conftest import make_tiny_engine
 
 from kvnotes.bench.kit.machine import MachineRecord
 from kvnotes.bench.serving.engine_check import engine_answers
+from kvnotes.bench.serving.kit import PhaseSummary
 from kvnotes.bench.serving.prompt_sets import BfclCase, BfclPrompts
 from kvnotes.bench.serving.runs import skill_names
-from kvnotes.bench.serving.skills import SkillsResult, phase_prompts, policy_prompts
+from kvnotes.bench.serving.skills import (
+    Record,
+    SkillsResult,
+    declared_pairs,
+    phase_prompts,
+    policy_prompts,
+)
 from kvnotes.bench.serving.skills_clients import Clients, FrontClients
 from kvnotes.bench.serving.skills_config import SkillsBenchConfig
 from kvnotes.bench.serving.skills_fidelity import _fidelity, _fidelity_case
@@ -167,11 +176,105 @@ def test_recompute_shares_variant_hits_and_the_report():
     assert "amortized over the run" in md
 
 
-def test_cli_refuses_the_variants_policy_without_the_front():
+def test_cli_refuses_the_variants_policies_without_the_front():
     from typer.testing import CliRunner
 
     from kvnotes.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies",
-                                   "repaired,variants"])
-    assert res.exit_code == 2 and "--via front" in res.output
+    for policies in ("repaired,variants", "variants-guarded"):
+        res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies",
+                                       policies])
+        assert res.exit_code == 2 and "--via front" in res.output
+
+
+class _Front:
+    """A stand-in for the front's client: records each body and answers as the front would
+    when its guard fired."""
+
+    model = "m"
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    def send(self, body: dict) -> ComposeResult:
+        self.bodies.append(body)
+        return ComposeResult(ok=True, text="x", tokens=["x"],
+                             usage_kvnotes={"phases": 1, "guard_fired": True, "plan": {}})
+
+
+def test_variants_guarded_is_variants_with_the_runs_guard():
+    with pytest.raises(InvalidArgumentError, match="--via front"):
+        SkillsBenchConfig(policies=("repaired", "variants-guarded"))
+    with pytest.raises(InvalidArgumentError, match="calibration sample"):
+        SkillsBenchConfig(policies=("variants-guarded",), via="front", calibration_samples=0)
+    assert "variants-guarded" not in SkillsBenchConfig().policies  # asked for by name
+    asked = SkillsBenchConfig(policies=("variants-guarded",), via="front")
+    assert asked.declares_variants and asked.calibrates  # variants declared, tau calibrated
+    given = SkillsBenchConfig(policies=("variants-guarded",), via="front", guard_tau=0.4)
+    assert not given.calibrates
+    assert not SkillsBenchConfig(policies=("repaired",)).declares_variants
+    front = _Front()
+    fc = FrontClients(plain=None, front=front, tau=0.7,  # type: ignore[arg-type]
+                      repair=Repair(first=16))
+    # the variants policy's tenant (its declared variants) and the guard's tau
+    assert fc.options("variants-guarded") == {"tenant": VARIANTS_TENANT, "repair": 16,
+                                              "guard": 0.7}
+    assert fc.options("variants")["guard"] == 0 and fc.options("guarded")["guard"] == 0.7
+    assert fc.send("variants-guarded", ["a", "b"], 1).guard_fired is True
+    assert fc.send("variants", ["a", "b"], 1).guard_fired is None  # no guard: not read
+    assert [b["kvnotes"]["tenant"] for b in front.bodies] == [VARIANTS_TENANT] * 2
+    assert front.bodies[0]["prompt"] == "ab"
+    with pytest.raises(InvalidArgumentError, match="front"):
+        Clients(plain=None).send("variants-guarded", ["q"], 1)  # type: ignore[arg-type]
+
+
+def test_declared_pairs_cover_both_variants_policies_prompts():
+    skills = [("a", "b"), ("b", "c", "a"), ("c", "b"), ("a", "c", "b"), ("b", "a")]
+    ps = BfclPrompts(cases=[BfclCase(f"c{i}", ("h", *s, f"q{i}"), "calibrate", (), 9)
+                            for i, s in enumerate(skills)],
+                     header="h", skills={"fn-a": "a", "fn-b": "b", "fn-c": "c"})
+    both = SkillsBenchConfig(policies=("variants", "variants-guarded"), via="front",
+                             requests=4, concurrency=(1,), fidelity_samples=0)
+    mine = {p: variant_pairs(policy_prompts(both, ps, p)) for p in both.policies}
+    # each policy's TTFT rows are its own random prompts: each has pairs the other lacks
+    assert set(mine["variants"]) - set(mine["variants-guarded"])
+    assert set(mine["variants-guarded"]) - set(mine["variants"])
+    pairs = declared_pairs(both, ps)
+    assert len(pairs) == len(set(pairs))  # each pair declared once
+    assert set(pairs) == set(mine["variants"]) | set(mine["variants-guarded"])
+    alone = dataclasses.replace(both, policies=("repaired", "variants-guarded"))
+    assert declared_pairs(alone, ps) == variant_pairs(policy_prompts(alone, ps,
+                                                                     "variants-guarded"))
+    assert declared_pairs(dataclasses.replace(both, policies=("repaired",), via="vllm"),
+                          ps) == []
+
+
+def test_the_report_has_the_variants_guarded_rows():
+    ref = ComposeResult(ok=True, text="x", tokens=["x"], prompt_tokens=40)
+    fired = _case("v1", 0)
+    fired.guard_fired = True
+    cases = [_fidelity_case(fired, ref, {"half": "test"}, None),
+             _fidelity_case(_case("other", 10), ref, {"half": "test"}, None)]
+    fid = _fidelity("variants-guarded", cases, 16, decisions=False)
+    assert fid.guard_fires == 1 and _fidelity("variants", cases, 16, decisions=False
+                                              ).guard_fires is None
+    declared = DeclaredVariants(pairs=2, skills=1, compiled=2, bytes=2**20, compile_s=1.0,
+                                lead_tokens=5, keys=("v1", "v2"))
+    phase = PhaseSummary(policy="variants-guarded", concurrency=1, requests=2, ok=2, failed=0,
+                         skipped=0, ttft_p50_s=0.1, ttft_p90_s=0.1, ttft_p99_s=0.1,
+                         ttft_mean_s=0.1, hit_rate=None, hit_rate_usage=0.5,
+                         queries_tokens=None, hits_tokens=None, requests_per_s=None,
+                         wall_s=1.0, mean_prompt_tokens=40.0)
+    records = [Record("variants-guarded", 1, True, 0.1, 40, 20, phases=1, guard_fired=fire,
+                      spliced_tokens=30) for fire in (True, False)]
+    result = SkillsResult(config=SkillsBenchConfig(policies=("variants-guarded",), via="front",
+                                                   concurrency=(1,)),
+                          machine=MachineRecord(2, "cpu", [], [0.1], [0.2]), server=None,
+                          phases=[phase], requests=records, fidelity=[fid], variants=declared,
+                          guard_tau=0.7)
+    assert [(r.policy, r.guard_fires) for r in result.phased_rows()] == [("variants-guarded", 1)]
+    md = markdown(result.to_dict())
+    assert "| variants-guarded | 1 | 1.00 | 1 | 30 |" in md  # phases, guard fires, spliced
+    assert "| variants-guarded | 100.0% | 100.0% | - | 1 |" in md  # fidelity: the guard fired
+    assert "| variants-guarded | test | 2 | 0 | 2 | 2 | 1 |" in md  # by half, with its fires
+    assert "| variants-guarded | 12.5% | 14.3% | 1/4 | 1 |" in md  # recomputed, variant hits

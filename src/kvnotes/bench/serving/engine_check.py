@@ -6,7 +6,8 @@ composed by :meth:`Engine.compose` from the very notebooks the server splices (r
 skill folder), bare (``compose``) or with the phased policies' repair aligned to the server's
 block size (``repaired``; ``guarded`` answers from the engine's full prefill when the repaired
 first token's top-2 margin is under the run's tau; ``variants``: ``repaired`` with the skill
-folder as ``Engine.compose``'s library, so it swaps in the variants the run declared), and
+folder as ``Engine.compose``'s library, so it swaps in the variants the run declared;
+``variants-guarded``: ``variants``, from the full prefill when its margin is under tau), and
 greedily continued for as many tokens.
 
 Per spliced policy and concurrency level it counts the server's answers equal to the engine's
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kvnotes.bench.serving.prompt_sets import same_decision
+from kvnotes.bench.serving.skills_config import GUARDED_POLICIES
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
 
@@ -56,7 +58,7 @@ class EngineCheck:
     engine_continuation: int  # ... and the whole continuation
     engine_decision: int | None  # ... and the decision, where the prompt set reads one
     server_decision: int | None  # the server's decision equal to its exact answer's
-    guard_fires: int | None = None  # guarded: prompts the engine answered from the prefill
+    guard_fires: int | None = None  # guarded policies: prompts the engine answered exactly
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,12 +140,10 @@ def check_against_engine(answers: dict[str, list[EngineAnswer]], fidelity: Seque
     exact = answers["exact"]
     rows = []
     for f in fidelity:
-        if f.policy == "guarded":
-            fired = [a.margin < (tau or 0.0) for a in answers["repaired"]]
-            mine = [e if fire else a for e, a, fire in zip(exact, answers["repaired"], fired,
-                                                           strict=True)]
+        fired: list[bool] | None = None
+        if f.policy in GUARDED_POLICIES:
+            fired, mine = guarded_answers(answers[GUARDED_POLICIES[f.policy]], exact, tau)
         else:
-            fired = None
             mine = answers[f.policy]
         cases = f.cases
         if len(cases) != len(mine):
@@ -162,3 +162,12 @@ def check_against_engine(answers: dict[str, list[EngineAnswer]], fidelity: Seque
                                  for c, _, _ in trio) if decides else None),
             guard_fires=None if fired is None else sum(fired)))
     return rows
+
+
+def guarded_answers(unguarded: Sequence[EngineAnswer], exact: Sequence[EngineAnswer],
+                    tau: float | None) -> tuple[list[bool], list[EngineAnswer]]:
+    """A guarded policy's answers from the engine's: per prompt, whether the guard fired (the
+    unguarded answer's first-token margin under ``tau``; None is off) and the answer, the
+    full prefill's where it fired and the unguarded policy's otherwise."""
+    fired = [a.margin < (tau or 0.0) for a in unguarded]
+    return fired, [e if fire else a for e, a, fire in zip(exact, unguarded, fired, strict=True)]

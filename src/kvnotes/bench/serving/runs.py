@@ -158,14 +158,13 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     assert launch.skills is not None  # the connector is on: prepare made the library
     prompts.register(launch.skills, anchor=anchor, log=log)
     variants = None
-    if "variants" in config.policies:
-        from kvnotes.bench.serving.skills import policy_prompts
-        from kvnotes.bench.serving.skills_variants import declare_variants, variant_pairs
+    if config.declares_variants:
+        from kvnotes.bench.serving.skills import declared_pairs
+        from kvnotes.bench.serving.skills_variants import declare_variants
 
-        # the variants the policy's requests will want, compiled before the server starts
-        variants = declare_variants(
-            launch.skills, variant_pairs(policy_prompts(config, prompts, "variants")),
-            names=skill_names(prompts), log=log)
+        # the variants the policies' requests will want, compiled before the server starts
+        variants = declare_variants(launch.skills, declared_pairs(config, prompts),
+                                    names=skill_names(prompts), log=log)
     log(f"starting vLLM ({launch.model.dtype}) with the kvnotes connector"
         + (" and the OpenAI front" if config.via == "front" else "")
         + f"; log: {launch.server.log_path}")
@@ -212,7 +211,7 @@ def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
     answers = engine_answers(engine, fidelity_prompts(prompts, config), skills_dir,
                              anchor=anchor, block_size=block, repair_tokens=config.repair,
                              tokens=config.fidelity_tokens,
-                             variants="variants" in config.policies, log=log)
+                             variants=config.declares_variants, log=log)
     result.engine_check = check_against_engine(answers, result.fidelity, tau=result.guard_tau,
                                                prompt_set=prompts)
     for c in result.engine_check:
@@ -251,7 +250,7 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
                              anchor=data.get("skills_anchor") == "header", block_size=int(block),
                              repair_tokens=config.repair, tokens=config.fidelity_tokens,
-                             variants="variants" in config.policies, log=log)
+                             variants=config.declares_variants, log=log)
     checks = check_against_engine(answers, fidelity, tau=data.get("guard_tau"),
                                   prompt_set=prompts)
     data["engine_check"] = [c.to_dict() for c in checks]

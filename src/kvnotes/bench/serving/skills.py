@@ -19,7 +19,10 @@ decision the function name the answer writes). Policies:
 - ``variants`` (``via="front"`` only): ``repaired``, with each skill also compiled behind the
   header and the skill that precedes it, for the (predecessor, skill) pairs the policy's
   requests contain (declared before the run, :mod:`~kvnotes.bench.serving.skills_variants`);
-  the front splices the variant that ranks first, and an exactly placed one is not repaired.
+  the front splices the variant that ranks first, and an exactly placed one is not repaired;
+- ``variants-guarded`` (``via="front"`` only): ``variants`` with the guard, in the same tenant
+  (so it sees the same declared variants): what the front does by default when its library
+  holds variants.
 
 ``via="vllm"`` sends each policy's requests to vLLM as token ids, planned by
 :class:`~kvnotes.serving.compose_client.ComposeClient`; ``via="front"`` sends the prompt's text
@@ -67,8 +70,10 @@ from kvnotes.bench.serving.kit import (
 from kvnotes.bench.serving.prompt_sets import AirlinePrompts, PromptSet
 from kvnotes.bench.serving.skills_clients import Clients, FrontClients, PolicyClients, make_clients
 from kvnotes.bench.serving.skills_config import (
+    GUARDED_POLICIES,
     PHASED_POLICIES,
     SPLICED_POLICIES,
+    VARIANTS_POLICIES,
     SkillsBenchConfig,
     config_from_dict,
 )
@@ -79,7 +84,7 @@ from kvnotes.bench.serving.skills_fidelity import (
     fidelity_prompts,
     measure_fidelity,
 )
-from kvnotes.bench.serving.skills_variants import DeclaredVariants
+from kvnotes.bench.serving.skills_variants import DeclaredVariants, VariantPair, variant_pairs
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.upstream import Client
@@ -103,7 +108,7 @@ class Record:
     error_kind: str | None = None  # "request" for every failure (the client does not classify)
     skipped: bool = False
     phases: int = 0  # phased policies: phase requests sent before the real one
-    guard_fired: bool | None = None  # guarded: the answer came from an exact request
+    guard_fired: bool | None = None  # guarded policies: the answer came from an exact request
     spliced_tokens: int | None = None  # phased policies: what the plan splices
 
     @classmethod
@@ -144,7 +149,7 @@ class PhasedRow:
     policy: str
     concurrency: int
     phases_per_request: float | None
-    guard_fires: int | None  # guarded only
+    guard_fires: int | None  # guarded policies only
     spliced_tokens_mean: float | None
 
 
@@ -168,7 +173,7 @@ class SkillsResult:
     started: str = ""  # UTC, when the first request was sent ("%Y-%m-%d %H:%M")
     finished: str = ""
     command: str = ""  # the command line that ran it, when known
-    variants: DeclaredVariants | None = None  # what the variants policy declared beforehand
+    variants: DeclaredVariants | None = None  # what the variants policies declared beforehand
 
     def phased_rows(self) -> list[PhasedRow]:
         """Per phased (policy, concurrency) row: phases per request, guard fires, and the
@@ -183,7 +188,7 @@ class SkillsResult:
                 policy=s.policy, concurrency=s.concurrency,
                 phases_per_request=sum(r.phases for r in recs) / len(recs) if recs else None,
                 guard_fires=(sum(bool(r.guard_fired) for r in recs)
-                             if s.policy == "guarded" else None),
+                             if s.policy in GUARDED_POLICIES else None),
                 spliced_tokens_mean=(sum(r.spliced_tokens or 0 for r in recs) / len(recs)
                                      if recs else None)))
         return rows
@@ -265,6 +270,13 @@ def policy_prompts(config: SkillsBenchConfig, prompt_set: PromptSet, policy: str
     return out
 
 
+def declared_pairs(config: SkillsBenchConfig, prompt_set: PromptSet) -> list[VariantPair]:
+    """The variants a run of ``config`` declares: the distinct (predecessor, skill) pairs of
+    every prompt the variants policies it asks for send (both share the declared entries)."""
+    return variant_pairs([p for policy in VARIANTS_POLICIES if policy in config.policies
+                          for p in policy_prompts(config, prompt_set, policy)])
+
+
 def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
                          anchor: bool = True, prompt_set: PromptSet | None = None,
                          front: ComposeClient | None = None,
@@ -273,8 +285,8 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     """Every policy x concurrency phase, then fidelity, on the server ``client`` talks to
     (vLLM itself); with ``front`` (a client of kvnotes' OpenAI front before that server), the
     measured requests go through the front as text. ``prompt_set`` defaults to the airline
-    library with ``config.k`` skills; ``variants``: what was declared for the variants policy
-    (published before the server was asked anything)."""
+    library with ``config.k`` skills; ``variants``: what was declared for the variants
+    policies (published before the server was asked anything)."""
     prompts_of = prompt_set or AirlinePrompts(config.k)
     metrics = Client(client.url)
     server = ServerRecord.read(metrics, client.model, log=log)
@@ -294,7 +306,7 @@ def run_skills_benchmark(client: ComposeClient, config: SkillsBenchConfig, *,
     for parts in prompts_of.requests(config.warmup, config.seed + 999, "warmup"):
         client.complete(parts, max_tokens=1, salt=cold_salt())
     calibration = None
-    if "guarded" in config.policies and config.guard_tau is None:
+    if config.calibrates:
         calibration = calibrate_tau(clients, prompts_of.requests(
             config.calibration_samples, config.seed + 5555, "calibration"))
         clients = dataclasses.replace(clients, tau=calibration.tau)

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvnotes.bench.serving.prompt_sets import AirlinePrompts, PromptSet
-from kvnotes.bench.serving.skills_config import DEFAULT_REPAIR_TOKENS, PHASED_POLICIES, SKILL_POLICIES
+from kvnotes.bench.serving.skills_config import (
+    DEFAULT_REPAIR_TOKENS,
+    GUARDED_POLICIES,
+    PHASED_POLICIES,
+    SKILL_POLICIES,
+    VARIANTS_POLICIES,
+)
+from kvnotes.bench.serving.skills_variants import VARIANTS_TENANT
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
@@ -50,8 +57,8 @@ class Clients:
         if policy in ("prefix", "compose"):
             return self.plain.complete(parts, max_tokens=max_tokens, splice=policy == "compose",
                                        logprobs=logprobs)
-        if policy == "variants":
-            raise InvalidArgumentError("the variants policy goes through kvnotes' OpenAI front "
+        if policy in VARIANTS_POLICIES:
+            raise InvalidArgumentError(f"the {policy} policy goes through kvnotes' OpenAI front "
                                        "(--via front)")
         client = self.repaired if policy == "repaired" else self.guarded
         if client is None:
@@ -67,7 +74,11 @@ class FrontClients:
     runs the guard. ``plain`` talks to vLLM itself (the exact references). ``variants`` is
     ``repaired`` in the tenant the declared variants are published to
     (:data:`~kvnotes.bench.serving.skills_variants.VARIANTS_TENANT`): its requests see them
-    beside the shared header-anchored skills, the other policies' never do."""
+    beside the shared header-anchored skills, the other policies' never do.
+    ``variants-guarded`` is ``variants`` with the guard (``tau``, as ``guarded``): the front's
+    default when its library holds variants. The two variants policies share that tenant, so
+    they share its blocks in vLLM's prefix cache: fidelity is unaffected (the same plan either
+    way), but the TTFT rows of the one measured second can reuse blocks the first computed."""
 
     plain: ComposeClient
     front: ComposeClient
@@ -81,9 +92,10 @@ class FrontClients:
             return {"splice": False}
         if policy == "compose":
             return {"tenant": "compose", "repair": 0, "guard": 0}
-        # the policy's name is its tenant (the variants policy's: where its variants are)
-        return {"tenant": policy, "repair": self.repair.first,
-                "guard": (self.tau or 0.0) if policy == "guarded" else 0}
+        # a phased policy's name is its tenant; the variants policies' is where the variants are
+        tenant = VARIANTS_TENANT if policy in VARIANTS_POLICIES else policy
+        return {"tenant": tenant, "repair": self.repair.first,
+                "guard": (self.tau or 0.0) if policy in GUARDED_POLICIES else 0}
 
     def send(self, policy: str, parts: list[str], max_tokens: int, *,
              logprobs: int | None = None) -> ComposeResult:
@@ -101,7 +113,8 @@ class FrontClients:
         if info is not None:  # planned and spliced by the front (else forwarded exactly)
             res.phases = int(info.get("phases") or 0)
             res.spliced_tokens = info.get("spliced_tokens")
-            res.guard_fired = bool(info.get("guard_fired")) if policy == "guarded" else None
+            res.guard_fired = (bool(info.get("guard_fired")) if policy in GUARDED_POLICIES
+                               else None)
             res.plan = info.get("plan")
         res.margin = margin(res.top_logprobs[0]) if res.top_logprobs else None
         return res

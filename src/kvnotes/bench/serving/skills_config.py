@@ -12,11 +12,20 @@ from kvnotes.bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, Promp
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.serving.planning.phases import check_tau
 
-SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded", "variants")
-# the default policies: ``variants`` compiles extra entries first, so it is asked for by name
+SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded", "variants",
+                  "variants-guarded")
+# the default policies: the variants policies compile extra entries first, so they are asked
+# for by name
 DEFAULT_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded")
-SPLICED_POLICIES = ("compose", "repaired", "guarded", "variants")  # fidelity is measured for
-PHASED_POLICIES = ("repaired", "guarded", "variants")
+SPLICED_POLICIES = ("compose", "repaired", "guarded", "variants",  # fidelity is measured for
+                    "variants-guarded")
+PHASED_POLICIES = ("repaired", "guarded", "variants", "variants-guarded")
+# the policies whose requests see the declared variants (sent in their tenant, via the front);
+# ``variants-guarded`` is what the front does by default when its library holds variants
+VARIANTS_POLICIES = ("variants", "variants-guarded")
+# each policy the guard runs for (with the run's tau) and the policy it guards: its answer
+# whenever the guard does not fire
+GUARDED_POLICIES: Mapping[str, str] = {"guarded": "repaired", "variants-guarded": "variants"}
 VIAS = ("vllm", "front")
 # the phased policies' repair: each skill's first 32 tokens (the engine's default), aligned to
 # the server's block size when planned
@@ -61,8 +70,8 @@ class SkillsBenchConfig:
             raise UnknownNameError("prompt set", self.prompts, PROMPT_SETS)
         if self.via not in VIAS:
             raise UnknownNameError("--via", self.via, VIAS)
-        if "variants" in self.policies and self.via != "front":
-            raise InvalidArgumentError("the variants policy goes through kvnotes' OpenAI front: "
+        if self.declares_variants and self.via != "front":
+            raise InvalidArgumentError("the variants policies go through kvnotes' OpenAI front: "
                                        "give --via front")
         if self.prompts == "airline":
             AirlinePrompts(self.k)  # checks k against the library
@@ -75,9 +84,8 @@ class SkillsBenchConfig:
                                        f"{self.fidelity_samples}")
         if self.guard_tau is not None:
             check_tau(self.guard_tau)
-        if self.calibration_samples < 1 and self.guard_tau is None and "guarded" in \
-                self.policies:
-            raise InvalidArgumentError("the guarded policy needs --guard-tau or at least one "
+        if self.calibration_samples < 1 and self.calibrates:
+            raise InvalidArgumentError("the guarded policies need --guard-tau or at least one "
                                        "calibration sample")
         if not self.fidelity_concurrency or min(self.fidelity_concurrency) < 1:
             raise InvalidArgumentError("--fidelity-concurrency levels must be at least 1")
@@ -86,6 +94,17 @@ class SkillsBenchConfig:
                                        f"{self.repair!r}")
         if self.cases < 1 or self.max_context < 1:
             raise InvalidArgumentError("--cases and --max-context must be at least 1")
+
+    @property
+    def declares_variants(self) -> bool:
+        """Whether the run declares skill variants: a variants policy is asked for."""
+        return any(p in VARIANTS_POLICIES for p in self.policies)
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the run chooses the guard's tau itself: a guarded policy is asked for and no
+        ``guard_tau`` given."""
+        return self.guard_tau is None and any(p in GUARDED_POLICIES for p in self.policies)
 
 
 def config_from_dict(d: Mapping[str, Any]) -> SkillsBenchConfig:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvnotes.bench.serving.prompt_sets import PromptSet, same_decision
 from kvnotes.bench.serving.skills_clients import Clients, PolicyClients
-from kvnotes.bench.serving.skills_config import DEFAULT_TAU, SkillsBenchConfig
+from kvnotes.bench.serving.skills_config import DEFAULT_TAU, GUARDED_POLICIES, SkillsBenchConfig
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult
 
 
@@ -48,7 +48,7 @@ class Fidelity:
     top20_overlap_mean: float | None
     cases: list[dict[str, Any]]
     policy: str = "compose"
-    guard_fires: int | None = None  # guarded: answers that came from the exact request
+    guard_fires: int | None = None  # guarded policies: answers that came from the exact request
     decision_identity: float | None = None
     right_exact: int | None = None
     right_spliced: int | None = None
@@ -161,7 +161,8 @@ def _fidelity(policy: str, cases: list[dict[str, Any]], tokens: int, *, decision
         continuation_identity=share("continuation_identical"), continuation_tokens=tokens,
         top20_overlap_mean=sum(overlaps) / len(overlaps) if overlaps else None,
         cases=cases, policy=policy,
-        guard_fires=sum(bool(c.get("guard_fired")) for c in ok) if policy == "guarded" else None,
+        guard_fires=(sum(bool(c.get("guard_fired")) for c in ok) if policy in GUARDED_POLICIES
+                     else None),
         decision_identity=share("decision_identical") if decisions else None,
         right_exact=sum(c["exact_right"] for c in answered) if answered else None,
         right_spliced=sum(c["right"] for c in answered) if answered else None,

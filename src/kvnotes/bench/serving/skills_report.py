@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.kit.formats import fmt_pct, fmt_s
 from kvnotes.bench.serving.skills import SkillsResult
-from kvnotes.bench.serving.skills_config import SKILL_POLICIES
+from kvnotes.bench.serving.skills_config import GUARDED_POLICIES, SKILL_POLICIES
 from kvnotes.bench.serving.skills_fidelity import Fidelity
 from kvnotes.bench.serving.skills_variants import DeclaredVariants, variant_use
 from kvnotes.eval.reports import write_bundle
@@ -137,16 +137,17 @@ def fidelity_lines(fid: Sequence[Fidelity]) -> list[str]:
     if forwarded:
         lines += ["", "Forwarded exactly by the front (nothing planned): " + ", ".join(
             f"{p} {n}" for p, n in forwarded.items())]
-    halves = [(_policy_at(f, several), f.halves) for f in fid if f.halves]
+    halves = [(_policy_at(f, several), f.policy in GUARDED_POLICIES, f.halves)
+              for f in fid if f.halves]
     if halves:
         lines += ["", "By half (the guard's tau is chosen on the calibration half):", "",
                   "| policy | half | cases | decision identical | first token identical | "
                   f"{tokens}-token identical | guard fired |", "|---|---|---:|---:|---:|---:|---:|"]
-        for policy, by_half in halves:
+        for policy, guarded, by_half in halves:
             for half, h in sorted(by_half.items()):
                 lines.append(f"| {policy} | {half} | {h.n} | {h.decision_identical} | "
                              f"{h.first_token_agree} | {h.continuation_identical} | "
-                             f"{h.guard_fired if policy.startswith('guarded') else '-'} |")
+                             f"{h.guard_fired if guarded else '-'} |")
     return lines
 
 
