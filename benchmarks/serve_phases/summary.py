@@ -4,7 +4,7 @@ skills-front-phases-k{K}-smollm2 bundles of `kvnotes serve-bench skills` (airlin
 K skills each, through kvnotes' OpenAI front). Run from the repository root:
 
     python benchmarks/serve_phases/summary.py docs/results/serve-bench/skills-front-phases-k*-smollm2 \
-        --out docs/results/serve-bench/phases-curve
+        --out docs/results/phases-curve
 
 Writes phases-curve.json (per bundle, policy and concurrency: p50/p90 TTFT, the ratio to
 prefix, phases per request) and phases-curve.png, and prints the markdown table.
