@@ -21,8 +21,20 @@ POLICIES = ("compose", "repaired", "guarded", "variants", "variants-guarded")
 GOAL = 5.0
 
 
+def read_skills_run(folder: Path) -> dict[str, Any]:
+    """A `serve-bench skills` bundle's results.json; ValueError naming what is wrong."""
+    path = folder / "results.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: cannot be read as JSON ({err})") from err
+    if not isinstance(data, dict) or data.get("workload") != "skills":
+        raise ValueError(f"{path}: not a `kvnotes serve-bench skills` result")
+    return data
+
+
 def rows(folder: Path) -> list[dict[str, Any]]:
-    data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    data = read_skills_run(folder)
     k = data["config"]["k"]
     phases = {(p["policy"], p["concurrency"]): p["phases_per_request"] for p in data["phased"]}
     by = {(s["policy"], s["concurrency"]): s for s in data["summaries"]}
@@ -95,7 +107,10 @@ def main() -> None:
     parser.add_argument("bundles", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    all_rows = [r for folder in args.bundles for r in rows(folder)]
+    try:
+        all_rows = [r for folder in args.bundles for r in rows(folder)]
+    except ValueError as err:
+        parser.error(str(err))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "phases-curve.json").write_text(json.dumps(all_rows, indent=1) + "\n",
                                                 encoding="utf-8")

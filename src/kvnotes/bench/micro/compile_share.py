@@ -250,8 +250,12 @@ def main() -> None:
         nice = tuple(int(n) for n in args.nice.split(","))
     except ValueError:
         ap.error(f"--nice {args.nice}: give integers, comma-separated")
-    result = run(CompileShareConfig(model=args.model, nice=nice, tokens=args.tokens,
-                                    reps=args.reps, busy=args.busy, threads=args.threads),
+    try:
+        config = CompileShareConfig(model=args.model, nice=nice, tokens=args.tokens,
+                                    reps=args.reps, busy=args.busy, threads=args.threads)
+    except InvalidArgumentError as err:
+        ap.error(str(err))
+    result = run(config,
                  command="python -m kvnotes.bench.micro.compile_share "
                  + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     args.out.mkdir(parents=True, exist_ok=True)

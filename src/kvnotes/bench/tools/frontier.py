@@ -31,7 +31,7 @@ from typing import Any
 
 from kvnotes.bench.tools.results import CaseResult
 from kvnotes.bench.tools.runner import calibrate_tau, guard_curve
-from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 
 CHOICE_GOAL = 0.99  # tool choice identical to the exact prompt's
 GREEDY_GOAL = 0.90  # 16-token greedy continuation identical
@@ -131,8 +131,12 @@ def read_bundle(folder: Path) -> tuple[str, str, list[CaseResult]]:
     path = folder / "results.json"
     if not path.is_file():
         raise InvalidArgumentError(f"{folder}: no results.json (a `kvnotes bench tools` --out)")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data["model"], data["set"], [CaseResult.from_dict(c) for c in data["cases"]]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data["model"], data["set"], [CaseResult.from_dict(c) for c in data["cases"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise InvalidArgumentError(f"{path}: not a `kvnotes bench tools` result "
+                                   f"({type(err).__name__}: {err})") from err
 
 
 def frontiers_of(bundles: Sequence[tuple[Path, str, str, list[CaseResult]]],
@@ -230,4 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KvnotesError as err:  # a bad bundle or strategy: one line, not a traceback
+        raise SystemExit(f"error: {err}") from None
