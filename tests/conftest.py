@@ -23,7 +23,10 @@ from kvnotes.apps.agent.skills import skill_text
 from kvnotes.core.errors import ServingError
 from kvnotes.core.models import BUNDLED, kvnotes_home
 
-REAL_FIXTURES = {"smollm2", "gemma3", "real_engine"}
+REAL_FIXTURES = {"smollm2", "gemma3", "real_engine", "qwen05", "qwen15"}
+# the opt-in tier at deployment size (`make test-large`): skipped unless KVNOTES_TEST_LARGE=1
+LARGE_FIXTURES = {"qwen15"}
+LARGE = os.environ.get("KVNOTES_TEST_LARGE") == "1"
 _THIS = sys.modules[__name__]
 
 
@@ -38,8 +41,14 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if REAL_FIXTURES & names:
             item.add_marker(pytest.mark.real)
+        if LARGE_FIXTURES & names:
+            item.add_marker(pytest.mark.large)
+        if item.get_closest_marker("large") is not None and not LARGE:
+            item.add_marker(pytest.mark.skip(reason="the large tier: `make test-large` "
+                                                    "(KVNOTES_TEST_LARGE=1)"))
 
 TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -106,6 +115,23 @@ def smollm2() -> kvnotes.Engine:
 def gemma3() -> kvnotes.Engine:
     """Gemma 3 270M base, the bundled real model (loaded once per session)."""
     return kvnotes.load("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen05() -> kvnotes.Engine:
+    """Qwen2.5-Coder-0.5B-Instruct in bfloat16 where the CPU computes it natively (the dtype
+    users are told to pick), loaded once per session."""
+    from kvnotes.core.machine import preferred_dtype
+
+    return kvnotes.load("qwen2.5-coder-0.5b", dtype=preferred_dtype())
+
+
+@pytest.fixture(scope="session")
+def qwen15() -> kvnotes.Engine:
+    """Qwen2.5-Coder-1.5B-Instruct (the large tier only)."""
+    from kvnotes.core.machine import preferred_dtype
+
+    return kvnotes.load("qwen2.5-coder-1.5b", dtype=preferred_dtype())
 
 
 @pytest.fixture(params=["smollm2", "gemma3"], scope="session")

@@ -24,22 +24,42 @@ models_app = typer.Typer(help="Bundled models: list them, or convert them ahead 
 app.add_typer(models_app, name="models")
 
 
-@models_app.command("list")
-def models_list() -> None:
-    """List the bundled model aliases."""
-    from kvnotes.core.models import BUNDLED
+def bundled_table() -> Table:
+    """The bundled aliases with their state on this machine (``models list``, ``doctor``)."""
+    from kvnotes.core.models import bundled_status
 
-    for alias, m in BUNDLED.items():
-        console.print(f"[bold]{alias}[/bold]  {m.description}")
+    table = Table(title="bundled models")
+    for col in ("alias", "installed", "converted", "model"):
+        table.add_column(col, overflow="fold")
+    for st in bundled_status():
+        installed = "yes" if st.installed else f"no: make {st.make_target}"
+        table.add_row(st.alias, installed, "yes" if st.converted else "no (on first load)",
+                      st.description)
+    return table
+
+
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
+    """List the bundled model aliases: installed here, converted, what they are."""
+    from kvnotes.core.models import bundled_status
+
+    if as_json:
+        emit_json([st.to_dict() for st in bundled_status()])
+        return
+    console.print(bundled_table())
 
 
 @models_app.command("prepare")
-def models_prepare(alias: list[str] | None = typer.Argument(None, help="aliases (default: all)")) -> None:
-    """Convert bundled GGUF models to cached safetensors copies (first load does this too)."""
+def models_prepare(alias: list[str] | None = typer.Argument(
+        None, help="aliases (default: every bundled model whose packages are installed)")) -> None:
+    """Assemble and convert bundled models to cached safetensors copies (first load does this too)."""
     from kvnotes.core.models import BUNDLED, resolve
 
+    names = alias or [a for a, m in BUNDLED.items() if m.installed()]
+    if not names:
+        fail(KvnotesError("no bundled model is installed: run `make models`"))
     try:
-        for name in alias or list(BUNDLED):
+        for name in names:
             console.print(f"{name}: {resolve(name)}")
     except KvnotesError as err:
         fail(err)

@@ -2,6 +2,7 @@
 
 Examples::
 
+    kvnotes doctor                                 # the bundled models here, the CPU's dtype
     kvnotes doctor --model smollm2-135m            # a bundled alias, HF folder or .gguf file
     kvnotes doctor --tiny deepseek_v2 --check      # a tiny random model of an architecture
     kvnotes doctor --tiny gpt2 --json
@@ -81,6 +82,23 @@ def _tiny_engine(arch: str, device: str = "cpu", dtype: str = "float32") -> Engi
     return kvnotes.Engine.from_model(model, ByteTokenizer(256), name=f"tiny-{arch}")
 
 
+def _machine_report(as_json: bool) -> None:
+    """The bundled models' state and the dtype this CPU runs best (``doctor`` alone)."""
+    from kvnotes.cli.core import bundled_table
+    from kvnotes.core.machine import cpu_flags, cpu_model, preferred_dtype
+    from kvnotes.core.models import bundled_status, kvnotes_home
+
+    dtype = str(preferred_dtype()).removeprefix("torch.")
+    if as_json:
+        emit_json({"cpu": cpu_model(), "cpu_flags": cpu_flags(), "preferred_dtype": dtype,
+                   "home": str(kvnotes_home()), "models": [s.to_dict() for s in bundled_status()]})
+        return
+    console.print(f"CPU: {cpu_model() or 'unknown'}  flags: {' '.join(cpu_flags()) or '-'}")
+    console.print(f"preferred dtype here: [bold]{dtype}[/bold]  models cached under {kvnotes_home()}")
+    console.print(bundled_table())
+    console.print("`kvnotes doctor --model M` prints a model's position scheme and exact operations.")
+
+
 @app.command()
 def doctor(
     model: str | None = typer.Option(None, help="model alias, local HF folder, .gguf file or hub id"),
@@ -93,8 +111,11 @@ def doctor(
 ) -> None:
     """Print a model's position scheme and which operations are exact, approximate, unsupported."""
 
-    if (model is None) == (tiny is None):
-        raise typer.BadParameter("give exactly one of --model or --tiny")
+    if model is not None and tiny is not None:
+        raise typer.BadParameter("give one of --model or --tiny, not both")
+    if model is None and tiny is None:
+        _machine_report(as_json)
+        return
     try:
         if tiny is not None:
             try:

