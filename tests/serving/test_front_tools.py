@@ -3,7 +3,8 @@ content parts, tool calls in the answer, and chats on a model without chat templ
 
 The fake records every body: a spliced request and its ``splice: false`` counterpart must send
 the same prompt ids to ``/v1/completions``; a structured chat the front does not splice is sent
-exactly by the front (never to vLLM's chat endpoint, which has no tool parser)."""
+exactly by the front as its own ids; only `tool_choice` required or named goes to vLLM's chat
+endpoint, which constrains decoding (with the tool parser `kvnotes serve` starts it with)."""
 
 from __future__ import annotations
 
@@ -232,3 +233,17 @@ def test_a_planning_failure_on_a_structured_chat_is_answered_exactly(front, fake
     assert got.headers[REASON_HEADER].startswith("exact: plan_error")
     assert got.parse().choices[0].message.content == "exact answer"
     assert fake.posted("/v1/chat/completions") == []
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "lookup_booking"}}])
+def test_required_and_named_tool_choice_are_left_to_vllm(front, fake, client, choice):
+    # they constrain decoding, which vLLM's own chat route does (structured outputs): the front
+    # forwards the request as it came, spliced never
+    got = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages(), tools=[WEATHER, LOOKUP], tool_choice=choice,
+        max_tokens=4)
+    assert got.headers[REASON_HEADER].startswith("forwarded: tool_choice")
+    assert got.parse().choices[0].message.content == "vllm chat"
+    forwarded = fake.posted("/v1/chat/completions")[-1]
+    assert forwarded["tool_choice"] == choice and forwarded["tools"] == [WEATHER, LOOKUP]

@@ -24,6 +24,7 @@ from kvnotes.serving.launch.launcher import (
     LaunchConfig,
     kv_transfer_config,
     prepare,
+    tool_call_parser,
 )
 from kvnotes.serving.launch.paths import SOURCE_ROOT
 from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
@@ -280,3 +281,35 @@ def test_serve_passes_the_learning_flags_to_the_front(tmp_path, monkeypatch):
                                              tenant_quota=10**9)
     CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s")])
     assert seen.pop().front.learn is None  # off: the front as without learning
+
+
+# ---- tool calling ----------------------------------------------------------------------------------
+QWEN_LIKE_TEMPLATE = ("{%- if tools %}You may call functions: <tools>{{ tools }}</tools> Return "
+                      "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>{%- endif %}")
+
+
+def test_a_template_with_tool_call_tags_gets_the_hermes_parser(exported):
+    folder, _ = exported
+    assert tool_call_parser(folder) is None  # no template at all
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert tool_call_parser(folder) is None  # a template without tool calls
+    (folder / "chat_template.jinja").write_text(QWEN_LIKE_TEMPLATE)
+    assert tool_call_parser(folder) == "hermes"
+    launch = prepare(LaunchConfig(model="tiny", dtype="bfloat16", vllm_python=sys.executable))
+    assert _arg(launch.server.cmd, "--tool-call-parser") == "hermes"
+    assert "--enable-auto-tool-choice" in launch.server.cmd
+
+
+def test_tool_parser_off_or_named_or_given_to_vllm(exported):
+    folder, _ = exported
+    (folder / "chat_template.jinja").write_text(QWEN_LIKE_TEMPLATE)
+    off = prepare(LaunchConfig(model="tiny", dtype="bfloat16", vllm_python=sys.executable,
+                               tool_parser=None))
+    assert "--tool-call-parser" not in off.server.cmd
+    named = prepare(LaunchConfig(model="tiny", dtype="bfloat16", vllm_python=sys.executable,
+                                 tool_parser="pythonic"))
+    assert _arg(named.server.cmd, "--tool-call-parser") == "pythonic"
+    given = prepare(LaunchConfig(model="tiny", dtype="bfloat16", vllm_python=sys.executable,
+                                 extra_args=("--tool-call-parser", "llama3_json")))
+    assert given.server.cmd.count("--tool-call-parser") == 1
+    assert _arg(given.server.cmd, "--tool-call-parser") == "llama3_json"

@@ -47,6 +47,52 @@ def cpu_dtype() -> str:
     return str(preferred_dtype()).removeprefix("torch.")
 
 
+AUTO_TOOL_PARSER = "auto"
+
+
+def chat_template_text(folder: Path) -> str:
+    """The chat template an HF folder ships (``chat_template.jinja``, else the tokenizer
+    config's), or "" when it has none."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text("utf-8")
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return ""
+    template = cfg.get("chat_template") if isinstance(cfg, dict) else None
+    if isinstance(template, list):  # named templates: the default one, else all of them
+        named = {t.get("name"): t.get("template", "") for t in template if isinstance(t, dict)}
+        template = named.get("default") or "\n".join(str(t) for t in named.values())
+    return template if isinstance(template, str) else ""
+
+
+def tool_call_parser(folder: Path) -> str | None:
+    """vLLM's tool parser for the model in ``folder``, read from its chat template: ``hermes``
+    for a template that asks for calls in ``<tool_call>`` tags (Qwen2.5, Hermes, SmolLM3),
+    else None (the template has no tool calls vLLM can parse; requests with tools still
+    work, answered as content).
+
+    The front parses a spliced answer's calls the hermes way too
+    (:mod:`kvnotes.serving.front.tool_calls`), so a tools request is answered with the same
+    ``tool_calls`` spliced or not."""
+    template = chat_template_text(folder)
+    return "hermes" if "<tool_call>" in template and "tools" in template else None
+
+
+def tool_args(parser: str | None, extra_args: tuple[str, ...], folder: Path) -> list[str]:
+    """The vLLM flags that turn on tool calling: ``parser`` ``auto`` reads the model's chat
+    template (:func:`tool_call_parser`), None turns it off, a name is vLLM's parser name.
+    Flags already in ``extra_args`` win."""
+    if parser is None or any(a.startswith("--tool-call-parser") for a in extra_args):
+        return []
+    name = tool_call_parser(folder) if parser == AUTO_TOOL_PARSER else parser
+    if name is None:
+        return []
+    auto = [] if "--enable-auto-tool-choice" in extra_args else ["--enable-auto-tool-choice"]
+    return [*auto, "--tool-call-parser", name]
+
+
 def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvnotes' connector over one model's skills folder.
 
@@ -82,6 +128,9 @@ class LaunchConfig:
         served_name: the model name clients ask for (None: the alias, or the file's stem).
         front: the OpenAI front's settings (its ``upstream`` is left None: the launched
             server's; needs ``skills``), or None: clients talk to vLLM directly.
+        tool_parser: vLLM's tool-call parser: ``auto`` (the one the model's chat template
+            asks for, :func:`tool_call_parser`; none when it asks for none), a parser name,
+            or None (tool calling off).
     """
 
     model: str = "smollm2-135m"
@@ -98,6 +147,7 @@ class LaunchConfig:
     vllm_python: str | None = None
     served_name: str | None = None
     front: FrontConfig | None = None
+    tool_parser: str | None = AUTO_TOOL_PARSER
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_gib", check_kv_cache_gib(self.kv_cache_gib))
@@ -236,6 +286,7 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
         extra += ["--kv-transfer-config",
                   json.dumps(kv_transfer_config(skills.folder, max_gib=config.connector_max_gib))]
     exported = export_model(config.model, config.dtype)
+    extra += tool_args(config.tool_parser, config.extra_args, exported.folder)
     if config.block_size:
         extra += ["--block-size", str(config.block_size)]
     max_model_len = config.max_model_len or exported.max_positions

@@ -68,7 +68,7 @@ OPTION_NAMES = ("splice", "tenant", "repair", "guard")
 REASONS = ("opted_out", "unmodelled_field", "choices", "stream_options", "echo",
            "special_tokens", "prompt_shape", "chat_shape", "chat_template", "no_skill",
            "nothing_left", "block_size_unknown", "model_unknown", "phase_failed", "not_planned",
-           "plan_error", "no_chunk")
+           "plan_error", "no_chunk", "tool_choice")
 
 
 class Unplannable(Exception):
@@ -293,9 +293,10 @@ TOOL_CHOICES = ("auto", "none", "required")
 
 
 def _tool_choice(body: Mapping[str, Any]) -> bool:
-    """Whether the answer's tool calls are parsed: tools sent and ``tool_choice`` not
-    ``"none"`` (``"required"`` and a named function are answered as ``"auto"``: the front does
-    not constrain decoding)."""
+    """Whether the answer's tool calls are parsed: tools sent and ``tool_choice`` ``auto`` (or
+    absent). ``"required"`` and a named function constrain decoding, which vLLM does for its own
+    chat route (structured outputs): such a request is :class:`Unplannable` and forwarded
+    exactly, so it is answered as vLLM answers it."""
     choice = body.get("tool_choice")
     named = isinstance(choice, Mapping) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), Mapping) \
@@ -306,6 +307,9 @@ def _tool_choice(body: Mapping[str, Any]) -> bool:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise Unplannable("parallel_tool_calls must be true or false", "chat_shape")
+    if body.get("tools") and (named or choice == "required"):
+        raise Unplannable("tool_choice required or named: vLLM constrains the answer's "
+                          "decoding", "tool_choice")
     return bool(body.get("tools")) and choice != "none"
 
 
