@@ -106,6 +106,7 @@ class ComposeTtftConfig:
     reps: int = 5
     decode_tokens: int = 16
     threads: int | None = None
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 1 or self.reps < 1 or self.decode_tokens < 1:
@@ -237,7 +238,7 @@ def run(config: ComposeTtftConfig, engine: Engine | None = None,
     """Every length of ``config`` (``engine``: default ``config.model`` loaded)."""
     set_threads(config.threads)
     before = machine_info()
-    engine = load(config.model) if engine is None else engine
+    engine = load(config.model, dtype=config.dtype) if engine is None else engine
     head, middle, tail = chat_frame(engine.tokenizer)
     header = engine.compile(head + "You are a support agent. Follow the policy below.\n",
                             name="header")
@@ -286,11 +287,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: the machine's physical cores)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the model's dtype (bfloat16 only where the CPU has it natively)")
     ap.add_argument("--out", type=Path, default=Path("out/bench"))
     args = ap.parse_args()
     result = run(ComposeTtftConfig(
         model=args.model, lengths=tuple(int(x) for x in args.lengths.split(",")),
-        reps=args.reps, decode_tokens=args.decode_tokens, threads=args.threads))
+        reps=args.reps, decode_tokens=args.decode_tokens, threads=args.threads,
+        dtype=args.dtype))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compose_ttft.json").write_text(json.dumps(result.to_dict(), indent=2))
     plot(result, args.out / "compose_ttft.png")
