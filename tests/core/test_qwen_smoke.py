@@ -1,4 +1,5 @@
-"""Qwen2.5-Coder-0.5B-Instruct, the bundled model at deployment size: one smoke test per operation.
+"""Qwen2.5-Coder Instruct at deployment size: a smoke test per operation (0.5B in `make test`,
+1.5B in `make test-large`).
 
 The model runs in bfloat16 where the CPU has it natively (as users are told to run it), so
 comparisons with recompute allow bfloat16's rounding (8 bits of mantissa): layer 0's
@@ -16,6 +17,12 @@ from kvnotes.core.chat import chat_frame
 from kvnotes.core.repair import DEFAULT_FIRST
 
 pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module", params=["qwen05", pytest.param("qwen15", marks=pytest.mark.large)])
+def qwen(request):
+    """The 0.5B (``make test``) and the 1.5B (``make test-large`` only)."""
+    return request.getfixturevalue(request.param)
 
 SKILL = ("RETURNS: Unworn items may be returned within 30 days of delivery for a full refund. "
          "Items returned between day 31 and day 60 get store credit only. Final-sale items, gift "
@@ -35,17 +42,18 @@ TOOLS = [
 ]
 
 
-def test_the_alias_loads_as_qwen2(qwen05):
-    assert qwen05.model.config.model_type == "qwen2"
-    assert qwen05.adapter.num_layers == 24 and qwen05.adapter.name == "rope"
+def test_the_aliases_load_as_qwen2(qwen):
+    assert qwen.model.config.model_type == "qwen2"
+    assert qwen.adapter.name == "rope" and qwen.model.config.num_key_value_heads == 2
+    assert qwen.adapter.num_layers == {"qwen2.5-coder-0.5b": 24, "qwen2.5-coder-1.5b": 28}[qwen.name]
 
 
-def test_composed_matches_recompute(qwen05):
-    head, middle, tail = chat_frame(qwen05.tokenizer)
-    skill = qwen05.compile(SKILL, name="returns")
+def test_composed_matches_recompute(qwen):
+    head, middle, tail = chat_frame(qwen.tokenizer)
+    skill = qwen.compile(SKILL, name="returns")
     parts = [head + "You are a support agent. Policy:\n", skill,
              middle + "Customer: a loyalty member. Order delivered 12 days ago, boots unworn."]
-    report = kvnotes.fidelity(qwen05, parts, "\nCan the customer get a full refund?" + tail,
+    report = kvnotes.fidelity(qwen, parts, "\nCan the customer get a full refund?" + tail,
                               max_new_tokens=6)
     assert report.tokens_repaired == DEFAULT_FIRST
     assert report.tokens_reused == len(skill) - DEFAULT_FIRST
@@ -53,9 +61,9 @@ def test_composed_matches_recompute(qwen05):
     assert report.top1_agree and report.continuation_identical, report
 
 
-def test_shift_within_bfloat16_rounding(qwen05):
-    nb = qwen05.prefill(SKILL)
-    moved, direct = nb.shifted(300), qwen05.prefill(SKILL, start=300)
+def test_shift_within_bfloat16_rounding(qwen):
+    nb = qwen.prefill(SKILL)
+    moved, direct = nb.shifted(300), qwen.prefill(SKILL, start=300)
     def rel(layer: int) -> float:
         a, b = moved.keys(layer).float(), direct.keys(layer).float()
         return float((a - b).norm() / b.norm())
@@ -66,10 +74,10 @@ def test_shift_within_bfloat16_rounding(qwen05):
     assert max(rel(layer) for layer in range(nb.num_layers)) <= 0.05
 
 
-def test_answers_a_tools_request_with_the_right_call(qwen05):
-    text = qwen05.tokenizer.apply_chat_template(
+def test_answers_a_tools_request_with_the_right_call(qwen):
+    text = qwen.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Book me a flight from Paris to Rome on 2026-12-20."}],
         tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert "book_flight" in text and "<tools>" in text  # the template renders the tools
-    answer = qwen05.generate(qwen05.prefill(text), "", max_new_tokens=14)
+    answer = qwen.generate(qwen.prefill(text), "", max_new_tokens=14)
     assert '"name": "book_flight"' in answer, answer
