@@ -39,6 +39,11 @@ GUARD_DEFAULTS: dict[str, GuardDefault] = {
                                      "margin 0.49): the smallest tau that fixes a differing "
                                      "first token (0.5) fires on 8/12 requests; 0.1 fires on "
                                      "2/12 and fixes none"),
+    "qwen2.5-coder-0.5b": GuardDefault(0.4, "bfloat16: fired on 0/22 live_multiple requests "
+                                            "and 4/24 airline ones (17%); airline first tokens "
+                                            "identical to exact 22 -> 24/24, 16 tokens 9 -> "
+                                            "13/24; live_multiple unchanged (21/22 first "
+                                            "tokens: the one that differs has margin >= 0.75)"),
 }
 
 
