@@ -11,6 +11,7 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front import guard_defaults
 from kvnotes.serving.front.guard_defaults import (
     GUARD_DEFAULTS,
+    UNCALIBRATED,
     GuardDefault,
     guard_default,
     parse_guard,
@@ -30,7 +31,10 @@ def table(monkeypatch):
 def test_every_bundled_model_has_a_measured_default():
     from kvnotes.core.models import BUNDLED
 
-    assert set(BUNDLED) <= set(GUARD_DEFAULTS)
+    # each bundled model has a measured default, or is listed as not calibrated, with why
+    assert set(BUNDLED) <= set(GUARD_DEFAULTS) | set(UNCALIBRATED)
+    assert not set(GUARD_DEFAULTS) & set(UNCALIBRATED)
+    assert resolve_guard("auto", "qwen2.5-coder-1.5b")[1].startswith("off: not calibrated")
     for entry in GUARD_DEFAULTS.values():
         assert entry.tau >= 0 and entry.measured.strip()
 
