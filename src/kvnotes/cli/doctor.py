@@ -112,7 +112,7 @@ def doctor(
     """Print a model's position scheme and which operations are exact, approximate, unsupported."""
 
     if model is not None and tiny is not None:
-        raise typer.BadParameter("give one of --model or --tiny, not both")
+        raise typer.BadParameter("pass at most one of --model or --tiny")
     if model is None and tiny is None:
         _machine_report(as_json)
         return
@@ -123,7 +123,7 @@ def doctor(
             except ValueError as err:  # no tiny recipe for that name: the message lists them
                 raise typer.BadParameter(str(err)) from err
         else:
-            assert model is not None  # exactly one of --model and --tiny, checked above
+            assert model is not None  # at most one of --model and --tiny, and not neither, checked above
             with console.status(f"loading {model}"):
                 engine = load_engine(model, device, dtype)
         report = diagnose(engine, check=check)
