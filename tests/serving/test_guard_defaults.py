@@ -7,24 +7,24 @@ from typer.testing import CliRunner
 
 import kvnotes
 from kvnotes.cli import app
+from kvnotes.core import model_defaults as defaults_table
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving.front import guard_defaults
-from kvnotes.serving.front.guard_defaults import (
-    GUARD_DEFAULTS,
+from kvnotes.core.model_defaults import (
+    MODEL_DEFAULTS,
     UNCALIBRATED,
-    GuardDefault,
-    guard_default,
-    parse_guard,
-    resolve_guard,
+    ModelDefaults,
+    model_defaults,
 )
+from kvnotes.core.repair import DEFAULT_REPAIR
+from kvnotes.serving.front.guard_defaults import parse_guard, resolve_guard
 from kvnotes.serving.launch import launcher as launch_mod
 
 
 @pytest.fixture
 def table(monkeypatch):
-    entries = {"calibrated-model": GuardDefault(0.4, "fires on 10% of dev requests"),
-               "near-tie-model": GuardDefault(0.0, "fires on most requests")}
-    monkeypatch.setattr(guard_defaults, "GUARD_DEFAULTS", entries)
+    entries = {"calibrated-model": ModelDefaults(0.4, "fires on 10% of dev requests"),
+               "near-tie-model": ModelDefaults(0.0, "fires on most requests")}
+    monkeypatch.setattr(defaults_table, "MODEL_DEFAULTS", entries)
     return entries
 
 
@@ -32,18 +32,27 @@ def test_every_bundled_model_has_a_measured_default():
     from kvnotes.core.models import BUNDLED
 
     # each bundled model has a measured default, or is listed as not calibrated, with why
-    assert set(BUNDLED) <= set(GUARD_DEFAULTS) | set(UNCALIBRATED)
-    assert not set(GUARD_DEFAULTS) & set(UNCALIBRATED)
-    assert resolve_guard("auto", "qwen2.5-coder-1.5b")[1].startswith("off: not calibrated")
-    for entry in GUARD_DEFAULTS.values():
-        assert entry.tau >= 0 and entry.measured.strip()
+    assert set(BUNDLED) <= set(MODEL_DEFAULTS) | set(UNCALIBRATED)
+    assert not set(MODEL_DEFAULTS) & set(UNCALIBRATED)
+    for entry in MODEL_DEFAULTS.values():
+        assert entry.guard >= 0 and entry.measured.strip()
 
 
 def test_lookup_by_alias_path_or_file_name(table):
-    assert guard_default("calibrated-model") == table["calibrated-model"]
-    assert guard_default("/models/Calibrated-Model") == table["calibrated-model"]
-    assert guard_default("/models/calibrated-model.gguf") == table["calibrated-model"]
-    assert guard_default("some-other-model") is None
+    assert model_defaults("calibrated-model") == table["calibrated-model"]
+    assert model_defaults("/models/Calibrated-Model") == table["calibrated-model"]
+    assert model_defaults("/models/calibrated-model.gguf") == table["calibrated-model"]
+    assert model_defaults("some-other-model") is None
+
+
+def test_an_engine_reads_its_defaults_from_the_table(table):
+    from kvnotes.core.tiny import ByteTokenizer, tiny_model
+
+    engine = kvnotes.Engine.from_model(tiny_model("llama", 256), ByteTokenizer(256))
+    assert engine.defaults is None  # a model nobody calibrated
+    engine.name = "calibrated-model"
+    assert engine.defaults == table["calibrated-model"]
+    assert engine.defaults.repair == DEFAULT_REPAIR
 
 
 @pytest.mark.parametrize(("text", "want"), [("auto", None), (" AUTO ", None), ("0", 0.0),

@@ -557,6 +557,9 @@ def agent(
     compile_nice: Annotated[int, typer.Option(
         "--learn-compile-nice", min=0, max=19, help="The server's compile thread nice value "
         "(its `kvnotes serve --learn-compile-nice`)")] = DEFAULT_COMPILE_NICE,
+    guard: Annotated[str, typer.Option(
+        "--guard", help="The launched front's guard, as `kvnotes serve --guard` spells it: auto "
+        "(the model's calibrated default), 0 (off) or a margin; the soak runs without")] = "auto",
     repair_variants: Annotated[str | None, typer.Option(
         "--repair-variants", help="Also measure each reordered request spliced with "
         "kvnotes.repair K for these K, comma-separated (e.g. 16,8; no share floor)")] = None,
@@ -580,7 +583,8 @@ def agent(
             model=model, parts=_names(parts, ("tools", "documents", "overhead", "soak")),
             cases=cases, docs=docs, docs_k=docs_k, repeats=repeats, learn=learn,
             library_cap_bytes=parse_bytes(library_cap), tenant=tenant, repair=repair,
-            compile_nice=compile_nice, protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
+            compile_nice=compile_nice, guard=guard,
+            protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
                                     learn_timeout_s=learn_timeout, seed=seed,
                                     repairs=_counts(repair_variants)),
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,

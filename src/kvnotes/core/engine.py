@@ -20,6 +20,7 @@ from kvnotes.core import compose as compose_ops
 from kvnotes.core import validate
 from kvnotes.core.document import Document, document_meta
 from kvnotes.core.errors import EmptyInputError
+from kvnotes.core.model_defaults import ModelDefaults, model_defaults
 from kvnotes.core.notebook import SPAN_KINDS, Notebook
 from kvnotes.core.runner import ModelRunner, TokenInput
 
@@ -47,6 +48,12 @@ class Engine(ModelRunner):
     def from_model(cls, model: torch.nn.Module, tokenizer: Any, *, name: str | None = None) -> Engine:
         """Wrap any already-loaded transformers causal LM (tiny random ones too)."""
         return cls(model, tokenizer, name=name)
+
+    @property
+    def defaults(self) -> ModelDefaults | None:
+        """This model's calibrated repair and guard (:mod:`kvnotes.core.model_defaults`), looked
+        up by the name it was loaded by; None for a model nobody calibrated."""
+        return model_defaults(self.name)
 
     # ---- notebooks from text ----------------------------------------------------------------
     def prefill(self, x: TokenInput, start: int = 0, *, bos: bool | None = None,

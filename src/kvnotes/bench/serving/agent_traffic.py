@@ -74,6 +74,9 @@ class AgentBenchConfig:
             ``K@F``; None: the front's default).
         compile_nice: the learner's compile thread nice value (``kvnotes serve
             --learn-compile-nice``).
+        guard: the launched front's guard as ``kvnotes serve --guard`` spells it (``auto``:
+            the model's calibrated default, :mod:`kvnotes.core.model_defaults`). The soak's
+            server runs without one: its answers are checked against the engine's splice.
     """
 
     model: str = "smollm2-135m"
@@ -90,8 +93,12 @@ class AgentBenchConfig:
     max_context: int = 3500
     repair: str | None = None
     compile_nice: int = DEFAULT_COMPILE_NICE
+    guard: str = "auto"
 
     def __post_init__(self) -> None:
+        from kvnotes.serving.front.guard_defaults import parse_guard
+
+        parse_guard(self.guard)
         unknown = set(self.parts) - set(PARTS)
         if unknown or not self.parts:
             raise InvalidArgumentError(f"--parts {','.join(self.parts)}: use some of "
@@ -139,7 +146,8 @@ def front_repair(spec: str) -> tuple[int, float]:
 def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None = None,
                     after: int = 2, learn: bool = True, timeout: float = 600.0,
                     repair: str | None = None,
-                    compile_nice: int = DEFAULT_COMPILE_NICE) -> LaunchConfig:
+                    compile_nice: int = DEFAULT_COMPILE_NICE,
+                    guard: float = 0.0) -> LaunchConfig:
     """``base`` with the connector over ``skills`` and the OpenAI front in front of it.
 
     With ``learn``, the front learns on sight (``kvnotes serve --learn``): a
@@ -147,11 +155,11 @@ def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None =
     seen that many times, per tenant) and ``library_cap=cap_bytes`` (``--library-cap``; None: no
     cap). Without it, the front is today's: it splices only registered skills. ``repair``:
     the front's repair (``K`` or ``K@F``; None: its default). ``compile_nice``: the learner's
-    compile thread nice value.
+    compile thread nice value. ``guard``: the front's tau (0: off).
     """
     from kvnotes.serving.front.config import FrontConfig, LearnConfig
 
-    front = FrontConfig(timeout=timeout)
+    front = FrontConfig(timeout=timeout, guard=guard)
     if repair is not None:
         first, share = front_repair(repair)
         front = dataclasses.replace(front, repair=first, repair_share=share)
@@ -175,6 +183,7 @@ class AgentResult:
     cases: dict[str, list[CaseRecord]] = field(default_factory=dict)  # "tools", "documents"
     skipped: list[dict[str, Any]] = field(default_factory=list)
     timings: list[Timing] = field(default_factory=list)
+    guard_tau: float | None = None  # the main server's front guard (None: not launched)
     soak_records: list[SoakRecord] = field(default_factory=list)
     soak: dict[str, Any] = field(default_factory=dict)  # summary, evictions, library bytes
     notes: list[str] = field(default_factory=list)
@@ -194,7 +203,7 @@ class AgentResult:
         return {"workload": "agent", "config": self.config.to_dict(), "started": self.started,
                 "finished": self.finished, "command": self.command,
                 "machine": self.machine.to_dict(), "threads": self.threads,
-                "launches": self.launches,
+                "launches": self.launches, "guard_tau": self.guard_tau,
                 "summaries": [s.to_dict() for s in self.summaries()],
                 "timings": [t.to_dict() for t in self.timings],
                 "soak": {**self.soak, "summary": None if soak is None else soak.to_dict()},
@@ -209,7 +218,7 @@ class AgentResult:
                    machine=MachineRecord.from_dict(d.get("machine") or {}),
                    started=d.get("started", ""), finished=d.get("finished", ""),
                    command=d.get("command", ""), threads=dict(d.get("threads") or {}),
-                   launches=dict(d.get("launches") or {}),
+                   launches=dict(d.get("launches") or {}), guard_tau=d.get("guard_tau"),
                    cases={k: [CaseRecord.from_dict(r) for r in v]
                           for k, v in (d.get("cases") or {}).items()},
                    skipped=list(d.get("skipped") or []),
@@ -316,10 +325,15 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     result.skipped = skipped
     main_parts = [p for p in config.parts if p != "soak"]
     if main_parts:
+        from kvnotes.serving.front.guard_defaults import resolve_guard
+
+        guard_tau, why = resolve_guard(config.guard, config.model)
+        result.guard_tau = guard_tau
+        say(f"guard: {why}")
         launch = launcher.prepare(learning_launch(
             base, out / "skills", cap_bytes=None, after=config.protocol.sightings,
             learn=config.learn, timeout=request_timeout_s, repair=config.repair,
-            compile_nice=config.compile_nice), engine)
+            compile_nice=config.compile_nice, guard=guard_tau), engine)
         say(f"starting vLLM ({launch.model.dtype}) with the connector and the front"
             f"{' (learning)' if config.learn else ''}; log: {launch.server.log_path}")
         with launch:

@@ -34,11 +34,15 @@ def _counted(result: AgentResult) -> bool:
 
 
 def _settings(result: AgentResult) -> str:
-    """The learning wait, the front's repair, the block size and the repair variants."""
+    """The learning wait, the front's repair and guard, the block size and the repair
+    variants."""
     p = result.config.protocol
     block = (result.launches.get("main") or {}).get("block_size") or "vLLM's default"
+    tau = result.guard_tau
+    guard = ("" if tau is None else f"; its guard: tau {tau:g} (--guard {result.config.guard})"
+             if tau else f"; its guard: off (--guard {result.config.guard})")
     return (" (until the front's learner compiled the case's new chunks). The front's repair: "
-            f"{result.config.repair or 'its default'}; KV block size {block}"
+            f"{result.config.repair or 'its default'}{guard}; KV block size {block}"
             + (f"; also measured with `kvnotes.repair` K = {', '.join(str(k) for k in p.repairs)}"
                " (no share floor)" if p.repairs else "") + ".")
 
