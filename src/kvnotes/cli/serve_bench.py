@@ -572,17 +572,18 @@ def agent(
     content parts, learned on sight and spliced in another order, against splice: false; the
     TTFT of a miss and beside a compile; a capped-library soak checked against the engine."""
     import kvnotes
-    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, parse_bytes, run_agent
+    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, run_agent
     from kvnotes.bench.serving.agent_traffic_protocol import ProtocolConfig
     from kvnotes.bench.serving.agent_traffic_report import markdown, write_outputs
     from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
     from kvnotes.core.errors import KvnotesError
+    from kvnotes.serving.front.config import parse_size
 
     try:
         bench = AgentBenchConfig(
             model=model, parts=_names(parts, ("tools", "documents", "overhead", "soak")),
             cases=cases, docs=docs, docs_k=docs_k, repeats=repeats, learn=learn,
-            library_cap_bytes=parse_bytes(library_cap), tenant=tenant, repair=repair,
+            library_cap_bytes=parse_size(library_cap), tenant=tenant, repair=repair,
             compile_nice=compile_nice, guard=guard,
             protocol=ProtocolConfig(sightings=sightings, max_tokens=max_tokens,
                                     learn_timeout_s=learn_timeout, seed=seed,

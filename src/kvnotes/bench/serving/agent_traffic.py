@@ -228,30 +228,6 @@ class AgentResult:
                    notes=list(d.get("notes") or []))
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 1000, "m": 1 << 20, "mib": 1 << 20,
-          "mb": 1000 ** 2, "g": 1 << 30, "gib": 1 << 30, "gb": 1000 ** 3}
-
-
-def parse_bytes(text: str) -> int:
-    """A size such as ``4MiB``, ``512k``, ``2GB`` or ``1000000`` in bytes.
-
-    Example:
-        >>> parse_bytes("4MiB"), parse_bytes("512k"), parse_bytes("1000")
-        (4194304, 524288, 1000)
-    """
-    raw = text.strip().lower().replace(" ", "")
-    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(digits):]
-    try:
-        value = float(digits)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value > 0:
-        raise InvalidArgumentError(f"size {text!r}: write a positive number with an optional "
-                                   "unit (B, KiB, MiB, GiB, kB, MB, GB)")
-    return int(value * _UNITS[unit])
-
-
 def utc_minute() -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
 
