@@ -229,7 +229,10 @@ def test_read_request_carries_parts_chunks_and_tool_choice(tokenizer):
     assert req.prompt_ids == [t for p in req.parts for t in encode(tokenizer, p.text)]
     assert not read_request("chat", {**body, "tool_choice": "none"}, tokenizer).tool_calls
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert read_request("chat", {**body, "tool_choice": named}, tokenizer).tool_calls
+    for constrained in (named, "required"):  # vLLM constrains the decoding: forwarded
+        with pytest.raises(Unplannable) as caught:
+            read_request("chat", {**body, "tool_choice": constrained}, tokenizer)
+        assert caught.value.code == "tool_choice"
     with pytest.raises(Unplannable):
         read_request("chat", {**body, "tool_choice": "always"}, tokenizer)
     with pytest.raises(Unplannable) as caught:  # a plain chat opted out: forwarded as it came
