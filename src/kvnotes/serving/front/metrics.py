@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvnotes.serving.planning.variants import VariantHits
 
 OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "upstream_error",
-            "bad_request", "unauthorized", "rejected", "disconnected")
+            "bad_request", "unauthorized", "rejected", "disconnected", "internal_error")
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
 # the learner's counters (kvnotes.serving.front.learner.LearnerStats) and what they count
@@ -89,7 +89,7 @@ class FrontMetrics:
 
     def outcome(self, route: str, outcome: str, reason: str | None = None) -> None:
         route = route if route in ROUTES else "completion"
-        outcome = outcome if outcome in OUTCOMES else "upstream_error"
+        outcome = outcome if outcome in OUTCOMES else "internal_error"
         self.requests.labels(route, outcome).inc()
         with self._lock:
             self.counts[outcome] += 1

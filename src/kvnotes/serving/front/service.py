@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import KvnotesError, ServingError
+from kvnotes.serving.front.admission import Admission, Slots
 from kvnotes.serving.front.call import Call, Reply
 from kvnotes.serving.front.config import FrontConfig, Keys
 from kvnotes.serving.front.errors import ApiError, header_value
@@ -74,8 +75,11 @@ def why_not(err: Exception, request_id: str = "") -> Unplannable:
     ``plan_error`` (logged with its traceback: planning should not fail)."""
     if isinstance(err, Unplannable):
         return err
-    if isinstance(err, (KvnotesError, ValueError)):
+    if isinstance(err, KvnotesError):
         return Unplannable(f"not planned: {err}")
+    if isinstance(err, ValueError):  # its text may quote the request: the log keeps it
+        log.info("request %s: not planned: %s", request_id, err)
+        return Unplannable(f"not planned: {type(err).__name__}")
     log.error("request %s: planning failed; answered exactly", request_id, exc_info=err)
     return Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
 
@@ -95,7 +99,7 @@ class FrontService:
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        self._in_flight = 0
+        self.slots = Slots(config.max_concurrent, self._count_in_flight)
         self.proxy = Proxy(self.up, self.metrics)
         self.learner = learner
         if learner is not None:
@@ -174,28 +178,33 @@ class FrontService:
         return None if self.keys.enabled else client_auth
 
     # ---- requests --------------------------------------------------------------------------
-    def begin(self) -> None:
-        self._in_flight += 1
-        self.metrics.in_flight.inc()
+    @property
+    def _in_flight(self) -> int:
+        return self.slots.in_flight
 
-    def end(self) -> None:
-        self._in_flight -= 1
-        self.metrics.in_flight.dec()
+    def _count_in_flight(self, delta: int) -> None:
+        self.metrics.in_flight.inc(delta)
+
+    def admission(self, call: Call) -> Admission:
+        """The context a request runs in: its slot (429 when none is free), given back and
+        the call finished (:meth:`finish`) however it ends."""
+        return Admission(self.slots, call, self.finish,
+                         rejected=lambda c: self.metrics.outcome(c.route, "rejected"))
 
     def finish(self, call: Call) -> None:
-        """A request's end: its metrics and its log line (once, before its last bytes are sent,
-        so a client that has its answer sees it counted)."""
+        """A request's end: its leases, its metrics and its log line (once, before its last
+        bytes are sent, so a client that has its answer sees it counted; the slot is its
+        :class:`Admission`'s)."""
         if call.finished:
             return
         call.finished = True
         if call.leased and self.learner is not None:
             self.learner.release(call.leased)
             call.leased = ()
-        self.end()
         m = self.metrics
         if call.first_upstream is not None:
             m.overhead.labels(call.route).observe(call.first_upstream - call.t0)
-        outcome = call.outcome or "upstream_error"
+        outcome = call.outcome or "internal_error"
         m.outcome(call.route, outcome, call.reason)
         log.info("request %s", json.dumps({
             "id": call.id, "route": call.route, "tenant": call.tenant, "status": call.status,
