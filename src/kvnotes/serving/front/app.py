@@ -74,6 +74,7 @@ from kvnotes.serving.front.call import JSON, Call, Reply, error_reply
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, sse
+from kvnotes.serving.front.limits import check_bounds
 from kvnotes.serving.front.service import FrontService
 from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
@@ -195,6 +196,7 @@ class _Answer(StarletteResponse):
                     try:
                         data = parse_body(await read_body(self.request, front.config),
                                           call.route, front.config)
+                        check_bounds(call.route, data, front.config)
                     except ApiError:
                         call.outcome = "bad_request"
                         raise
@@ -249,8 +251,13 @@ class _Answer(StarletteResponse):
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
 
     async def _send(self, work: Any, send: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self.front.config.request_timeout
         try:
-            reply: Reply = await work
+            async with asyncio.timeout_at(deadline):
+                reply: Reply = await work
+        except TimeoutError:
+            self.call.outcome = "upstream_error"
+            reply = error_reply(self._too_long())
         except ApiError as err:
             if not self.call.outcome or self.call.outcome == "forwarded":
                 self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
@@ -266,27 +273,38 @@ class _Answer(StarletteResponse):
         first = True
         try:  # from the start of the answer on: a client leaving at any await closes upstream
             await self._start(reply, send, None)
+            sse_stream = reply.headers.get("content-type", "").startswith("text/event-stream")
+            fault: ApiError | None = None
             try:
-                async for chunk in reply.stream:
-                    if chunk:
-                        if first:
-                            first = False
-                            self.front.metrics.ttft.labels(self.call.route).observe(
-                                time.perf_counter() - self.call.t0)
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
+                async with asyncio.timeout_at(deadline):
+                    async for chunk in reply.stream:
+                        if chunk:
+                            if first:
+                                first = False
+                                self.front.metrics.ttft.labels(self.call.route).observe(
+                                    time.perf_counter() - self.call.t0)
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+            except TimeoutError:
+                self.call.outcome = "upstream_error"
+                fault = self._too_long()
             except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
                 log.exception("request %s: its stream failed", self.call.id)
                 self.call.outcome = "internal_error"
-                if reply.headers.get("content-type", "").startswith("text/event-stream"):
-                    fault = internal_error(self.call)
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": sse(error_body(fault.status, str(fault))) + DONE})
+                fault = internal_error(self.call)
+            if fault is not None and sse_stream:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": sse(error_body(fault.status, str(fault))) + DONE})
         finally:
             await reply.close()
         if self.admitted is not None:
             self.admitted.release()
         await send({"type": "http.response.body", "body": b""})
+
+
+    def _too_long(self) -> ApiError:
+        return ApiError(504, f"the answer took longer than {self.front.config.request_timeout:g} "
+                        "s (FrontConfig.request_timeout)")
 
 
 def internal_error(call: Call) -> ApiError:
@@ -346,6 +364,7 @@ def build_app(front: Front) -> Any:
         except ApiError:
             front.metrics.outcome(kind, "unauthorized")
             raise
+        call.client = front.client_of(auth, request.client.host if request.client else "")
         return _Answer(front, call, request, key_tenant, auth)
 
     @app.post("/v1/completions")

@@ -166,6 +166,9 @@ class FrontConfig:
         upstream_api_key: the key sent to vLLM on every request (None: none; the client's own
             ``Authorization`` header is passed on only when the front checks no key).
         timeout: seconds the front waits for vLLM's next bytes (read); 504 past it.
+        request_timeout: seconds one request may take in all, its answer included (a vLLM
+            that trickles its answer byte by byte never trips ``timeout``); past it a 504, or
+            a stream already begun ends with an error event and ``[DONE]``.
         connect_timeout: seconds to connect to vLLM; 502 when it refuses, 504 past it.
         discover_timeout: seconds one read of vLLM's ``/metrics`` or ``/v1/models`` may take.
         max_body_bytes: the largest request body (413 beyond it, checked while reading).
@@ -182,6 +185,16 @@ class FrontConfig:
             complete (h11's bound: a longer head is refused with 400 as it arrives).
         upstream_connections: the pool of connections to vLLM.
         plan_workers: threads that plan requests (each with its own tokenizer copy).
+        max_plans_per_client: plans of one client (its key, or its address without keys)
+            waiting for or on a planning thread at once; its other requests wait behind them.
+        plan_timeout: seconds one request's planning may take (413 past it); a plan also
+            stops when its client leaves.
+        max_tools: tools in one chat (400 beyond it).
+        max_tool_depth: the deepest nesting of one tool's JSON (400 beyond it).
+        max_messages: messages in one chat (400 beyond it).
+        max_content_parts: content parts in all of one chat's messages (400 beyond it).
+        max_prompt_tokens: tokens of a prompt the front lays out (a chat, a completion text
+            holding a registered skill, token ids; 413 beyond it).
         learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
             registered skills are spliced). Needs the engine: the launcher's front learns.
     """
@@ -199,6 +212,7 @@ class FrontConfig:
     key_file: Path | None = None
     upstream_api_key: str | None = None
     timeout: float = 600.0
+    request_timeout: float = 3600.0
     connect_timeout: float = 5.0
     discover_timeout: float = 5.0
     max_body_bytes: int = 8 << 20
@@ -211,6 +225,13 @@ class FrontConfig:
     max_header_bytes: int = 16 << 10
     upstream_connections: int = 512
     plan_workers: int = 4
+    max_plans_per_client: int = 2
+    plan_timeout: float = 10.0
+    max_tools: int = 128
+    max_tool_depth: int = 16
+    max_messages: int = 1024
+    max_content_parts: int = 512
+    max_prompt_tokens: int = 131072
     learn: LearnConfig | None = None
 
     def __post_init__(self) -> None:
@@ -224,12 +245,14 @@ class FrontConfig:
             raise InvalidArgumentError(f"block_size {self.block_size!r}: give the server's KV "
                                        "block size in tokens, or None to read it")
         for name in ("timeout", "connect_timeout", "discover_timeout", "body_timeout",
-                     "keep_alive_s"):
+                     "keep_alive_s", "plan_timeout", "request_timeout"):
             if not float(getattr(self, name)) > 0:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive number of "
                                            "seconds")
         for name in ("max_body_bytes", "max_json_depth", "max_concurrent", "max_connections",
-                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers"):
+                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers",
+                     "max_plans_per_client", "max_tools", "max_tool_depth", "max_messages",
+                     "max_content_parts", "max_prompt_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "

@@ -331,7 +331,7 @@ class Learner:
         info, size, existed = published
         self._finish(job, info, existed, "compiles", LearnedEntry(
             info.key, tenant, name, chunk.kind, len(info), size,
-            skill=skill_id(tenant, info.token_ids), behind_tokens=len(chunk.after_ids)))
+            skill=skill_id(tenant, info.token_ids), behind_tokens=chunk.after_len))
         log.info("kvnotes learner: learned %s (%d tokens%s)", name, len(info),
                  f", tenant {tenant}" if tenant else "")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import threading
@@ -44,6 +45,7 @@ from kvnotes.serving.front.admission import Admission, Slots
 from kvnotes.serving.front.call import Call, Reply
 from kvnotes.serving.front.config import FrontConfig, Keys
 from kvnotes.serving.front.errors import ApiError, header_value
+from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.upstream import Upstream
@@ -100,6 +102,7 @@ class FrontService:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self.slots = Slots(config.max_concurrent, self._count_in_flight)
+        self.plan_turns = PlanTurns(config.max_plans_per_client)
         self.proxy = Proxy(self.up, self.metrics)
         self.learner = learner
         if learner is not None:
@@ -173,6 +176,14 @@ class FrontService:
         base = f"{TENANT_SALT}:{tenant}"
         return base if not isinstance(client_salt, str) else f"{base}:{client_salt}"
 
+    def client_of(self, authorization: str | None, address: str) -> str:
+        """Who a request is, for sharing the planning threads: its key (a digest) when keys
+        are on, else its address."""
+        if self.keys.enabled and authorization:
+            return "key:" + hashlib.blake2b(authorization.encode("utf-8", "replace"),
+                                            digest_size=16).hexdigest()
+        return "ip:" + address
+
     def _passed_auth(self, client_auth: str | None) -> str | None:
         # the client's key is vLLM's only when the front checks none of its own
         return None if self.keys.enabled else client_auth
@@ -232,9 +243,10 @@ class FrontService:
                     block_size = await self.up.block_size()
                 except Unplannable as err:  # sent as its own ids, it is answered exactly
                     block_size = err
-            req, fp = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._plan, kind, data, opts, tenant, block_size)
+            req, fp = await self._planned(call, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
+        except ApiError:  # a request beyond the front's bounds
+            raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             return await self.proxy.forward(kind, exact, call, why_not(err, call.id),
                                             self._passed_auth(client_auth))
@@ -249,14 +261,40 @@ class FrontService:
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
 
+    async def _planned(self, call: Call, kind: str, data: dict[str, Any], opts: FrontOptions,
+                       tenant: str | None, block_size: int | Unplannable
+                       ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
+        """:meth:`_plan` on a planning thread, in its client's turn (:class:`PlanTurns`),
+        stopped at ``plan_timeout`` (413) or when the client leaves."""
+        deadline = PlanDeadline(self.config.plan_timeout)
+        async with self.plan_turns.turn(call.client):
+            future = asyncio.get_running_loop().run_in_executor(
+                self._pool, self._plan, kind, data, opts, tenant, block_size, deadline)
+            try:
+                return await future
+            except PlanStopped as err:
+                raise ApiError(413, f"the request was not planned: {err} "
+                               "(FrontConfig.plan_timeout); send fewer or shorter parts"
+                               ) from err
+            finally:  # done, or its client left: a plan still running stops at its next call
+                deadline.cancel()
+
     def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
-              block_size: int | Unplannable) -> tuple[FrontRequest, FrontPlan | Unplannable]:
+              block_size: int | Unplannable, deadline: PlanDeadline | None = None
+              ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
         """The request and its plan; for a request sent as its own ids
         (:attr:`FrontRequest.sent_as_ids`: a structured chat, a completion text with a
         registered skill) that is not spliced, why not (it is then sent exactly as the same
         ids). ``block_size``: why not, when unknown or opted out."""
         tokenizer = self._tokenizer()
+        if deadline is not None:
+            deadline.start()
+            tokenizer = DeadlineTokenizer(tokenizer, deadline)
         req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
+        tokens = len(req.prompt_ids) if req.parts else 0
+        if tokens > self.config.max_prompt_tokens:
+            raise ApiError(413, f"the prompt has {tokens} tokens, more than "
+                           f"{self.config.max_prompt_tokens} (FrontConfig.max_prompt_tokens)")
         self.observe(tenant, req.chunks)
         try:
             if isinstance(block_size, Unplannable):
@@ -265,6 +303,8 @@ class FrontService:
             fp = plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
             self.observe_variants(tenant, fp)
             return req, fp
+        except PlanStopped:
+            raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             if req.sent_as_ids:  # answered exactly as the same ids, not forwarded
                 return req, why_not(err)
