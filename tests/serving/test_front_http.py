@@ -383,7 +383,9 @@ def test_keys_are_required_on_v1_and_kvnotes(make_front, key_file):
         assert completion(front, headers=auth).status_code == 200
         assert httpx2.get(front.url + STATS_PATH, headers=auth, timeout=10).status_code == 200
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 200  # open, as vLLM's
-    assert httpx2.get(front.url + "/metrics", timeout=10).status_code == 200
+    assert httpx2.get(front.url + "/metrics", timeout=10).status_code == 401  # the operator's
+    assert httpx2.get(front.url + "/metrics", timeout=10,
+                      headers={"authorization": "Bearer sk-admin"}).status_code == 200
 
 
 def test_a_tenant_comes_from_its_key(make_front, fake, key_file):

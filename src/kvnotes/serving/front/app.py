@@ -388,7 +388,8 @@ def build_app(front: Front) -> Any:
         return Response(data, status, media_type=ctype or "text/plain")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        front.authorize_metrics(request.headers.get("authorization"))
         return Response(front.metrics.exposition(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 

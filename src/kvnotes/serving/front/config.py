@@ -163,6 +163,8 @@ class FrontConfig:
         model: the served model's name (None: read once from its ``/v1/models``).
         api_key: the key clients must send (None: no key, unless ``key_file``).
         key_file: a JSON file of keys and their tenants (see the module docstring).
+        metrics_key: a key for ``/metrics`` alone (a scraper's); with keys on (or this set),
+            ``/metrics`` needs it or ``api_key`` (the operator's), 401 otherwise.
         upstream_api_key: the key sent to vLLM on every request (None: none; the client's own
             ``Authorization`` header is passed on only when the front checks no key).
         timeout: seconds the front waits for vLLM's next bytes (read); 504 past it.
@@ -210,6 +212,7 @@ class FrontConfig:
     model: str | None = None
     api_key: str | None = None
     key_file: Path | None = None
+    metrics_key: str | None = None
     upstream_api_key: str | None = None
     timeout: float = 600.0
     request_timeout: float = 3600.0
@@ -257,8 +260,10 @@ class FrontConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "
                                            f"got {value!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise InvalidArgumentError("FrontConfig.api_key is empty: give a key, or None")
+        for name in ("api_key", "metrics_key"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_key(value, f"FrontConfig.{name}"))
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
 
@@ -281,7 +286,7 @@ class Keys:
 
     def __init__(self, keys: dict[str, str | None]) -> None:
         # hashed: a lookup compares digests in constant time, never the keys themselves
-        self._tenants = {_digest(k): t for k, t in keys.items()}
+        self._tenants = {key_digest(k): t for k, t in keys.items()}
 
     @property
     def enabled(self) -> bool:
@@ -292,7 +297,7 @@ class Keys:
 
     def tenant_of(self, key: str) -> tuple[bool, str | None]:
         """``(known, tenant)`` of a presented key."""
-        want = _digest(key)
+        want = key_digest(key)
         for digest, tenant in self._tenants.items():
             if hmac.compare_digest(digest, want):
                 return True, tenant
@@ -308,8 +313,32 @@ class Keys:
         return cls(keys)
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+_KEY = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no blank: what a header carries intact
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` when a client can send it as ``Authorization: Bearer <key>`` and have it match:
+    printable ASCII with no blank (an HTTP header's value is stripped of blanks around it, and
+    a non-ASCII key arrives as other characters); :class:`InvalidArgumentError` naming
+    ``where`` (never the key) otherwise.
+
+    Example:
+        >>> check_key("sk-acme-1", "api_key")
+        'sk-acme-1'
+    """
+    if not isinstance(key, str) or not key.strip():
+        raise InvalidArgumentError(f"{where} is empty: give a key")
+    if key != key.strip():
+        raise InvalidArgumentError(f"{where} has blanks around it: remove them (a client's "
+                                   "header never carries them)")
+    if not _KEY.fullmatch(key):
+        raise InvalidArgumentError(f"{where} holds a blank or a character that is not "
+                                   "printable ASCII: use letters, digits and punctuation only")
+    return key
 
 
 def read_key_file(path: str | os.PathLike[str]) -> dict[str, str | None]:
@@ -325,8 +354,9 @@ def read_key_file(path: str | os.PathLike[str]) -> dict[str, str | None]:
         raise InvalidArgumentError(f"key file {path}: no keys; write "
                                    '{"keys": {"<key>": {"tenant": "<name>"}}}')
     out: dict[str, str | None] = {}
-    for key, entry in entries.items():
-        if not key.strip() or not isinstance(entry, dict) or set(entry) - {"tenant"}:
+    for i, (key, entry) in enumerate(entries.items()):
+        check_key(key, f"key file {path}: key #{i + 1}")
+        if not isinstance(entry, dict) or set(entry) - {"tenant"}:
             raise InvalidArgumentError(f"key file {path}: each key maps to "
                                        '{"tenant": "<name>"} or {} (the shared tenant)')
         tenant = entry.get("tenant")

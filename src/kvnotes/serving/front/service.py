@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.core.errors import KvnotesError, ServingError
 from kvnotes.serving.front.admission import Admission, Slots
 from kvnotes.serving.front.call import Call, Reply
-from kvnotes.serving.front.config import FrontConfig, Keys
+from kvnotes.serving.front.config import FrontConfig, Keys, key_digest
 from kvnotes.serving.front.errors import ApiError, header_value
 from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
 from kvnotes.serving.front.metrics import FrontMetrics
@@ -108,7 +109,8 @@ class FrontService:
         if learner is not None:
             self.metrics.watch_learner(learner.counters)
         self.variant_hits = VariantHits()
-        self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None))
+        learned = None if learner is None else learner.registry.__contains__
+        self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None), learned)
 
     @property
     def stats(self) -> Counter[str]:
@@ -150,6 +152,20 @@ class FrontService:
         if not known:
             raise ApiError(401, "a valid API key is needed: send Authorization: Bearer <key>")
         return tenant
+
+    def authorize_metrics(self, authorization: str | None) -> None:
+        """401 unless ``/metrics`` is open (no keys, no metrics key) or the request carries the
+        metrics key or the operator's (``api_key``)."""
+        c = self.config
+        allowed = [k for k in (c.metrics_key, c.api_key) if k is not None]
+        if not self.keys.enabled and c.metrics_key is None:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and any(
+                hmac.compare_digest(key_digest(key.strip()), key_digest(a)) for a in allowed):
+            return
+        raise ApiError(401, "/metrics needs the metrics key (FrontConfig.metrics_key) or the "
+                       "operator's (FrontConfig.api_key): send Authorization: Bearer <key>")
 
     def tenant_of(self, opts: FrontOptions, key_tenant: str | None) -> str | None:
         """The request's tenant: its key's when keys are on (a different ``kvnotes.tenant`` is
