@@ -14,7 +14,9 @@ import pytest
 from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
 from _hostile import completion, healthy
 from conftest import make_tiny_engine
+from typer.testing import CliRunner
 
+from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
@@ -145,3 +147,12 @@ def test_variant_counts_stay_bounded():
         hits.record([SimpleNamespace(piece=piece, token_ids=(1, 2))])
     assert [k for k, *_ in hits.rows()] == ["k7", "k8", "k9"]
     assert len(hits.names) == 3 and len(hits.exact) <= 3
+
+
+def test_serve_takes_a_metrics_key_and_refuses_it_without_the_front(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["serve", "--skills", str(tmp_path), "--no-front",
+                                 "--metrics-key", "sk-scrape"])
+    assert result.exit_code == 2 and "--metrics-key are the" in " ".join(result.output.split())
+    result = runner.invoke(app, ["serve", "--skills", str(tmp_path), "--api-key", " sk-op"])
+    assert result.exit_code == 2 and "blanks around it" in result.output

@@ -326,7 +326,9 @@ def test_requests_past_the_bound_get_429(make_front, fake):
                for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 2.5  # both admitted (a loaded machine may take a while)
+    while front._in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     resp = completion(front)
     assert resp.status_code == 429 and error_of(resp)["type"] == "RateLimitError"
     for t in threads:

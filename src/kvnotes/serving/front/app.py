@@ -99,6 +99,7 @@ class Front(FrontService):
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
+        self.connections: Any = None  # the ConnectionGuard of a started front
 
     # ---- running ---------------------------------------------------------------------------
     @property
@@ -117,6 +118,8 @@ class Front(FrontService):
         """Listen and serve in a background thread (returns once it accepts connections)."""
         import uvicorn
 
+        from kvnotes.serving.front.connections import ConnectionGuard, guarded_protocol
+
         if self._thread is not None:
             raise ServingError("this front is already started")
         c = self.config
@@ -134,8 +137,10 @@ class Front(FrontService):
             raise ServingError(f"the front cannot listen on {c.host}:{c.port}: {err} (choose "
                                "another --port)") from err
         self._sock = sock
+        self.connections = ConnectionGuard(c.head_timeout, c.max_connections_per_ip)
         settings = uvicorn.Config(
-            self.app, http="h11", loop="asyncio", lifespan="on", log_level="warning",
+            self.app, http=guarded_protocol(self.connections), loop="asyncio", lifespan="on",
+            log_level="warning",
             access_log=False, backlog=c.backlog, timeout_keep_alive=c.keep_alive_s,  # type: ignore[arg-type]
             limit_concurrency=c.max_connections, h11_max_incomplete_event_size=c.max_header_bytes,
             timeout_graceful_shutdown=5)
@@ -324,6 +329,8 @@ def build_app(front: Front) -> Any:
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
+    from kvnotes.serving.front.connections import HeadLimit
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         await front.opened()
@@ -344,6 +351,8 @@ def build_app(front: Front) -> Any:
         headers = {"connection": "close"} if err.status in (408, 413) else None
         return JSONResponse(error_body(err.status, str(err), err.param), err.status,
                             headers=headers)
+
+    app.add_middleware(HeadLimit, limit=front.config.max_header_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> Response:

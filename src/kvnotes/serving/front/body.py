@@ -5,6 +5,7 @@ the limit or the field)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
@@ -23,24 +24,50 @@ async def read_body(request: Request, config: FrontConfig) -> bytes:
     from starlette.requests import ClientDisconnect
 
     limit = config.max_body_bytes
+    too_large = ApiError(413, f"the body is larger than {limit} bytes "
+                         "(FrontConfig.max_body_bytes)")
     claimed = request.headers.get("content-length")
     if claimed is not None and claimed.strip().isdigit() and int(claimed) > limit:
-        raise ApiError(413, f"the body is larger than {limit} bytes")
+        if int(claimed) <= config.max_drain_bytes:
+            await _drain(request, config)
+        raise too_large
     buf = bytearray()
 
     async def read() -> None:
         async for chunk in request.stream():
             buf.extend(chunk)
             if len(buf) > limit:
-                raise ApiError(413, f"the body is larger than {limit} bytes")
+                return
 
     try:
         await asyncio.wait_for(read(), config.body_timeout)
+        if len(buf) > limit:
+            seen = len(buf)
+            buf.clear()
+            await _drain(request, config, seen)
+            raise too_large
     except TimeoutError as err:
         raise ApiError(408, f"the body did not arrive within {config.body_timeout:g} s") from err
     except ClientDisconnect as err:
         raise ApiError(400, "the client closed the connection before its body ended") from err
     return bytes(buf)
+
+
+async def _drain(request: Request, config: FrontConfig, seen: int = 0) -> None:
+    """Read and discard what is left of a refused body, up to ``max_drain_bytes`` and for at
+    most a few seconds (a client that sent it whole then reads its 413, not a reset)."""
+    from starlette.requests import ClientDisconnect
+
+    async def drain() -> None:
+        total = seen
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > config.max_drain_bytes:
+                return
+
+    # RuntimeError: the body had all come already (Starlette's "stream consumed")
+    with contextlib.suppress(TimeoutError, ClientDisconnect, RuntimeError):
+        await asyncio.wait_for(drain(), min(config.body_timeout, 5.0))
 
 
 def parse_body(raw: bytes, kind: str, config: FrontConfig) -> dict[str, Any]:

@@ -178,6 +178,13 @@ class FrontConfig:
         max_json_depth: the deepest nesting of a body's JSON (400 beyond it).
         max_concurrent: requests in flight on ``/v1`` (429 beyond it).
         max_connections: connections plus requests uvicorn serves at once (503 beyond it).
+        max_connections_per_ip: connections one address may hold open (one beyond it is
+            closed at once; None: no cap). Behind a reverse proxy every client has the
+            proxy's address: raise it or set None there.
+        head_timeout: seconds a client may take to send a request's head (its line and
+            headers); a connection whose head is not whole by then is closed.
+        max_drain_bytes: a body refused as too large (413) is read and discarded up to this
+            size first, so the client reads its 413 instead of a reset connection.
         backlog: the listen backlog (a burst of connections waits, not reset).
         keep_alive_s: seconds an idle keep-alive connection is held. Longer than the idle
             expiry of common clients (httpx and the ``openai`` SDK drop idle connections after
@@ -188,7 +195,8 @@ class FrontConfig:
         upstream_connections: the pool of connections to vLLM.
         plan_workers: threads that plan requests (each with its own tokenizer copy).
         max_plans_per_client: plans of one client (its key, or its address without keys)
-            waiting for or on a planning thread at once; its other requests wait behind them.
+            waiting for or on a planning thread at once; its other requests wait behind them
+            (None: ``plan_workers - 1``, at least 1, so one thread is always left to others).
         plan_timeout: seconds one request's planning may take (413 past it); a plan also
             stops when its client leaves.
         max_tools: tools in one chat (400 beyond it).
@@ -223,12 +231,15 @@ class FrontConfig:
     max_json_depth: int = 64
     max_concurrent: int = 512
     max_connections: int = 2048
+    max_connections_per_ip: int | None = 1024
+    head_timeout: float = 10.0
+    max_drain_bytes: int = 16 << 20
     backlog: int = 2048
     keep_alive_s: float = 15.0
     max_header_bytes: int = 16 << 10
     upstream_connections: int = 512
     plan_workers: int = 4
-    max_plans_per_client: int = 2
+    max_plans_per_client: int | None = None
     plan_timeout: float = 10.0
     max_tools: int = 128
     max_tool_depth: int = 16
@@ -248,14 +259,14 @@ class FrontConfig:
             raise InvalidArgumentError(f"block_size {self.block_size!r}: give the server's KV "
                                        "block size in tokens, or None to read it")
         for name in ("timeout", "connect_timeout", "discover_timeout", "body_timeout",
-                     "keep_alive_s", "plan_timeout", "request_timeout"):
+                     "keep_alive_s", "plan_timeout", "request_timeout", "head_timeout"):
             if not float(getattr(self, name)) > 0:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive number of "
                                            "seconds")
         for name in ("max_body_bytes", "max_json_depth", "max_concurrent", "max_connections",
                      "backlog", "max_header_bytes", "upstream_connections", "plan_workers",
-                     "max_plans_per_client", "max_tools", "max_tool_depth", "max_messages",
-                     "max_content_parts", "max_prompt_tokens"):
+                     "max_tools", "max_tool_depth", "max_messages",
+                     "max_content_parts", "max_prompt_tokens", "max_drain_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "
@@ -264,6 +275,12 @@ class FrontConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, check_key(value, f"FrontConfig.{name}"))
+        for name in ("max_connections_per_ip", "max_plans_per_client"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer "
+                                           f"or None, got {value!r}")
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
 

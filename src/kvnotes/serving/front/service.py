@@ -103,7 +103,9 @@ class FrontService:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self.slots = Slots(config.max_concurrent, self._count_in_flight)
-        self.plan_turns = PlanTurns(config.max_plans_per_client)
+        per_client = config.max_plans_per_client
+        self.plan_turns = PlanTurns(max(1, config.plan_workers - 1) if per_client is None
+                                    else per_client)
         self.proxy = Proxy(self.up, self.metrics)
         self.learner = learner
         if learner is not None:
