@@ -245,6 +245,7 @@ def test_upstream_down_at_start_then_up(make_front, published):
     front = make_front(upstream=f"http://127.0.0.1:{port}")
     resp = completion(front)
     assert resp.status_code == 502 and "not reachable" in error_of(resp)["message"]
+    assert error_of(resp)["message"].endswith("not reachable (ConnectError)")  # no more: the log
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 502
     late = FakeVLLM(port)
     try:
