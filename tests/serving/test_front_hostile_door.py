@@ -31,7 +31,7 @@ from kvnotes.serving.front.format import Shaper
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.skills import ServingSkills
 
-SLOTS = 16
+SLOTS = 4  # few: a request that leaks its slot shows within SLOTS + 4 of them
 SECRET = "secret-3f9a"  # the text of the faults injected: never in an answer
 
 
