@@ -5,8 +5,9 @@ completions endpoint (streamed too): "spliced answer" for a request carrying a s
 "exact answer" for one without; the first token's top-2 log-prob margin is set per kind, so the
 guard can be made to fire. ``fault`` makes the completions endpoint fail on demand: ``hang``
 (no answer), ``cut`` (a stream closed after its first event), ``bad_json`` (an event that is not
-JSON), ``slow`` (events 0.2 s apart); ``hang_metrics`` makes ``/metrics`` hang; ``words`` sets
-the answer's streamed pieces.
+JSON), ``slow`` (events 0.2 s apart), ``wrong_shape`` (an answer, or a streamed event, that is
+JSON but not what vLLM sends), ``trickle`` (one byte every 0.2 s, never ending);
+``hang_metrics`` makes ``/metrics`` hang; ``words`` sets the answer's streamed pieces.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ class FakeVLLM:
                  "total_tokens": len(body["prompt"]) + len(words),
                  "prompt_tokens_details": {"cached_tokens": 7}}
         head = {"id": "cmpl-abc", "created": 1, "model": body["model"]}
+        if self.fault == "trickle":
+            self._trickle(handler, bool(body.get("stream")))
+            return
+        if self.fault == "wrong_shape" and not body.get("stream"):
+            handler._json(200, {**head, "choices": [{"index": 0, "text": 5}]})  # type: ignore[attr-defined]
+            return
         if not body.get("stream"):
             text = "".join(c["text"] for c in choices)
             lp = None
@@ -131,6 +138,10 @@ class FakeVLLM:
         handler.end_headers()
         if self.fault == "bad_json":
             handler.wfile.write(b"data: {\"choices\": [\n\n")
+            return
+        if self.fault == "wrong_shape":
+            handler.wfile.write(b'data: {"choices": [{"index": 0, "text": null}]}\n\n'
+                                b"data: [DONE]\n\n")
             return
         if self.fault == "slow":
             choices = choices * 10
@@ -151,6 +162,25 @@ class FakeVLLM:
             chunk = {**head, "object": "text_completion", "choices": [], "usage": usage}
             handler.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         handler.wfile.write(b"data: [DONE]\n\n")
+
+    def _trickle(self, handler: BaseHTTPRequestHandler, stream: bool) -> None:
+        """One byte every 0.2 s of an answer that never ends (until the client leaves)."""
+        if not stream:
+            handler.send_response(200)
+            handler.send_header("content-type", "application/json")
+            handler.send_header("content-length", "100000")
+            handler.end_headers()
+        else:
+            handler.send_response(200)
+            handler.send_header("content-type", "text/event-stream")
+            handler.end_headers()
+        try:
+            for _ in range(600):
+                handler.wfile.write(b" " if not stream else b":")
+                handler.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            self.closed_streams += 1
 
     def posted(self, path: str = "/v1/completions") -> list[dict[str, Any]]:
         return [b for m, p, b in self.requests if m == "POST" and p == path]

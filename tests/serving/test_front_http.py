@@ -245,6 +245,7 @@ def test_upstream_down_at_start_then_up(make_front, published):
     front = make_front(upstream=f"http://127.0.0.1:{port}")
     resp = completion(front)
     assert resp.status_code == 502 and "not reachable" in error_of(resp)["message"]
+    assert error_of(resp)["message"].endswith("not reachable (ConnectError)")  # no more: the log
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 502
     late = FakeVLLM(port)
     try:
@@ -326,7 +327,9 @@ def test_requests_past_the_bound_get_429(make_front, fake):
                for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 2.5  # both admitted (a loaded machine may take a while)
+    while front._in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     resp = completion(front)
     assert resp.status_code == 429 and error_of(resp)["type"] == "RateLimitError"
     for t in threads:
@@ -383,7 +386,9 @@ def test_keys_are_required_on_v1_and_kvnotes(make_front, key_file):
         assert completion(front, headers=auth).status_code == 200
         assert httpx2.get(front.url + STATS_PATH, headers=auth, timeout=10).status_code == 200
     assert httpx2.get(front.url + "/health", timeout=10).status_code == 200  # open, as vLLM's
-    assert httpx2.get(front.url + "/metrics", timeout=10).status_code == 200
+    assert httpx2.get(front.url + "/metrics", timeout=10).status_code == 401  # the operator's
+    assert httpx2.get(front.url + "/metrics", timeout=10,
+                      headers={"authorization": "Bearer sk-admin"}).status_code == 200
 
 
 def test_a_tenant_comes_from_its_key(make_front, fake, key_file):

@@ -213,10 +213,11 @@ def test_the_front_learns_a_variant_and_reports_its_hits(fake, lib, tokenizer):
         assert "baggage" in plan["exactly_placed"]
         assert not any(a <= start < b for a, b in plan["regions"])  # nothing of it repaired
         metrics = httpx2.get(front.url + "/metrics", timeout=30).text
-    label = f'entry="{entry.key}",skill="baggage"'
+    label = 'owner="learned"'  # summed by owner: no entry's key or name is a label
     assert f"kvnotes_front_variant_spliced_total{{{label}}} 1.0" in metrics
     assert f"kvnotes_front_variant_exact_total{{{label}}} 1.0" in metrics
     assert f"kvnotes_front_variant_bytes{{{label}}} {float(entry.bytes)}" in metrics
+    assert entry.key not in metrics and "baggage" not in metrics
     assert "kvnotes_front_learn_variant_compiles_total 1.0" in metrics
     assert "kvnotes_front_learned_variants 1.0" in metrics
     row = learner.registry.get(entry.key)

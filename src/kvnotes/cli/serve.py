@@ -59,6 +59,10 @@ def serve(
                                 "must send (Authorization: Bearer KEY) on /v1 and /kvnotes"),
     key_file: Path | None = typer.Option(None, "--key-file", help='JSON {"keys": {"KEY": {"tenant": '
                                   '"NAME"}}}: each key\'s requests are spliced in its tenant'),
+    metrics_key: str | None = typer.Option(None, "--metrics-key", envvar="KVNOTES_METRICS_KEY",
+                                           help="A key for the front's /metrics alone (a "
+                                           "scraper's); with keys on, /metrics needs it or "
+                                           "--api-key"),
     no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
                                   "with no OpenAI front (clients send token ids and the splice "
                                   "salt themselves, e.g. ComposeClient)"),
@@ -123,9 +127,9 @@ def serve(
     from kvnotes.serving.library.manifest import SPLICE_SALT
     from kvnotes.serving.vllm.checks import check_vllm_args
 
-    if no_front and (api_key or key_file or host != "127.0.0.1"):
-        raise InvalidArgumentError("--host, --api-key and --key-file are the front's: drop "
-                                   "--no-front, or pass vLLM's own flags after --")
+    if no_front and (api_key or key_file or metrics_key or host != "127.0.0.1"):
+        raise InvalidArgumentError("--host, --api-key, --key-file and --metrics-key are the "
+                                   "front's: drop --no-front, or pass vLLM's own flags after --")
     check_vllm_args(vllm_args or [])
     plan = server_repair_spelled(repair)
     tau, why = resolve_guard(guard, model)
@@ -138,7 +142,7 @@ def serve(
     front = None if no_front else FrontConfig(port=port, host=host, repair=plan.first,
                                               repair_share=plan.share, guard=tau,
                                               api_key=api_key, key_file=key_file,
-                                              learn=learning)
+                                              metrics_key=metrics_key, learn=learning)
     if front is not None:
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
         typer.echo(f"guard: {why}", err=True)

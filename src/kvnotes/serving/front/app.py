@@ -68,10 +68,13 @@ from starlette.requests import Request  # FastAPI reads the routes' annotations 
 from starlette.responses import Response as StarletteResponse
 
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.front.admission import Admission
 from kvnotes.serving.front.body import parse_body, read_body
 from kvnotes.serving.front.call import JSON, Call, Reply, error_reply
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError, error_body, header_value
+from kvnotes.serving.front.format import DONE, sse
+from kvnotes.serving.front.limits import check_bounds
 from kvnotes.serving.front.service import FrontService
 from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
@@ -96,6 +99,7 @@ class Front(FrontService):
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
+        self.connections: Any = None  # the ConnectionGuard of a started front
 
     # ---- running ---------------------------------------------------------------------------
     @property
@@ -114,6 +118,8 @@ class Front(FrontService):
         """Listen and serve in a background thread (returns once it accepts connections)."""
         import uvicorn
 
+        from kvnotes.serving.front.connections import ConnectionGuard, guarded_protocol
+
         if self._thread is not None:
             raise ServingError("this front is already started")
         c = self.config
@@ -131,8 +137,10 @@ class Front(FrontService):
             raise ServingError(f"the front cannot listen on {c.host}:{c.port}: {err} (choose "
                                "another --port)") from err
         self._sock = sock
+        self.connections = ConnectionGuard(c.head_timeout, c.max_connections_per_ip)
         settings = uvicorn.Config(
-            self.app, http="h11", loop="asyncio", lifespan="on", log_level="warning",
+            self.app, http=guarded_protocol(self.connections), loop="asyncio", lifespan="on",
+            log_level="warning",
             access_log=False, backlog=c.backlog, timeout_keep_alive=c.keep_alive_s,  # type: ignore[arg-type]
             limit_concurrency=c.max_connections, h11_max_incomplete_event_size=c.max_header_bytes,
             timeout_graceful_shutdown=5)
@@ -170,64 +178,144 @@ class Front(FrontService):
 
 # ---- the ASGI app ------------------------------------------------------------------------------
 class _Answer(StarletteResponse):
-    """Runs one request's answer while watching for the client to leave: a client that
-    disconnects cancels the work (planning wait, phases, upstream stream)."""
+    """One ``POST /v1/...`` request from its admission on: the slot taken, the body read and
+    checked, the answer sent while watching for the client to leave (a client that disconnects
+    cancels the work: planning wait, phases, upstream stream), all inside one
+    :class:`~kvnotes.serving.front.admission.Admission`, so the slot comes back however it
+    ends."""
 
-    def __init__(self, front: Front, call: Call, work: Any) -> None:  # noqa: D107
+    def __init__(self, front: Front, call: Call, request: Request, key_tenant: str | None,
+                 auth: str | None) -> None:  # noqa: D107
         # not Response.__init__: the status and headers are known only once the work is done
-        self.front, self.call, self.work = front, call, work
+        self.front, self.call, self.request = front, call, request
+        self.key_tenant, self.auth = key_tenant, auth
         self.background = None
+        self.admitted: Admission | None = None
+        self._started = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        task = asyncio.ensure_future(self._send(send))
+        front, call = self.front, self.call
+        try:
+            async with front.admission(call) as self.admitted:
+                try:
+                    try:
+                        data = parse_body(await read_body(self.request, front.config),
+                                          call.route, front.config)
+                        check_bounds(call.route, data, front.config)
+                    except ApiError:
+                        call.outcome = "bad_request"
+                        raise
+                    await self._watched(front.answer(call.route, data, call, self.key_tenant,
+                                                     self.auth), receive, send)
+                except ApiError as err:
+                    if not self._started:
+                        await self._reply(error_reply(err), send)
+                except Exception:  # noqa: BLE001 -- a fault answers 500, its text in the log
+                    log.exception("request %s failed", call.id)
+                    call.outcome = "internal_error"
+                    if not self._started:
+                        await self._reply(error_reply(internal_error(call)), send)
+        except ApiError as err:  # no slot free: a 429, counted as rejected
+            await self._reply(error_reply(err), send)
+
+    async def _watched(self, work: Any, receive: Any, send: Any) -> None:
+        task = asyncio.ensure_future(self._send(work, send))
         watch = asyncio.ensure_future(_disconnected(receive))
         try:
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
                 task.cancel()
                 self.call.outcome = "disconnected"
-            with contextlib.suppress(asyncio.CancelledError):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
                 await task
         finally:
             watch.cancel()
-            self.front.finish(self.call)
+            if not task.done():
+                task.cancel()
 
-    async def _send(self, send: Any) -> None:
+    async def _reply(self, reply: Reply, send: Any) -> None:
+        """A whole answer (the call finished before its last bytes: a client that has its
+        answer sees it counted)."""
+        self.call.status = reply.status
+        await self._start(reply, send, len(reply.body))
+        self.front.metrics.ttft.labels(self.call.route).observe(
+            time.perf_counter() - self.call.t0)
+        if self.admitted is not None:
+            self.admitted.release()
+        await send({"type": "http.response.body", "body": reply.body})
+
+    async def _start(self, reply: Reply, send: Any, length: int | None) -> None:
+        headers = [(k.encode("latin-1"), header_value(v, 500).encode("latin-1"))
+                   for k, v in reply.headers.items()]
+        headers.append((REQUEST_ID_HEADER.encode(), self.call.id.encode("latin-1")))
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        self._started = True
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+
+    async def _send(self, work: Any, send: Any) -> None:
+        deadline = asyncio.get_running_loop().time() + self.front.config.request_timeout
         try:
-            reply: Reply = await self.work
+            async with asyncio.timeout_at(deadline):
+                reply: Reply = await work
+        except TimeoutError:
+            self.call.outcome = "upstream_error"
+            reply = error_reply(self._too_long())
         except ApiError as err:
             if not self.call.outcome or self.call.outcome == "forwarded":
                 self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
             reply = error_reply(err)
-        except Exception as err:  # noqa: BLE001 -- a bug answers 500, in the OpenAI shape
+        except Exception:  # noqa: BLE001 -- a fault answers 500, its text only in the log
             log.exception("request %s failed", self.call.id)
-            self.call.outcome = "upstream_error"
-            reply = error_reply(ApiError(500, f"kvnotes front: {type(err).__name__}: {err}"))
-        self.call.status = reply.status
-        headers = [(k.encode("latin-1"), header_value(v, 500).encode("latin-1"))
-                   for k, v in reply.headers.items()]
-        headers.append((REQUEST_ID_HEADER.encode(), self.call.id.encode("latin-1")))
+            self.call.outcome = "internal_error"
+            reply = error_reply(internal_error(self.call))
         if reply.stream is None:
-            headers.append((b"content-length", str(len(reply.body)).encode()))
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            self.front.metrics.ttft.labels(self.call.route).observe(time.perf_counter() - self.call.t0)
-            self.front.finish(self.call)
-            await send({"type": "http.response.body", "body": reply.body})
+            await self._reply(reply, send)
             return
+        self.call.status = reply.status
         first = True
         try:  # from the start of the answer on: a client leaving at any await closes upstream
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            async for chunk in reply.stream:
-                if chunk:
-                    if first:
-                        first = False
-                        self.front.metrics.ttft.labels(self.call.route).observe(
-                            time.perf_counter() - self.call.t0)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self._start(reply, send, None)
+            sse_stream = reply.headers.get("content-type", "").startswith("text/event-stream")
+            fault: ApiError | None = None
+            try:
+                async with asyncio.timeout_at(deadline):
+                    async for chunk in reply.stream:
+                        if chunk:
+                            if first:
+                                first = False
+                                self.front.metrics.ttft.labels(self.call.route).observe(
+                                    time.perf_counter() - self.call.t0)
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+            except TimeoutError:
+                self.call.outcome = "upstream_error"
+                fault = self._too_long()
+            except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
+                log.exception("request %s: its stream failed", self.call.id)
+                self.call.outcome = "internal_error"
+                fault = internal_error(self.call)
+            if fault is not None and sse_stream:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": sse(error_body(fault.status, str(fault))) + DONE})
         finally:
             await reply.close()
-        self.front.finish(self.call)
+        if self.admitted is not None:
+            self.admitted.release()
         await send({"type": "http.response.body", "body": b""})
+
+
+    def _too_long(self) -> ApiError:
+        return ApiError(504, f"the answer took longer than {self.front.config.request_timeout:g} "
+                        "s (FrontConfig.request_timeout)")
+
+
+def internal_error(call: Call) -> ApiError:
+    """The 500 of a fault in the front: what happened is in the log, under the request id."""
+    return ApiError(500, f"the kvnotes front failed on this request; its log has the details "
+                    f"under request id {call.id}")
 
 
 async def _disconnected(receive: Any) -> None:
@@ -240,6 +328,8 @@ def build_app(front: Front) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
+
+    from kvnotes.serving.front.connections import HeadLimit
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -262,6 +352,8 @@ def build_app(front: Front) -> Any:
         return JSONResponse(error_body(err.status, str(err), err.param), err.status,
                             headers=headers)
 
+    app.add_middleware(HeadLimit, limit=front.config.max_header_bytes)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> Response:
         return error(err)
@@ -281,18 +373,8 @@ def build_app(front: Front) -> Any:
         except ApiError:
             front.metrics.outcome(kind, "unauthorized")
             raise
-        if front._in_flight >= front.config.max_concurrent:
-            front.metrics.outcome(kind, "rejected")
-            raise ApiError(429, f"the front is serving {front.config.max_concurrent} requests "
-                           "(FrontConfig.max_concurrent): retry later")
-        front.begin()
-        try:
-            data = parse_body(await read_body(request, front.config), kind, front.config)
-        except ApiError:
-            front.metrics.outcome(kind, "bad_request")
-            front.end()
-            raise
-        return _Answer(front, call, front.answer(kind, data, call, key_tenant, auth))
+        call.client = front.client_of(auth, request.client.host if request.client else "")
+        return _Answer(front, call, request, key_tenant, auth)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -315,7 +397,8 @@ def build_app(front: Front) -> Any:
         return Response(data, status, media_type=ctype or "text/plain")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        front.authorize_metrics(request.headers.get("authorization"))
         return Response(front.metrics.exposition(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 

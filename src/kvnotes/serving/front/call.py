@@ -53,6 +53,7 @@ class Call:
     id: str
     t0: float = field(default_factory=time.perf_counter)
     tenant: str | None = None
+    client: str = ""  # whose turn its planning takes (its key's digest, or its address)
     outcome: str = ""
     reason: str | None = None
     status: int = 0

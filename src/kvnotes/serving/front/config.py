@@ -163,9 +163,14 @@ class FrontConfig:
         model: the served model's name (None: read once from its ``/v1/models``).
         api_key: the key clients must send (None: no key, unless ``key_file``).
         key_file: a JSON file of keys and their tenants (see the module docstring).
+        metrics_key: a key for ``/metrics`` alone (a scraper's); with keys on (or this set),
+            ``/metrics`` needs it or ``api_key`` (the operator's), 401 otherwise.
         upstream_api_key: the key sent to vLLM on every request (None: none; the client's own
             ``Authorization`` header is passed on only when the front checks no key).
         timeout: seconds the front waits for vLLM's next bytes (read); 504 past it.
+        request_timeout: seconds one request may take in all, its answer included (a vLLM
+            that trickles its answer byte by byte never trips ``timeout``); past it a 504, or
+            a stream already begun ends with an error event and ``[DONE]``.
         connect_timeout: seconds to connect to vLLM; 502 when it refuses, 504 past it.
         discover_timeout: seconds one read of vLLM's ``/metrics`` or ``/v1/models`` may take.
         max_body_bytes: the largest request body (413 beyond it, checked while reading).
@@ -173,6 +178,13 @@ class FrontConfig:
         max_json_depth: the deepest nesting of a body's JSON (400 beyond it).
         max_concurrent: requests in flight on ``/v1`` (429 beyond it).
         max_connections: connections plus requests uvicorn serves at once (503 beyond it).
+        max_connections_per_ip: connections one address may hold open (one beyond it is
+            closed at once; None: no cap). Behind a reverse proxy every client has the
+            proxy's address: raise it or set None there.
+        head_timeout: seconds a client may take to send a request's head (its line and
+            headers); a connection whose head is not whole by then is closed.
+        max_drain_bytes: a body refused as too large (413) is read and discarded up to this
+            size first, so the client reads its 413 instead of a reset connection.
         backlog: the listen backlog (a burst of connections waits, not reset).
         keep_alive_s: seconds an idle keep-alive connection is held. Longer than the idle
             expiry of common clients (httpx and the ``openai`` SDK drop idle connections after
@@ -182,6 +194,17 @@ class FrontConfig:
             complete (h11's bound: a longer head is refused with 400 as it arrives).
         upstream_connections: the pool of connections to vLLM.
         plan_workers: threads that plan requests (each with its own tokenizer copy).
+        max_plans_per_client: plans of one client (its key, or its address without keys)
+            waiting for or on a planning thread at once; its other requests wait behind them
+            (None: ``plan_workers - 1``, at least 1, so one thread is always left to others).
+        plan_timeout: seconds one request's planning may take (413 past it); a plan also
+            stops when its client leaves.
+        max_tools: tools in one chat (400 beyond it).
+        max_tool_depth: the deepest nesting of one tool's JSON (400 beyond it).
+        max_messages: messages in one chat (400 beyond it).
+        max_content_parts: content parts in all of one chat's messages (400 beyond it).
+        max_prompt_tokens: tokens of a prompt the front lays out (a chat, a completion text
+            holding a registered skill, token ids; 413 beyond it).
         learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
             registered skills are spliced). Needs the engine: the launcher's front learns.
     """
@@ -197,8 +220,10 @@ class FrontConfig:
     model: str | None = None
     api_key: str | None = None
     key_file: Path | None = None
+    metrics_key: str | None = None
     upstream_api_key: str | None = None
     timeout: float = 600.0
+    request_timeout: float = 3600.0
     connect_timeout: float = 5.0
     discover_timeout: float = 5.0
     max_body_bytes: int = 8 << 20
@@ -206,11 +231,21 @@ class FrontConfig:
     max_json_depth: int = 64
     max_concurrent: int = 512
     max_connections: int = 2048
+    max_connections_per_ip: int | None = 1024
+    head_timeout: float = 10.0
+    max_drain_bytes: int = 16 << 20
     backlog: int = 2048
     keep_alive_s: float = 15.0
     max_header_bytes: int = 16 << 10
     upstream_connections: int = 512
     plan_workers: int = 4
+    max_plans_per_client: int | None = None
+    plan_timeout: float = 10.0
+    max_tools: int = 128
+    max_tool_depth: int = 16
+    max_messages: int = 1024
+    max_content_parts: int = 512
+    max_prompt_tokens: int = 131072
     learn: LearnConfig | None = None
 
     def __post_init__(self) -> None:
@@ -224,18 +259,28 @@ class FrontConfig:
             raise InvalidArgumentError(f"block_size {self.block_size!r}: give the server's KV "
                                        "block size in tokens, or None to read it")
         for name in ("timeout", "connect_timeout", "discover_timeout", "body_timeout",
-                     "keep_alive_s"):
+                     "keep_alive_s", "plan_timeout", "request_timeout", "head_timeout"):
             if not float(getattr(self, name)) > 0:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive number of "
                                            "seconds")
         for name in ("max_body_bytes", "max_json_depth", "max_concurrent", "max_connections",
-                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers"):
+                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers",
+                     "max_tools", "max_tool_depth", "max_messages",
+                     "max_content_parts", "max_prompt_tokens", "max_drain_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "
                                            f"got {value!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise InvalidArgumentError("FrontConfig.api_key is empty: give a key, or None")
+        for name in ("api_key", "metrics_key"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, check_key(value, f"FrontConfig.{name}"))
+        for name in ("max_connections_per_ip", "max_plans_per_client"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer "
+                                           f"or None, got {value!r}")
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
 
@@ -258,7 +303,7 @@ class Keys:
 
     def __init__(self, keys: dict[str, str | None]) -> None:
         # hashed: a lookup compares digests in constant time, never the keys themselves
-        self._tenants = {_digest(k): t for k, t in keys.items()}
+        self._tenants = {key_digest(k): t for k, t in keys.items()}
 
     @property
     def enabled(self) -> bool:
@@ -269,7 +314,7 @@ class Keys:
 
     def tenant_of(self, key: str) -> tuple[bool, str | None]:
         """``(known, tenant)`` of a presented key."""
-        want = _digest(key)
+        want = key_digest(key)
         for digest, tenant in self._tenants.items():
             if hmac.compare_digest(digest, want):
                 return True, tenant
@@ -285,8 +330,32 @@ class Keys:
         return cls(keys)
 
 
-def _digest(key: str) -> bytes:
+def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+_KEY = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no blank: what a header carries intact
+
+
+def check_key(key: str, where: str) -> str:
+    """``key`` when a client can send it as ``Authorization: Bearer <key>`` and have it match:
+    printable ASCII with no blank (an HTTP header's value is stripped of blanks around it, and
+    a non-ASCII key arrives as other characters); :class:`InvalidArgumentError` naming
+    ``where`` (never the key) otherwise.
+
+    Example:
+        >>> check_key("sk-acme-1", "api_key")
+        'sk-acme-1'
+    """
+    if not isinstance(key, str) or not key.strip():
+        raise InvalidArgumentError(f"{where} is empty: give a key")
+    if key != key.strip():
+        raise InvalidArgumentError(f"{where} has blanks around it: remove them (a client's "
+                                   "header never carries them)")
+    if not _KEY.fullmatch(key):
+        raise InvalidArgumentError(f"{where} holds a blank or a character that is not "
+                                   "printable ASCII: use letters, digits and punctuation only")
+    return key
 
 
 def read_key_file(path: str | os.PathLike[str]) -> dict[str, str | None]:
@@ -302,8 +371,9 @@ def read_key_file(path: str | os.PathLike[str]) -> dict[str, str | None]:
         raise InvalidArgumentError(f"key file {path}: no keys; write "
                                    '{"keys": {"<key>": {"tenant": "<name>"}}}')
     out: dict[str, str | None] = {}
-    for key, entry in entries.items():
-        if not key.strip() or not isinstance(entry, dict) or set(entry) - {"tenant"}:
+    for i, (key, entry) in enumerate(entries.items()):
+        check_key(key, f"key file {path}: key #{i + 1}")
+        if not isinstance(entry, dict) or set(entry) - {"tenant"}:
             raise InvalidArgumentError(f"key file {path}: each key maps to "
                                        '{"tenant": "<name>"} or {} (the shared tenant)')
         tenant = entry.get("tenant")

@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from kvnotes.serving.front.config import LearnConfig
+from kvnotes.serving.library.eviction import cap_order
+from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry, forget
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.variants import VariantCandidate
@@ -205,7 +207,7 @@ class Learner:
     def _sighted(self, cid: bytes, job: _Job) -> None:
         """One sighting of ``cid`` (under the lock): counted, and queued at the ``after``-th."""
         cfg = self.config
-        if cid in self._known or cid in self._busy:
+        if cid in self._busy or (cid in self._known and self._still_learned(cid)):
             return
         count = self._seen.pop(cid, 0) + 1
         self._seen[cid] = count  # most recently seen last
@@ -219,6 +221,17 @@ class Learner:
             self.stats.dropped += 1  # counted on: the next sighting queues it again
             return
         self._busy.add(cid)
+
+    def _still_learned(self, cid: bytes) -> bool:
+        """Whether known chunk ``cid`` needs no compile (under the lock): unmatchable, or its
+        entry's file is there. One forgotten behind the learner's back (``kvnotes skills
+        forget``, a file deleted by hand) is counted from scratch, and learned again."""
+        key = self._known[cid]
+        if not key or (self.skills.folder / f"{key}{ENTRY_SUFFIX}").is_file():
+            return True
+        del self._known[cid]
+        self._chunk_of.pop(key, None)
+        return False
 
     def use(self, keys: Iterable[str]) -> None:
         """Count a use of each entry (its hits and last use; written by the worker)."""
@@ -331,7 +344,7 @@ class Learner:
         info, size, existed = published
         self._finish(job, info, existed, "compiles", LearnedEntry(
             info.key, tenant, name, chunk.kind, len(info), size,
-            skill=skill_id(tenant, info.token_ids), behind_tokens=len(chunk.after_ids)))
+            skill=skill_id(tenant, info.token_ids), behind_tokens=chunk.after_len))
         log.info("kvnotes learner: learned %s (%d tokens%s)", name, len(info),
                  f", tenant {tenant}" if tenant else "")
 
@@ -430,8 +443,12 @@ class Learner:
             evicted += self._shrink(self.registry.evictable(tenant, every=False),
                                     self.registry.total_bytes(tenant, every=False),
                                     cfg.tenant_quota)
-        if cfg.library_cap is not None:
-            evicted += self._shrink(self.registry.evictable(), self.registry.total_bytes(),
+        if cfg.library_cap is not None:  # tenants over their share first (quotas hold)
+            candidates = self.registry.evictable()
+            held = {t: self.registry.total_bytes(t, every=False)
+                    for t in {e.tenant for e in candidates}}
+            evicted += self._shrink(cap_order(candidates, cfg.library_cap, cfg.tenant_quota,
+                                              held), self.registry.total_bytes(),
                                     cfg.library_cap)
         self._refresh_totals()
         return evicted

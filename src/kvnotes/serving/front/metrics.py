@@ -4,11 +4,9 @@ Label values come from fixed vocabularies only (:data:`OUTCOMES`, the planning r
 :data:`~kvnotes.serving.planning.request.REASONS`, :data:`ROUTES`): no client-chosen string
 becomes a label or a key, so the set of series stays bounded whatever clients send.
 Each front has its own registry (several fronts in one process do not share counters).
-The one exception, the per-entry variant series (``kvnotes_front_variant_*{entry, skill}``), is
-labelled by library entries: their keys (content addresses) and names (the operator's, or the
-learner's); one series per entry of the serving folder that a plan spliced, dropped at the
-scrape after its file is gone, so they are as bounded as the folder (the library cap, the
-variant cap).
+The variant series (``kvnotes_front_variant_*{owner}``) are sums over the entries plans spliced,
+by owner (``registered``, ``learned``): no entry's key or name is a label, so ``/metrics`` says
+nothing of any tenant's entries.
 """
 
 from __future__ import annotations
@@ -26,9 +24,10 @@ if TYPE_CHECKING:
     from kvnotes.serving.planning.variants import VariantHits
 
 OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "upstream_error",
-            "bad_request", "unauthorized", "rejected", "disconnected")
+            "bad_request", "unauthorized", "rejected", "disconnected", "internal_error")
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
+VARIANT_OWNERS = ("registered", "learned")
 # the learner's counters (kvnotes.serving.front.learner.LearnerStats) and what they count
 LEARN_COUNTERS = {
     "sightings": "Chunks seen in requests (long enough to learn)",
@@ -89,7 +88,7 @@ class FrontMetrics:
 
     def outcome(self, route: str, outcome: str, reason: str | None = None) -> None:
         route = route if route in ROUTES else "completion"
-        outcome = outcome if outcome in OUTCOMES else "upstream_error"
+        outcome = outcome if outcome in OUTCOMES else "internal_error"
         self.requests.labels(route, outcome).inc()
         with self._lock:
             self.counts[outcome] += 1
@@ -110,12 +109,14 @@ class FrontMetrics:
         self._learner = counters
         self.registry.register(_LearnerCollector(counters))
 
-    def watch_variants(self, hits: VariantHits, folder: Path | None) -> None:
-        """Expose per-entry splice counts (``kvnotes_front_variant_spliced_total``,
-        ``_exact_total``: their ratio is the entry's hit rate) and each entry's bytes on disk
+    def watch_variants(self, hits: VariantHits, folder: Path | None,
+                       learned: Callable[[str], bool] | None = None) -> None:
+        """Expose splice counts summed by owner (``kvnotes_front_variant_spliced_total``,
+        ``_exact_total``: their ratio is the hit rate) and the spliced entries' bytes on disk
         (``kvnotes_front_variant_bytes``), read at each scrape; ``folder``: the serving folder
-        (an entry whose file is gone is forgotten)."""
-        self.registry.register(_VariantCollector(hits, folder))
+        (an entry whose file is gone is forgotten); ``learned``: whether a key is a learned
+        entry. Per-entry hits are the operator's: ``kvnotes skills list``."""
+        self.registry.register(_VariantCollector(hits, folder, learned))
 
     def stats(self) -> dict[str, Any]:
         """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
@@ -151,33 +152,51 @@ class _LearnerCollector:
 
 
 class _VariantCollector:
-    """A Prometheus collector over a front's :class:`VariantHits` (read at each scrape)."""
+    """A Prometheus collector over a front's :class:`VariantHits` (read at each scrape):
+    totals by owner (``registered``: the operator's entries, ``learned``: the learner's), never
+    a series per entry, so a tenant reading ``/metrics`` learns nothing of another tenant's
+    entries, and the series stay bounded."""
 
-    def __init__(self, hits: VariantHits, folder: Path | None) -> None:
-        self.hits, self.folder = hits, folder
+    def __init__(self, hits: VariantHits, folder: Path | None,
+                 learned: Callable[[str], bool] | None) -> None:
+        self.hits, self.folder, self.learned = hits, folder, learned
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        labels = ["entry", "skill"]
-        spliced = CounterMetricFamily("kvnotes_front_variant_spliced", "Plans that spliced "
-                                      "this entry (a skill's variant)", labels=labels)
-        exact = CounterMetricFamily("kvnotes_front_variant_exact", "Plans that spliced this "
-                                    "entry exactly placed (behind the ids it was compiled "
-                                    "behind: nothing repaired)", labels=labels)
-        size = GaugeMetricFamily("kvnotes_front_variant_bytes", "Bytes of this entry's file",
-                                 labels=labels)
-        for key, name, used, placed in self.hits.rows():
+        totals = {owner: [0, 0, 0, 0] for owner in VARIANT_OWNERS}  # used, exact, bytes, entries
+        for key, _name, used, placed in self.hits.rows():
             nbytes = 0
             if self.folder is not None:
                 try:
                     nbytes = (self.folder / f"{key}{ENTRY_SUFFIX}").stat().st_size
                 except OSError:
-                    self.hits.forget(key)  # evicted or deleted: its series ends
+                    self.hits.forget(key)  # evicted or deleted: no longer counted
                     continue
-            spliced.add_metric([key, name], used)
-            exact.add_metric([key, name], placed)
-            size.add_metric([key, name], nbytes)
+            owner = "learned" if self.learned is not None and self.learned(key) \
+                else "registered"
+            row = totals[owner]
+            row[0] += used
+            row[1] += placed
+            row[2] += nbytes
+            row[3] += 1
+        labels = ["owner"]
+        spliced = CounterMetricFamily("kvnotes_front_variant_spliced", "Plans that spliced an "
+                                      "entry (a skill's variant), summed over the entries still "
+                                      "in the serving folder", labels=labels)
+        exact = CounterMetricFamily("kvnotes_front_variant_exact", "Of those, the entries "
+                                    "spliced exactly placed (behind the ids they were compiled "
+                                    "behind: nothing repaired)", labels=labels)
+        size = GaugeMetricFamily("kvnotes_front_variant_bytes", "Bytes of the entries that "
+                                 "plans spliced", labels=labels)
+        count = GaugeMetricFamily("kvnotes_front_variant_entries", "Entries that plans "
+                                  "spliced", labels=labels)
+        for owner, (used, placed, nbytes, n) in totals.items():
+            spliced.add_metric([owner], used)
+            exact.add_metric([owner], placed)
+            size.add_metric([owner], nbytes)
+            count.add_metric([owner], n)
         yield spliced
         yield exact
         yield size
+        yield count

@@ -18,6 +18,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from kvnotes.serving.front.answers import WrongShape, check_chunk, check_completion
 from kvnotes.serving.front.body import no_constant
 from kvnotes.serving.front.call import JSON, Call, Reply, json_reply
 from kvnotes.serving.front.errors import ApiError, error_body, header_value
@@ -176,7 +177,9 @@ class Proxy:
                     if not isinstance(event, dict) or first_top_logprobs(event) is not None \
                             or any(c.get("finish_reason") for c in event.get("choices") or []):
                         break  # [DONE], an error, the first token's log-probs, or the end
-                top = next((t for t in map(first_top_logprobs, held) if t is not None), None)
+                top = next((t for t in map(first_top_logprobs,
+                                           (e for e in held if isinstance(e, dict)))
+                            if t is not None), None)
                 if guard_fires(top, tau):
                     await events.aclose()
                     info["guard_fired"] = True
@@ -206,6 +209,10 @@ class Proxy:
                     self._spliced_done(fp, info, call)
                     yield DONE
                     return
+                if isinstance(event, WrongEvent):
+                    failure = f"the vLLM server sent an event that is not a completion chunk " \
+                              f"({event})"
+                    break
                 if isinstance(event, InvalidEvent):
                     failure = "the vLLM server sent an event that is not JSON"
                     break
@@ -234,6 +241,14 @@ async def _events(resp: Any) -> AsyncGenerator[Any, None]:
     try:
         async for line in resp.aiter_lines():
             event = parse_sse_line(line)
+            if isinstance(event, dict) and "error" not in event:
+                try:
+                    check_chunk(event)
+                except WrongShape as err:
+                    event = WrongEvent(str(err))
+            elif event is not None and event is not DONE \
+                    and not isinstance(event, (dict, InvalidEvent)):
+                event = WrongEvent("an event that is not a JSON object")
             if event is not None:
                 yield event
     finally:
@@ -252,6 +267,11 @@ def _loads(data: bytes) -> dict[str, Any]:
         out = json.loads(data, parse_constant=no_constant)
     except (ValueError, RecursionError) as err:
         raise ApiError(502, "the vLLM server answered with what is not JSON") from err
-    if not isinstance(out, dict):
-        raise ApiError(502, "the vLLM server answered with what is not a JSON object")
-    return out
+    try:
+        return check_completion(out)
+    except WrongShape as err:
+        raise ApiError(502, f"the vLLM server's answer is not a completion ({err})") from err
+
+
+class WrongEvent(InvalidEvent):
+    """A streamed event that is JSON but not a completion chunk (``str``: what is wrong)."""

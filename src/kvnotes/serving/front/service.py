@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -40,9 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import KvnotesError, ServingError
+from kvnotes.serving.front.admission import Admission, Slots
 from kvnotes.serving.front.call import Call, Reply
-from kvnotes.serving.front.config import FrontConfig, Keys
+from kvnotes.serving.front.config import FrontConfig, Keys, key_digest
 from kvnotes.serving.front.errors import ApiError, header_value
+from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.upstream import Upstream
@@ -74,8 +78,11 @@ def why_not(err: Exception, request_id: str = "") -> Unplannable:
     ``plan_error`` (logged with its traceback: planning should not fail)."""
     if isinstance(err, Unplannable):
         return err
-    if isinstance(err, (KvnotesError, ValueError)):
+    if isinstance(err, KvnotesError):
         return Unplannable(f"not planned: {err}")
+    if isinstance(err, ValueError):  # its text may quote the request: the log keeps it
+        log.info("request %s: not planned: %s", request_id, err)
+        return Unplannable(f"not planned: {type(err).__name__}")
     log.error("request %s: planning failed; answered exactly", request_id, exc_info=err)
     return Unplannable(f"planning failed: {type(err).__name__}", "plan_error")
 
@@ -95,13 +102,17 @@ class FrontService:
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        self._in_flight = 0
+        self.slots = Slots(config.max_concurrent, self._count_in_flight)
+        per_client = config.max_plans_per_client
+        self.plan_turns = PlanTurns(max(1, config.plan_workers - 1) if per_client is None
+                                    else per_client)
         self.proxy = Proxy(self.up, self.metrics)
         self.learner = learner
         if learner is not None:
             self.metrics.watch_learner(learner.counters)
         self.variant_hits = VariantHits()
-        self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None))
+        learned = None if learner is None else learner.registry.__contains__
+        self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None), learned)
 
     @property
     def stats(self) -> Counter[str]:
@@ -144,6 +155,20 @@ class FrontService:
             raise ApiError(401, "a valid API key is needed: send Authorization: Bearer <key>")
         return tenant
 
+    def authorize_metrics(self, authorization: str | None) -> None:
+        """401 unless ``/metrics`` is open (no keys, no metrics key) or the request carries the
+        metrics key or the operator's (``api_key``)."""
+        c = self.config
+        allowed = [k for k in (c.metrics_key, c.api_key) if k is not None]
+        if not self.keys.enabled and c.metrics_key is None:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() == "bearer" and any(
+                hmac.compare_digest(key_digest(key.strip()), key_digest(a)) for a in allowed):
+            return
+        raise ApiError(401, "/metrics needs the metrics key (FrontConfig.metrics_key) or the "
+                       "operator's (FrontConfig.api_key): send Authorization: Bearer <key>")
+
     def tenant_of(self, opts: FrontOptions, key_tenant: str | None) -> str | None:
         """The request's tenant: its key's when keys are on (a different ``kvnotes.tenant`` is
         a 400), else the one it names, else the front's."""
@@ -169,33 +194,46 @@ class FrontService:
         base = f"{TENANT_SALT}:{tenant}"
         return base if not isinstance(client_salt, str) else f"{base}:{client_salt}"
 
+    def client_of(self, authorization: str | None, address: str) -> str:
+        """Who a request is, for sharing the planning threads: its key (a digest) when keys
+        are on, else its address."""
+        if self.keys.enabled and authorization:
+            return "key:" + hashlib.blake2b(authorization.encode("utf-8", "replace"),
+                                            digest_size=16).hexdigest()
+        return "ip:" + address
+
     def _passed_auth(self, client_auth: str | None) -> str | None:
         # the client's key is vLLM's only when the front checks none of its own
         return None if self.keys.enabled else client_auth
 
     # ---- requests --------------------------------------------------------------------------
-    def begin(self) -> None:
-        self._in_flight += 1
-        self.metrics.in_flight.inc()
+    @property
+    def _in_flight(self) -> int:
+        return self.slots.in_flight
 
-    def end(self) -> None:
-        self._in_flight -= 1
-        self.metrics.in_flight.dec()
+    def _count_in_flight(self, delta: int) -> None:
+        self.metrics.in_flight.inc(delta)
+
+    def admission(self, call: Call) -> Admission:
+        """The context a request runs in: its slot (429 when none is free), given back and
+        the call finished (:meth:`finish`) however it ends."""
+        return Admission(self.slots, call, self.finish,
+                         rejected=lambda c: self.metrics.outcome(c.route, "rejected"))
 
     def finish(self, call: Call) -> None:
-        """A request's end: its metrics and its log line (once, before its last bytes are sent,
-        so a client that has its answer sees it counted)."""
+        """A request's end: its leases, its metrics and its log line (once, before its last
+        bytes are sent, so a client that has its answer sees it counted; the slot is its
+        :class:`Admission`'s)."""
         if call.finished:
             return
         call.finished = True
         if call.leased and self.learner is not None:
             self.learner.release(call.leased)
             call.leased = ()
-        self.end()
         m = self.metrics
         if call.first_upstream is not None:
             m.overhead.labels(call.route).observe(call.first_upstream - call.t0)
-        outcome = call.outcome or "upstream_error"
+        outcome = call.outcome or "internal_error"
         m.outcome(call.route, outcome, call.reason)
         log.info("request %s", json.dumps({
             "id": call.id, "route": call.route, "tenant": call.tenant, "status": call.status,
@@ -223,9 +261,10 @@ class FrontService:
                     block_size = await self.up.block_size()
                 except Unplannable as err:  # sent as its own ids, it is answered exactly
                     block_size = err
-            req, fp = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._plan, kind, data, opts, tenant, block_size)
+            req, fp = await self._planned(call, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
+        except ApiError:  # a request beyond the front's bounds
+            raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             return await self.proxy.forward(kind, exact, call, why_not(err, call.id),
                                             self._passed_auth(client_auth))
@@ -240,14 +279,40 @@ class FrontService:
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
 
+    async def _planned(self, call: Call, kind: str, data: dict[str, Any], opts: FrontOptions,
+                       tenant: str | None, block_size: int | Unplannable
+                       ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
+        """:meth:`_plan` on a planning thread, in its client's turn (:class:`PlanTurns`),
+        stopped at ``plan_timeout`` (413) or when the client leaves."""
+        deadline = PlanDeadline(self.config.plan_timeout)
+        async with self.plan_turns.turn(call.client):
+            future = asyncio.get_running_loop().run_in_executor(
+                self._pool, self._plan, kind, data, opts, tenant, block_size, deadline)
+            try:
+                return await future
+            except PlanStopped as err:
+                raise ApiError(413, f"the request was not planned: {err} "
+                               "(FrontConfig.plan_timeout); send fewer or shorter parts"
+                               ) from err
+            finally:  # done, or its client left: a plan still running stops at its next call
+                deadline.cancel()
+
     def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
-              block_size: int | Unplannable) -> tuple[FrontRequest, FrontPlan | Unplannable]:
+              block_size: int | Unplannable, deadline: PlanDeadline | None = None
+              ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
         """The request and its plan; for a request sent as its own ids
         (:attr:`FrontRequest.sent_as_ids`: a structured chat, a completion text with a
         registered skill) that is not spliced, why not (it is then sent exactly as the same
         ids). ``block_size``: why not, when unknown or opted out."""
         tokenizer = self._tokenizer()
+        if deadline is not None:
+            deadline.start()
+            tokenizer = DeadlineTokenizer(tokenizer, deadline)
         req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
+        tokens = len(req.prompt_ids) if req.parts else 0
+        if tokens > self.config.max_prompt_tokens:
+            raise ApiError(413, f"the prompt has {tokens} tokens, more than "
+                           f"{self.config.max_prompt_tokens} (FrontConfig.max_prompt_tokens)")
         self.observe(tenant, req.chunks)
         try:
             if isinstance(block_size, Unplannable):
@@ -256,6 +321,8 @@ class FrontService:
             fp = plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
             self.observe_variants(tenant, fp)
             return req, fp
+        except PlanStopped:
+            raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             if req.sent_as_ids:  # answered exactly as the same ids, not forwarded
                 return req, why_not(err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,6 +35,7 @@ POOL_SHARDS = 8
 # (uvicorn's 5 s there by default, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): reusing a connection the server
 # is closing at that moment fails the request with no response at all.
 UPSTREAM_KEEPALIVE_S = 2.0
+log = logging.getLogger("kvnotes.serving.front")
 _BLOCK_SIZE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 
@@ -44,8 +46,10 @@ def upstream_error(err: BaseException, upstream: str) -> ApiError:
     if isinstance(err, httpx2.TimeoutException):
         return ApiError(504, f"the vLLM server at {upstream} did not answer in time "
                         f"({type(err).__name__})")
-    return ApiError(502, f"the vLLM server at {upstream} is not reachable: "
-                    f"{type(err).__name__}: {err}")
+    # the transport's own text stays in the log: an answer names the kind of failure only
+    log.warning("the vLLM server at %s: %s: %s", upstream, type(err).__name__, err)
+    return ApiError(502, f"the vLLM server at {upstream} is not reachable "
+                    f"({type(err).__name__})")
 
 
 class Upstream:

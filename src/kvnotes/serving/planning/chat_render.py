@@ -34,6 +34,7 @@ Pure functions, no HTTP.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -319,15 +320,16 @@ def _content_spans(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[st
         template = _render_text(tokenizer, marked, tools, layout)
     except ChatShapeError:
         return _searched(text, contents)
-    spans, out, pos = [], [], 0
+    spans, out, pos, length = [], [], 0, 0  # length: of "".join(out), kept as it grows
     for i, chunk in enumerate(contents):
         at = template.find(_MARK.format(i), pos)
         if at < 0:
             return _searched(text, contents)
         out.append(template[pos:at])
-        start = sum(len(o) for o in out)
+        start = length + at - pos
         out.append(chunk)
-        spans.append((start, start + len(chunk)))
+        length = start + len(chunk)
+        spans.append((start, length))
         pos = at + len(_MARK.format(i))
     out.append(template[pos:])
     return spans if "".join(out) == text else _searched(text, contents)
@@ -348,9 +350,12 @@ def _locate(text: str, tool_texts: Sequence[Sequence[str]],
     """``text`` split at its chunks: the content parts at their spans, each tool at its first
     writing found after the previous tool's, outside the content parts."""
     spans = [(a, b, "content") for a, b in content_spans if text[a:b].strip()]
+    taken = sorted((a, b) for a, b, _ in spans)  # the content parts: in order, disjoint
+    starts = [a for a, _ in taken]
 
     def free(a: int, b: int) -> bool:
-        return all(b <= s or a >= e for s, e, _ in spans)
+        i = bisect.bisect_left(starts, b)  # the content parts starting before b
+        return i == 0 or taken[i - 1][1] <= a
 
     cursor = 0
     for candidates in tool_texts:
@@ -424,12 +429,14 @@ def lay_out_chat(tokenizer: Any, parts: Sequence[ChatPart], find: Find | None = 
     ids = part_ids(tokenizer, [p.text for p in split])
     lead = tuple(t for tokens in ids[:len(ids) - len(split)] for t in tokens)
     laid: list[ChatPart] = []
-    chunks: list[SeenChunk] = []
-    before: list[int] = list(lead)
+    starts: list[tuple[ChatPart, int]] = []
+    at = len(lead)
     for part, tokens in zip(split, ids[len(ids) - len(split):], strict=True):
         token_ids = tuple(tokens)
         laid.append(ChatPart(part.text, part.kind, token_ids))
         if part.is_chunk and token_ids:
-            chunks.append(SeenChunk(part.kind, part.text, token_ids, tuple(before)))
-        before += token_ids
-    return LaidOut(lead, tuple(laid), tuple(chunks))
+            starts.append((laid[-1], at))
+        at += len(token_ids)
+    every = lead + tuple(t for p in laid for t in p.token_ids)  # shared by the chunks
+    chunks = tuple(SeenChunk(p.kind, p.text, p.token_ids, every, start) for p, start in starts)
+    return LaidOut(lead, tuple(laid), chunks)

@@ -21,10 +21,23 @@ class SeenChunk:
     kind: str  # one of CHUNK_KINDS
     text: str
     token_ids: tuple[int, ...]
-    after_ids: tuple[int, ...]  # the prompt's token ids before the chunk (BOS included)
+    # the prompt's token ids before the chunk (BOS included): ``behind[:behind_len]``, so the
+    # chunks of one request share one tuple of its ids (a copy each would make a request's
+    # memory quadratic in its chunks)
+    behind: tuple[int, ...]
+    behind_len: int | None = None  # None: all of ``behind``
+
+    @property
+    def after_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids before the chunk (BOS included)."""
+        return self.behind if self.behind_len is None else self.behind[:self.behind_len]
+
+    @property
+    def after_len(self) -> int:
+        return len(self.behind) if self.behind_len is None else self.behind_len
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "tokens": len(self.token_ids), "after": len(self.after_ids)}
+        return {"kind": self.kind, "tokens": len(self.token_ids), "after": self.after_len}

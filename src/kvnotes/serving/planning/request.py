@@ -103,12 +103,27 @@ FIELD_TYPES = {
 }
 
 
+# the range of each numeric field, as vLLM's sampling parameters check it (None: unbounded),
+# and whether the low end is excluded; checked with the types, so no field reaches vLLM out of it
+FIELD_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "temperature": (0, None, False), "top_p": (0, 1, True), "min_p": (0, 1, False),
+    "top_k": (-1, None, False), "presence_penalty": (-2, 2, False),
+    "frequency_penalty": (-2, 2, False), "repetition_penalty": (0, None, True),
+    "max_tokens": (1, None, False), "max_completion_tokens": (1, None, False),
+    "min_tokens": (0, None, False), "n": (1, None, False), "top_logprobs": (0, 20, False),
+}
+
+
 def _is_type(value: object, kind: str) -> bool:
     if kind == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind == _REAL:
-        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                and math.isfinite(float(value)))
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            return False
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:  # an integer beyond any float
+            return False
     if kind == _BOOL:
         return isinstance(value, bool)
     return isinstance(value, str)
@@ -131,6 +146,8 @@ def check_body(kind: str, body: object) -> dict[str, Any]:
         want = FIELD_TYPES.get(key)
         if want is not None and value is not None and not _is_type(value, want):
             raise BadRequest(key, f"{key} must be {want}, got {_short(value)}")
+        if key in FIELD_RANGES and value is not None:
+            _check_range(key, value)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
@@ -139,8 +156,9 @@ def check_body(kind: str, body: object) -> dict[str, Any]:
         if not isinstance(body.get("prompt"), (str, list)):
             raise BadRequest("prompt", "prompt must be a string, a list of strings, or token ids")
         lp = body.get("logprobs")
-        if lp is not None and not _is_type(lp, _INT):
-            raise BadRequest("logprobs", f"logprobs must be an integer, got {_short(lp)}")
+        if lp is not None and (not _is_type(lp, _INT) or not 0 <= lp <= 20):
+            raise BadRequest("logprobs", f"logprobs must be an integer from 0 to 20, got "
+                             f"{_short(lp)}")
     elif kind == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise BadRequest("messages", "messages must be a non-empty list")
@@ -152,6 +170,15 @@ def check_body(kind: str, body: object) -> dict[str, Any]:
         raise BadRequest("stream_options", "stream_options must be an object")
     read_options(body.get(OPTIONS_KEY))
     return body
+
+
+def _check_range(name: str, value: Any) -> None:
+    low, high, open_low = FIELD_RANGES[name]
+    below = low is not None and (value <= low if open_low else value < low)
+    if below or (high is not None and value > high):
+        bounds = [] if low is None else [f"{'>' if open_low else '>='} {low:g}"]
+        bounds += [] if high is None else [f"<= {high:g}"]
+        raise BadRequest(name, f"{name} must be {' and '.join(bounds)}, got {_short(value)}")
 
 
 def _short(value: object) -> str:

@@ -108,8 +108,11 @@ class VariantHits:
     """Per-entry counts of what plans spliced: ``used`` (the entry was chosen for a skill) and
     ``exact`` (it was exactly placed: nothing repaired), and each entry's name. Thread-safe;
     call :meth:`record` with each planned request's parts (``SentPart``, as the front lays them
-    out), :meth:`forget` an entry that is gone (its counts are then dropped)."""
+    out), :meth:`forget` an entry that is gone (its counts are then dropped). At most
+    ``max_entries`` entries are counted: beyond it, the one least recently spliced is
+    dropped (the counts are the front's memory, bounded whatever the library holds)."""
 
+    max_entries: int = 4096
     used: dict[str, int] = field(default_factory=dict)
     exact: dict[str, int] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
@@ -133,10 +136,14 @@ class VariantHits:
             for part in parts:
                 if part.piece is not None:
                     self.names[part.piece.key] = part.piece.name
-            for key in used:
-                self.used[key] = self.used.get(key, 0) + 1
+            for key in used:  # re-inserted: the dict's order is the order of last use
+                self.used[key] = self.used.pop(key, 0) + 1
             for key in exact:
                 self.exact[key] = self.exact.get(key, 0) + 1
+            while len(self.used) > self.max_entries:
+                oldest = next(iter(self.used))
+                for counts in (self.used, self.exact, self.names):
+                    counts.pop(oldest, None)
         return used, exact
 
     def forget(self, key: str) -> None:
