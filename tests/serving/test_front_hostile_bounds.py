@@ -92,7 +92,9 @@ def test_too_much_in_a_chat_is_refused_before_any_work(front, upstream, body, st
     resp = post_raw(front, CHAT, raw)
     assert resp.status_code == status, resp.text
     assert error_of(resp)["param"] == param and "FrontConfig.max_" in error_of(resp)["message"]
-    assert time.perf_counter() - t0 < 2
+    # refused at the door: planning 10,000 tools would take minutes; 10 s leaves room for a
+    # loaded 2-core machine reading the 1 MB body
+    assert time.perf_counter() - t0 < 10
     assert psutil.Process().memory_info().rss - rss < max(64 * len(raw), 64 << 20)
     healthy(front)
 
