@@ -333,9 +333,9 @@ def two_strategy_edit(over: float | None, err: float | None, n: int) -> SuiteRes
 
 
 @pytest.mark.parametrize(("over", "err", "verdict", "why"), [
-    (0.0, 1.0, HOLDS, "overwrite recovery 0.00 <= 0.5, erratum 1.00 >= 0.95"),
-    (1.0, 1.0, FAILS, "overwrite recovery 1.00 > 0.5: the field-only edit does not fail"),
-    (0.25, 0.5, FAILS, "erratum recovery 0.50 < 0.95"),
+    (0.0, 1.0, HOLDS, "overwrite recovery 0/4 = 0.00 <= 0.5, erratum 4/4 = 1.00 >= 0.95"),
+    (1.0, 1.0, FAILS, "overwrite recovery 4/4 = 1.00 > 0.5: the field-only edit does not fail"),
+    (0.25, 0.5, FAILS, "erratum recovery 2/4 = 0.50 < 0.95"),
     (None, None, NOT_MEASURABLE, "the field moves recompute's decision in 0 of 4 decision cases"),
 ])
 def test_erratum_vs_overwrite_verdict(over, err, verdict, why):

@@ -153,7 +153,8 @@ def _judge_compose(fig: dict[str, Any], stages: StageResults) -> Verdict:
             f"{sum(bool(c.continuation_identical) for c in cases)}/{n}; recompute top-2 "
             f"margin median {statistics.median(c.top2_margin for c in cases):.2f}")
     if min(cos) >= fig["low"]:
-        return Verdict(ours, HOLDS, f"every case at or above {fig['low']}")
+        return Verdict(ours, HOLDS, f"every case at or above {fig['low']} (min {min(cos):.4f}, "
+                                    f"n={n})")
     return Verdict(ours, FAILS, f"{sum(c < fig['low'] for c in cos)}/{n} cases below "
                                 f"{fig['low']}")
 
@@ -189,12 +190,12 @@ def _judge_field(fig: dict[str, Any], stages: StageResults) -> Verdict:
                        f"any of the {len(decision)} traced decision cases")
     est = bootstrap_mean([_num(c.field) for c in sens])
     ours = f"field KV {ci(sens, field)}, notes {ci(sens, notes)}; {counts}{aside}"
-    below = fig["below"]
+    below, n = fig["below"], f"field KV {est} over {len(sens)} sensitive cases"
     if est.hi < below:
-        return Verdict(ours, HOLDS, f"the CI lies below {below}")
+        return Verdict(ours, HOLDS, f"{n}: the CI lies below {below}")
     if est.lo > below:
-        return Verdict(ours, FAILS, f"the CI lies above {below}")
-    return Verdict(ours, INCONCLUSIVE, f"the CI spans {below}")
+        return Verdict(ours, FAILS, f"{n}: the CI lies above {below}")
+    return Verdict(ours, INCONCLUSIVE, f"{n}: the CI spans {below}")
 
 
 def _num(x: float | None) -> float:
@@ -244,9 +245,10 @@ def _judge_cot(fig: dict[str, Any], stages: StageResults) -> Verdict:
         return Verdict(ours, NOT_MEASURABLE,
                        f"the field moves recompute's CoT decision in 0 of {cot.n} decision cases")
     recovery = cot.recovered / cot.n_sensitive
+    got = f"recovery {cot.recovered}/{cot.n_sensitive} = {recovery:.2f}"
     if recovery >= COT_RECOVERY_OK:
-        return Verdict(ours, HOLDS, f"recovery {recovery:.2f} >= {COT_RECOVERY_OK}")
-    return Verdict(ours, FAILS, f"recovery {recovery:.2f} < {COT_RECOVERY_OK}")
+        return Verdict(ours, HOLDS, f"{got} >= {COT_RECOVERY_OK}")
+    return Verdict(ours, FAILS, f"{got} < {COT_RECOVERY_OK}")
 
 
 def _judge_erratum(fig: dict[str, Any], stages: StageResults) -> Verdict:
@@ -261,13 +263,15 @@ def _judge_erratum(fig: dict[str, Any], stages: StageResults) -> Verdict:
                        f"the field moves recompute's decision in 0 of {over.n} decision cases")
     r_over, r_err = over.recovered / over.n_sensitive, err.recovered / err.n_sensitive
     lo, hi = fig["overwrite_recovers_at_most"], fig["erratum_recovers_at_least"]
-    misses = ([f"overwrite recovery {r_over:.2f} > {lo}: the field-only edit does not fail"]
-              if r_over > lo else [])
-    misses += [f"erratum recovery {r_err:.2f} < {hi}"] if r_err < hi else []
+    misses = ([f"overwrite recovery {over.recovered}/{over.n_sensitive} = {r_over:.2f} > {lo}: "
+               "the field-only edit does not fail"] if r_over > lo else [])
+    misses += ([f"erratum recovery {err.recovered}/{err.n_sensitive} = {r_err:.2f} < {hi}"]
+               if r_err < hi else [])
     if misses:
         return Verdict(ours, FAILS, "; ".join(misses))
-    return Verdict(ours, HOLDS, f"overwrite recovery {r_over:.2f} <= {lo}, erratum "
-                                f"{r_err:.2f} >= {hi}")
+    return Verdict(ours, HOLDS, f"overwrite recovery {over.recovered}/{over.n_sensitive} = "
+                                f"{r_over:.2f} <= {lo}, erratum {err.recovered}/"
+                                f"{err.n_sensitive} = {r_err:.2f} >= {hi}")
 
 
 def _judge_agent_identity(fig: dict[str, Any], stages: StageResults) -> Verdict:
