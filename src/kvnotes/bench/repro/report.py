@@ -229,6 +229,7 @@ def plot_trace_shares(per_model: PerModel, path: Path) -> None:
                                 capsize=3, label=name if i == 0 else None)
         ax.axhline(0.01, color="gray", ls="--", lw=0.8)
         ax.axhline(0, color="black", lw=0.5)
+        ax.set_xlim(-0.6, max(1, len(rows)) - 0.4)
         ax.set_xticks(range(len(rows)), [f"{r.family}\n({r.n_sensitive}/{r.n_cases} sens.)"
                                          for r in rows], fontsize=7)
         ax.set_ylabel("share of the decision (denoising)")
