@@ -24,12 +24,13 @@ step() {
 step compose-bf16 $PY -m kvnotes.bench.micro.compose_ttft --model "$MODEL" --dtype bfloat16 \
     --lengths 2048,4096 --reps 3 --out "$OUT/compose-bf16"
 step compose-fp32 $PY -m kvnotes.bench.micro.compose_ttft --model "$MODEL" --dtype float32 \
-    --lengths 2048 --reps 3 --out "$OUT/compose-fp32"
+    --lengths 2048 --reps 2 --out "$OUT/compose-fp32"
 # vLLM: p90 TTFT of the default (repaired) policy against prefix caching, c1 and c4, ~1.7k tokens
 step skills $KV serve-bench skills --launch --model "$MODEL" --dtype bfloat16 --block-size 32 \
-    --policies prefix,repaired --requests 12 --concurrency 1,4 --fidelity-samples 8 \
+    --policies prefix,repaired --requests 8 --concurrency 1,4 --fidelity-samples 4 \
     --out "$OUT/skills"
 # the erratum on vLLM's prefix cache at 2k tokens
 step erratum $KV serve-bench erratum --launch --model "$MODEL" --dtype bfloat16 --block-size 32 \
-    --context-tokens 2000 --concurrency 1 --errata append --requests-per-row 12 \
+    --context-tokens 2000 --concurrency 1 --errata append --policies in-place,erratum \
+    --sessions 2 --edits 2 --requests-per-row 4 \
     --out "$OUT/erratum"

@@ -103,3 +103,17 @@ def test_trace_on_tiny_folder_writes_the_report(tiny_folder, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert [(f["family"], f["n_cases"]) for f in summary["families"]] == [("scheduling", 1)]
     assert (out / "report.md").read_text().startswith("# Notes tracing: ")
+
+
+def test_trace_sensitivity_writes_counts_without_tracing(tiny_folder, tmp_path):
+    out = tmp_path / "sens"
+    result = runner.invoke(app, ["trace", "--sensitivity", "--model", str(tiny_folder),
+                                 "--task", "routing", "--split", "dev", "--cases", "2",
+                                 "--threads", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| routing | 2 |" in result.output
+    data = json.loads((out / "sensitivity.json").read_text())
+    assert data["split"] == "dev" and [c["case_id"] for c in data["cases"]] == [
+        "routing-s0", "routing-s8"]
+    assert "load average" in (out / "sensitivity.md").read_text()
+    assert not (out / "cases.jsonl").exists()

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvnotes.core.errors import UnknownNameError
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.eval.tasks import FAMILIES, EditCase, load_suite
 from kvnotes.eval.tasks.families import EDIT_FAMILIES
 from kvnotes.ops.decisions import parse_answer
@@ -68,3 +68,36 @@ def test_load_suite_by_family_and_unknown_family():
         load_suite(["nope"])
     assert set(FAMILIES) >= {"refund", "eligibility", "membership", "scheduling", "threshold",
                              "access", "lookup"}
+
+
+def test_routing_keeps_development_and_held_out_seeds_apart():
+    from kvnotes.eval.tasks import SEEDED_FAMILIES
+    from kvnotes.eval.tasks.routing import DEV_SEEDS, HELDOUT_SEEDS
+
+    family = SEEDED_FAMILIES["routing"]
+    assert family.dev_seeds == DEV_SEEDS and family.heldout_seeds == HELDOUT_SEEDS
+    assert not set(DEV_SEEDS) & set(HELDOUT_SEEDS)
+    dev, held = load_suite(["routing"], "dev"), load_suite(["routing"])
+    assert [c.case_id for c in dev] == [f"routing-s{s}" for s in DEV_SEEDS]
+    assert [c.case_id for c in held] == [f"routing-s{s}" for s in HELDOUT_SEEDS]
+    # the default suite holds the held-out cases, and generating them twice gives the same text
+    assert [c.document.text for c in load_suite(["routing"], "heldout")] == \
+        [c.document.text for c in held]
+
+
+def test_routing_cases_decide_differently_for_old_and_new_value():
+    for c in load_suite(["routing"]) + load_suite(["routing"], "dev"):
+        assert c.old_value != c.new_value and c.expected_old != c.expected_new
+        assert {c.expected_old, c.expected_new} <= set(c.answers) and len(c.answers) == 3
+        rule = c.document.text.split("\n\n")[0]
+        assert f"category is {c.old_value} goes to the {c.expected_old} team" in rule
+        assert f"category is {c.new_value} goes to the {c.expected_new} team" in rule
+
+
+def test_unknown_split_and_overlapping_seeds_are_refused():
+    from kvnotes.eval.tasks.base import register_seeded_family
+
+    with pytest.raises(UnknownNameError, match="valid seed splits: heldout, dev"):
+        load_suite(["routing"], "test")
+    with pytest.raises(InvalidArgumentError, match="development and held-out seeds overlap"):
+        register_seeded_family("x", dev_seeds=[1, 2], heldout_seeds=[2, 3])

@@ -17,7 +17,7 @@ from rich.progress import (
 
 from kvnotes.cli.app import app, fail, folder_option
 from kvnotes.cli.options import checked, device_option, dtype_option, load_engine
-from kvnotes.core.errors import KvnotesError
+from kvnotes.core.errors import KvnotesError, UnknownNameError
 
 
 @app.command("repro")
@@ -38,11 +38,29 @@ def repro(
     report_only: bool = typer.Option(False, "--report-only",
                                      help="run nothing: rewrite the report from the finished "
                                           "stages in --out"),
+    sizes: str | None = typer.Option(None, "--sizes",
+                                     help="quick, full or claims (the claims on many cases of "
+                                          "a few families: recompute/overwrite/erratum only); "
+                                          "overrides --quick/--full"),
+    families: str | None = typer.Option(None, "--families",
+                                        help="comma-separated task families of the edit, CoT "
+                                             "and trace stages (default: every family)"),
+    split: str = typer.Option("heldout", "--split",
+                              help="seeds of the seeded families (routing): heldout or dev"),
+    cases: int | None = typer.Option(None, "--cases",
+                                     help="cases per family in the edit, CoT and trace stages"),
 ) -> None:
     """Composition, edit (with and without CoT), trace and agent per model; one report with a
     table per claim of the paper: its figure, ours, and a verdict."""
     from kvnotes.bench.repro.report import write_report
-    from kvnotes.bench.repro.run import DEFAULT_MODELS, STAGES, run_repro
+    from kvnotes.bench.repro.run import (
+        DEFAULT_MODELS,
+        SIZES,
+        STAGES,
+        CaseChoice,
+        run_repro,
+        with_cases,
+    )
 
     if threads:
         import torch
@@ -52,6 +70,13 @@ def repro(
     chosen = [s.strip() for s in stages.split(",") if s.strip()] if stages else list(STAGES)
     quick = (models is None) if quick is None else quick
     try:
+        if sizes is not None and sizes not in SIZES:
+            raise UnknownNameError("repro size", sizes, SIZES)
+        chosen_sizes = SIZES[sizes] if sizes else None
+        if cases is not None:
+            chosen_sizes = with_cases(chosen_sizes or SIZES["quick" if quick else "full"], cases)
+        choice = CaseChoice(tuple(f.strip() for f in families.split(",") if f.strip())
+                            if families else None, split)
         device, dtype = checked(device, dtype)
         folder_option(out, "--out")
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -69,7 +94,7 @@ def repro(
 
             run = run_repro(names, out, device=device, dtype=dtype, quick=quick,
                             stages=chosen, load=load_engine, progress=progress,
-                            report_only=report_only)
+                            report_only=report_only, sizes=chosen_sizes, choice=choice)
         paths = write_report(out, run, command=" ".join(["kvnotes", *sys.argv[1:]]))
     except KvnotesError as err:
         fail(err)

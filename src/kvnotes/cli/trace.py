@@ -7,11 +7,19 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
+from kvnotes.bench.trace.sensitivity import (
+    CaseSensitivity,
+    SensitivityResult,
+    measure_sensitivity,
+    sensitivity_markdown,
+    sensitivity_table,
+)
 from kvnotes.bench.trace.suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 from kvnotes.cli.app import app, fail
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
@@ -40,14 +48,31 @@ def trace_command(
     threads: int = typer.Option(0, help="torch CPU threads (0 = leave torch's default)."),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    sensitivity: bool = typer.Option(False, "--sensitivity",
+                                     help="Only count, per family, the cases whose recompute "
+                                          "decision the field changes (no patching); writes "
+                                          "sensitivity.md and sensitivity.json."),
+    split: str = typer.Option("heldout", "--split",
+                              help="Seeds of the seeded families (routing): heldout or dev."),
 ) -> None:
     """Where does the decision live: the field's own KV or the notes after it? (causal patching)"""
     from kvnotes.eval.tasks import load_suite
 
     folder = out or Path("out") / f"trace-{model.replace('/', '_')}"
+    if sensitivity:
+        try:
+            result = SensitivityCommand(ModelOptions(model, device, dtype, threads),
+                                        tuple(load_suite(task or None, split)), cases, split,
+                                        min_denominator, folder).run()
+        except KvnotesError as err:
+            fail(err)
+        typer.echo(sensitivity_table(result))
+        typer.echo(f"\nwrote {folder}/sensitivity.md", err=True)
+        return
     try:
         command = TraceCommand(
-            model=ModelOptions(model, device, dtype, threads), suite=tuple(load_suite(task or None)),
+            model=ModelOptions(model, device, dtype, threads),
+            suite=tuple(load_suite(task or None, split)),
             per_family=cases, options=TraceOptions(
                 by_layer=by_layer, position_bins=position_bins or None, grid_bins=grid_bins,
                 grid_layer_groups=grid_layer_groups or None, min_denominator=min_denominator,
@@ -58,6 +83,49 @@ def trace_command(
         fail(err)
     typer.echo(summary_table(rows, pool))
     typer.echo(f"\nwrote {folder}/report.md", err=True)
+
+
+@dataclass(frozen=True)
+class SensitivityCommand:
+    """What ``trace --sensitivity`` runs: ``per_family`` cases of each family of ``suite``
+    (spread over it), each recomputed for its old and new value (:mod:`kvnotes.bench.trace.sensitivity`)."""
+
+    model: ModelOptions
+    suite: tuple[EditCase, ...]
+    per_family: int
+    split: str
+    min_denominator: float
+    out: Path
+
+    def run(self) -> SensitivityResult:
+        from kvnotes.bench.edit.cases import spread
+        from kvnotes.core.machine import load_note, machine_info
+
+        engine = self.model.load()
+        cases = spread(self.suite, self.per_family)
+        before = machine_info()
+        t0 = time.perf_counter()
+
+        def progress(c: CaseSensitivity) -> None:
+            trace = "" if c.trace_delta is None else f" d={c.trace_delta:+.2f}"
+            typer.echo(f"[{time.perf_counter() - t0:6.0f}s] {c.case_id}: {c.decision_old} -> "
+                       f"{c.decision_new} delta={c.delta:+.2f}{trace}", err=True)
+
+        result = measure_sensitivity(engine, cases, split=self.split,
+                                     min_denominator=self.min_denominator, progress=progress)
+        after = machine_info(before)
+        machine = (f"Machine: CPU flags {' '.join(after['cpu_flags'])}; dtype "
+                   f"{self.model.dtype}; {date.today().isoformat()}; load average (1 min) "
+                   f"{before['load_average'][0]:.2f} before; after: {load_note(after)}.")
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "sensitivity.json").write_text(json.dumps(
+            {**result.to_dict(), "dtype": self.model.dtype,
+             "machine": {k: after[k] for k in ("cpus", "torch_threads", "load_average", "busy",
+                                               "cpu_flags")},
+             "load_before": before["load_average"]}, indent=1) + "\n")
+        (self.out / "sensitivity.md").write_text(sensitivity_markdown(
+            result, command=" ".join(["kvnotes", *sys.argv[1:]]), machine=machine))
+        return result
 
 
 @dataclass(frozen=True)

@@ -321,3 +321,62 @@ def test_tool_claim_row_in_the_report_uses_the_largest_run_per_set(tmp_path):
     report = paths["report"].read_text()
     assert "## Composition on public tool documentation" in report
     assert "Claim (kvnotes (docs/tools-fidelity.md)" in report and "92% identical" in report
+
+
+def two_strategy_edit(over: float | None, err: float | None, n: int) -> SuiteResult:
+    base = edit_result(over, n)
+    fam = base.per_family["refund"]["overwrite"]
+    from dataclasses import replace
+    per_family = {"refund": {"overwrite": fam, "erratum": replace(fam, recovery=err)},
+                  "lookup": base.per_family["lookup"]}
+    return replace(base, strategies=("overwrite", "erratum"), per_family=per_family)
+
+
+@pytest.mark.parametrize(("over", "err", "verdict", "why"), [
+    (0.0, 1.0, HOLDS, "overwrite recovery 0/4 = 0.00 <= 0.5, erratum 4/4 = 1.00 >= 0.95"),
+    (1.0, 1.0, FAILS, "overwrite recovery 4/4 = 1.00 > 0.5: the field-only edit does not fail"),
+    (0.25, 0.5, FAILS, "erratum recovery 2/4 = 0.50 < 0.95"),
+    (None, None, NOT_MEASURABLE, "the field moves recompute's decision in 0 of 4 decision cases"),
+])
+def test_erratum_vs_overwrite_verdict(over, err, verdict, why):
+    n = 0 if over is None else 4
+    r = judge(claim("erratum_vs_overwrite"), StageResults(edit=two_strategy_edit(over, err, n)))
+    assert (r.verdict, r.why) == (verdict, why)
+    assert r.ours.startswith("decision families without CoT: overwrite recovered ")
+    assert judge(claim("erratum_vs_overwrite"), StageResults()).verdict == NOT_RUN
+
+
+def test_case_choice_and_cases_per_family_reach_the_stages(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(repro, "_run_stage",
+                        lambda stage, engine, settings, *a: seen.append(settings)
+                        or SYNTHETIC[stage])
+    choice = repro.CaseChoice(("routing",), "heldout")
+    sizes = repro.with_cases(repro.CLAIMS, 30)
+    run = run_repro(["a"], tmp_path, load=lambda *a, **k: object(), stages=["trace"],
+                    sizes=sizes, choice=choice)
+    assert seen[0].choice == choice and seen[0].sizes.trace_cases == 30
+    assert seen[0].size_label == "custom" and repro.RunSettings(
+        "cpu", "float32", False, repro.CLAIMS).size_label == "claims"
+    stored = json.loads((tmp_path / "a" / "trace.json").read_text())
+    assert stored["settings"]["cases"] == {"families": ["routing"], "split": "heldout"}
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", stored["finished"])
+    # another split does not reuse the stage
+    seen.clear()
+    run_repro(["a"], tmp_path, load=lambda *a, **k: object(), stages=["trace"], sizes=sizes,
+              choice=repro.CaseChoice(("routing",), "dev"))
+    assert len(seen) == 1
+    paths = write_report(tmp_path, run)
+    report = paths["report"].read_text()
+    assert "## Verdicts at a glance" in report and "| claim | a |" in report
+    assert "seeded families on their **heldout** seeds" in report
+    assert paths["trace_plot"].is_file() and "![trace shares](trace-shares.png)" in report
+
+
+def test_bad_case_choice_is_refused():
+    with pytest.raises(UnknownNameError, match="valid families: "):
+        repro.CaseChoice(("nope",))
+    with pytest.raises(UnknownNameError, match="valid seed splits: heldout, dev"):
+        repro.CaseChoice(None, "test")
+    with pytest.raises(InvalidArgumentError, match="at least 1, got 0"):
+        repro.with_cases(repro.CLAIMS, 0)

@@ -153,7 +153,8 @@ def _judge_compose(fig: dict[str, Any], stages: StageResults) -> Verdict:
             f"{sum(bool(c.continuation_identical) for c in cases)}/{n}; recompute top-2 "
             f"margin median {statistics.median(c.top2_margin for c in cases):.2f}")
     if min(cos) >= fig["low"]:
-        return Verdict(ours, HOLDS, f"every case at or above {fig['low']}")
+        return Verdict(ours, HOLDS, f"every case at or above {fig['low']} (min {min(cos):.4f}, "
+                                    f"n={n})")
     return Verdict(ours, FAILS, f"{sum(c < fig['low'] for c in cos)}/{n} cases below "
                                 f"{fig['low']}")
 
@@ -186,15 +187,15 @@ def _judge_field(fig: dict[str, Any], stages: StageResults) -> Verdict:
     if not sens:
         return Verdict(counts + aside, NOT_MEASURABLE,
                        "the field does not move the decision (abs(m_new - m_old) < 1 logit) in "
-                       "any traced decision case")
+                       f"any of the {len(decision)} traced decision cases")
     est = bootstrap_mean([_num(c.field) for c in sens])
     ours = f"field KV {ci(sens, field)}, notes {ci(sens, notes)}; {counts}{aside}"
-    below = fig["below"]
+    below, n = fig["below"], f"field KV {est} over {len(sens)} sensitive cases"
     if est.hi < below:
-        return Verdict(ours, HOLDS, f"the CI lies below {below}")
+        return Verdict(ours, HOLDS, f"{n}: the CI lies below {below}")
     if est.lo > below:
-        return Verdict(ours, FAILS, f"the CI lies above {below}")
-    return Verdict(ours, INCONCLUSIVE, f"the CI spans {below}")
+        return Verdict(ours, FAILS, f"{n}: the CI lies above {below}")
+    return Verdict(ours, INCONCLUSIVE, f"{n}: the CI spans {below}")
 
 
 def _num(x: float | None) -> float:
@@ -214,12 +215,14 @@ class Pool:
         return f"{self.recovered}/{self.n_sensitive} sensitive of {self.n}"
 
 
-def overwrite_pool(result: SuiteResult | None, retrieval: bool = False) -> Pool | None:
-    """The 'overwrite' strategy pooled over the decision families (or the retrieval ones)."""
+def overwrite_pool(result: SuiteResult | None, retrieval: bool = False,
+                   strategy: str = "overwrite") -> Pool | None:
+    """The 'overwrite' strategy (or ``strategy``) pooled over the decision families (or the
+    retrieval ones)."""
     if result is None or not result.per_family:
         return None
-    rows = [fam["overwrite"] for name, fam in result.per_family.items()
-            if "overwrite" in fam and (name in RETRIEVAL_FAMILIES) == retrieval]
+    rows = [fam[strategy] for name, fam in result.per_family.items()
+            if strategy in fam and (name in RETRIEVAL_FAMILIES) == retrieval]
     if not rows:
         return None
     n = sum(r.n for r in rows)
@@ -240,11 +243,35 @@ def _judge_cot(fig: dict[str, Any], stages: StageResults) -> Verdict:
     ours = (f"decision families: recovered {cot}, compute {cot.compute_fraction:.1%}{aside}")
     if not cot.n_sensitive:
         return Verdict(ours, NOT_MEASURABLE,
-                       "the field does not move recompute's CoT decision in any decision case")
+                       f"the field moves recompute's CoT decision in 0 of {cot.n} decision cases")
     recovery = cot.recovered / cot.n_sensitive
+    got = f"recovery {cot.recovered}/{cot.n_sensitive} = {recovery:.2f}"
     if recovery >= COT_RECOVERY_OK:
-        return Verdict(ours, HOLDS, f"recovery {recovery:.2f} >= {COT_RECOVERY_OK}")
-    return Verdict(ours, FAILS, f"recovery {recovery:.2f} < {COT_RECOVERY_OK}")
+        return Verdict(ours, HOLDS, f"{got} >= {COT_RECOVERY_OK}")
+    return Verdict(ours, FAILS, f"{got} < {COT_RECOVERY_OK}")
+
+
+def _judge_erratum(fig: dict[str, Any], stages: StageResults) -> Verdict:
+    over = overwrite_pool(stages.edit)
+    err = overwrite_pool(stages.edit, strategy="erratum")
+    if over is None or err is None:
+        return Verdict("-", NOT_RUN, "needs the edit stage with the overwrite and erratum "
+                                     "strategies")
+    ours = f"decision families without CoT: overwrite recovered {over}; erratum recovered {err}"
+    if not over.n_sensitive:
+        return Verdict(ours, NOT_MEASURABLE,
+                       f"the field moves recompute's decision in 0 of {over.n} decision cases")
+    r_over, r_err = over.recovered / over.n_sensitive, err.recovered / err.n_sensitive
+    lo, hi = fig["overwrite_recovers_at_most"], fig["erratum_recovers_at_least"]
+    misses = ([f"overwrite recovery {over.recovered}/{over.n_sensitive} = {r_over:.2f} > {lo}: "
+               "the field-only edit does not fail"] if r_over > lo else [])
+    misses += ([f"erratum recovery {err.recovered}/{err.n_sensitive} = {r_err:.2f} < {hi}"]
+               if r_err < hi else [])
+    if misses:
+        return Verdict(ours, FAILS, "; ".join(misses))
+    return Verdict(ours, HOLDS, f"overwrite recovery {over.recovered}/{over.n_sensitive} = "
+                                f"{r_over:.2f} <= {lo}, erratum {err.recovered}/"
+                                f"{err.n_sensitive} = {r_err:.2f} >= {hi}")
 
 
 def _judge_agent_identity(fig: dict[str, Any], stages: StageResults) -> Verdict:
@@ -341,7 +368,8 @@ def _judge_vllm(fig: dict[str, Any], stages: StageResults) -> Verdict:
 
 JUDGES: dict[str, Callable[[dict[str, Any], StageResults], Verdict]] = {
     "composition_cosine": _judge_compose, "field_kv_share": _judge_field,
-    "cot_field_edit": _judge_cot, "agent_identity": _judge_agent_identity,
+    "cot_field_edit": _judge_cot, "erratum_vs_overwrite": _judge_erratum,
+    "agent_identity": _judge_agent_identity,
     "agent_speedup": _judge_agent_speedup, "vllm_prefix_cache": _judge_vllm,
     TOOLS_CLAIM.id: _judge_tools,
 }

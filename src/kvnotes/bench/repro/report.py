@@ -3,6 +3,7 @@ verdict), the load each stage ran under, details per model and one chart."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,17 +68,20 @@ def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
           "`src/kvnotes/apps/data/paper_claims.json`. Ours are measured by this run.", ""]
     if command:
         md += [f"Command: `{command}`", ""]
-    md += [f"Device `{settings.device}`, dtype `{settings.dtype}`, "
-           f"{'--quick sizes' if settings.quick else 'full sizes'}: "
-           + ", ".join(f"{k}={v}" for k, v in settings.to_dict()["sizes"].items()), ""]
-    md += ["| model | stage | seconds | load average (1 min) before/after | CPUs (SIMD) | "
-           "torch threads |", "|---|---|---|---|---|---|"]
+    md += [f"Device `{settings.device}`, dtype `{settings.dtype}`, {settings.size_label} "
+           "sizes: " + ", ".join(f"{k}={v}" for k, v in settings.to_dict()["sizes"].items()), ""]
+    choice = settings.choice
+    md += [f"Task families of the edit, CoT and trace stages: "
+           f"{', '.join(choice.families) if choice.families else 'every family'}; seeded "
+           f"families on their **{choice.split}** seeds.", ""]
+    md += ["| model | stage | finished | seconds | load average (1 min) before/after | "
+           "CPUs (SIMD) | torch threads |", "|---|---|---|---|---|---|---|"]
     for model, stages in per_model.items():
         for stage, r in stages.items():
             b, a = r.load_before, r.load_after
             threads = "-" if b.torch_threads is None else b.torch_threads
-            md.append(f"| {model} | {stage} | {r.seconds:.0f} | {b.load_1min:.2f} / "
-                      f"{a.load_1min:.2f}{' (busy)' if r.busy else ''} | "
+            md.append(f"| {model} | {stage} | {r.finished or '-'} | {r.seconds:.0f} | "
+                      f"{b.load_1min:.2f} / {a.load_1min:.2f}{' (busy)' if r.busy else ''} | "
                       f"{b.cpus} ({b.cpu_flags or '-'}) | {threads} |")
     total = sum(r.seconds for stages in per_model.values() for r in stages.values())
     busy = any(r.busy for stages in per_model.values() for r in stages.values())
@@ -88,6 +92,7 @@ def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
            "paper's figure), **not measurable** (the field does not move the decision on this "
            "model, so a normalized effect or a recovery rate has no denominator), **not run**. "
            "Timing verdicts measured while the machine was busy say so.", ""]
+    md += verdict_matrix(table, list(per_model))
     for row in table:
         claim = row.claim
         md += [f"## {claim.title}", "",
@@ -99,8 +104,23 @@ def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
             md.append(f"| {model} | {v.ours} | **{v.verdict}** | {v.why} |")
         md.append("")
     md += _details(per_model)
-    md += ["![repro](repro.png)", ""]
+    md += ["![repro](repro.png)", "", "Share of the decision carried by the field's own KV and "
+           "by the notes, per family (denoising effects over the sensitive cases, 95% bootstrap "
+           "CIs):", "", "![trace shares](trace-shares.png)", ""]
     return "\n".join(md)
+
+
+def verdict_matrix(table: list[ClaimVerdicts], models: list[str]) -> list[str]:
+    """One row per claim, one column per model: the verdict and the number behind it."""
+    md = ["## Verdicts at a glance", "", "| claim | " + " | ".join(models) + " |",
+          "|---|" + "---|" * len(models)]
+    for row in table:
+        cells = []
+        for m in models:
+            v = row.models[m]
+            cells.append(f"**{v.verdict}**" + (f": {v.why}" if v.why else ""))
+        md.append(f"| {row.claim.title} | " + " | ".join(cells) + " |")
+    return md + [""]
 
 
 def _details(per_model: PerModel) -> list[str]:
@@ -188,6 +208,39 @@ def plot(per_model: PerModel, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_trace_shares(per_model: PerModel, path: Path) -> None:
+    """Per family and model, the field KV's and the notes' denoising effect with 95% CIs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(per_model)
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5.5 * max(1, len(models)), 3.8),
+                             squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        trace = stage_results(per_model[model]).trace
+        rows = [r for r in (trace.families if trace else ()) if r.family != "all"]
+        for i, row in enumerate(rows):
+            for j, (name, e) in enumerate((("field KV", row.field), ("notes", row.notes))):
+                if e.n:
+                    ax.errorbar(i + 0.2 * j - 0.1, e.mean,
+                                yerr=[[e.mean - e.lo], [e.hi - e.mean]], fmt="o", color=f"C{j}",
+                                capsize=3, label=name if i == 0 else None)
+        ax.axhline(0.01, color="gray", ls="--", lw=0.8)
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_xlim(-0.6, max(1, len(rows)) - 0.4)
+        ax.set_xticks(range(len(rows)), [f"{r.family}\n({r.n_sensitive}/{r.n_cases} sens.)"
+                                         for r in rows], fontsize=7)
+        ax.set_ylabel("share of the decision (denoising)")
+        ax.set_title(f"{model}: field KV vs notes (paper: field < 0.01, dashed)", fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_report(out: str | Path, run: ReproRun, *, command: str = "",
                  tools_results: Path | None = TOOLS_RESULTS) -> dict[str, Path]:
     """Judge every claim on every model and write report.md, repro.json and repro.png (the
@@ -199,5 +252,10 @@ def write_report(out: str | Path, run: ReproRun, *, command: str = "",
               "verdicts": [row.to_dict() for row in table],
               "models": {m: {s: r.to_dict() for s, r in stages.items()}
                          for m, stages in run.models.items()}}
-    return write_bundle(out, result, report=md, json_name="repro.json", plot_name="repro.png",
-                        plot=lambda p: plot(run.models, p))
+    paths = write_bundle(out, result, report=md, json_name="repro.json", plot_name="repro.png",
+                         plot=lambda p: plot(run.models, p))
+    paths["trace_plot"] = Path(out) / "trace-shares.png"
+    staged = paths["trace_plot"].with_name(".trace-shares.tmp.png")
+    plot_trace_shares(run.models, staged)
+    os.replace(staged, paths["trace_plot"])
+    return paths

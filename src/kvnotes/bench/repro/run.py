@@ -23,6 +23,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ class Sizes:
     trace_boot: int
     agent_episodes: int
     agent_turns: int
+    trace_directions: tuple[str, ...] = ("denoising", "noising")
+    trace_position_bins: int = 4
 
 
 QUICK = Sizes(compose_new_tokens=8, compose_repeats=1, edit_per_family=1, edit_strategies=None,
@@ -64,6 +67,49 @@ QUICK = Sizes(compose_new_tokens=8, compose_repeats=1, edit_per_family=1, edit_s
 FULL = Sizes(compose_new_tokens=24, compose_repeats=3, edit_per_family=6, edit_strategies=None,
              cot_per_family=3, cot_strategies=None, cot_budget=96, trace_cases=6,
              trace_by_layer=True, trace_boot=2000, agent_episodes=10, agent_turns=5)
+# the claims on many cases of a few families on 2 CPU cores: only the strategies the claims
+# read (recompute, the field-only overwrite, the erratum), per-family counts set by the caller
+CLAIMS = Sizes(compose_new_tokens=8, compose_repeats=1, edit_per_family=24,
+               edit_strategies=("recompute", "overwrite", "erratum"), cot_per_family=24,
+               cot_strategies=("recompute", "overwrite", "erratum"), cot_budget=48,
+               trace_cases=24, trace_by_layer=False, trace_boot=2000, agent_episodes=3,
+               agent_turns=3, trace_directions=("denoising",), trace_position_bins=1)
+SIZES: dict[str, Sizes] = {"quick": QUICK, "full": FULL, "claims": CLAIMS}
+
+
+def with_cases(sizes: Sizes, per_family: int) -> Sizes:
+    """``sizes`` with ``per_family`` cases of each family in the edit, CoT and trace stages."""
+    if per_family < 1:
+        raise InvalidArgumentError(f"cases per family must be at least 1, got {per_family}")
+    return replace(sizes, edit_per_family=per_family, cot_per_family=per_family,
+                   trace_cases=per_family)
+
+
+@dataclass(frozen=True, slots=True)
+class CaseChoice:
+    """Which task families the edit, CoT and trace stages take, and which seeds of the seeded
+    families (:data:`kvnotes.eval.tasks.SEEDED_FAMILIES`): ``heldout`` for reported runs."""
+
+    families: tuple[str, ...] | None = None  # None: every family
+    split: str = "heldout"
+
+    def __post_init__(self) -> None:
+        from kvnotes.eval.tasks import FAMILIES, SPLITS
+
+        for name in self.families or ():
+            if name not in FAMILIES:
+                raise UnknownNameError("family", name, sorted(FAMILIES))
+        if self.split not in SPLITS:
+            raise UnknownNameError("seed split", self.split, SPLITS)
+
+    def cases(self) -> list[Any]:
+        from kvnotes.eval.tasks import load_suite
+
+        return load_suite(self.families, self.split)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"families": None if self.families is None else list(self.families),
+                "split": self.split}
 
 
 def slug(model: str) -> str:
@@ -79,11 +125,20 @@ class RunSettings:
     dtype: str
     quick: bool
     sizes: Sizes
+    choice: CaseChoice = CaseChoice()
+
+    @property
+    def size_label(self) -> str:
+        return next((name for name, s in SIZES.items() if s == self.sizes), "custom")
 
     def to_dict(self) -> dict[str, Any]:
-        """As a stage file records it (JSON values: lists, not tuples)."""
-        return json.loads(json.dumps({"device": self.device, "dtype": self.dtype,
-                                      "quick": self.quick, "sizes": asdict(self.sizes)}))
+        """As a stage file records it (JSON values: lists, not tuples); the case choice only
+        when it is not the default (every family)."""
+        d = {"device": self.device, "dtype": self.dtype, "quick": self.quick,
+             "sizes": asdict(self.sizes)}
+        if self.choice != CaseChoice():
+            d["cases"] = self.choice.to_dict()
+        return json.loads(json.dumps(d))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +187,7 @@ class StageRecord:
     load_before: LoadSample
     load_after: LoadSample
     result: StageResult
+    finished: str = ""  # UTC date and time the stage finished ("" in older files)
 
     @property
     def busy(self) -> bool:
@@ -141,13 +197,14 @@ class StageRecord:
         result = (self.result.to_dict(records=False) if isinstance(self.result, BenchSummary)
                   else self.result.to_dict())
         return {"settings": self.settings.to_dict(), "seconds": self.seconds,
-                "load_before": self.load_before.to_dict(),
+                "finished": self.finished, "load_before": self.load_before.to_dict(),
                 "load_after": self.load_after.to_dict(), "result": result}
 
     @classmethod
     def from_dict(cls, stage: str, d: dict[str, Any], settings: RunSettings) -> StageRecord:
         return cls(settings, d["seconds"], LoadSample.from_dict(d["load_before"]),
-                   LoadSample.from_dict(d["load_after"]), READERS[stage](d["result"]))
+                   LoadSample.from_dict(d["load_after"]), READERS[stage](d["result"]),
+                   d.get("finished") or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,31 +237,30 @@ def _stage_compose(engine: Any, sizes: Sizes, tick: Tick) -> ComposeDemoResult:
                             repeats=sizes.compose_repeats, progress=progress)
 
 
-def _edit(engine: Any, sizes: Sizes, tick: Tick, *, cot: bool) -> SuiteResult:
+def _edit(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice, *,
+          cot: bool) -> SuiteResult:
     from kvnotes.bench.edit.cases import spread
     from kvnotes.bench.edit.results import SuiteSettings
     from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES
     from kvnotes.bench.edit.suite import run_suite
-    from kvnotes.eval.tasks import load_suite
 
     per_family = sizes.cot_per_family if cot else sizes.edit_per_family
     chosen = (sizes.cot_strategies if cot else sizes.edit_strategies) or DEFAULT_STRATEGIES
-    cases = spread(load_suite(), per_family)
+    cases = spread(choice.cases(), per_family)
     tick(0, len(cases))
     return run_suite(engine, cases, SuiteSettings(tuple(chosen), cot=cot, budget=sizes.cot_budget),
                      progress=tick)
 
 
-def _stage_trace(engine: Any, sizes: Sizes, tick: Tick) -> TraceSuiteResult:
+def _stage_trace(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice) -> TraceSuiteResult:
     from kvnotes.bench.trace.suite import pick_cases, summarize, trace_cases
-    from kvnotes.eval.tasks import load_suite
     from kvnotes.ops.trace import TraceOptions
 
-    suite = load_suite()
+    suite = choice.cases()
     picked = pick_cases(engine, suite, sizes.trace_cases).cases
     families = list(dict.fromkeys(c.family for c in suite))
-    options = TraceOptions(by_layer=sizes.trace_by_layer, position_bins=4,
-                           detail_when_insensitive=False)
+    options = TraceOptions(directions=sizes.trace_directions, by_layer=sizes.trace_by_layer,
+                           position_bins=sizes.trace_position_bins, detail_when_insensitive=False)
     done = [0]
 
     def progress(_item: Any) -> None:
@@ -232,13 +288,15 @@ def _stage_agent(engine: Any, sizes: Sizes, tick: Tick, *, skill_root: Path) -> 
     return replace(run_bench(engine, config, progress=progress), records=())
 
 
-def _run_stage(stage: str, engine: Any, sizes: Sizes, tick: Tick, folder: Path) -> StageResult:
+def _run_stage(stage: str, engine: Any, settings: RunSettings, tick: Tick,
+               folder: Path) -> StageResult:
+    sizes = settings.sizes
     if stage == "compose":
         return _stage_compose(engine, sizes, tick)
     if stage in ("edit", "edit_cot"):
-        return _edit(engine, sizes, tick, cot=stage == "edit_cot")
+        return _edit(engine, sizes, tick, settings.choice, cot=stage == "edit_cot")
     if stage == "trace":
-        return _stage_trace(engine, sizes, tick)
+        return _stage_trace(engine, sizes, tick, settings.choice)
     return _stage_agent(engine, sizes, tick, skill_root=folder / "skills")
 
 
@@ -249,8 +307,12 @@ def _run_stage(stage: str, engine: Any, sizes: Sizes, tick: Tick, folder: Path) 
 def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
               dtype: str = "float32", quick: bool = True, stages: Sequence[str] = STAGES,
               load: Callable[..., Any] | None = None, progress: Progress | None = None,
-              report_only: bool = False) -> ReproRun:
+              report_only: bool = False, sizes: Sizes | None = None,
+              choice: CaseChoice = CaseChoice()) -> ReproRun:
     """Run every stage for every model, resuming finished ones; the records of every stage.
+
+    ``sizes`` overrides the preset ``quick`` picks (``QUICK`` or ``FULL``); ``choice`` names
+    the task families and the seed split of the edit, CoT and trace stages.
 
     ``load(model, device=..., dtype=...)`` makes an engine (default :func:`kvnotes.load`); it
     is only called for a model with a stage left to run. ``report_only`` runs nothing: only
@@ -267,7 +329,7 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
 
         load = load_model
     settings = RunSettings(device=str(device), dtype=str(dtype).removeprefix("torch."),
-                           quick=quick, sizes=QUICK if quick else FULL)
+                           quick=quick, sizes=sizes or (QUICK if quick else FULL), choice=choice)
     out = Path(out)
     per_model: dict[str, dict[str, StageRecord]] = {}
     for model in models:
@@ -292,8 +354,9 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
                     progress(m, s, done, total)
 
             before, t0 = load_now(), time.perf_counter()
-            result = _run_stage(stage, engine, settings.sizes, tick, folder)
-            record = StageRecord(settings, time.perf_counter() - t0, before, load_now(), result)
+            result = _run_stage(stage, engine, settings, tick, folder)
+            record = StageRecord(settings, time.perf_counter() - t0, before, load_now(), result,
+                                 datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"))
             _write_json(path, record.to_dict())
             per_model[model][stage] = record
     return ReproRun(settings, per_model)

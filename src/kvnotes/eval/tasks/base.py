@@ -7,11 +7,11 @@ decision parses to. The families live in their own modules and register in :data
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvnotes.core.document import Document
-from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
 
 @dataclass(frozen=True)
@@ -55,5 +55,44 @@ FAMILIES: dict[str, CaseFamily] = {}
 def register_family(name: str) -> Callable[[CaseFamily], CaseFamily]:
     def wrap(fn: CaseFamily) -> CaseFamily:
         FAMILIES[name] = fn
+        return fn
+    return wrap
+
+
+SPLITS = ("heldout", "dev")
+
+
+@dataclass(frozen=True, slots=True)
+class SeededFamily:
+    """A family generated from integer seeds, with the seeds its template was written on
+    (``dev_seeds``) kept apart from the seeds results are reported on (``heldout_seeds``)."""
+
+    name: str
+    make: Callable[[Sequence[int]], list[EditCase]]
+    dev_seeds: tuple[int, ...]
+    heldout_seeds: tuple[int, ...]
+
+    def cases(self, split: str = "heldout") -> list[EditCase]:
+        if split not in SPLITS:
+            raise UnknownNameError("seed split", split, SPLITS)
+        return self.make(self.heldout_seeds if split == "heldout" else self.dev_seeds)
+
+
+# family name -> its seeds and generator (also registered in FAMILIES with its held-out seeds)
+SEEDED_FAMILIES: dict[str, SeededFamily] = {}
+
+SeededMaker = Callable[[Sequence[int]], list[EditCase]]
+
+
+def register_seeded_family(name: str, *, dev_seeds: Sequence[int],
+                           heldout_seeds: Sequence[int]) -> Callable[[SeededMaker], SeededMaker]:
+    """Register a seeded family; :data:`FAMILIES` gets its held-out cases."""
+    if set(dev_seeds) & set(heldout_seeds):
+        raise InvalidArgumentError(f"{name}: development and held-out seeds overlap")
+
+    def wrap(fn: SeededMaker) -> SeededMaker:
+        family = SeededFamily(name, fn, tuple(dev_seeds), tuple(heldout_seeds))
+        SEEDED_FAMILIES[name] = family
+        FAMILIES[name] = family.cases
         return fn
     return wrap
