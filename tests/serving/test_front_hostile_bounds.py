@@ -15,31 +15,13 @@ from typing import Any
 import httpx2
 import psutil
 import pytest
-from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
+from _front_fakes import MODEL
 from _hostile import chat_body, error_of, healthy, post_raw, settled
-from conftest import make_tiny_engine
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.skills import ServingSkills
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory, tokenizer):
-    lib = ServingSkills(tmp_path_factory.mktemp("front-bounds-skills"),
-                        make_tiny_engine("llama", tokenizer))
-    lib.add(HEADER, name="header")
-    lib.add(REFUNDS, name="refunds", after=HEADER)
-    return lib
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    fake = FakeVLLM()
-    yield fake
-    fake.close()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
+from _front_fakes import MODEL
 from _hostile import (
     PROMPT,
     chat_body,
@@ -23,32 +23,14 @@ from _hostile import (
     post_raw,
     settled,
 )
-from conftest import make_tiny_engine
 
 from kvnotes.serving.front import app as front_app
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.format import Shaper
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.skills import ServingSkills
 
 SLOTS = 4  # few: a request that leaks its slot shows within SLOTS + 4 of them
 SECRET = "secret-3f9a"  # the text of the faults injected: never in an answer
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory, tokenizer):
-    lib = ServingSkills(tmp_path_factory.mktemp("front-hostile-skills"),
-                        make_tiny_engine("llama", tokenizer))
-    lib.add(HEADER, name="header")
-    lib.add(REFUNDS, name="refunds", after=HEADER)
-    return lib
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    fake = FakeVLLM()
-    yield fake
-    fake.close()
 
 
 @pytest.fixture(scope="module")

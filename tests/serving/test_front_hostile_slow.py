@@ -8,31 +8,23 @@ import threading
 import time
 
 import pytest
-from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
+from _front_fakes import MODEL
 from _hostile import healthy
-from conftest import make_tiny_engine
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.skills import ServingSkills
 
 ATTACKER = "127.0.0.2"  # loopback too, another address: the legitimate client is 127.0.0.1
 HEAD_TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module")
-def front(tmp_path_factory, tokenizer):
-    lib = ServingSkills(tmp_path_factory.mktemp("front-slow-skills"),
-                        make_tiny_engine("llama", tokenizer))
-    lib.add(HEADER, name="header")
-    lib.add(REFUNDS, name="refunds", after=HEADER)
-    fake = FakeVLLM()
-    config = FrontConfig(upstream=fake.url, block_size=16, model=MODEL, api_key="sk-op",
+def front(upstream, published, tokenizer):
+    config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, api_key="sk-op",
                          max_connections=32, max_connections_per_ip=8,
                          head_timeout=HEAD_TIMEOUT, max_body_bytes=1 << 20, body_timeout=2.0)
-    with Front(config, SkillCatalog(lib.folder, tokenizer)) as f:
+    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
-    fake.close()
 
 
 AUTH = {"authorization": "Bearer sk-op"}

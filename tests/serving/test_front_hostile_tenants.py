@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import httpx2
 import pytest
-from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
+from _front_fakes import MODEL
 from _hostile import completion, healthy
-from conftest import make_tiny_engine
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
@@ -26,23 +25,6 @@ from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.variants import VariantHits
-from kvnotes.serving.skills import ServingSkills
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory, tokenizer):
-    lib = ServingSkills(tmp_path_factory.mktemp("front-tenant-skills"),
-                        make_tiny_engine("llama", tokenizer))
-    lib.add(HEADER, name="header")
-    lib.add(REFUNDS, name="refunds", after=HEADER)
-    return lib
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    fake = FakeVLLM()
-    yield fake
-    fake.close()
 
 
 def keys_file(tmp_path: Path, keys: dict[str, dict]) -> Path:

@@ -9,33 +9,20 @@ import time
 
 import httpx2
 import pytest
-from _front_fakes import HEADER, MODEL, REFUNDS, FakeVLLM
+from _front_fakes import MODEL
 from _hostile import PROMPT, chat_body, completion, error_of, healthy
-from conftest import make_tiny_engine
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.skills import ServingSkills
 
 TOTAL = 1.5  # request_timeout: the trickle's cut
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    fake = FakeVLLM()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def front(upstream, tmp_path_factory, tokenizer):
-    lib = ServingSkills(tmp_path_factory.mktemp("front-upstream-skills"),
-                        make_tiny_engine("llama", tokenizer))
-    lib.add(HEADER, name="header")
-    lib.add(REFUNDS, name="refunds", after=HEADER)
+def front(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, timeout=3.0,
                          request_timeout=TOTAL)
-    with Front(config, SkillCatalog(lib.folder, tokenizer)) as f:
+    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
 
 
