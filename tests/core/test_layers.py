@@ -35,10 +35,12 @@ CORE_RANKS = {
     "kvnotes.core.repair": 1,
     "kvnotes.core.repair_plan": 1,
     "kvnotes.core.variants": 1,
+    "kvnotes.core.model_defaults": 2,  # a table over repair's Repair
     "kvnotes.core.document": 2,
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
     "kvnotes.core.storage": 2,
+    "kvnotes.core.split_gguf": 3,  # over files
     "kvnotes.core.notebook": 3,
     "kvnotes.core.cache": 3,
     "kvnotes.core.attention": 3,
