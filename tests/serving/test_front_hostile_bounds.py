@@ -16,7 +16,7 @@ import httpx2
 import psutil
 import pytest
 from _front_fakes import MODEL
-from _hostile import chat_body, error_of, healthy, post_raw, settled
+from _hostile import chat_body, error_of, healthy, post_raw, serve, settled, started
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
@@ -31,7 +31,7 @@ def make_front(upstream, published, tokenizer):
     def make(**settings: Any) -> Front:
         config = FrontConfig(**{"upstream": upstream.url, "block_size": 16, "model": MODEL,
                                 "timeout": 3.0, **settings})
-        fronts.append(Front(config, SkillCatalog(published.folder, tokenizer)).start())
+        fronts.append(started(Front(config, SkillCatalog(published.folder, tokenizer)).start()))
         return fronts[-1]
 
     yield make
@@ -42,7 +42,7 @@ def make_front(upstream, published, tokenizer):
 @pytest.fixture(scope="module")
 def front(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, timeout=3.0)
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
 
 

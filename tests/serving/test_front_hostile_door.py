@@ -21,6 +21,7 @@ from _hostile import (
     error_of,
     healthy,
     post_raw,
+    serve,
     settled,
 )
 
@@ -37,7 +38,7 @@ SECRET = "secret-3f9a"  # the text of the faults injected: never in an answer
 def front(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, max_concurrent=SLOTS, max_body_bytes=1 << 20,
                          body_timeout=1.0, timeout=3.0, block_size=16, model=MODEL)
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
 
 

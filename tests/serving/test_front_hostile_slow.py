@@ -9,7 +9,7 @@ import time
 
 import pytest
 from _front_fakes import MODEL
-from _hostile import healthy
+from _hostile import healthy, serve
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
@@ -23,7 +23,7 @@ def front(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, api_key="sk-op",
                          max_connections=32, max_connections_per_ip=8,
                          head_timeout=HEAD_TIMEOUT, max_body_bytes=1 << 20, body_timeout=2.0)
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx2
 import pytest
 from _front_fakes import MODEL
-from _hostile import completion, healthy
+from _hostile import completion, healthy, serve
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
@@ -39,7 +39,7 @@ def test_metrics_need_the_operators_or_the_metrics_key(upstream, published, toke
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, api_key="sk-op",
                          metrics_key="sk-scrape", key_file=keys_file(tmp_path, {
                              "sk-acme": {"tenant": "acme"}, "sk-shared": {}}))
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as front:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as front:
         acme = {"authorization": "Bearer sk-acme"}
         assert completion(front, headers=acme).status_code == 200  # splices header, refunds
         for auth in (None, "Bearer sk-acme", "Bearer sk-shared", "Bearer nope", "sk-op"):
@@ -60,7 +60,7 @@ def test_metrics_need_the_operators_or_the_metrics_key(upstream, published, toke
 
 def test_metrics_stay_open_without_keys(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL)
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as front:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as front:
         assert httpx2.get(front.url + "/metrics", timeout=10).status_code == 200
 
 

@@ -10,7 +10,7 @@ import time
 import httpx2
 import pytest
 from _front_fakes import MODEL
-from _hostile import PROMPT, chat_body, completion, error_of, healthy
+from _hostile import PROMPT, chat_body, completion, error_of, healthy, serve
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.planning.match import SkillCatalog
@@ -22,7 +22,7 @@ TOTAL = 1.5  # request_timeout: the trickle's cut
 def front(upstream, published, tokenizer):
     config = FrontConfig(upstream=upstream.url, block_size=16, model=MODEL, timeout=3.0,
                          request_timeout=TOTAL)
-    with Front(config, SkillCatalog(published.folder, tokenizer)) as f:
+    with serve(config, SkillCatalog(published.folder, tokenizer)) as f:
         yield f
 
 
