@@ -313,3 +313,20 @@ def test_tool_parser_off_or_named_or_given_to_vllm(exported):
                                  extra_args=("--tool-call-parser", "llama3_json")))
     assert given.server.cmd.count("--tool-call-parser") == 1
     assert _arg(given.server.cmd, "--tool-call-parser") == "llama3_json"
+
+
+# ---- dtype ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("native", "asked", "served", "warned"), [
+    (False, "bfloat16", "bfloat16", True),   # asked for: served, with the warning
+    (False, "auto", "float32", False),       # auto on an AVX2-only CPU: float32
+    (True, "bfloat16", "bfloat16", False),   # native: no warning
+    (True, "auto", "bfloat16", False),
+])
+def test_emulated_bfloat16_is_served_with_a_warning(exported, monkeypatch, caplog, native, asked,
+                                                   served, warned):
+    monkeypatch.setattr(launch_mod, "native_bf16", lambda: native)
+    monkeypatch.setattr("kvnotes.core.machine.native_bf16", lambda: native)
+    with caplog.at_level("WARNING", logger="kvnotes.serving.launch"):
+        out = launch_mod.export_model("smollm2-135m", asked)
+    assert out.dtype == served and exported[1][-1] == ("smollm2-135m", served)
+    assert ("bfloat16 on a CPU without avx512_bf16" in caplog.text) is warned
