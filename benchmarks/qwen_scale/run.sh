@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The timing benchmarks at the size people deploy (Qwen2.5-Coder-1.5B-Instruct), one after
 # another on a quiet machine, in the dtype the CPU computes natively (bfloat16 with avx512_bf16
-# or amx_bf16, else float32; DTYPE=... overrides): docs/results.md, "At the size people deploy". Run from the
-# repository root after `make models-qwen vllm`:
+# or amx_bf16, else float32; DTYPE=... overrides): docs/results.md, "At the size people deploy".
+# Run from the repository root after `make models-qwen vllm`:
 #
 #     benchmarks/qwen_scale/run.sh out/qwen-scale
 #
@@ -23,10 +23,11 @@ step() {
     echo "$name end $(date -u +%FT%TZ) $(cut -d' ' -f1-3 /proc/loadavg)" >> "$OUT/load.txt"
 }
 # compose against a perfect prefix hit of the same context, 2k and 4k tokens; then float32 at 2k
+# (the dtype comparison, skipped when float32 is the native dtype)
 step compose-$DTYPE $PY -m kvnotes.bench.micro.compose_ttft --model "$MODEL" --dtype "$DTYPE" \
     --lengths 2048,4096 --reps 3 --out "$OUT/compose-$DTYPE"
-[ "$DTYPE" = float32 ] || step compose-fp32 $PY -m kvnotes.bench.micro.compose_ttft --model "$MODEL" --dtype float32 \
-    --lengths 2048 --reps 2 --out "$OUT/compose-fp32"
+[ "$DTYPE" = float32 ] || step compose-fp32 $PY -m kvnotes.bench.micro.compose_ttft \
+    --model "$MODEL" --dtype float32 --lengths 2048 --reps 2 --out "$OUT/compose-fp32"
 # vLLM: p90 TTFT of the default (repaired) policy against prefix caching, c1 and c4, ~1.7k tokens
 step skills $KV serve-bench skills --launch --model "$MODEL" --dtype "$DTYPE" --block-size 32 \
     --policies prefix,repaired --requests 8 --concurrency 1,4 --fidelity-samples 4 \

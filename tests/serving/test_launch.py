@@ -324,7 +324,6 @@ def test_tool_parser_off_or_named_or_given_to_vllm(exported):
 ])
 def test_emulated_bfloat16_is_served_with_a_warning(exported, monkeypatch, caplog, native, asked,
                                                    served, warned):
-    monkeypatch.setattr(launch_mod, "native_bf16", lambda: native)
     monkeypatch.setattr("kvnotes.core.machine.native_bf16", lambda: native)
     with caplog.at_level("WARNING", logger="kvnotes.serving.launch"):
         out = launch_mod.export_model("smollm2-135m", asked)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import native_bf16, preferred_dtype
+from kvnotes.core.machine import preferred_dtype
 from kvnotes.serving.launch.export import export_hf_dir
 from kvnotes.serving.launch.paths import SOURCE_ROOT
 from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from kvnotes.serving.front.app import Front, FrontConfig
     from kvnotes.serving.skills import ServingSkills
 
-CONNECTOR_CLASS = "KvnotesConnector"
 log = logging.getLogger("kvnotes.serving.launch")
 
+CONNECTOR_CLASS = "KvnotesConnector"
 CONNECTOR_MODULE = "kvnotes.serving.vllm.connector"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -50,11 +50,8 @@ def cpu_dtype() -> str:
     return str(preferred_dtype()).removeprefix("torch.")
 
 
-def emulated_bf16_warning() -> str:
-    """What serving bfloat16 costs on a CPU without avx512_bf16 / amx_bf16."""
-    return ("bfloat16 on a CPU without avx512_bf16 or amx_bf16 is emulated: vLLM's CPU build "
-            "then prefills a ~2k-token prompt of Qwen2.5-Coder-1.5B in minutes instead of "
-            "seconds; --dtype auto serves float32 here")
+EMULATED_BF16 = ("bfloat16 on a CPU without avx512_bf16 or amx_bf16 is emulated and runs many "
+                 "times slower on vLLM's CPU build; --dtype auto serves float32 here")
 
 
 AUTO_TOOL_PARSER = "auto"
@@ -199,8 +196,8 @@ def export_model(model: str, dtype: str = "auto") -> ExportedModel:
     """Export ``model`` for vLLM in ``dtype`` (``auto``: :func:`cpu_dtype`); an up-to-date
     export is reused, so calling this before :func:`prepare` costs a few file stats."""
     served = cpu_dtype() if dtype == "auto" else dtype
-    if served == "bfloat16" and not native_bf16():
-        log.warning(emulated_bf16_warning())
+    if served == "bfloat16" and cpu_dtype() != "bfloat16":
+        log.warning(EMULATED_BF16)
     folder = export_hf_dir(model, dtype=served)
     cfg = json.loads((folder / "config.json").read_text("utf-8"))
     return ExportedModel(folder, served, int(cfg.get("max_position_embeddings") or 1 << 30))
