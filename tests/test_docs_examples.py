@@ -1,6 +1,5 @@
-"""The examples a user reads run: every ```python block of README.md, docs/*.md and
-docs/guide/*.md, and the
-``>>>`` examples in kvnotes' docstrings.
+"""The examples a user reads run: every ```python block of README.md and docs/**/*.md (the
+guides, the benchmark pages, the results), and the ``>>>`` examples in kvnotes' docstrings.
 
 A block that needs something a test machine does not have says so in the line before it,
 ``<!-- needs: server -->`` (a running vLLM server); it is still compiled, and skipped with that
@@ -23,8 +22,7 @@ import pytest
 import kvnotes
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-        *sorted((ROOT / "docs" / "guide").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 NEEDS = {"server": "needs a running vLLM server (kvnotes serve)"}
 BLOCK = re.compile(r"(?:<!--\s*needs:\s*(?P<needs>[\w-]+)\s*-->\s*\n)?```python\n(?P<code>.*?)```",
                    re.S)
