@@ -1,7 +1,7 @@
 """kvnotes: a language model's KV cache as an editable, composable notebook.
 
 Keys are stored post-RoPE, as transformers caches hold them; every notebook operation returns a
-new notebook. See the README for the tour and ``docs/`` for the guide.
+new notebook. See the README for the tour and ``docs/guide/`` for the guide.
 
 The public names below are imported on first use (PEP 562), so importing a part of kvnotes
 (``kvnotes.serving.vllm.connector`` in vLLM's process) does not import the engine or transformers.

@@ -1,7 +1,7 @@
 """Engines in other dtypes: notes in the model's dtype, files tied to it, fingerprints of the
 model rather than of where it lives.
 
-Decision (documented in docs/guide/repro.md and the guide): a notebook saved from an engine of one
+Decision (documented in docs/bench/repro.md and the guide): a notebook saved from an engine of one
 dtype is refused by an engine of another, with an error naming the dtype. Casting silently would
 hand back notes the other engine never wrote (bfloat16 notes are not float32 notes rounded): the
 fix is to prefill again in the new dtype.

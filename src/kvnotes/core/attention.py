@@ -6,8 +6,7 @@ and more than one query token, because CUDA's fused kernels refuse grouped heads
 That is exactly kvnotes' hot path: a request (or a repaired span, an erratum) fed on top of a
 long composed notebook. On CPU, ``scaled_dot_product_attention(..., enable_gqa=True)`` takes the
 mask and the grouped heads as they are, so the copy (3x the layer's KV for SmolLM2, every layer,
-every forward) is pure waste; measured on SmolLM2-135M it is about 40% of a 39-token forward
-over 4k cached tokens.
+every forward) is pure waste (measured figures: docs/results/areas/engine.md, "Attention on CPU").
 
 :func:`use_grouped_sdpa` switches a model on CPU from ``sdpa`` to ``kvnotes_sdpa``; the result is
 the same function of the same inputs (tests compare logits), only the copy is gone. Every

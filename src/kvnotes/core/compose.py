@@ -207,10 +207,9 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     By default (:data:`~kvnotes.core.repair.DEFAULT_REPAIR`) each spliced skill's first
     ``max(32, ceil(0.1 * len))`` tokens are recomputed (the share floor, ``Repair.share``),
     each region ending at :func:`~kvnotes.core.repair.repaired_end` (on a multiple of
-    ``repair.align``): a tool description of ~200 tokens gets its first 32 (on BFCL
-    live_multiple the tool choice of the exact prompt kept in 92% (SmolLM2) and 95% (Gemma 3)
-    of cases, against 68% and 66% for the bare splice), a 3k-token API manual its first 300,
-    where a fixed 32 flipped the choice (docs/results.md, "Repair that sizes itself").
+    ``repair.align``): a tool description of ~200 tokens gets its first 32, a 3k-token API
+    manual its first 300, where a fixed 32 flipped the choice (measured figures:
+    docs/results/areas/tools.md, "Repair that sizes itself").
     ``repair.adapt`` grows each region while its last recomputed tokens' notes moved by more
     than that threshold (:func:`execute_adaptive_repair`; ``meta["compose"]["adapt"]`` counts
     its extra tokens and forwards). A skill placed at the very position it was compiled at, right

@@ -7,9 +7,9 @@ benchmark runs the policy a deployment would.
 The repair is :data:`~kvnotes.core.repair.DEFAULT_REPAIR` (32 boundary tokens per spliced skill
 and at least a tenth of it) for every bundled model: chosen on the small models' development
 sets and kept on the Qwen models, where it holds the tool choice on live_multiple
-(docs/results.md, "The guard per model"). The guard's ``tau`` is what ``kvnotes bench guard``
-chose on ``live_multiple`` and the airline prompts with that repair (16 greedy tokens compared
-with the exact prompt), with what it measured there.
+(docs/results/areas/tools.md, "The guard per model"). The guard's ``tau`` is what ``kvnotes
+bench guard`` chose on ``live_multiple`` and the airline prompts with that repair (16 greedy
+tokens compared with the exact prompt), with what it measured there.
 
 A model that is not in the table gets the default repair and no guard: its first-token margins
 were never measured, and a guard that fires on most requests costs an exact prefill each time

@@ -320,7 +320,7 @@ def test_tool_claim_row_in_the_report_uses_the_largest_run_per_set(tmp_path):
     assert "`big`" in row["models"]["a"]["ours"] and "`small`" not in row["models"]["a"]["ours"]
     report = paths["report"].read_text()
     assert "## Composition on public tool documentation" in report
-    assert "Claim (kvnotes (docs/tools-fidelity.md)" in report and "92% identical" in report
+    assert "Claim (kvnotes (docs/bench/tools.md)" in report and "92% identical" in report
 
 
 def two_strategy_edit(over: float | None, err: float | None, n: int) -> SuiteResult:

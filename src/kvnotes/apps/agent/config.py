@@ -39,8 +39,8 @@ class AgentConfig:
         anchored: compile each skill behind the text that really precedes it where that text
             is fixed (the header, ``tools``, the request's own skills), so those splice exactly.
         variants: with ``anchored``, also compile every other skill behind each opening of the
-            prompt (about 70 library entries on SmolLM2-135M, minutes once per model; about
-            half the splice error). Without ``anchored`` it has no effect.
+            prompt (about 70 library entries on SmolLM2-135M, compiled once per model; what
+            they cost and buy: docs/guide/agent.md). Without ``anchored`` it has no effect.
         guard: re-decide on exactly recomputed notes when the top-two margin (log-prob) is
             below this and some note is inexact (:func:`kvnotes.ops.decisions.guarded`); None:
             never.

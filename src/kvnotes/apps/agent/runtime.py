@@ -237,9 +237,10 @@ class KvnotesAgent(Agent):
       skills with ``order="request"``, or turn 0's skills with ``"loaded"`` and ``"appended"``.
       The first such skill then sits exactly where it was compiled (except in ``"appended"``,
       where the record comes before it) and each later one misses only the other skills before
-      it. The variants are the same for the three layouts: on SmolLM2-135M 71 of them, about 3
-      minutes and 1.2 GB once per model. Without variants every other skill is compiled behind
-      the header and ``tools`` only: a faster first start, and about twice the splice error.
+      it. The variants are the same for the three layouts: on SmolLM2-135M 71 of them, compiled
+      once per model. Without variants every other skill is compiled behind the header and
+      ``tools`` only: a faster first start and a larger splice error (measured figures:
+      docs/results/areas/agent.md).
     * ``repair``: after splicing a skill that is not already exact, recompute its first tokens
       in context, as :meth:`Engine.compose`'s ``repair=`` does (:meth:`Engine.recompute`).
     * ``guard=tau`` makes each decision know when it is not sure: when the margin between the
@@ -297,8 +298,8 @@ class KvnotesAgent(Agent):
         every skill behind the default anchor, and each request kind's skills behind their
         true prefix (``requests``: default one of each kind in :data:`REQUESTS`); with
         ``variants`` also every other skill behind each of those openings (on SmolLM2-135M: 71
-        more entries, the same for the three layouts, about 3 minutes and 1.2 GB once per
-        model). ``progress(done, total, name, compiled)`` is called after each entry
+        more entries, the same for the three layouts, compiled once per model: docs/guide/agent.md
+        says how long). ``progress(done, total, name, compiled)`` is called after each entry
         (``compiled``: it was not in the library yet). Returns how many entries were compiled."""
         anchors = self.anchors
         todo: list[tuple[Piece, list[int] | None]] = [

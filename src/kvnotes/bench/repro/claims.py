@@ -308,7 +308,7 @@ TOOLS_CLAIM = Claim(
     figure={"identity": 0.99, "recompute_share": 0.15, "accuracy_points": 1.0,
             "unit": "share of cases whose tool choice equals the exact prompt's"},
     scale="SmolLM2-135M and Gemma-3-270M on BFCL v4 live_multiple and multi_turn",
-    source="kvnotes (docs/tools-fidelity.md)",
+    source="kvnotes (docs/bench/tools.md)",
     check="read from the stored `kvnotes bench tools` results (docs/results/tools/*/"
           "results.json), per development set the run with the most cases: holds when some "
           "composed strategy (guard fires counted as full recomputes) is identical to the exact "
@@ -335,7 +335,7 @@ def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
             by_set[run.set] = run
     if not by_set:
         return Verdict("-", NOT_RUN, "no stored `kvnotes bench tools` results for this model "
-                                     "under docs/results/tools (docs/tools-fidelity.md)")
+                                     "under docs/results/tools (docs/bench/tools.md)")
     parts, misses = [], []
     for name, run in sorted(by_set.items()):
         rows = [s for s in run.summaries if s.strategy != "exact" and s.cases]
@@ -363,7 +363,7 @@ def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
 
 def _judge_vllm(fig: dict[str, Any], stages: StageResults) -> Verdict:
     return Verdict("-", NOT_RUN, "needs a vLLM server: run `kvnotes serve-bench` (see "
-                                 "docs/serving.md)")
+                                 "docs/bench/skills.md)")
 
 
 JUDGES: dict[str, Callable[[dict[str, Any], StageResults], Verdict]] = {

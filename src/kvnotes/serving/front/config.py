@@ -109,7 +109,7 @@ class LearnConfig:
             (:func:`busy_core_share`: 3.4% at the default 15), so it costs concurrent requests
             at most about that share of their CPU and still always finishes. At 19 (1.4%) a
             compile under saturating load barely progresses; at 0 (50%) it delays concurrent
-            first tokens by a third on 2 cores (``docs/results.md``, learning's TTFT cost).
+            first tokens (measured figures: docs/results/areas/learning.md, "Learning under load").
     """
 
     after: int = 2
