@@ -129,7 +129,8 @@ class Learner:
         self.bounds = Bounds(LearnedIndex(self.registry.entries()))
         self.sightings = Sightings(config.after, config.min_tokens, config.max_tracked,
                                    sightings)
-        self.compile_leases: CompileLease = compile_leases or LocalCompileLeases()
+        self.compile_leases: CompileLease = (LocalCompileLeases() if compile_leases is None
+                                              else compile_leases)
         self.compiler = Compiler(skills, self.registry)
         self.worker = CompileWorker(self._do, self.upkeep, discard=self._discard,
                                     queue_size=config.queue_size, tick_s=config.flush_s,

@@ -127,7 +127,7 @@ class Sightings:
     def __init__(self, after: int, min_tokens: int, max_tracked: int,
                  counter: SightingCounter | None = None) -> None:
         self.after, self.min_tokens, self.max_tracked = after, min_tokens, max_tracked
-        self.counter: SightingCounter = counter or LocalSightings(max_tracked)
+        self.counter: SightingCounter = LocalSightings(max_tracked) if counter is None else counter
         self._lock = threading.Lock()
         # identity -> its entry's key ("" when it is never learned: its text encodes to other
         # tokens, or it is the operator's own entry). A key counts only while the learned
