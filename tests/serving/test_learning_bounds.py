@@ -6,6 +6,7 @@ process's writes, files deleted by hand)."""
 from __future__ import annotations
 
 import random
+import time
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -175,3 +176,24 @@ def test_the_sweep_checks_a_bounded_batch_round_robin(tmp_path):
     assert [learner.sweep(2), learner.sweep(2), learner.sweep(2)] == [1, 0, 1]
     assert sorted(e.key for e in registry.entries()) == ["k0", "k2", "k3"]
     assert learner.counters()["learned_entries"] == 3
+
+
+def test_the_worker_keeps_the_index_in_step_on_its_own(tmp_path):
+    registry = LearnedRegistry(tmp_path)
+    for i in range(3):
+        stored(tmp_path, registry, f"k{i}", last_used=float(i + 1))
+    learner = Learner(LearnConfig(flush_s=0.05), FakeSkills(tmp_path), registry).start()
+    try:
+        (tmp_path / "k1.safetensors").unlink()  # by hand
+        with LearnedRegistry(tmp_path) as cli:  # kvnotes skills pin, another process
+            cli.pin("k2")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            index = {e.key: e.pinned for e in learner.bounds.to_verify(None)}
+            if index == {"k0": False, "k2": True}:
+                break
+            time.sleep(0.02)
+        assert index == {"k0": False, "k2": True}
+    finally:
+        learner.stop()
+    assert sorted(e.key for e in registry.entries()) == ["k0", "k2"]

@@ -50,7 +50,11 @@ def lower_priority(nice: int) -> bool:
 
 
 class CompileLease(Protocol):
-    """Who compiles a job: taken before it is queued, given back when it is done."""
+    """Who compiles a job: taken before it is queued, given back when it is done.
+
+    :meth:`take` is called on a request's path (a shared implementation bounds its wait, and
+    expires a lease whose holder died, so that another host compiles the job).
+    """
 
     def take(self, ident: bytes) -> bool:
         """Hold ``ident``'s compile; False when it is held already (queued or compiling)."""

@@ -68,7 +68,11 @@ class Job:
 
 
 class SightingCounter(Protocol):
-    """Where sightings are counted (in this process, or in a store a fleet shares)."""
+    """Where sightings are counted (in this process, or in a store a fleet shares).
+
+    :meth:`sight` is called on a request's path: a shared implementation bounds its wait (a
+    short timeout, then a local count or no count) rather than hold the request.
+    """
 
     def sight(self, ident: bytes) -> int:
         """Count one sighting of ``ident``; return its sightings so far, this one included."""
