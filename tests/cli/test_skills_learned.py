@@ -12,7 +12,7 @@ from kvnotes.cli.serve import learn_config, serve_block_size
 from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import LearnConfig
-from kvnotes.serving.front.learner import Learner
+from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.registry import LearnedRegistry
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.skills import ServingSkills

@@ -19,7 +19,7 @@ from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
-from kvnotes.serving.front.learner import Learner, chunk_id
+from kvnotes.serving.learning import Learner, chunk_id
 from kvnotes.serving.library.eviction import cap_order
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
 from kvnotes.serving.planning.chunks import SeenChunk
@@ -88,16 +88,29 @@ def _entry_file(folder: Path, key: str, nbytes: int) -> None:
 
 
 def test_an_entry_forgotten_behind_the_learners_back_is_learned_again(tmp_path):
-    learner = Learner(LearnConfig(after=1, min_tokens=1), SimpleNamespace(folder=tmp_path))
+    registry = LearnedRegistry(tmp_path)
+    registry.record(LearnedEntry("k1", "acme", "k1", "tool", 3, 10))
+    _entry_file(tmp_path, "k1", 10)
+    learner = Learner(LearnConfig(after=1, min_tokens=1), SimpleNamespace(folder=tmp_path),
+                      registry)
     chunk = SeenChunk("tool", "t", (1, 2, 3), ())
     cid = chunk_id("acme", chunk.token_ids)
-    learner._known[cid] = "k1"  # learned: its entry is k1
-    _entry_file(tmp_path, "k1", 10)
+    learner.sightings.learned(cid, "k1")  # learned: its entry is k1
     learner.observe("acme", [chunk])
-    assert learner._queue.qsize() == 0  # learned and still there: nothing to do
-    (tmp_path / "k1.safetensors").unlink()  # kvnotes skills forget
+    assert learner.worker.pending() == 0  # learned and still there: nothing to do
+    (tmp_path / "k1.safetensors").unlink()  # deleted by hand: the sweep finds it gone
+    assert learner.sweep() == 1 and "k1" not in registry
     learner.observe("acme", [chunk])
-    assert learner._queue.qsize() == 1 and cid not in learner._known
+    assert learner.worker.pending() == 1 and learner.sightings.known(cid) is None
+    learner.run_pending()  # (its compile fails here: no engine)
+    with LearnedRegistry(tmp_path) as cli:  # kvnotes skills forget, from another process
+        cli.record(LearnedEntry("k2", "acme", "k2", "tool", 3, 10))
+        learner.reload(only_if_changed=True)
+        learner.sightings.learned(cid, "k2")
+        cli.remove("k2")
+    assert learner.reload(only_if_changed=True)
+    learner.observe("acme", [chunk])
+    assert learner.worker.pending() == 1
 
 
 def test_quotas_hold_when_the_cap_is_below_their_sum(tmp_path):

@@ -18,7 +18,7 @@ from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
-from kvnotes.serving.front.learner import Learner, skill_id
+from kvnotes.serving.learning import Learner, skill_id
 from kvnotes.serving.library.manifest import read_entry
 from kvnotes.serving.library.registry import LearnedRegistry, registry_path
 from kvnotes.serving.planning.match import SkillCatalog

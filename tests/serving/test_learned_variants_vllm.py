@@ -11,7 +11,7 @@ from conftest import skill_copy, wait_for_rescan
 
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
-from kvnotes.serving.front.learner import Learner
+from kvnotes.serving.learning import Learner
 from kvnotes.serving.planning.layout import prompt_ids
 from kvnotes.serving.planning.match import SkillCatalog
 

@@ -25,7 +25,7 @@ from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig, parse_size
-from kvnotes.serving.front.learner import Learner
+from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.manifest import entry_paths, read_entry
 from kvnotes.serving.library.piece_store import PieceStore
 from kvnotes.serving.library.registry import (
@@ -379,12 +379,15 @@ def test_the_front_observes_learns_in_the_background_and_leases(fake, lib, token
     assert learner.registry.get(entry.key).hits >= 1  # written when the learner stopped
 
 
-def test_rows_of_entries_deleted_by_hand_hold_no_bytes(lib, tokenizer):
+def test_rows_of_entries_deleted_by_hand_hold_no_bytes_once_swept(lib, tokenizer):
     learner = learner_for(lib, after=1)
     a, b = learned(learner, tokenizer, TOOL_A, TOOL_B)
     learner.config = LearnConfig(after=1, min_tokens=4,
                                  library_cap=learner.registry.get(a).bytes)
     lib.entry_path(b).unlink()  # not through the learner
+    assert learner.sweep(limit=1) == 0  # a batch: the least recently used, a, is there
+    assert learner.sweep(limit=1) == 1  # the next: b is gone
+    assert learner.counters()["learned_bytes"] == learner.registry.get(a).bytes
     assert learner.enforce() == 0
     assert [e.key for e in learner.registry.entries()] == [a]
 
@@ -405,7 +408,7 @@ def test_the_compile_thread_runs_at_the_configured_nice_value() -> None:
     import os
     import threading
 
-    from kvnotes.serving.front.learner import lower_priority
+    from kvnotes.serving.learning import lower_priority
 
     seen: dict[str, int | bool] = {}
 

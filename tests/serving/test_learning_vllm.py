@@ -12,7 +12,7 @@ from conftest import skill_copy, wait_for_rescan
 from kvnotes.core.document import encode
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.front.config import LearnConfig
-from kvnotes.serving.front.learner import Learner
+from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import prompt_ids

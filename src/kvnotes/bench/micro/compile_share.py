@@ -37,7 +37,7 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import available_cpus, load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.serving.front.config import busy_core_share
-from kvnotes.serving.front.learner import lower_priority
+from kvnotes.serving.learning import lower_priority
 
 PREFIX = "You are a helpful assistant with access to the following functions.\n"
 SPIN = "while True:\n    pass\n"

@@ -80,7 +80,7 @@ from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
 
 if TYPE_CHECKING:
-    from kvnotes.serving.front.learner import Learner
+    from kvnotes.serving.learning import Learner
 
 __all__ = ["STATS_PATH", "Front", "FrontConfig"]
 

@@ -84,7 +84,7 @@ def busy_core_share(nice: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class LearnConfig:
-    """How the front learns the chunks it sees (:mod:`kvnotes.serving.front.learner`).
+    """How the front learns the chunks it sees (:mod:`kvnotes.serving.learning`).
 
     Args:
         after: the sighting (per tenant) at which a chunk is compiled, in the background.

@@ -28,7 +28,7 @@ OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "ups
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
 VARIANT_OWNERS = ("registered", "learned")
-# the learner's counters (kvnotes.serving.front.learner.LearnerStats) and what they count
+# the learner's counters (kvnotes.serving.learning.LearnerStats) and what they count
 LEARN_COUNTERS = {
     "sightings": "Chunks seen in requests (long enough to learn)",
     "compiles": "Chunks compiled in the background and published",

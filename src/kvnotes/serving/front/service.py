@@ -13,7 +13,7 @@ Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request
 its key's (a ``kvnotes.tenant`` naming another is a 400), and a tenant's exact requests are
 salted as its own too.
 
-Learning (a :class:`~kvnotes.serving.front.learner.Learner`, with ``--learn``): every request's
+Learning (a :class:`~kvnotes.serving.learning.Learner`, with ``--learn``): every request's
 chunks are counted (:meth:`FrontService.observe`, in memory: compiles run on the learner's own
 thread), and a spliced request holds a lease on the entries it was planned with until it ends.
 A planned request's (predecessor, skill) pairs that a variant would splice better
@@ -65,7 +65,7 @@ from kvnotes.serving.planning.request import (
 from kvnotes.serving.planning.variants import VariantHits, variant_candidates
 
 if TYPE_CHECKING:
-    from kvnotes.serving.front.learner import Learner
+    from kvnotes.serving.learning import Learner
 
 TENANT_SALT = "kvnotes-tenant"  # a tenant's exact requests: kvnotes-tenant:<tenant>[:<salt>]
 _TENANT_SALTS = (f"{SPLICE_SALT}:", f"{TENANT_SALT}:")

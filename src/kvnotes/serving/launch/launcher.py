@@ -335,7 +335,7 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
                        upstream_api_key=front.upstream_api_key or vllm_api_key(config.extra_args))
     learner = None
     if front.learn is not None:  # learning needs the engine: it is here, in this process
-        from kvnotes.serving.front.learner import Learner
+        from kvnotes.serving.learning import Learner
 
         learner = Learner(front.learn, skills)
     return Front(settings, SkillCatalog(skills.folder, engine.tokenizer), learner)

@@ -1,6 +1,6 @@
 """The learned entries of a serving folder: who they belong to, how big, how used, kept or not.
 
-Entries the front learns on sight (:mod:`kvnotes.serving.front.learner`) are ordinary library
+Entries the front learns on sight (:mod:`kvnotes.serving.learning`) are ordinary library
 entries; this registry says which entries are learned (the operator's registered skills are
 not in it, and are never evicted), whose they are, their size and use, and which are pinned.
 It lives in ``ROOT/<fingerprint>/learned/registry.sqlite3``: a subfolder, so its writes never
@@ -196,6 +196,12 @@ class LearnedRegistry:
 
     def __contains__(self, key: str) -> bool:
         return self.get(key) is not None
+
+    def data_version(self) -> int:
+        """A number that changes when another connection (another process, or another
+        registry object) commits a write; this one's own writes leave it as it is."""
+        with self._lock:
+            return int(self._db.execute("PRAGMA data_version").fetchone()[0])
 
     def __len__(self) -> int:
         with self._lock:
