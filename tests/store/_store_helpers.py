@@ -96,7 +96,8 @@ def entry_bytes(folder: Path, key: str, *, tenant: str | None = None, tokens: in
             tensors[f"layers.{layer}.{kind}"] = torch.randn(1, 2, tokens, width, generator=g)
     meta = {"tenant": tenant} if tenant is not None else {}
     header = {"format": ENTRY_FORMAT, "version": ENTRY_VERSION, "fingerprint": FINGERPRINT,
-              "num_layers": 2, "spans": [[name, 0, tokens, "skill"]], "meta": meta}
+              "scheme": "rope", "length": tokens, "origin": 0, "num_layers": 2,
+              "spans": [[name, "skill", 0, tokens]], "meta": meta}
     path = files.write(folder / f"{key}.safetensors", tensors, header)
     data = path.read_bytes()
     path.unlink()
