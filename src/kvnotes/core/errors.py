@@ -114,7 +114,7 @@ class UnsafePathError(KvnotesError, ValueError):
     where a folder is expected (and the other way round)."""
 
 
-class StoreUnavailableError(KvnotesError, ConnectionError):
+class StoreUnavailableError(ServingError):
     """A shared skill store (Redis) that cannot be reached, answers too slowly, or refuses a
     write (full, read-only, loading); ``reason`` names which, as the store's fault counter does.
     Requests are served without the store meanwhile (computed exactly)."""
