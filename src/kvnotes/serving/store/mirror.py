@@ -86,9 +86,11 @@ class MirrorStats:
 class LocalMirror:
     """Keeps ``folder`` (``ROOT/<model>``) supplied from ``store`` (see the module docstring).
 
-    Example:
-        >>> mirror = LocalMirror(store, root / fingerprint.id, MirrorConfig(max_bytes=2 << 30))
-        >>> mirror.start(); mirror.want(key, "acme"); mirror.stop()   # doctest: +SKIP
+    Example (``store`` a shared store, ``root`` the host's ``--skills`` folder)::
+
+        mirror = LocalMirror(store, root / fingerprint.id, MirrorConfig(max_bytes=2 << 30))
+        mirror.start()
+        mirror.want(key, "acme")  # from a request that missed it: fetched in the background
     """
 
     def __init__(self, store: Store, folder: str | os.PathLike[str], config: MirrorConfig) -> None:
