@@ -109,3 +109,18 @@ def test_a_mirrored_entry_is_indexed_by_the_connectors_piece_store(redis_url, tm
     index = PieceStore(folder_b)
     assert piece.key in {p.key for p in index.view("acme").pieces()}
     assert piece.key not in {p.key for p in index.view("globex").pieces()}
+
+
+def test_between_listings_the_mirror_follows_the_change_feed(redis_url, tmp_path, make_entry,
+                                                             monkeypatch):
+    store = RedisStore.connect(redis_url, settings=FAST)
+    store.put(make_entry("k1"))
+    mirror = _mirror(RedisStore.connect(redis_url, settings=FAST), tmp_path)
+    assert mirror.sync_once() == 1
+    store.put(make_entry("k2", "acme", seed=2))
+    listed = []
+    monkeypatch.setattr(mirror.store, "list", lambda *a, **k: listed.append(a) or [])
+    assert mirror.sync_once() == 1 and mirror.has("k2") and listed == []  # no listing read
+    store.forget(MODEL, "k2")
+    mirror.sync_once()
+    assert not mirror.has("k2") and mirror.stats.removed == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import builtins
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvnotes.serving.store.entry import EntryInfo, StoredEntry
@@ -64,6 +65,16 @@ class StoreFaults:
     def total(self) -> int:
         with self._lock:
             return sum(self._counts.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One publish (``op="put"``) or forget (``op="forget"``) in a store's change feed."""
+
+    op: str
+    key: str
+    tenant: str | None
+    bytes: int = 0  # a publish's size (0: not known)
 
 
 @runtime_checkable
@@ -115,6 +126,13 @@ class Store(Protocol):
 
     def forgotten(self, model: str, since: float = 0.0) -> builtins.list[str]:
         """Keys forgotten since ``since`` (seconds since the epoch): local copies to remove."""
+        ...
+
+    def changes(self, model: str, after: str | None
+                ) -> tuple[str, builtins.list[Change]] | None:
+        """What was published or forgotten since position ``after`` of the store's change feed
+        (None: from now on), as ``(new position, changes)``, oldest first; None when the store
+        keeps no feed or it no longer reaches back to ``after`` (then read :meth:`list`)."""
         ...
 
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:

@@ -22,7 +22,7 @@ from kvnotes.core import files
 from kvnotes.core.errors import KvnotesError, NotebookFileError
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX, entry_paths
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry, registry_path
-from kvnotes.serving.store.base import StoreFaults, visible
+from kvnotes.serving.store.base import Change, StoreFaults, visible
 from kvnotes.serving.store.entry import (
     EntryInfo,
     StoredEntry,
@@ -225,6 +225,10 @@ class FolderStore:
     def forgotten(self, model: str, since: float = 0.0) -> builtins.list[str]:
         with self._lock:
             return sorted(k for k, t in self._gone.get(model, {}).items() if t >= since)
+
+    def changes(self, model: str, after: str | None
+                ) -> tuple[str, builtins.list[Change]] | None:
+        return None  # one host's folder: nobody else publishes into it
 
     # ---- what learners agree on ---------------------------------------------------------------
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:

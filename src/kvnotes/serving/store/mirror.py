@@ -6,9 +6,10 @@ hit never waits on the network. :class:`LocalMirror` fills that folder from a sh
 
 * :meth:`LocalMirror.want` (from a request's path: a queue put, nothing else) asks for an entry
   the host does not have; the request is planned without it, and a later one splices it.
-* every ``poll_s`` seconds the store's listing is read and the entries missing here are
-  fetched, most recently used first, while they fit in the byte bound (a host's first request
-  with a chunk another host learned is then a hit);
+* every ``poll_s`` seconds the store's change feed is read (what was published or forgotten
+  since the last poll; the whole listing at first and every ``full_sync_s``) and the entries
+  missing here are fetched while they fit in the byte bound (a host's first request with a
+  chunk another host learned is then a hit);
 * entries forgotten in the store (``kvnotes skills forget --store``) are deleted here too;
 * :meth:`LocalMirror.used` counts this host's hits, sent to the store's LRU in the background.
 
@@ -39,8 +40,8 @@ from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, StoreUnavailableError
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import REGISTRY_DIR
-from kvnotes.serving.store.base import Store
-from kvnotes.serving.store.entry import EntryInfo, check_key, check_tenant
+from kvnotes.serving.store.base import Change, Store
+from kvnotes.serving.store.entry import check_key, check_tenant
 from kvnotes.serving.store.folder import FolderStore, write_entry_file
 
 log = logging.getLogger("kvnotes.serving.store")
@@ -56,6 +57,7 @@ class MirrorConfig:
     poll_s: float = 2.0  # how often the store's listing is read (0: only what is wanted)
     retry_s: float = 5.0  # after a store fault, before the next try
     queue_size: int = 256  # wanted entries waiting to be fetched (more are dropped)
+    full_sync_s: float = 300.0  # between whole listings (the change feed in between)
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0 or self.poll_s < 0 or self.retry_s <= 0 or self.queue_size < 1:
@@ -109,6 +111,8 @@ class LocalMirror:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._forgotten_since = 0.0
+        self._cursor: str | None = None  # the store's change feed, read up to here
+        self._next_full = 0.0
         self._load_index()
 
     # ---- the request path: nothing here waits on the store ----------------------------------
@@ -198,35 +202,55 @@ class LocalMirror:
                 self._pending.discard(key)
 
     def sync_once(self) -> int:
-        """One pass over the store: remove what it forgot, copy what is missing here (most
-        recently used first, while it fits the bound without evicting). Returns copies made."""
+        """One pass over the store: what its change feed says since the last pass, or (at
+        first, every ``full_sync_s``, or when the feed no longer reaches back) its whole
+        listing: remove what it forgot, copy what is missing here while it fits the bound
+        without evicting (most recently used first). Returns the copies made."""
         try:
-            now = time.time()
-            for key in self.store.forgotten(self.model, self._forgotten_since):
-                if self._local.delete(self.model, key):
-                    self._remove(key)
-                    self.stats.removed += 1
-            self._forgotten_since = now - 60.0  # overlap: a clock step loses nothing
-            listed = self.store.list(self.model, every=True)
+            if self._cursor is not None and time.monotonic() < self._next_full:
+                got = self.store.changes(self.model, self._cursor)
+                if got is not None:
+                    self._cursor, changes = got
+                    return self._apply(changes)
+            return self._full_pass()
         except StoreUnavailableError as err:
             self._fault(err)
             raise
+
+    def _apply(self, changes: list[Change]) -> int:
+        copied = 0
+        for change in changes:
+            if change.op == "forget":
+                self._forget(change.key)
+            elif not self.has(change.key) and self._room(change.bytes):
+                copied += self._fetch(change.key, change.tenant, evict=False)
+        return copied
+
+    def _full_pass(self) -> int:
+        got = self.store.changes(self.model, None)  # the feed's position before the listing
+        now = time.time()
+        for key in self.store.forgotten(self.model, self._forgotten_since):
+            self._forget(key)
+        self._forgotten_since = now - 60.0  # overlap: a clock step loses nothing
+        listed = self.store.list(self.model, every=True)
+        self._cursor = got[0] if got is not None else None
+        self._next_full = time.monotonic() + self.config.full_sync_s
         copied = 0
         for info in reversed(listed):
             if self._stop.is_set():
                 break
-            if self.has(info.key) or not self._fits(info):
-                continue
-            try:
+            if not self.has(info.key) and self._room(info.bytes):
                 copied += self._fetch(info.key, info.tenant, evict=False)
-            except StoreUnavailableError as err:
-                self._fault(err)
-                raise
         return copied
 
-    def _fits(self, info: EntryInfo) -> bool:
+    def _forget(self, key: str) -> None:
+        if self._local.delete(self.model, key):
+            self._remove(key)
+            self.stats.removed += 1
+
+    def _room(self, nbytes: int) -> bool:
         with self._lock:
-            return sum(self._mine.values()) + info.bytes <= self.config.max_bytes
+            return sum(self._mine.values()) + nbytes <= self.config.max_bytes
 
     def _fetch(self, key: str, tenant: str | None, *, evict: bool) -> int:
         if self.has(key):
@@ -241,7 +265,7 @@ class LocalMirror:
             return 0
         if evict:
             self._evict(self.config.max_bytes - size)
-        elif not self._fits(entry.info):
+        elif not self._room(size):
             return 0
         write_entry_file(self.folder, key, entry.data)
         with self._lock:

@@ -49,7 +49,7 @@ from redis.retry import Retry
 
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, StoreUnavailableError
-from kvnotes.serving.store.base import StoreFaults, visible
+from kvnotes.serving.store.base import Change, StoreFaults, visible
 from kvnotes.serving.store.entry import (
     EntryInfo,
     StoredEntry,
@@ -105,6 +105,7 @@ class RedisSettings:
     old_generation_ttl_s: float = 60.0  # a replaced entry's chunks stay this long for readers
     max_entry_bytes: int = 1 << 30  # larger entries are neither published nor fetched
     prefix: str = "kvn"
+    feed_len: int = 100_000  # publishes and forgets the change feed keeps (about)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1024 or self.socket_timeout_s <= 0 or self.retries < 0:
@@ -289,7 +290,14 @@ class RedisStore:
         if info.pinned:
             pipe.sadd(self._k("pins", info.model), info.key)
         pipe.zrem(self._k("gone", info.model), info.key)
+        self._feed(pipe, info.model, "put", info.key, info.tenant, info.bytes)
         pipe.execute()
+
+    def _feed(self, pipe: Any, model: str, op: str, key: str, tenant: str | None,
+              nbytes: int = 0) -> None:
+        pipe.xadd(self._k("feed", model), {"op": op, "key": key, "tenant": self._owner(tenant),
+                                           "bytes": nbytes},
+                  maxlen=self.settings.feed_len, approximate=True)
 
     def _manifests(self, model: str, owners: list[str], keys: list[str]) -> list[bytes | None]:
         pipe = self.client.pipeline(transaction=False)
@@ -413,6 +421,7 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.zadd(self._k("gone", model), {key: now})
             pipe.zremrangebyscore(self._k("gone", model), 0, now - FORGOTTEN_KEPT_S)
+            self._feed(pipe, model, "forget", key, parsed[0].tenant)
             pipe.execute()
         return True
 
@@ -454,6 +463,40 @@ class RedisStore:
                                              since, "+inf")
         return sorted(_text(k) for k in keys)
 
+    def changes(self, model: str, after: str | None
+                ) -> tuple[str, builtins.list[Change]] | None:
+        feed = self._k("feed", check_key(model, "model id"))
+        with self._guard("changes"):
+            if not self.client.exists(feed):  # never written, or flushed: nothing since
+                return after or "0-0", []
+            info = self.client.xinfo_stream(feed)
+            last = _text(info.get("last-generated-id", b"0-0"))
+            if after is None:
+                return last, []
+            if self._trimmed(feed, info, after, last):
+                return None
+            rows = self.client.xrange(feed, min=f"({after}", max="+",
+                                      count=self.settings.feed_len) or []
+        out = []
+        for id_, fields in rows:
+            f = {_text(k): _text(v) for k, v in (fields or {}).items()}
+            tenant = None if f.get("tenant") == SHARED else f.get("tenant")
+            if f.get("op") in ("put", "forget") and f.get("key"):
+                size = f.get("bytes", "0")
+                out.append(Change(f["op"], f["key"], tenant, int(size) if size.isdigit() else 0))
+            last = _text(id_)
+        return (last if rows else after), out
+
+    def _trimmed(self, feed: str, info: Mapping[str, Any], after: str, last: str) -> bool:
+        """Whether the feed may have lost entries after ``after`` (trimming drops the oldest:
+        while the entry at ``after`` is still there, nothing after it was dropped)."""
+        if after == "0-0":  # read while the feed was empty: lost if any entry is gone
+            added, length = info.get("entries-added"), info.get("length", 0)
+            return added is None or int(added) > int(length)
+        if self.client.xrange(feed, min=after, max=after, count=1):
+            return False
+        return _stream_id(last) > _stream_id(after)
+
     # ---- what learners agree on ---------------------------------------------------------------
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
         key = f"{self.settings.prefix}:seen:{name}"
@@ -480,6 +523,11 @@ class RedisStore:
 
     def __repr__(self) -> str:
         return f"RedisStore({self.url!r})"
+
+
+def _stream_id(text: str) -> tuple[int, int]:
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _text(value: object) -> str:
