@@ -140,6 +140,10 @@ class Store(Protocol):
         count not incremented for ``ttl_s`` seconds starts again from zero."""
         ...
 
+    def clear_sighting(self, name: str) -> None:
+        """Forget ``name``'s sightings (it was compiled, or will never be)."""
+        ...
+
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         """Take the lease ``name`` for ``ttl_s`` seconds; False when another holder has it. A
         holder that dies leaves it to expire."""

@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,8 +95,12 @@ class LocalMirror:
         mirror.want(key, "acme")  # from a request that missed it: fetched in the background
     """
 
-    def __init__(self, store: Store, folder: str | os.PathLike[str], config: MirrorConfig) -> None:
+    def __init__(self, store: Store, folder: str | os.PathLike[str], config: MirrorConfig, *,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.store = store
+        # called (on the mirror's thread) after it wrote or deleted files in the folder: the
+        # front's catalog rescans then, so the next request plans with what just landed
+        self.on_change = on_change
         self.folder = Path(folder)
         self.model = check_key(self.folder.name, "model id")
         self.config = config
@@ -247,6 +251,23 @@ class LocalMirror:
         if self._local.delete(self.model, key):
             self._remove(key)
             self.stats.removed += 1
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # the folder is right; a catalog rescans at its own pace anyway
+                log.exception("kvnotes: store mirror: the catalog did not rescan %s", self.folder)
+
+    def disown(self, key: str) -> bool:
+        """Stop counting ``key`` as a copy of this mirror's (this host's learner took it on: its
+        bounds govern the file from now on); True when it was one."""
+        with self._lock:
+            had = self._mine.pop(key, None) is not None
+        if had:
+            self._save_index()
+        return had
 
     def _room(self, nbytes: int) -> bool:
         with self._lock:
@@ -275,6 +296,7 @@ class LocalMirror:
             self.stats.fetched_bytes += size
             self.stats.fetch_s += time.perf_counter() - start
         self._save_index()
+        self._changed()
         return 1
 
     def _evict(self, room: int) -> None:

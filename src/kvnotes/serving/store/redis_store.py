@@ -507,6 +507,10 @@ class RedisStore:
             count, _ = pipe.execute()
         return int(count)
 
+    def clear_sighting(self, name: str) -> None:
+        with self._guard("clear_sighting"):
+            self.client.delete(f"{self.settings.prefix}:seen:{name}")
+
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         with self._guard("acquire_lease"):
             got = self.client.set(f"{self.settings.prefix}:lease:{name}", self._token,
