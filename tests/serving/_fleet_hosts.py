@@ -13,6 +13,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+from conftest import make_tiny_engine
+
 from kvnotes.core.document import encode
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.learning.fleet import FleetLearner, FleetSettings, request_path_settings
@@ -95,3 +98,35 @@ def wait_for(what: Callable[[], bool], timeout: float = 20.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+# ---- fixtures (a test module binds them: ``engine, redis_server, hosts = fleet.engine, ...``)
+@pytest.fixture(scope="module")
+def engine(tokenizer: Any) -> Any:
+    return make_tiny_engine("llama", tokenizer)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Any:
+    """A redis-server of this test's own (it may be killed, restarted, flushed)."""
+    helpers = store_helpers()
+    if helpers.REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (`make redis` installs Debian's package)")
+    server = helpers.RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hosts(tmp_path: Path, engine: Any, redis_server: Any) -> Any:
+    """``hosts(name, **Host options) -> Host``, closed at the test's end."""
+    made: list[Host] = []
+
+    def make(name: str, **kw: Any) -> Host:
+        made.append(Host(tmp_path / name, engine, redis_server.url, **kw))
+        return made[-1]
+
+    yield make
+    for host in made:
+        host.close()

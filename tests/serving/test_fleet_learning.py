@@ -8,10 +8,9 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
-from _fleet_hosts import Host, chunk, lease_name, store_helpers, wait_for
+import _fleet_hosts as fleet
+from _fleet_hosts import Host, chunk, lease_name, wait_for
 from _front_fakes import HEADER
-from conftest import make_tiny_engine
 
 from kvnotes.serving.store.redis_store import RedisStore
 
@@ -21,33 +20,8 @@ OTHER = ('{"type": "function", "function": {"name": "book_table", "description":
          'table at a restaurant", "parameters": {"name": "string", "people": "integer"}}}')
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer):
-    return make_tiny_engine("llama", tokenizer)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    helpers = store_helpers()
-    if helpers.REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (`make redis` installs Debian's package)")
-    server = helpers.RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def hosts(tmp_path, engine, redis_server):
-    made: list[Host] = []
-
-    def make(name: str, **kw) -> Host:
-        made.append(Host(tmp_path / name, engine, redis_server.url, **kw))
-        return made[-1]
-
-    yield make
-    for host in made:
-        host.close()
+# the fleet's fixtures (a module-scoped engine, a redis-server of each test's, its hosts)
+engine, redis_server, hosts = fleet.engine, fleet.redis_server, fleet.hosts
 
 
 def compiles(*hosts: Host) -> int:
