@@ -136,3 +136,42 @@ def test_a_flushed_store_keeps_local_entries_and_learning_goes_on(hosts, tokeniz
     assert b.seen(None, other, times=2) == 1  # learning goes on into the emptied store
     assert [i.name for i in a.store.list(a.model)] != [] and compiles(a, b) == 2
     assert wait_for(lambda: a.mirror.sync_once() >= 0 and len(a.mirror.copies()) == 1)
+
+
+def test_a_full_store_refuses_a_publish_and_takes_it_once_it_has_room(hosts, tokenizer,
+                                                                     redis_server):
+    a = hosts("a")
+    tool = chunk(tokenizer, TOOL, after=HEADER)
+    a.learner.observe(None, [tool])
+    a.learner.observe(None, [tool])  # due: queued, the fleet's lease taken
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]))  # full
+    try:
+        assert a.learner.run_pending() == 1 and compiles(a) == 1  # compiled, kept here
+        (row,) = a.learner.registry.entries()
+        assert a.has(row.key) and a.learner.store_faults()["full"] >= 1
+        assert a.learner.fleet_counters()["publish_failures"] == 1
+        assert a.learner.publisher.unpublished == 1
+    finally:
+        client.config_set("maxmemory", 0)
+        client.close()
+    a.learner.upkeep()  # the worker's chore: published now
+    assert [i.key for i in a.store.list(a.model)] == [row.key]
+    assert a.learner.fleet_counters()["published"] == 1
+
+
+def test_a_host_publishes_its_entries_again_into_an_emptied_store(hosts, tokenizer,
+                                                                 redis_server):
+    a, b = hosts("a"), hosts("b")
+    tool = chunk(tokenizer, TOOL, after=HEADER)
+    a.learner.upkeep()  # the store's epoch, as this host first saw it
+    assert a.seen(None, tool, times=2) == 1
+    (row,) = a.learner.registry.entries()
+    redis_server.stop()
+    redis_server.start()  # restarted without persistence: the store is empty
+    assert a.store.list(a.model) == []
+    a.learner.upkeep()
+    assert [i.key for i in a.store.list(a.model)] == [row.key]
+    b.mirror.sync_once()
+    assert b.has(row.key)  # a host that never saw it gets it from the refilled store

@@ -214,6 +214,7 @@ class Publisher:
         try:
             data = (self.folder / f"{entry.key}{ENTRY_SUFFIX}").read_bytes()
         except OSError:
+            self._unpublished.pop(entry.key, None)
             return False  # evicted since: nothing to publish
         info = EntryInfo(entry.key, self.model, entry.tenant, entry.name, entry.tokens,
                          len(data), sha256(data), kind=entry.kind, learned=True,
@@ -225,12 +226,10 @@ class Publisher:
             self.store.put(StoredEntry(info, data))
         except StoreUnavailableError:  # counted and logged by the store
             self.stats.add("publish_failures")
-            self._unpublished.pop(entry.key, None)
-            self._unpublished[entry.key] = entry
-            while len(self._unpublished) > self.max_unpublished:
-                self._unpublished.popitem(last=False)
+            self.keep(entry)
             return False
         except KvnotesError as err:  # a file that fails its own checks is never published
+            self._unpublished.pop(entry.key, None)
             self.stats.add("publish_failures")
             log.warning("kvnotes learner: entry %s not published to %s: %s", entry.key,
                         self.store.url, err)
@@ -239,6 +238,14 @@ class Publisher:
         self.stats.add("published")
         return True
 
+    def keep(self, entry: LearnedEntry) -> None:
+        """Keep ``entry`` to be published by the next :meth:`retry` (the oldest kept are
+        dropped beyond the bound: the store then misses them until they are compiled again)."""
+        self._unpublished.pop(entry.key, None)
+        self._unpublished[entry.key] = entry
+        while len(self._unpublished) > self.max_unpublished:
+            self._unpublished.popitem(last=False)
+
     def retry(self) -> int:
         """Publish again the entries whose publish failed (while the store takes them);
         returns how many it took."""
@@ -246,9 +253,10 @@ class Publisher:
         for key, entry in list(self._unpublished.items()):
             if key not in self._unpublished:
                 continue
-            if not self.publish(entry):
-                break
-            done += 1
+            if self.publish(entry):
+                done += 1
+            elif key in self._unpublished:
+                break  # the store refused it: the rest wait for the next try
         return done
 
     @property
@@ -338,6 +346,7 @@ class FleetLearner(Learner):
                                    mirror=mirror, unpublished=s.unpublished)
         self.compiler = FleetCompiler(skills, self.registry, self.publisher)
         self._evicted_at = 0.0
+        self._epoch: str | None = None
 
     def lease(self, keys: Iterable[str], *, used: Iterable[str] | None = None,
               exact: Iterable[str] = ()) -> tuple[str, ...]:
@@ -351,9 +360,27 @@ class FleetLearner(Learner):
         fleet's bounds (at most every ``evict_s``)."""
         super().upkeep()
         with self._chores:
+            self.check_epoch()
             self.publisher.retry()
             if time.monotonic() - self._evicted_at >= self.fleet_settings.evict_s:
                 self.enforce_fleet()
+
+    def check_epoch(self) -> int:
+        """When the store was emptied since the last look (restarted, flushed), queue this
+        host's learned entries to be published again; returns how many were queued."""
+        try:
+            epoch = self.store.epoch()
+        except StoreUnavailableError:
+            return 0
+        was, self._epoch = self._epoch, epoch
+        if was is None or was == epoch:
+            return 0
+        entries = self.registry.entries()
+        for entry in entries:
+            self.publisher.keep(entry)
+        log.warning("kvnotes learner: store %s was emptied (restarted or flushed): publishing "
+                    "this host's %d learned entries again", self.store.url, len(entries))
+        return len(entries)
 
     def enforce_fleet(self) -> list[str] | None:
         """The library cap and tenant quotas over the whole store (the fleet's LRU; pinned and

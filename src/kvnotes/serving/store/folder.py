@@ -241,6 +241,9 @@ class FolderStore:
     def clear_sighting(self, name: str) -> None:
         self._coord.clear(name)
 
+    def epoch(self) -> str:
+        return self.url  # a folder is never emptied behind its writer's back
+
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         return self._coord.acquire(name, ttl_s)
 
