@@ -47,6 +47,7 @@ from kvnotes.serving.store.folder import FolderStore, write_entry_file
 log = logging.getLogger("kvnotes.serving.store")
 
 MIRROR_INDEX = "mirror.json"
+NOTIFY_S = 0.5  # within a pass, on_change is called at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,7 @@ class LocalMirror:
         # called (on the mirror's thread) after it wrote or deleted files in the folder: the
         # front's catalog rescans then, so the next request plans with what just landed
         self.on_change = on_change
+        self._dirty, self._notified = False, 0.0
         self.folder = Path(folder)
         self.model = check_key(self.folder.name, "model id")
         self.config = config
@@ -189,6 +191,12 @@ class LocalMirror:
 
     def fetch_wanted(self) -> int:
         """Fetch every wanted entry now queued; returns how many were copied."""
+        try:
+            return self._fetch_wanted()
+        finally:
+            self._notify()
+
+    def _fetch_wanted(self) -> int:
         copied = 0
         while True:
             try:
@@ -210,6 +218,12 @@ class LocalMirror:
         first, every ``full_sync_s``, or when the feed no longer reaches back) its whole
         listing: remove what it forgot, copy what is missing here while it fits the bound
         without evicting (most recently used first). Returns the copies made."""
+        try:
+            return self._sync_once()
+        finally:
+            self._notify()
+
+    def _sync_once(self) -> int:
         try:
             if self._cursor is not None and time.monotonic() < self._next_full:
                 got = self.store.changes(self.model, self._cursor)
@@ -254,6 +268,17 @@ class LocalMirror:
             self._changed()
 
     def _changed(self) -> None:
+        """Files changed: ``on_change`` is called at the end of this pass, and within it at
+        most every :data:`NOTIFY_S` (a long pass shows its first copies early, and a pass of
+        many copies costs a few rescans, not one per copy)."""
+        self._dirty = True
+        if time.monotonic() - self._notified >= NOTIFY_S:
+            self._notify()
+
+    def _notify(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty, self._notified = False, time.monotonic()
         if self.on_change is not None:
             try:
                 self.on_change()
@@ -313,6 +338,7 @@ class LocalMirror:
             (self.folder / f"{key}{ENTRY_SUFFIX}").unlink(missing_ok=True)
         if victims:
             self._save_index()
+            self._changed()
 
     def _remove(self, key: str) -> None:
         with self._lock:
