@@ -204,16 +204,38 @@ class SkillCatalog:
 
     def __init__(self, folder: str | os.PathLike[str], tokenizer: Any, *,
                  rescan_s: float = 0.25) -> None:
-        self.folder = Path(folder)
+        # the scheduler's own index of the folder: the front plans with what it will splice
+        self._setup(tokenizer, PieceStore(Path(folder), rescan_s=rescan_s))
+        self.refresh(force=True)
+
+    @classmethod
+    def of_pieces(cls, tokenizer: Any, pieces: Iterable[PieceInfo]) -> SkillCatalog:
+        """A catalog of ``pieces`` held in memory, following no folder: planning without a
+        disk (benchmarks, tests). Its :attr:`folder` is None."""
+        catalog = cls.__new__(cls)
+        catalog._setup(tokenizer, None)
+        catalog._snapshot(pieces)
+        return catalog
+
+    def _setup(self, tokenizer: Any, store: PieceStore | None) -> None:
+        self.folder = None if store is None else store.folder
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        # the scheduler's own index of the folder: the front plans with what it will splice
-        self._store = PieceStore(self.folder, rescan_s=rescan_s)
+        self._store = store
         self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
         self._by_tokens: dict[tuple[int, ...], tuple[PieceInfo, ...]] = {}
         self._views: dict[str | None, _View] = {}  # tenant -> its view, at this generation
         self._generation = -1  # the store's generation the snapshot above was built from
-        self.refresh(force=True)
+
+    def _snapshot(self, pieces: Iterable[PieceInfo]) -> None:
+        """Hold ``pieces`` as the catalog's entries (every view rebuilt on demand)."""
+        by_key = {p.key: p for p in pieces}
+        by_tokens: dict[tuple[int, ...], list[PieceInfo]] = {}
+        for piece in by_key.values():
+            by_tokens.setdefault(piece.token_ids, []).append(piece)
+        self._pieces = by_key
+        self._by_tokens = {ids: tuple(ps) for ids, ps in by_tokens.items()}
+        self._views = {}
 
     @property
     def left_out(self) -> list[str]:
@@ -221,17 +243,13 @@ class SkillCatalog:
         return self._view(None).left_out
 
     def refresh(self, *, force: bool = False) -> None:
+        if self._store is None:
+            return
         with self._lock:
             self._store.refresh(force=force)
             if force or self._store.generation != self._generation:
                 self._generation = self._store.generation
-                pieces = {p.key: p for p in self._store.index.pieces()}
-                by_tokens: dict[tuple[int, ...], list[PieceInfo]] = {}
-                for piece in pieces.values():
-                    by_tokens.setdefault(piece.token_ids, []).append(piece)
-                self._pieces = pieces
-                self._by_tokens = {ids: tuple(ps) for ids, ps in by_tokens.items()}
-                self._views = {}
+                self._snapshot(self._store.index.pieces())
 
     def _view(self, tenant: str | None) -> _View:
         """``tenant``'s view of the folder as indexed now (built once per change)."""
