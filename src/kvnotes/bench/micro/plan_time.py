@@ -162,9 +162,11 @@ def prompt_text(tokenizer: Any, entries: Sequence[str], tokens: int, rng: random
     return "".join(out)
 
 
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] \
-        if len(values) > 1 else values[0]
+def pct(values: list[float], q: int) -> float:
+    """The ``q``-th percentile of ``values`` (inclusive: within their range)."""
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def time_case(plan: Callable[[], int], repeats: int) -> tuple[list[float], int]:

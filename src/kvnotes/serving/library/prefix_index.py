@@ -29,6 +29,8 @@ Key = str | tuple[int, ...]  # keys and the sequences searched are of one kind
 
 _BASE = 0x100000001B3  # the window hash: h = h * _BASE + item, modulo 2**64
 _MASK = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # a slot of the filter: the high bits of hash * _MIX
+FILTER_SLOTS_PER_KEY = 64  # the filter's size: about 1 window in 64 passes it falsely
 
 
 def codes(seq: str | Sequence[int]) -> np.ndarray:
@@ -47,19 +49,38 @@ def head_hash(head: str | Sequence[int]) -> int:
 
 
 def window_hashes(items: np.ndarray, lengths: Sequence[int]) -> Iterator[tuple[int, np.ndarray]]:
-    """``(n, hashes)`` for each ``n`` of ``lengths`` (ascending): ``hashes[i]`` is the hash of
-    ``items[i:i + n]``, for every window that fits."""
-    want = set(lengths)
-    base = np.uint64(_BASE)
-    h = items
+    """``(n, hashes)`` for each ``n`` of ``lengths`` (ascending) that fits in ``items``:
+    ``hashes[i]`` is the hash of ``items[i:i + n]``. Windows of 2, 4, 8... items are made by
+    doubling (``h[2k] = h[k] * B**k + h[k] shifted by k``) and a window of ``n`` from the
+    powers of two that sum to it: a few passes over ``items``, not ``n``."""
+    top = max((n for n in lengths if n <= len(items)), default=0)
+    pows: dict[int, np.ndarray] = {1: items}
     with np.errstate(over="ignore"):
-        for n in range(1, max(want, default=0) + 1):
-            if n > len(items):
+        k = 1
+        while 2 * k <= top:
+            h = pows[k]
+            pows[2 * k] = h[:-k] * np.uint64(pow(_BASE, k, 1 << 64)) + h[k:]
+            k *= 2
+        for n in sorted(set(lengths)):
+            if n > top:
                 return
-            if n > 1:
-                h = h[:-1] * base + items[n - 1:]
-            if n in want:
-                yield n, h
+            acc: np.ndarray | None = None
+            got = 0
+            for p in sorted(pows, reverse=True):
+                if got + p > n:
+                    continue
+                h = pows[p]
+                acc = h if acc is None else (
+                    acc[:len(h) - got] * np.uint64(pow(_BASE, p, 1 << 64)) + h[got:])
+                got += p
+            assert acc is not None and got == n
+            yield n, acc
+
+
+def _slots(hashes: np.ndarray, bits: int) -> np.ndarray:
+    """Each hash's slot in a filter of ``2**bits`` (its multiplied high bits: well mixed)."""
+    with np.errstate(over="ignore"):
+        return ((hashes * np.uint64(_MIX)) >> np.uint64(64 - bits)).astype(np.intp)
 
 
 @dataclass
@@ -89,7 +110,8 @@ class PrefixIndex(Generic[V]):
     _tails: dict[int, list[tuple[Key, Key]]] = field(default_factory=dict)  # (rest, key)
     _short: dict[int, int] = field(default_factory=dict)  # length under block -> keys
     _heads: dict[int, dict[int, int]] = field(default_factory=dict)  # length -> hash -> keys
-    _sorted: dict[int, np.ndarray] | None = None  # length -> sorted head hashes (lazy)
+    # head length -> (sorted head hashes, filter bits, filter); made on demand
+    _sorted: dict[int, tuple[np.ndarray, int, np.ndarray]] | None = None
     _next: int = 1  # the next node id (0: the root)
 
     def __post_init__(self) -> None:
@@ -203,18 +225,39 @@ class PrefixIndex(Generic[V]):
 
     def starts(self, seq: str | Sequence[int]) -> list[int]:
         """The positions of ``seq`` where a key may start, ascending: every position where one
-        does, and a few where only a head's hash matches (:meth:`longest_at` tells)."""
+        does, and a few where only a head's hash matches (:meth:`longest_at` tells).
+
+        Each window's hash goes through a filter first (one bit per slot, about
+        :data:`FILTER_SLOTS_PER_KEY` slots per key: one gather, whatever the number of keys);
+        only the windows it passes are looked up in the sorted hashes."""
         if not self._values or not len(seq):
             return []
-        if self._sorted is None:
-            self._sorted = {n: np.sort(np.fromiter(c, dtype=np.uint64, count=len(c)))
-                            for n, c in self._heads.items() if c}
+        tables = self._tables()
         found = []
-        for n, hashes in window_hashes(codes(seq), sorted(self._sorted)):
-            table = self._sorted[n]
-            at = np.minimum(np.searchsorted(table, hashes), len(table) - 1)
-            found.append(np.flatnonzero(table[at] == hashes))
+        for n, hashes in window_hashes(codes(seq), sorted(tables)):
+            table, bits, passes = tables[n]
+            maybe = np.flatnonzero(passes[_slots(hashes, bits)])
+            if not len(maybe):
+                continue
+            some = hashes[maybe]
+            at = np.minimum(np.searchsorted(table, some), len(table) - 1)
+            found.append(maybe[table[at] == some])
         if not found:
             return []
         out: list[int] = np.unique(np.concatenate(found)).tolist()
         return out
+
+    def _tables(self) -> dict[int, tuple[np.ndarray, int, np.ndarray]]:
+        """Per head length: the sorted head hashes, the filter's bits and the filter."""
+        if self._sorted is None:
+            tables = {}
+            for n, counts in self._heads.items():
+                if not counts:
+                    continue
+                table = np.sort(np.fromiter(counts, dtype=np.uint64, count=len(counts)))
+                bits = max(10, (len(table) * FILTER_SLOTS_PER_KEY - 1).bit_length())
+                passes = np.zeros(1 << bits, dtype=bool)
+                passes[_slots(table, bits)] = True
+                tables[n] = (table, bits, passes)
+            self._sorted = tables
+        return self._sorted
