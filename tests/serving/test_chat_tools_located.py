@@ -132,3 +132,14 @@ def test_a_tool_the_template_numbers_is_a_chunk_only_where_it_is_written_so(toke
 ])
 def test_inserted_finds_the_one_insertion(before, after, expected):
     assert inserted(before, after) == expected
+
+
+def test_a_template_that_refuses_the_probe_leaves_tools_as_text(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% if tools and tools | length > 1 and tools[0].function.name == 'kvnotes_probe' %}"
+        "{{ raise_exception('no probes') }}{% endif %}"
+        "{% for t in tools or [] %}- {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+    chat = render_chat_parts(tok, CHAT, TOOLS)
+    assert chat.text.startswith("- get_weather\n- book_flight\n") and tools_of(chat) == []

@@ -455,7 +455,10 @@ def _tools_written(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dic
         known = [_writings.get(k) for k in keys]
     stale = [i for i, w in enumerate(known) if w is None or w not in text]
     if stale:
-        fresh = tool_writings(tokenizer, msgs, [tools[i] for i in stale])
+        try:
+            fresh = tool_writings(tokenizer, msgs, [tools[i] for i in stale])
+        except ChatShapeError:  # the template refuses the probe: those tools stay text
+            return [[w] if w and w in text else [] for w in known]
         with _writings_lock:
             for i, w in zip(stale, fresh, strict=True):
                 known[i] = _writings[keys[i]] = w or ""
