@@ -25,6 +25,7 @@ def test_a_tiny_run_writes_its_json_and_plot(tmp_path):
         assert row["repeats"] == 3 and row["skills_found"] == 2  # the prompt's entries
         assert 0 < row["p50_ms"] <= row["p90_ms"]
     assert "torch_threads" in data["machine_after"]
+    assert 0 < data["tokenize_p50_ms"]
     result = plan_time.read_result(data)
     assert result.to_dict() == data
 

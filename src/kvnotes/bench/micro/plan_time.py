@@ -99,6 +99,9 @@ class PlanTimeResult:
     command: str
     date: str
     notes: list[str] = field(default_factory=list)
+    # the text prompt tokenized whole, no catalog (what any server pays to read a text prompt):
+    # the floor under the text path's plan time
+    tokenize_p50_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -213,9 +216,11 @@ def run(config: PlanTimeConfig, tokenizer: Any = None, command: str = "") -> Pla
             times, found = time_case(planner(tokenizer, catalog, prompt, config), config.repeats)
             ms = [1000 * t for t in times]
             rows.append(PlanTimeRow(path, size, pct(ms, 50), pct(ms, 90), len(ms), found))
+    tokenize, _ = time_case(lambda: len(encode(tokenizer, text)), config.repeats)
     after = machine_info(since=before)
     return PlanTimeResult(config, len(ids), rows, before, after, load_note(after), command,
-                          datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+                          datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                          tokenize_p50_ms=pct([1000 * t for t in tokenize], 50))
 
 
 def plot(result: PlanTimeResult, path: Path) -> None:
@@ -231,6 +236,9 @@ def plot(result: PlanTimeResult, path: Path) -> None:
         line = ax.plot(sizes, [r.p50_ms for r in rows], marker="o", label=f"{kind} p50")[0]
         ax.plot(sizes, [r.p90_ms for r in rows], marker="x", linestyle="--",
                 color=line.get_color(), label=f"{kind} p90")
+    if result.tokenize_p50_ms is not None:
+        ax.axhline(result.tokenize_p50_ms, color="grey", linestyle=":",
+                   label="text prompt tokenized alone, p50")
     ax.set_xscale("log")
     ax.set_ylim(bottom=0)
     ax.set_xlabel("catalog entries")
