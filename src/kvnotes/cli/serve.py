@@ -168,7 +168,7 @@ def serve(
         log_requests_to_stderr()
     with launch:
         if launch.front is not None:
-            keys = len(launch.front.keys)
+            keys = len(launch.front.service.keys)
             typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
                        f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
                        "prompts are spliced; Ctrl-C stops", err=True)

@@ -23,38 +23,13 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
+from kvnotes.core.sizes import parse_size
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
 
 API_KEY_ENV = "KVNOTES_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10**6,
-          "MB": 10**6, "MI": 1 << 20, "MIB": 1 << 20, "G": 10**9, "GB": 10**9, "GI": 1 << 30,
-          "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TI": 1 << 40, "TIB": 1 << 40}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``value``: an integer, or a number with a unit (``256MiB``, ``1.5GB``, ``64k``).
-
-    Example:
-        >>> parse_size("256MiB"), parse_size("2GB"), parse_size(4096)
-        (268435456, 2000000000, 4096)
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = _SIZE.fullmatch(str(value))
-        if m is None:
-            raise InvalidArgumentError(f"size {value!r}: give bytes, e.g. 268435456, 256MiB, "
-                                       "2GB")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if size < 1:
-        raise InvalidArgumentError(f"size {value!r}: give a positive number of bytes")
-    return size
 
 
 # Linux CFS load weights by nice value (kernel/sched/core.c, sched_prio_to_weight): a runnable
@@ -131,7 +106,7 @@ class LearnConfig:
         for name in ("library_cap", "tenant_quota"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, parse_size(value))
+                object.__setattr__(self, name, parse_size(value, f"LearnConfig.{name}"))
         if not float(self.flush_s) > 0:
             raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
                                        "seconds")
