@@ -44,10 +44,13 @@ def test_bad_sizes_are_refused_naming_the_setting(value, message):
 
 
 def test_the_cli_and_the_library_read_sizes_alike():
-    from kvnotes.cli.serve import learn_config
+    from pathlib import Path
+
+    from kvnotes.cli.serve import ServeOptions
     from kvnotes.serving.front.config import LearnConfig
 
-    cli = learn_config(True, 2, 32, "64M", "64MiB")
+    cli = ServeOptions(skills=Path("x"), learn=True, library_cap="64M",
+                       tenant_quota="64MiB").learn_config()
     assert cli is not None
     assert (cli.library_cap, cli.tenant_quota) == (64_000_000, 67_108_864)
     lib = LearnConfig(library_cap="64M", tenant_quota="64MiB")  # type: ignore[arg-type]

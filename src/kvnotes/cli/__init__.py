@@ -10,8 +10,9 @@ from kvnotes.cli import bench_guard as _bench_guard  # noqa: F401  (bench guard,
 from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, models; doctor)
 from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
 from kvnotes.cli import repro as _repro  # noqa: F401  (registers repro)
-from kvnotes.cli import serve as _serve  # noqa: F401  (registers serve, skills)
+from kvnotes.cli import serve as _serve  # noqa: F401  (registers serve)
 from kvnotes.cli import serve_bench as _serve_bench  # noqa: F401  (registers serve-bench)
+from kvnotes.cli import skills as _skills  # noqa: F401  (registers skills)
 from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli.app import app
 

@@ -305,6 +305,7 @@ class FrontService:
                     block_size = err
             req, fp = await self._planned(call, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
+            tau = 0.0 if isinstance(fp, Unplannable) else await self.guard_of(opts)
         except ApiError:  # a request beyond the front's bounds
             raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
@@ -316,10 +317,18 @@ class FrontService:
         if self.learner is not None:  # the entries it was planned with stay until it ends
             call.leased = self.learner.lease(self.plan_keys(fp, tenant), used=used,
                                              exact=exact_keys)
-        tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
+
+    async def guard_of(self, opts: FrontOptions) -> float:
+        """The guard's tau for a request: its ``kvnotes.guard``, else the front's
+        (:meth:`FrontConfig.guard_tau`: the served model's calibrated one when none is set)."""
+        if opts.guard is not None:
+            return opts.guard
+        c = self.config
+        served = None if c.guard is not None or c.model is not None else await self.up.model()
+        return c.guard_tau(served)
 
     async def _planned(self, call: Call, kind: str, data: dict[str, Any], opts: FrontOptions,
                        tenant: str | None, block_size: int | Unplannable
