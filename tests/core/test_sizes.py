@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.sizes import parse_size
+from kvnotes.core.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(("text", "size"), [
@@ -55,3 +55,11 @@ def test_the_cli_and_the_library_read_sizes_alike():
     assert (cli.library_cap, cli.tenant_quota) == (64_000_000, 67_108_864)
     lib = LearnConfig(library_cap="64M", tenant_quota="64MiB")  # type: ignore[arg-type]
     assert (lib.library_cap, lib.tenant_quota) == (cli.library_cap, cli.tenant_quota)
+
+
+@pytest.mark.parametrize(("size", "text"), [
+    (67_108_864, "64MiB"), (64_000_000, "64M"), (1024, "1KiB"), (1000, "1K"),
+    (1_024_000, "1000KiB"), (2**40, "1TiB"), (1500, "1500"), (7, "7")])
+def test_a_size_is_spelled_in_its_largest_whole_unit_and_read_back(size, text):
+    assert format_size(size) == text
+    assert parse_size(text) == size

@@ -11,7 +11,10 @@ from kvnotes.cli import core, doctor  # noqa: F401  (register demo, compose, mod
 from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
 from kvnotes.cli import repro as _repro  # noqa: F401  (registers repro)
 from kvnotes.cli import serve as _serve  # noqa: F401  (registers serve)
-from kvnotes.cli import serve_bench as _serve_bench  # noqa: F401  (registers serve-bench)
+from kvnotes.cli import serve_bench as _serve_bench  # noqa: F401  (registers serve-bench erratum)
+from kvnotes.cli import serve_bench_agent as _serve_bench_agent  # noqa: F401  (agent, agent-check)
+from kvnotes.cli import serve_bench_skills as _serve_bench_skills  # noqa: F401  (serve-bench skills)
+from kvnotes.cli import serve_bench_soak as _serve_bench_soak  # noqa: F401  (serve-bench soak)
 from kvnotes.cli import skills as _skills  # noqa: F401  (registers skills)
 from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli.app import app

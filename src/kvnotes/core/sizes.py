@@ -22,7 +22,7 @@ from decimal import Decimal
 
 from kvnotes.core.errors import InvalidArgumentError
 
-__all__ = ["UNITS", "parse_size"]
+__all__ = ["UNITS", "format_size", "parse_size"]
 
 UNITS: dict[str, int] = {
     "": 1,
@@ -66,3 +66,21 @@ def parse_size(value: str | int, what: str = "size") -> int:
     if size < 1:
         raise InvalidArgumentError(f"{what} {value!r}: give a positive number of bytes")
     return size
+
+
+def format_size(size: int) -> str:
+    """``size`` bytes spelled in the largest unit that holds it whole (what
+    :func:`parse_size` reads back to the same bytes).
+
+    Example:
+        >>> format_size(67108864), format_size(64_000_000), format_size(1500)
+        ('64MiB', '64M', '1500')
+    """
+    for unit, factor in _LARGEST_FIRST:
+        if size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
+_LARGEST_FIRST = sorted([(p + "iB", UNITS[p + "IB"]) for p in "KMGT"] + [(p, UNITS[p]) for p in "KMGT"],
+                        key=lambda unit: -unit[1])
