@@ -521,3 +521,39 @@ def test_an_answer_closes_its_upstream_response_even_before_its_stream_starts():
     reply = Reply(200, stream=chunks(), upstream=Upstream())
     asyncio.run(reply.close())
     assert Upstream.closed == 1
+
+
+# ---- the front's shape -----------------------------------------------------------------------
+def test_the_front_holds_its_service_and_its_routes_ask_it(front, monkeypatch):
+    from kvnotes.serving.front.call import Reply
+    from kvnotes.serving.front.service import FrontService
+
+    assert isinstance(front.service, FrontService) and not isinstance(front, FrontService)
+    assert front.config is front.service.config
+
+    async def models(authorization: str | None) -> Reply:
+        return Reply(200, {"content-type": "application/json"}, b'{"data": []}')
+
+    # a route is a call of the service's public method: replace the method, the route follows
+    monkeypatch.setattr(front.service, "models", models)
+    assert httpx2.get(front.url + "/v1/models", timeout=10).json() == {"data": []}
+
+
+def test_a_client_with_its_answer_sees_it_counted_and_its_slot_back(front):
+    for n in range(1, 4):
+        resp = completion(front)
+        assert resp.status_code == 200, resp.text
+        # the admission exited before the last bytes went out: nothing to wait for
+        assert front.service.in_flight == 0
+        assert front.stats["spliced"] == n
+
+
+def test_in_flight_changes_only_in_the_admission():
+    import re
+
+    import kvnotes.serving.front as package
+
+    folder = Path(package.__file__).parent
+    pattern = re.compile(r"\.(take|give_back|release)\(\)")
+    assert [p.name for p in sorted(folder.glob("*.py"))
+            if pattern.search(p.read_text("utf-8"))] == ["admission.py"]
