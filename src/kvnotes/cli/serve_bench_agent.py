@@ -23,7 +23,6 @@ from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
 from kvnotes.cli.app import emit_json
 from kvnotes.cli.options import default_of
 from kvnotes.cli.serve_bench import (
-    BlockSize,
     Dtype,
     KvCacheGib,
     Model,
@@ -84,6 +83,9 @@ DriftTau = Annotated[float | None, typer.Option(
     "--drift-tau", help="Soak check: compare greedy answers only up to the first step where "
     "the server's or the engine's top-2 log-prob margin is below this (a near tie; the "
     "answers cut short are counted); default: compared whole")]
+BlockSize = Annotated[int, typer.Option(
+    "--block-size", help="KV block size in tokens (CPU: a multiple of 32), for --learn and "
+    "--no-learn alike (default: a learning server's, LearnConfig.block_size)")]
 Seed = Annotated[int, typer.Option("--seed")]
 Tenant = Annotated[str | None, typer.Option("--tenant", help="Sent as kvnotes.tenant")]
 Repair = Annotated[str | None, typer.Option(
