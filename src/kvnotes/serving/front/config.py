@@ -23,38 +23,14 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
+from kvnotes.core.sizes import parse_size
+from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
 
 API_KEY_ENV = "KVNOTES_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10**6,
-          "MB": 10**6, "MI": 1 << 20, "MIB": 1 << 20, "G": 10**9, "GB": 10**9, "GI": 1 << 30,
-          "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TI": 1 << 40, "TIB": 1 << 40}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``value``: an integer, or a number with a unit (``256MiB``, ``1.5GB``, ``64k``).
-
-    Example:
-        >>> parse_size("256MiB"), parse_size("2GB"), parse_size(4096)
-        (268435456, 2000000000, 4096)
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = _SIZE.fullmatch(str(value))
-        if m is None:
-            raise InvalidArgumentError(f"size {value!r}: give bytes, e.g. 268435456, 256MiB, "
-                                       "2GB")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if size < 1:
-        raise InvalidArgumentError(f"size {value!r}: give a positive number of bytes")
-    return size
 
 
 # Linux CFS load weights by nice value (kernel/sched/core.c, sched_prio_to_weight): a runnable
@@ -65,6 +41,10 @@ _CFS_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
 
 # a compile's nice value: 3.4% of a saturated core (busy_core_share), all of an idle one
 DEFAULT_COMPILE_NICE = 15
+# vLLM's KV block for a learning server: repair regions are rounded up to blocks, and agent
+# traffic's chunks are short, so at the CPU build's default 128 rounding costs 14-16 points of
+# the spliced share (docs/results.md, agent traffic)
+LEARN_BLOCK_SIZE = 32
 
 
 def busy_core_share(nice: int) -> float:
@@ -110,6 +90,9 @@ class LearnConfig:
             at most about that share of their CPU and still always finishes. At 19 (1.4%) a
             compile under saturating load barely progresses; at 0 (50%) it delays concurrent
             first tokens (measured figures: docs/results/areas/learning.md, "Learning under load").
+        block_size: vLLM's KV block size for a server launched to learn when its
+            ``LaunchConfig.block_size`` is None (:data:`LEARN_BLOCK_SIZE`: short chunks lose
+            less of their spliced share to rounding at small blocks).
     """
 
     after: int = 2
@@ -121,9 +104,11 @@ class LearnConfig:
     flush_s: float = 5.0
     max_variants: int = 4
     compile_nice: int = DEFAULT_COMPILE_NICE
+    block_size: int = LEARN_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants"):
+        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants",
+                     "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"LearnConfig.{name} must be a positive integer, "
@@ -131,7 +116,7 @@ class LearnConfig:
         for name in ("library_cap", "tenant_quota"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, parse_size(value))
+                object.__setattr__(self, name, parse_size(value, f"LearnConfig.{name}"))
         if not float(self.flush_s) > 0:
             raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
                                        "seconds")
@@ -157,7 +142,8 @@ class FrontConfig:
             tokens are recomputed, rounded up to the block (``Repair.share``; 0: the fixed
             count).
         guard: tau, the first token's top-2 log-prob margin under which the exact answer is
-            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never).
+            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never; None: the
+            served model's calibrated tau, :meth:`guard_tau`).
         tenant: the tenant of requests that name none, and of ``api_key`` (None: shared).
         block_size: the server's KV block size (None: read once from its ``/metrics``).
         model: the served model's name (None: read once from its ``/v1/models``).
@@ -214,7 +200,7 @@ class FrontConfig:
     host: str = "127.0.0.1"
     repair: int = DEFAULT_FIRST
     repair_share: float = DEFAULT_SHARE
-    guard: float = 0.0
+    guard: float | None = None
     tenant: str | None = None
     block_size: int | None = None
     model: str | None = None
@@ -252,7 +238,8 @@ class FrontConfig:
         if self.upstream is not None:
             check_loopback_url(self.upstream)
         self.repair_for(None)  # checks the count and the share
-        check_tau(self.guard)
+        if self.guard is not None:
+            check_tau(self.guard)
         splice_salt(self.tenant)  # checks the spelling
         if self.block_size is not None and (isinstance(self.block_size, bool)
                                             or self.block_size < 1):
@@ -291,6 +278,20 @@ class FrontConfig:
         if first is None:
             return Repair(first=self.repair, share=self.repair_share)
         return Repair(first=first)
+
+    def guard_tau(self, served: str | None = None) -> float:
+        """The guard's tau: ``guard`` when set, else the calibrated one of ``model`` (or of
+        ``served``, the name vLLM serves, when ``model`` is None:
+        :func:`~kvnotes.serving.front.guard_defaults.default_guard`), 0 when neither is known.
+
+        Example:
+            >>> FrontConfig(model="qwen2.5-coder-0.5b").guard_tau(), FrontConfig().guard_tau()
+            (0.4, 0.0)
+        """
+        if self.guard is not None:
+            return self.guard
+        model = self.model or served
+        return 0.0 if model is None else default_guard(model)[0]
 
     @property
     def keys(self) -> Keys:

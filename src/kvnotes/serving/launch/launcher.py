@@ -119,7 +119,8 @@ class LaunchConfig:
     Args:
         model: a bundled alias, a ``.gguf`` file or an HF folder (exported for vLLM).
         dtype: ``auto`` (:func:`cpu_dtype`), ``float32``, ``bfloat16`` or ``float16``.
-        block_size: vLLM's KV block size (None: vLLM's default, 128 on the CPU build).
+        block_size: vLLM's KV block size (None: the front's ``learn.block_size`` for a
+            learning front, else vLLM's default, 128 on the CPU build).
         kv_cache_gib: the CPU KV cache, in whole GiB (vLLM's CPU build reads it with ``int()``).
         max_model_len: the longest prompt plus answer (None: the model's
             ``max_position_embeddings``).
@@ -160,6 +161,8 @@ class LaunchConfig:
         object.__setattr__(self, "kv_cache_gib", check_kv_cache_gib(self.kv_cache_gib))
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.block_size is None and self.front is not None and self.front.learn is not None:
+            object.__setattr__(self, "block_size", self.front.learn.block_size)
         if self.block_size is not None and self.block_size <= 0:
             raise InvalidArgumentError(f"block_size {self.block_size}: use a positive number "
                                        "of tokens (vLLM's CPU build wants a multiple of 32)")
