@@ -49,9 +49,9 @@ def registered(host: Host) -> Host:
 
 
 def front_of(host: Host, fake: Any) -> Front:
-    front = Front(FrontConfig(upstream=fake.url), host.catalog, host.learner)
-    front.metrics.registry.register(host.collector())
-    return front
+    """A front over the host's fleet learner: the service links the learner's store, mirror
+    and catalog, and shows their series."""
+    return Front(FrontConfig(upstream=fake.url), host.catalog, host.learner)
 
 
 def post(front: Front, body: dict[str, Any] = BODY) -> dict[str, Any]:

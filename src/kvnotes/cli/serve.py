@@ -108,6 +108,14 @@ LearnCompileNice = Annotated[int, typer.Option(
     "--learn-compile-nice", min=0, max=19, help="With --learn: the compile thread's nice "
     "value; on a saturated core it gets a fixed share (15: 3.4%, 19: 1.4%, 0: half), on an "
     "idle one all of it")]
+StoreUrl = Annotated[str | None, typer.Option(
+    "--store", help="A Redis store the fleet of hosts shares (redis://HOST:PORT/DB, rediss:// "
+    "for TLS; the password in the URL or in --store-password-file): its entries are copied "
+    "into --skills in the background, and with --learn sightings, compiles and the library's "
+    "cap are the fleet's. Default: this host's folder alone")]
+StorePasswordFile = Annotated[Path | None, typer.Option(
+    "--store-password-file", help="File whose first line is the store's password (kept out "
+    "of the URL and the process list)")]
 VllmArgs = Annotated[list[str] | None, typer.Argument(
     metavar="[-- VLLM_FLAGS...]", help="vLLM flags after --, passed unchanged (e.g. -- "
     "--tensor-parallel-size 2 --gpu-memory-utilization 0.8); what the connector cannot run "
@@ -145,6 +153,8 @@ class ServeOptions:
     tenant_quota: str | None = None
     learn_max_variants: int = default_of(LearnConfig, "max_variants")
     learn_compile_nice: int = default_of(LearnConfig, "compile_nice")
+    store: str | None = None
+    store_password_file: Path | None = None
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -163,10 +173,29 @@ class ServeOptions:
         if not self.learn and (self.library_cap is not None or self.tenant_quota is not None):
             raise InvalidArgumentError("--library-cap and --tenant-quota bound learned "
                                        "entries: add --learn")
+        self._check_store()
         check_vllm_args(list(self.vllm_args))
         parse_guard(self.guard)
         if self.repair is not None:
             server_repair_spelled(self.repair)
+
+    def _check_store(self) -> None:
+        """``--store``'s URL and password file, read before any weights load."""
+        from kvnotes.serving.store.url import parse_store_url, read_password_file
+
+        if self.store is None:
+            if self.store_password_file is not None:
+                raise InvalidArgumentError("--store-password-file is the --store's: add "
+                                           "--store redis://HOST:PORT/DB")
+            return
+        if self.no_front:
+            raise InvalidArgumentError("--store is the front's (it mirrors and learns): drop "
+                                       "--no-front")
+        if not parse_store_url(self.store).is_redis:
+            raise InvalidArgumentError("--store takes a redis:// or rediss:// URL (this "
+                                       "host's own folder is --skills)")
+        if self.store_password_file is not None:
+            read_password_file(self.store_password_file)
 
     def learn_config(self) -> LearnConfig | None:
         """The front's learning (None without ``--learn``)."""
@@ -186,7 +215,8 @@ class ServeOptions:
             return None
         front = FrontConfig(port=self.port, host=self.host, guard=parse_guard(self.guard),
                             api_key=self.api_key, key_file=self.key_file,
-                            metrics_key=self.metrics_key, learn=self.learn_config())
+                            metrics_key=self.metrics_key, learn=self.learn_config(),
+                            store=self.store, store_password_file=self.store_password_file)
         if self.repair is not None:
             plan = server_repair_spelled(self.repair)
             front = replace(front, repair=plan.first, repair_share=plan.share)
@@ -243,6 +273,7 @@ def serve(
     library_cap: LibraryCap = None, tenant_quota: TenantQuota = None,
     learn_max_variants: LearnMaxVariants = default_of(LearnConfig, "max_variants"),
     learn_compile_nice: LearnCompileNice = default_of(LearnConfig, "compile_nice"),
+    store: StoreUrl = None, store_password_file: StorePasswordFile = None,
     vllm_args: VllmArgs = None,
 ) -> None:
     """Run vLLM (prefix caching on) with kvnotes' connector behind an OpenAI-compatible front:
@@ -256,7 +287,8 @@ def serve(
         log=log, startup_timeout=startup_timeout, request_log=request_log, learn=learn,
         learn_after=learn_after, learn_min_tokens=learn_min_tokens, library_cap=library_cap,
         tenant_quota=tenant_quota, learn_max_variants=learn_max_variants,
-        learn_compile_nice=learn_compile_nice, vllm_args=tuple(vllm_args or ())))
+        learn_compile_nice=learn_compile_nice, store=store,
+        store_password_file=store_password_file, vllm_args=tuple(vllm_args or ())))
 
 
 def run_serve(opts: ServeOptions) -> None:
@@ -321,6 +353,11 @@ def _say_served(launch: Launch, opts: ServeOptions) -> None:
                    f"{learning.max_variants} kept per skill; compiles at nice "
                    f"{learning.compile_nice} ({busy_core_share(learning.compile_nice):.1%} of "
                    f"a busy core); vLLM blocks of {launch.config.block_size}", err=True)
+    link = launch.front.service.store
+    if link is not None:
+        typer.echo(f"  store: {link.store.url}, mirrored into {link.mirror.folder}"
+                   + ("; sightings, compiles and the cap are the fleet's"
+                      if link.learner is not None else ""), err=True)
     typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
                f"{'stderr, one JSON line each' if opts.request_log else 'off'}", err=True)
     typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",

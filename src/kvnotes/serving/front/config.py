@@ -29,6 +29,7 @@ from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
 
+DEFAULT_MIRROR_BYTES = 8 << 30  # a host's copies of a shared store's entries
 API_KEY_ENV = "KVNOTES_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
@@ -193,6 +194,12 @@ class FrontConfig:
             holding a registered skill, token ids; 413 beyond it).
         learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
             registered skills are spliced). Needs the engine: the launcher's front learns.
+        store: a Redis store a fleet of hosts shares (``redis://HOST:PORT/DB``, ``rediss://``
+            for TLS; None: this host's folder alone): its entries are mirrored into the
+            serving folder in the background, and with ``learn`` sightings, compiles and the
+            library's bounds are the fleet's (:mod:`kvnotes.serving.front.store_link`).
+        store_password_file: a file whose first line is the store's password.
+        mirror_bytes: the entries this host copies from the store, in all (``8GiB``).
     """
 
     upstream: str | None = None
@@ -233,8 +240,12 @@ class FrontConfig:
     max_content_parts: int = 512
     max_prompt_tokens: int = 131072
     learn: LearnConfig | None = None
+    store: str | None = None
+    store_password_file: Path | None = None
+    mirror_bytes: int = DEFAULT_MIRROR_BYTES  # or a size string: "8GiB"
 
     def __post_init__(self) -> None:
+        self._check_store()
         if self.upstream is not None:
             check_loopback_url(self.upstream)
         self.repair_for(None)  # checks the count and the share
@@ -270,6 +281,23 @@ class FrontConfig:
                                            f"or None, got {value!r}")
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
+
+    def _check_store(self) -> None:
+        """A malformed store URL, or a folder where a Redis URL belongs, fails at start; a
+        store that is down does not (the host serves without it until it answers)."""
+        object.__setattr__(self, "mirror_bytes",
+                           parse_size(self.mirror_bytes, "FrontConfig.mirror_bytes"))
+        if self.store_password_file is not None:
+            if self.store is None:
+                raise InvalidArgumentError("FrontConfig.store_password_file is the store's: "
+                                           "set FrontConfig.store (redis://...) too")
+            object.__setattr__(self, "store_password_file", Path(self.store_password_file))
+        if self.store is not None:
+            from kvnotes.serving.store.url import parse_store_url
+
+            if not parse_store_url(self.store).is_redis:
+                raise InvalidArgumentError("FrontConfig.store takes a redis:// or rediss:// "
+                                           "URL (the host's own folder is its skills folder)")
 
     def repair_for(self, first: int | None) -> Repair:
         """The repair a request gets: ``Repair(first=repair, share=repair_share)``, or, when the

@@ -51,6 +51,7 @@ from kvnotes.serving.front.errors import ApiError, header_value
 from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
+from kvnotes.serving.front.store_link import link_for
 from kvnotes.serving.front.upstream import HEALTH, MODELS, Upstream
 from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.chunks import SeenChunk
@@ -115,6 +116,10 @@ class FrontService:
         self.variant_hits = VariantHits()
         learned = None if learner is None else learner.registry.__contains__
         self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None), learned)
+        # a fleet's shared store (FrontConfig.store): mirrored into the folder, in /metrics
+        self.store = link_for(config, catalog, learner)
+        if self.store is not None:
+            self.metrics.watch_store(self.store.collector(), self.store.stats)
 
     @property
     def stats(self) -> Counter[str]:
@@ -132,6 +137,8 @@ class FrontService:
         await asyncio.gather(*(loop.run_in_executor(self._pool, self._warm_planner, ready)
                                for _ in range(workers)))
         await self.up.open()
+        if self.store is not None:
+            self.store.start()
         if self.learner is not None:
             self.learner.start()
         with contextlib.suppress(Exception):  # vLLM may not be up yet: read again when needed
@@ -140,6 +147,8 @@ class FrontService:
     async def closed(self) -> None:
         if self.learner is not None:
             self.learner.stop()
+        if self.store is not None:
+            self.store.stop()
         await self.up.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,18 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.front.config import DEFAULT_MIRROR_BYTES, FrontConfig
+from kvnotes.serving.learning.fleet import FleetLearner, request_path_settings
 from kvnotes.serving.store.base import Store
 from kvnotes.serving.store.mirror import LocalMirror, MirrorConfig
 from kvnotes.serving.store.url import parse_store_url, store_from_url
 
 if TYPE_CHECKING:
-    from kvnotes.serving.learning.fleet import FleetLearner, FleetSettings
-    from kvnotes.serving.learning.learner import LearnSettings
+    from kvnotes.serving.learning.fleet import FleetSettings
+    from kvnotes.serving.learning.learner import Learner, LearnSettings
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.front")
-
-DEFAULT_MIRROR_BYTES = 8 << 30  # a host's copies of the fleet's entries
 
 
 @dataclass
@@ -56,8 +56,6 @@ class StoreLink:
             InvalidArgumentError: a malformed URL, a folder instead of a Redis URL, or a bad
                 password file.
         """
-        from kvnotes.serving.learning.fleet import request_path_settings
-
         if not parse_store_url(url).is_redis:
             raise InvalidArgumentError("kvnotes serve --store takes a redis:// or rediss:// URL "
                                        "(the host's own folder is --skills)")
@@ -68,23 +66,42 @@ class StoreLink:
         link.mirror.on_change = link._rescan
         return link
 
+    @classmethod
+    def of_learner(cls, learner: FleetLearner) -> StoreLink:
+        """The link a fleet learner was made over (:func:`fleet_learner`)."""
+        if learner.mirror is None:
+            raise InvalidArgumentError("a FleetLearner serving a front needs its host's mirror")
+        link = cls(learner.store, learner.gate.store, learner.mirror, learner)
+        learner.mirror.on_change = link._rescan
+        return link
+
     def fleet_learner(self, config: LearnSettings, skills: ServingSkills, *,
                       settings: FleetSettings | None = None) -> FleetLearner:
         """This host's learner over the store (kept as :attr:`learner`)."""
-        from kvnotes.serving.learning.fleet import FleetLearner
-
         self.learner = FleetLearner(config, skills, store=self.store,
                                     request_store=self.request_store, mirror=self.mirror,
                                     settings=settings)
         return self.learner
 
-    def watch(self, registry: Any) -> None:
-        """Register the store's series on a Prometheus ``registry`` (the front's)."""
+    def collector(self) -> Any:
+        """The store's ``/metrics`` series (a Prometheus collector)."""
         from kvnotes.serving.store.metrics import StoreCollector
 
-        registry.register(StoreCollector(self.faults, None if self.learner is None
-                                         else self.learner.fleet_counters,
-                                         self.mirror.stats.to_dict))
+        return StoreCollector(self.faults, None if self.learner is None
+                              else self.learner.fleet_counters, self.mirror.stats.to_dict)
+
+    def watch(self, registry: Any) -> None:
+        """Register the store's series on a Prometheus ``registry``."""
+        registry.register(self.collector())
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters for ``/kvnotes/stats``: where it is (no password), its faults,
+        the mirror's and the fleet learner's counters."""
+        out: dict[str, Any] = {"url": self.store.url, "faults": self.faults(),
+                               "mirror": self.mirror.stats.to_dict()}
+        if self.learner is not None:
+            out["fleet"] = self.learner.fleet_counters()
+        return out
 
     def faults(self) -> dict[str, int]:
         """The store's faults by reason, every client's together."""
@@ -108,3 +125,33 @@ class StoreLink:
     def _rescan(self) -> None:
         if self.catalog is not None:
             self.catalog.refresh(force=True)
+
+
+def fleet_learner(config: FrontConfig, skills: ServingSkills) -> FleetLearner:
+    """The learner of a front whose ``config`` has both ``learn`` and ``store``: learning over
+    the shared store, with its clients and this host's mirror into ``skills.folder`` (the
+    front's :class:`~kvnotes.serving.front.service.FrontService` starts and stops them)."""
+    if config.learn is None or config.store is None:
+        raise InvalidArgumentError("fleet_learner: FrontConfig.learn and FrontConfig.store "
+                                   "are both needed")
+    link = StoreLink.open(config.store, config.store_password_file, skills.folder,
+                          mirror_bytes=config.mirror_bytes)
+    return link.fleet_learner(config.learn, skills)
+
+
+def link_for(config: FrontConfig, catalog: Any, learner: Learner | None) -> StoreLink | None:
+    """A front's store link: a fleet learner's own, or (``config.store`` set, a learner that
+    is this host's alone or none) a mirror of the store into the catalog's folder; None
+    without a store. The catalog rescans whenever the mirror changes its folder."""
+    if isinstance(learner, FleetLearner):
+        link = StoreLink.of_learner(learner)
+    elif config.store is None:
+        return None
+    else:
+        if learner is not None:
+            log.warning("kvnotes: FrontConfig.store with a learner of this host's own: entries "
+                        "are mirrored, but learning stays this host's (use fleet_learner)")
+        link = StoreLink.open(config.store, config.store_password_file, Path(catalog.folder),
+                              mirror_bytes=config.mirror_bytes)
+    link.catalog = catalog
+    return link

@@ -35,6 +35,7 @@ from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.serving.front.app import Front, FrontConfig
+    from kvnotes.serving.learning import Learner
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.launch")
@@ -336,8 +337,12 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
                        block_size=front.block_size or config.block_size,
                        model=front.model or config.name,
                        upstream_api_key=front.upstream_api_key or vllm_api_key(config.extra_args))
-    learner = None
-    if front.learn is not None:  # learning needs the engine: it is here, in this process
+    learner: Learner | None = None
+    if front.learn is not None and front.store is not None:  # the fleet's, over its store
+        from kvnotes.serving.front.store_link import fleet_learner
+
+        learner = fleet_learner(front, skills)
+    elif front.learn is not None:  # learning needs the engine: it is here, in this process
         from kvnotes.serving.learning import Learner
 
         learner = Learner(front.learn, skills)
