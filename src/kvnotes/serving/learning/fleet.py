@@ -54,8 +54,9 @@ T = TypeVar("T")
 
 
 def request_path_settings() -> RedisSettings:
-    """Redis settings for the store a request's path calls (sightings, leases): an answer
-    within 50 ms or a fault, no retries (a request never waits for reconnects)."""
+    """Redis settings for the store a request's path calls (sightings, leases): a socket
+    timeout of a few round trips on a LAN (set below) and no retries, so a request never waits
+    for a slow server or for reconnects."""
     from kvnotes.serving.store.redis_store import RedisSettings
 
     return RedisSettings(socket_timeout_s=0.05, connect_timeout_s=0.05, retries=0)
