@@ -12,6 +12,7 @@ import _fleet_hosts as fleet
 from _fleet_hosts import Host, chunk, lease_name, wait_for
 from _front_fakes import HEADER
 
+from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.store.redis_store import RedisStore
 
 TOOL = ('{"type": "function", "function": {"name": "get_weather", "description": "Weather '
@@ -175,3 +176,15 @@ def test_a_host_publishes_its_entries_again_into_an_emptied_store(hosts, tokeniz
     assert [i.key for i in a.store.list(a.model)] == [row.key]
     b.mirror.sync_once()
     assert b.has(row.key)  # a host that never saw it gets it from the refilled store
+
+
+def test_the_fleets_cap_is_enforced_by_one_host_per_period(hosts, tokenizer):
+    a, b = hosts("a"), hosts("b")
+    assert a.seen(None, chunk(tokenizer, TOOL, after=HEADER), times=2) == 1
+    assert b.seen(None, chunk(tokenizer, OTHER, after=HEADER), times=2) == 1
+    assert len(a.store.list(a.model)) == 2
+    a.learner.config = b.learner.config = LearnConfig(after=2, min_tokens=4, library_cap=1)
+    gone = a.learner.enforce_fleet()
+    assert gone is not None and len(gone) == 2 and a.store.list(a.model) == []
+    assert b.learner.enforce_fleet() is None  # A did it less than evict_s ago
+    assert a.learner.fleet_counters()["fleet_evictions"] == 2

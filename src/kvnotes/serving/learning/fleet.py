@@ -59,7 +59,8 @@ def request_path_settings() -> RedisSettings:
     for a slow server or for reconnects."""
     from kvnotes.serving.store.redis_store import RedisSettings
 
-    return RedisSettings(socket_timeout_s=0.05, connect_timeout_s=0.05, retries=0)
+    # connecting (a TLS handshake with rediss://) takes a few round trips more than a command
+    return RedisSettings(socket_timeout_s=0.05, connect_timeout_s=0.2, retries=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +393,8 @@ class FleetLearner(Learner):
         if cap is None and quota is None:
             return None
         try:
-            gone = store_bounds.evict(self.store, self.model, cap=cap, quota=quota)
+            gone = store_bounds.evict(self.store, self.model, cap=cap, quota=quota,
+                                      lease_s=self.fleet_settings.evict_s, hold=True)
         except StoreUnavailableError:
             return None  # counted and logged by the store; tried again at the next chore
         if gone:

@@ -57,15 +57,20 @@ def victims(infos: Sequence[EntryInfo], *, cap: int | None, quota: int | None) -
 
 
 def evict(store: Store, model: str, *, cap: int | None, quota: int | None,
-          lease_s: float = 60.0) -> list[str] | None:
+          lease_s: float = 60.0, hold: bool = False) -> list[str] | None:
     """Enforce the bounds on ``model``'s learned entries in ``store``: the keys forgotten, or
-    None when another host holds the eviction lease (it is doing the same)."""
+    None when another host holds the eviction lease (it is doing the same, or did it less than
+    ``lease_s`` ago). ``hold``: keep the lease until it expires, so that a fleet whose hosts all
+    try every ``lease_s`` lists the store once per ``lease_s``, not once per host."""
     lease = EVICT_LEASE.format(model=model)
     if not store.acquire_lease(lease, lease_s):
         return None
     try:
         gone = [v.key for v in victims(store.list(model, every=True), cap=cap, quota=quota)
                 if store.forget(model, v.key)]
-    finally:
+    except BaseException:
+        store.release_lease(lease)
+        raise
+    if not hold:
         store.release_lease(lease)
     return gone
