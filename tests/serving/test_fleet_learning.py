@@ -107,7 +107,9 @@ def test_a_slow_store_is_waited_for_a_bounded_time(hosts, tokenizer, redis_serve
     client = redis_server.client()
     sleeper = threading.Thread(target=lambda: client.execute_command("DEBUG", "SLEEP", "1"))
     sleeper.start()
-    time.sleep(0.1)
+    probe = _probe(redis_server.port)
+    assert wait_for(lambda: _asleep(probe), timeout=0.9), "the server never stopped answering"
+    probe.close()
     try:
         t0 = time.perf_counter()
         a.learner.observe(None, [tool])
@@ -188,3 +190,22 @@ def test_the_fleets_cap_is_enforced_by_one_host_per_period(hosts, tokenizer):
     assert gone is not None and len(gone) == 2 and a.store.list(a.model) == []
     assert b.learner.enforce_fleet() is None  # A did it less than evict_s ago
     assert a.learner.fleet_counters()["fleet_evictions"] == 2
+
+
+def _probe(port: int):
+    """A client that gives up on a command after 20 ms, at once (no retries)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(port=port, socket_timeout=0.02, retry=Retry(NoBackoff(), 0))
+
+
+def _asleep(client) -> bool:
+    import redis
+
+    try:
+        client.ping()
+    except redis.exceptions.TimeoutError:
+        return True
+    return False
