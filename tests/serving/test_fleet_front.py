@@ -80,6 +80,8 @@ def test_a_chunk_learned_through_host_a_is_spliced_on_host_bs_first_request(
         assert wait_for(lambda: b.has(entry.key))  # B's mirror fetched it in the background
         plan = post(front_b)["usage"]["kvnotes"]["plan"]
         assert plan["skills"][-1] == entry.name  # B's first request with it splices it
+        # B's hit reaches the fleet's LRU (its mirror sends it in the background)
+        assert wait_for(lambda: a.store.list(a.model)[0].hits >= 1)
         assert metric(front_b, "kvnotes_front_mirror_fetched_total") == 1
         assert metric(front_a, "kvnotes_front_fleet_published_total") == 1
     assert a.learner.counters()["compiles"] + b.learner.counters()["compiles"] == 1

@@ -326,6 +326,8 @@ class FrontService:
         if self.learner is not None:  # the entries it was planned with stay until it ends
             call.leased = self.learner.lease(self.plan_keys(fp, tenant), used=used,
                                              exact=exact_keys)
+        elif self.store is not None:  # the fleet's LRU (a fleet learner counts its own leases)
+            self.store.mirror.used(used)
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
