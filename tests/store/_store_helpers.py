@@ -11,7 +11,8 @@ import torch
 
 from kvnotes.core import files
 from kvnotes.serving.library.manifest import ENTRY_FORMAT, ENTRY_VERSION
-from kvnotes.serving.store.redis_process import REDIS_SERVER, RedisProcess
+from kvnotes.serving.store.redis_process import REDIS_SERVER as REDIS_SERVER  # the fixtures'
+from kvnotes.serving.store.redis_process import RedisProcess
 
 MODEL = "m0del0000000000000000000"  # a fingerprint id's shape (24 characters)
 FINGERPRINT = {"architecture": "LlamaForCausalLM", "model_type": "llama", "config_sha": "c",
