@@ -12,6 +12,7 @@ from kvnotes.cli import edit as _edit  # noqa: F401  (registers edit-eval)
 from kvnotes.cli import repro as _repro  # noqa: F401  (registers repro)
 from kvnotes.cli import serve as _serve  # noqa: F401  (registers serve, skills)
 from kvnotes.cli import serve_bench as _serve_bench  # noqa: F401  (registers serve-bench)
+from kvnotes.cli import serve_bench_fleet as _fleet  # noqa: F401  (serve-bench fleet)
 from kvnotes.cli import skills_store as _skills_store  # noqa: F401  (skills list/pin/forget --store)
 from kvnotes.cli import trace as _trace  # noqa: F401  (registers trace)
 from kvnotes.cli.app import app
