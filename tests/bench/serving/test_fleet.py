@@ -37,6 +37,8 @@ from kvnotes.bench.serving.fleet_soak import (
     FleetSender,
     parse_faults,
     run_faults,
+    series_delta,
+    store_series,
     windows,
 )
 from kvnotes.bench.serving.fleet_summary import goals
@@ -181,6 +183,24 @@ def test_answers_and_mirror_counters() -> None:
     assert mirror is not None and find_mirror({"learner": {}}) is None
     cost = FetchCost(entries=2, bytes=2_000_000, seconds=0.1, mirror=mirror)
     assert cost.s_per_mb == pytest.approx(0.05) and cost.mirror_s_per_mb == pytest.approx(0.125)
+    # a mirror read from /metrics has no fetch time: no cost per MB is made up
+    assert FetchCost(mirror={"fetched": 2, "fetched_bytes": 10}).mirror_s_per_mb is None
+
+
+def test_store_series_keeps_store_fleet_and_mirror_counters() -> None:
+    text = ("# TYPE kvnotes_front_store_faults counter\n"
+            'kvnotes_front_store_faults_total{reason="down"} 2\n'
+            'kvnotes_front_store_faults_total{reason="slow"} 1\n'
+            "# TYPE kvnotes_front_fleet_adopted counter\nkvnotes_front_fleet_adopted_total 4\n"
+            "# TYPE kvnotes_front_mirror_fetched counter\nkvnotes_front_mirror_fetched_total 5\n"
+            "# TYPE kvnotes_front_requests counter\nkvnotes_front_requests_total 9\n")
+    series = store_series(text)
+    assert series == {"kvnotes_front_store_faults_total": 3.0,
+                      "kvnotes_front_fleet_adopted_total": 4.0,
+                      "kvnotes_front_mirror_fetched_total": 5.0}
+    assert series_delta({"kvnotes_front_store_faults_total": 1.0}, series) == {
+        "kvnotes_front_store_faults_total": 2.0, "kvnotes_front_fleet_adopted_total": 4.0,
+        "kvnotes_front_mirror_fetched_total": 5.0}
 
 
 # ---- soak ---------------------------------------------------------------------------------------
@@ -267,6 +287,8 @@ def _result() -> FleetResult:
     result.soak_records = [_record(i, float(i)) for i in range(6)]
     result.faults = [FaultEvent("kill", 0.3, at_s=2.0, at_request=2, ok=True),
                      FaultEvent("restart", 0.6, at_s=4.0, at_request=4, ok=True)]
+    result.series = {"after_share": {"a": {"kvnotes_front_fleet_published_total": 6.0},
+                                       "b": {"kvnotes_front_fleet_adopted_total": 0.0}}}
     result.soak = {"wall_s": 6.0, "store_series": {"a": {"kvnotes_front_store_faults_total":
                                                          3.0}, "b": {}}}
     return result
@@ -290,5 +312,6 @@ def test_report_and_plot_from_a_synthetic_result(tmp_path: Path) -> None:
     assert paths["report"].read_text() == text
     assert "| share_spliced | 0.700 |" in text and "after restart @0.6" in text
     assert "kvnotes_front_store_faults_total +3" in text
+    assert "- a: kvnotes_front_fleet_published_total 6" in text
     windows_ = data["soak"]["windows"]
     assert [w["requests"] for w in windows_] == [2, 2, 2]

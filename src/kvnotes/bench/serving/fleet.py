@@ -47,7 +47,8 @@ if TYPE_CHECKING:
 
 PARTS = ("share", "cost", "soak")
 HOSTS = ("a", "b")
-STORE_FIELD = "store"  # FrontConfig's (or LearnConfig's) shared-store URL
+# FrontConfig's (or LearnConfig's) shared-store URL, as the fleet wiring may name it
+STORE_FIELDS = ("store", "store_url")
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,20 @@ def with_store(front: FrontConfig, url: str) -> FrontConfig:
     Raises:
         InvalidArgumentError: this kvnotes' front has no store setting.
     """
-    change: dict[str, Any] = {STORE_FIELD: url}  # a field the fleet wiring adds
-    if any(f.name == STORE_FIELD for f in dataclasses.fields(front)):
+    def store_field(settings: Any) -> str | None:
+        names = {f.name for f in dataclasses.fields(settings)} if settings is not None else ()
+        return next((n for n in STORE_FIELDS if n in names), None)
+
+    change: dict[str, Any]  # a field the fleet wiring adds
+    if (name := store_field(front)) is not None:
+        change = {name: url}
         return dataclasses.replace(front, **change)
-    learn = front.learn
-    if learn is not None and any(f.name == STORE_FIELD for f in dataclasses.fields(learn)):
-        return dataclasses.replace(front, learn=dataclasses.replace(learn, **change))
+    if front.learn is not None and (name := store_field(front.learn)) is not None:
+        change = {name: url}
+        return dataclasses.replace(front, learn=dataclasses.replace(front.learn, **change))
     raise InvalidArgumentError("this kvnotes' front has no shared-store setting "
-                               f"(FrontConfig.{STORE_FIELD}): serve-bench fleet needs the fleet "
-                               "wiring of `kvnotes serve --store`")
+                               f"(FrontConfig.{STORE_FIELDS[0]}): serve-bench fleet needs the "
+                               "fleet wiring of `kvnotes serve --store`")
 
 
 def check_fleet_wiring() -> None:
@@ -191,6 +197,8 @@ class FleetResult:
     soak_records: list[SoakRecord] = field(default_factory=list)
     faults: list[FaultEvent] = field(default_factory=list)
     soak: dict[str, Any] = field(default_factory=dict)  # wall, pool, store series deltas
+    # the fronts' store, fleet and mirror series (/metrics) at a moment ("after_share"), by host
+    series: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def soak_summary(self) -> SoakSummary | None:
@@ -211,7 +219,7 @@ class FleetResult:
                 "ttft": [r.to_dict() for r in self.ttft],
                 "fetch": None if self.fetch is None else self.fetch.to_dict(),
                 "miss": None if self.miss is None else self.miss.to_dict(),
-                "faults": [e.to_dict() for e in self.faults],
+                "faults": [e.to_dict() for e in self.faults], "series": self.series,
                 "soak": {**self.soak, "summary": None if summary is None else summary.to_dict(),
                          "windows": [w.to_dict() for w in soak_windows(self)]},
                 "notes": self.notes,
@@ -234,6 +242,7 @@ class FleetResult:
                    miss=None if miss is None else Timing.from_dict(miss),
                    soak_records=[SoakRecord.from_dict(r) for r in d.get("soak_requests") or []],
                    faults=[FaultEvent.from_dict(e) for e in d.get("faults") or []],
+                   series=dict(d.get("series") or {}),
                    soak={k: v for k, v in (d.get("soak") or {}).items()
                          if k not in ("summary", "windows")},
                    notes=list(d.get("notes") or []))

@@ -11,7 +11,7 @@ tokens spliced, whether the greedy answers are identical, and the compiles of bo
 concurrency, p90 per round, through a host on the Redis store and through a host on its own
 folder (:func:`ttft_round`); the fetch cost per MB of the store's entries (:func:`fetch_cost`, a
 ``get`` of each, timed here, beside the mirror's own :class:`~kvnotes.serving.store.MirrorStats`
-when the front reports them); a miss's TTFT against ``splice: false`` is
+as the front reports them, :func:`mirror_counts`); a miss's TTFT against ``splice: false`` is
 :func:`~kvnotes.bench.serving.agent_traffic_overhead.miss_overhead`'s.
 """
 
@@ -62,6 +62,25 @@ def find_mirror(stats: Any) -> dict[str, Any] | None:
             if found is not None:
                 return found
     return None
+
+
+def mirror_counts(url: str) -> dict[str, Any]:
+    """A host's mirror counters: from ``/kvnotes/stats`` when it reports them (with the fetch
+    time), else ``fetched`` and ``fetched_bytes`` from its ``/metrics``
+    (``kvnotes_front_mirror_*_total``); empty when neither says."""
+    found = find_mirror(front_stats(url))
+    if found is not None:
+        return found
+    from kvnotes.bench.serving.metrics import parse_prometheus
+    from kvnotes.core.errors import KvnotesError
+    from kvnotes.serving.upstream import Client
+
+    try:
+        series = parse_prometheus(Client(url, timeout=10.0).metrics_text())
+    except (KvnotesError, OSError):
+        return {}
+    return {k: series[f"kvnotes_front_mirror_{k}_total"] for k in MIRROR_KEYS[:2]
+            if f"kvnotes_front_mirror_{k}_total" in series}
 
 
 def learner_counts(stats: Mapping[str, Any] | None) -> dict[str, int]:
@@ -175,7 +194,7 @@ async def share_case(a: HostView, b: HostView, request: AgentRequest, settings: 
     hosts = (a, b)
     before = await _compiles(hosts)
     names_a = entry_names(a.skills)
-    fetched_b = find_mirror(await asyncio.to_thread(front_stats, b.url)) or {}
+    fetched_b = await asyncio.to_thread(mirror_counts, b.url)
     for _ in range(settings.sightings):
         await a.sender.send(request, splice=True, max_tokens=1)
 
@@ -190,7 +209,7 @@ async def share_case(a: HostView, b: HostView, request: AgentRequest, settings: 
     async def local_on_b() -> bool:
         if fresh <= entry_names(b.skills):
             return True
-        stats = find_mirror(await asyncio.to_thread(front_stats, b.url)) or {}
+        stats = await asyncio.to_thread(mirror_counts, b.url)
         return int(stats.get("fetched", 0)) - int(fetched_b.get("fetched", 0)) >= len(fresh)
 
     mirrored, mirror_wait = await wait_for(local_on_b, settings.mirror_timeout_s,
@@ -292,9 +311,11 @@ class FetchCost:
 
     @property
     def mirror_s_per_mb(self) -> float | None:
+        """The mirror's own seconds per MB fetched (None: it reports no fetch time)."""
         m = self.mirror or {}
         size = float(m.get("fetched_bytes") or 0)
-        return float(m.get("fetch_s") or 0.0) / (size / 1e6) if size else None
+        seconds = m.get("fetch_s")
+        return float(seconds) / (size / 1e6) if size and seconds is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "s_per_mb": self.s_per_mb,

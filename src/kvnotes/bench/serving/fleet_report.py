@@ -61,6 +61,11 @@ def _share(result: FleetResult) -> list[str]:
         lines.append(f"| {c.id} | {c.tools} | {c.expected} | {c.compiles} | "
                      f"{c.mirror_wait_s:.1f} s{'' if c.mirrored else ' (not yet)'} | "
                      f"{fmt_pct(c.share)} | {c.identical} |")
+    after = result.series.get("after_share") or {}
+    if any(after.values()):
+        lines += ["", "The fronts' store, fleet and mirror series after the part:", ""]
+        lines += [f"- {host}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(values.items())
+                                            if v) for host, values in after.items() if values]
     return lines + [""]
 
 

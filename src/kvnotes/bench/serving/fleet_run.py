@@ -32,9 +32,8 @@ from kvnotes.bench.serving.fleet_parts import (
     ShareSettings,
     TtftRun,
     fetch_cost,
-    find_mirror,
     fleet_compiles,
-    front_stats,
+    mirror_counts,
     share_case,
     ttft_round,
 )
@@ -152,6 +151,7 @@ async def _share(config: FleetBenchConfig, launches: Mapping[str, Launch],
                 f"{case.mirror_wait_s:.1f} s ({case.mirrored}), share on b "
                 f"{'-' if share is None else f'{share:.0%}'}, identical {case.identical}")
         result.compiles = await fleet_compiles((a, b))
+        result.series["after_share"] = await asyncio.to_thread(_metrics, launches)
     finally:
         await a.sender.close()
         await b.sender.close()
@@ -164,7 +164,7 @@ def _cost(config: FleetBenchConfig, launches: Mapping[str, Launch], base: Launch
 
     b = launches[HOSTS[1]]
     assert b.config.skills is not None  # host_config sets the folder
-    result.fetch = fetch_cost(redis_url, find_mirror(front_stats(b.url)))
+    result.fetch = fetch_cost(redis_url, mirror_counts(b.url) or None)
     say(f"cost: fetched {result.fetch.entries} entries ({result.fetch.bytes} bytes) from the "
         f"store in {result.fetch.seconds:.3f} s")
     folder = out / "folder-store"

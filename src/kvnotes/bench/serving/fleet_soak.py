@@ -9,8 +9,8 @@ persistence) and flushes it, each when the given fraction of the requests has be
 answer is checked against the engine afterwards, as the agent soak checks it; the figures are
 cut at each fault (:func:`windows`): requests, failed and wrong answers, and the hit rate
 (spliced requests over requests sent after one of their tools had been seen ``sightings``
-times) before and after it. The fronts' store counters (``/metrics`` series naming ``store``
-or ``mirror``) are read before and after the soak (:func:`store_series`).
+times) before and after it. The fronts' store counters (``/metrics`` series naming ``store``,
+``fleet`` or ``mirror``) are read before and after the soak (:func:`store_series`).
 """
 
 from __future__ import annotations
@@ -213,12 +213,13 @@ def windows(records: Sequence[SoakRecord], events: Sequence[FaultEvent]) -> list
 
 
 def store_series(metrics_text: str) -> dict[str, float]:
-    """A front's ``/metrics`` series that name the store or its mirror (fault and fetch
-    counters), summed over labels."""
+    """A front's ``/metrics`` series that name the store, the fleet or the mirror (faults,
+    publishes and adoptions, fetches), summed over labels."""
     from kvnotes.bench.serving.metrics import parse_prometheus
 
     return {name: value for name, value in parse_prometheus(metrics_text).items()
-            if ("store" in name or "mirror" in name) and not name.endswith("_created")}
+            if any(w in name for w in ("store", "fleet", "mirror"))
+            and not name.endswith("_created")}
 
 
 def series_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
