@@ -66,7 +66,7 @@ def fleet(
                                               "timing")] = 10,
     clients: Annotated[int, typer.Option("--clients", help="Soak clients")] = 4,
     soak_requests: Annotated[int, typer.Option("--soak-requests", help="Soak requests in "
-                                               "all")] = 240,
+                                               "all")] = 80,
     pool_tools: Annotated[int, typer.Option("--pool-tools", help="Soak: tools drawn "
                                             "from")] = 12,
     faults: Annotated[str, typer.Option(

@@ -87,7 +87,7 @@ class FleetBenchConfig:
     rounds: int = 5
     per_round: int = 2
     miss_repeats: int = 10
-    soak: AgentSoakConfig = field(default_factory=lambda: AgentSoakConfig(requests=240))
+    soak: AgentSoakConfig = field(default_factory=lambda: AgentSoakConfig(requests=80))
     soak_cases: int = 40
     faults: tuple[tuple[str, float], ...] = DEFAULT_FAULTS
 
