@@ -151,7 +151,8 @@ def test_share_case_learns_on_a_and_splices_on_b(tmp_path, monkeypatch) -> None:
     b_sender = _FakeSender(hit=lambda: (folder_b / "k1.safetensors").exists())
     a = HostView("a", "http://h/a", folder_a, a_sender)  # type: ignore[arg-type]
     b = HostView("b", "http://h/b", folder_b, b_sender)  # type: ignore[arg-type]
-    settings = ShareSettings(min_tokens=1, learn_timeout_s=5, mirror_timeout_s=5, poll_s=0.01)
+    settings = ShareSettings(min_tokens=1, learn_timeout_s=5, mirror_timeout_s=5, poll_s=0.01,
+                             settle_s=0.0)
     known: set = set()
     case = asyncio.run(share_case(a, b, _request(0), settings, lambda r: [(1, 2, 3)], known))
     assert [s for _, s in a_sender.sent] == [True, True]
@@ -315,3 +316,41 @@ def test_report_and_plot_from_a_synthetic_result(tmp_path: Path) -> None:
     assert "- a: kvnotes_front_fleet_published_total 6" in text
     windows_ = data["soak"]["windows"]
     assert [w["requests"] for w in windows_] == [2, 2, 2]
+
+
+# ---- the hosts and the command ------------------------------------------------------------------
+def test_host_config_puts_each_host_on_its_folder_and_the_store(tmp_path) -> None:
+    from kvnotes.bench.serving.fleet import STORE_FIELDS, host_config
+    from kvnotes.serving.front.config import FrontConfig, LearnConfig
+    from kvnotes.serving.launch.launcher import LaunchConfig
+
+    base = LaunchConfig(model="smollm2-135m", block_size=32)
+    folder = host_config(base, tmp_path / "c", 3, 30.0, None)
+    assert folder.skills == tmp_path / "c" / "skills"
+    assert folder.log_path == tmp_path / "c" / "server.log" and folder.block_size == 32
+    assert folder.front is not None and folder.front.learn is not None
+    assert folder.front.learn.after == 3 and folder.front.guard == 0.0
+    url = "redis://127.0.0.1:6399/0"
+    wired = [n for n in STORE_FIELDS if n in {f.name for f in dataclasses.fields(FrontConfig)}
+             | {f.name for f in dataclasses.fields(LearnConfig)}]
+    if not wired:  # a kvnotes without the fleet wiring is refused before anything starts
+        with pytest.raises(InvalidArgumentError, match="shared-store setting"):
+            host_config(base, tmp_path / "a", 2, 30.0, url)
+        return
+    host = host_config(base, tmp_path / "a", 2, 30.0, url)
+    assert host.front is not None
+    assert url in (getattr(host.front, wired[0], None), getattr(host.front.learn, wired[0], None))
+
+
+def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
+    from typer.testing import CliRunner
+
+    from kvnotes.cli.app import app
+
+    runner = CliRunner()
+    for args, said in ((["--parts", "share,bogus"], "bogus"),
+                       (["--faults", "kill@0.2,flush@0.3"], "restart it first"),
+                       (["--faults", "explode@0.5"], "explode"),
+                       (["--concurrency", "1,x"], "1,x")):
+        result = runner.invoke(app, ["serve-bench", "fleet", "--model", "no-such-model", *args])
+        assert result.exit_code == 2 and said in result.output, result.output

@@ -173,6 +173,7 @@ class ShareSettings:
     learn_timeout_s: float = 120.0
     mirror_timeout_s: float = 60.0
     poll_s: float = 0.5
+    settle_s: float = 1.0  # after the entries reached b's folder, for its catalog's rescan
 
 
 async def _compiles(hosts: Sequence[HostView]) -> dict[str, dict[str, int]]:
@@ -203,7 +204,8 @@ async def share_case(a: HostView, b: HostView, request: AgentRequest, settings: 
         done = sum(_delta(now, before).values()) >= len(new)
         return done or sum(_delta(now, before, "failures").values()) > 0
 
-    learned, waited = await wait_for(compiled, settings.learn_timeout_s, settings.poll_s)
+    met, waited = await wait_for(compiled, settings.learn_timeout_s, settings.poll_s)
+    learned = met and sum(_delta(await _compiles(hosts), before, "failures").values()) == 0
     fresh = entry_names(a.skills) - names_a
 
     async def local_on_b() -> bool:
@@ -214,6 +216,8 @@ async def share_case(a: HostView, b: HostView, request: AgentRequest, settings: 
 
     mirrored, mirror_wait = await wait_for(local_on_b, settings.mirror_timeout_s,
                                            settings.poll_s)
+    if fresh:  # the mirror's write is seen here before b's catalog has rescanned
+        await asyncio.sleep(settings.settle_s)
     known |= new
     first = await b.sender.send(request, splice=True, max_tokens=settings.max_tokens)
     exact = await b.sender.send(request, splice=False, max_tokens=settings.max_tokens)

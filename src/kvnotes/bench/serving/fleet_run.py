@@ -100,12 +100,11 @@ def run_fleet(config: FleetBenchConfig, base: LaunchConfig, engine: Engine, *, o
         result.redis = _redis_info(redis_server)
         say(f"redis-server {result.redis['version']} at {redis_server.url} "
             f"(pid {redis_server.pid})")
-        for name in HOSTS:
-            launches[name] = launcher.prepare(host_config(
-                base, out / "hosts" / name, config.sightings, request_timeout_s,
-                redis_server.url), engine)
         with ExitStack() as stack:
-            for name, launch in launches.items():
+            for name in HOSTS:  # one at a time: each picks its free ports as it starts
+                launch = launches[name] = launcher.prepare(host_config(
+                    base, out / "hosts" / name, config.sightings, request_timeout_s,
+                    redis_server.url), engine)
                 say(f"host {name}: starting vLLM with the connector and the learning front; "
                     f"log: {launch.server.log_path}")
                 stack.enter_context(launch)
@@ -226,6 +225,7 @@ def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch],
                   ) -> SoakTraffic | None:
     from kvnotes.bench.serving.agent_traffic_requests import tool_pool
     from kvnotes.bench.serving.agent_traffic_soak import EntryKeeper
+    from kvnotes.bench.serving.fleet_soak import series_delta
     from kvnotes.serving.library.manifest import ServingManifest
 
     everything = tool_pool(cases)
@@ -243,8 +243,6 @@ def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch],
     records, wall = asyncio.run(_soak_clients(config, launches, redis_server, pool, questions,
                                               keeper, result, timeout, say))
     after = _metrics(launches)
-    from kvnotes.bench.serving.fleet_soak import series_delta
-
     result.soak = {"wall_s": round(wall, 2), "pool_tools": len(pool),
                    "entries_kept": len(keeper.kept), "routing": "request i -> host i % 2",
                    "store_series": {h: series_delta(before.get(h, {}), after[h]) for h in after}}
