@@ -15,12 +15,16 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.serve_bench import bench_app
+
+if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when the command runs
+    from kvnotes.bench.serving.fleet import FleetBenchConfig
+    from kvnotes.serving.launch.launcher import LaunchConfig
 
 
 def _log(line: str) -> None:
@@ -89,11 +93,8 @@ def fleet(
 ) -> None:
     """Two hosts, one Redis store: a tool list learned on one host spliced on the other, what
     the store costs a request, and a soak through both while Redis fails."""
-    import kvnotes
     from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
     from kvnotes.bench.serving.fleet import FleetBenchConfig, check_fleet_wiring
-    from kvnotes.bench.serving.fleet_report import markdown, write_outputs
-    from kvnotes.bench.serving.fleet_run import run_fleet
     from kvnotes.bench.serving.fleet_soak import parse_faults
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.launch.launcher import LaunchConfig
@@ -114,7 +115,17 @@ def fleet(
         check_fleet_wiring()
     except KvnotesError as err:
         raise typer.BadParameter(str(err)) from err
-    engine = kvnotes.load(model)
+    _run(bench, base, out=out, request_timeout=request_timeout, as_json=as_json)
+
+
+def _run(bench: FleetBenchConfig, base: LaunchConfig, *, out: Path, request_timeout: float,
+         as_json: bool) -> None:
+    """Load the model, run the benchmark and write its bundle in ``out``."""
+    import kvnotes
+    from kvnotes.bench.serving.fleet_report import markdown, write_outputs
+    from kvnotes.bench.serving.fleet_run import run_fleet
+
+    engine = kvnotes.load(bench.model)
     out.mkdir(parents=True, exist_ok=True)
     result = run_fleet(bench, base, engine, out=out, request_timeout_s=request_timeout,
                        command="kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
