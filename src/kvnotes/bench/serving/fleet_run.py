@@ -160,6 +160,7 @@ def _cost(config: FleetBenchConfig, launches: Mapping[str, Launch], base: Launch
           engine: Engine, requests: Sequence[AgentRequest], result: FleetResult, *, out: Path,
           timeout: float, redis_url: str, say: Say) -> None:
     from kvnotes.serving.launch import launcher
+    from kvnotes.serving.library.registry import REGISTRY_DIR
 
     b = launches[HOSTS[1]]
     assert b.config.skills is not None  # host_config sets the folder
@@ -167,9 +168,10 @@ def _cost(config: FleetBenchConfig, launches: Mapping[str, Launch], base: Launch
     say(f"cost: fetched {result.fetch.entries} entries ({result.fetch.bytes} bytes) from the "
         f"store in {result.fetch.seconds:.3f} s")
     folder = out / "folder-store"
-    # the folder-store host serves a copy of host b's library: the same entries, local
+    # the folder-store host serves a copy of host b's entries (files, as b's mirror copies are:
+    # not b's learned registry, a database b holds open)
     shutil.copytree(b.config.skills, folder / "skills", dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(".*"))
+                    ignore=shutil.ignore_patterns(".*", REGISTRY_DIR))
     launch = launcher.prepare(host_config(base, folder, config.sightings, timeout, None), engine)
     say(f"cost: starting the folder-store host; log: {launch.server.log_path}")
     with launch:
