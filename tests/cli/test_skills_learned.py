@@ -3,12 +3,14 @@ flags, on a tiny saved model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
 import kvnotes
 from kvnotes.cli import app
-from kvnotes.cli.serve import learn_config, serve_block_size
+from kvnotes.cli.serve import ServeOptions
 from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import LearnConfig
@@ -81,22 +83,31 @@ def test_unknown_short_and_registered_keys_are_clear_errors(served, command):
     assert lib.entry_path(registered).exists()
 
 
+def _learning(**flags) -> LearnConfig | None:
+    return ServeOptions(skills=Path("x"), **flags).learn_config()
+
+
 def test_serve_learning_flags():
-    assert learn_config(False, 2, 32, None, None) is None
-    cfg = learn_config(True, 3, 16, "256MiB", "1MB")
+    assert _learning() is None
+    cfg = _learning(learn=True, learn_after=3, learn_min_tokens=16, library_cap="256MiB",
+                    tenant_quota="1MB")
     assert cfg == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
                               tenant_quota=10**6)
-    assert learn_config(True, 2, 32, None, None, 2).max_variants == 2
-    assert learn_config(True, 2, 32, None, None).compile_nice == 15
-    assert learn_config(True, 2, 32, None, None, 4, 19).compile_nice == 19
-    assert serve_block_size(None, learn=True) == 32
-    assert serve_block_size(None, learn=False) is None
-    assert serve_block_size(128, learn=True) == 128
+    assert _learning(learn=True) == LearnConfig()  # the library's defaults, all of them
+    assert _learning(learn=True, learn_max_variants=2).max_variants == 2
+    assert _learning(learn=True, learn_compile_nice=19).compile_nice == 19
+    # vLLM's block: the one given, else the library's for a learning front, else vLLM's
+    opts = ServeOptions(skills=Path("x"), learn=True)
+    assert opts.launch_config(opts.front_config()).block_size == LearnConfig().block_size == 32
+    plain = ServeOptions(skills=Path("x"))
+    assert plain.launch_config(plain.front_config()).block_size is None
+    given = ServeOptions(skills=Path("x"), learn=True, block_size=128)
+    assert given.launch_config(given.front_config()).block_size == 128
     result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--learn-compile-nice",
                                  "20"])
     assert result.exit_code == 2 and "--learn-compile-nice" in result.output
-    with pytest.raises(InvalidArgumentError, match="--learn"):
-        learn_config(False, 2, 32, "1GiB", None)
+    with pytest.raises(InvalidArgumentError, match="add --learn"):
+        _learning(library_cap="1GiB")
     result = runner.invoke(app, ["serve", "--skills", "x", "--library-cap", "1GiB"])
     assert result.exit_code == 2 and "add --learn" in result.output
     result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--no-front"])

@@ -26,6 +26,7 @@ PACKAGE = SRC / "kvnotes"
 # rank of a module: it may import modules of the same or a lower rank only
 CORE_RANKS = {
     "kvnotes.core.errors": 0,
+    "kvnotes.core.sizes": 1,  # over errors
     "kvnotes.core.jsontext": 0,
     "kvnotes.core.positions": 1,
     "kvnotes.core.fingerprint": 1,

@@ -67,10 +67,10 @@ def error_of(resp: httpx2.Response) -> dict[str, Any]:
 def settled(front: Front, timeout: float = 5.0) -> None:
     """Every slot back (the in-flight count, and its gauge, at 0)."""
     deadline = time.monotonic() + timeout
-    while front._in_flight and time.monotonic() < deadline:
+    while front.service.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert front._in_flight == 0
-    assert front.metrics.in_flight._value.get() == 0
+    assert front.service.in_flight == 0
+    assert front.service.metrics.in_flight._value.get() == 0
 
 
 def healthy(front: Front, headers: dict[str, str] | None = None, *, during: bool = False

@@ -73,7 +73,7 @@ def test_completion_sends_phases_then_the_spliced_request(front, fake, client, t
     texts = [HEADER, BAGGAGE, REFUNDS, USER]
     got = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=5,
                                     temperature=0.0)
-    ids, plan = expected_plan(tokenizer, front.catalog, texts)
+    ids, plan = expected_plan(tokenizer, front.service.catalog, texts)
     assert plan.phase_ends  # the second skill's repaired region needs a phase
     sent = fake.posted()
     phases, real = sent[:-1], sent[-1]
@@ -101,7 +101,7 @@ def test_completion_without_max_tokens_keeps_vllms_default(front, fake, client):
 
 def test_token_id_prompt_is_split_where_pieces_occur(front, fake, tokenizer):
     texts = [HEADER, REFUNDS, USER]
-    ids, plan = expected_plan(tokenizer, front.catalog, texts)
+    ids, plan = expected_plan(tokenizer, front.service.catalog, texts)
     resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert resp.status_code == 200, resp.text
@@ -113,7 +113,7 @@ def test_tenant_and_repair_options_set_salt_and_plan(front, fake, client, tokeni
     texts = [HEADER, BAGGAGE, REFUNDS, USER]
     client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=2,
                               extra_body={"kvnotes": {"tenant": "acme", "repair": 16}})
-    ids, plan = expected_plan(tokenizer, front.catalog, texts, tenant="acme", first=16)
+    ids, plan = expected_plan(tokenizer, front.service.catalog, texts, tenant="acme", first=16)
     assert "acme" in plan.salt
     sent = fake.posted()
     assert {b["cache_salt"] for b in sent} == {plan.salt}
@@ -180,7 +180,7 @@ def chat_messages() -> list[dict[str, str]]:
 def test_chat_is_rendered_matched_and_answered_as_chat(front, fake, client, tokenizer):
     got = client.chat.completions.create(model=MODEL, messages=chat_messages(), temperature=0)
     text = render_chat(tokenizer, chat_messages())
-    found = front.catalog.find(text)
+    found = front.service.catalog.find(text)
     assert [p.skill.name for p in found if p.skill] == ["header", "refunds"]
     real = fake.posted()[-1]
     assert real["prompt"] == [t for p in part_ids(tokenizer, [p.text for p in found]) for t in p]

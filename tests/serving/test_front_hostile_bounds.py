@@ -145,11 +145,11 @@ def test_one_client_never_holds_every_planning_thread(make_front, tmp_path: Path
     attackers = [threading.Thread(target=attack) for _ in range(3)]
     for t in attackers:
         t.start()
-    bad = front.client_of("Bearer sk-bad", "")
+    bad = front.service.client_of("Bearer sk-bad", "")
     deadline = time.monotonic() + 5
-    while front.plan_turns.planning(bad) < 3 and time.monotonic() < deadline:
+    while front.service.plan_turns.planning(bad) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)  # read and checked: the first attack plans, the others wait their turn
-    assert front.plan_turns.planning(bad) == 3
+    assert front.service.plan_turns.planning(bad) == 3
     healthy(front, headers={"authorization": "Bearer sk-good"}, during=True)
     for t in attackers:
         t.join()

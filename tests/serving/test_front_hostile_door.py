@@ -148,8 +148,8 @@ STEPS = {  # where a fault is injected: (what to patch, its name, stream, the st
 @pytest.mark.parametrize("step", list(STEPS))
 def test_a_fault_at_any_step_gives_its_slot_back(front, monkeypatch, step):
     where, name, stream, status = STEPS[step]
-    target = {"front": front, "proxy": front.proxy, "up": front.up,
-              "metrics": front.metrics}.get(where, where) if isinstance(where, str) else where
+    target = {"front": front.service, "proxy": front.service.proxy, "up": front.service.up,
+              "metrics": front.service.metrics}.get(where, where) if isinstance(where, str) else where
     original = getattr(target, name)
     is_async = asyncio.iscoroutinefunction(original)
     monkeypatch.setattr(target, name, _aboom if is_async else _boom)
@@ -175,7 +175,7 @@ def test_a_fault_at_any_step_gives_its_slot_back(front, monkeypatch, step):
 
 
 def test_the_log_keeps_the_fault_with_the_request_id(front, monkeypatch, caplog):
-    monkeypatch.setattr(front.proxy, "spliced", _aboom)
+    monkeypatch.setattr(front.service.proxy, "spliced", _aboom)
     caplog.set_level("INFO", logger="kvnotes.serving.front")
     resp = completion(front, headers={"x-request-id": "req-fault-1"})
     assert resp.status_code == 500
@@ -200,14 +200,14 @@ def test_a_client_leaving_mid_body_or_mid_plan_gives_its_slot_back(front, monkey
         _send_and_leave(front, head + b'{"prompt": "x', after=0.05)  # mid-body
     settled(front)
     started = threading.Event()
-    plan = front._plan
+    plan = front.service._plan
 
     def slow_plan(*args: Any) -> Any:
         started.set()
         time.sleep(0.5)
         return plan(*args)
 
-    monkeypatch.setattr(front, "_plan", slow_plan)
+    monkeypatch.setattr(front.service, "_plan", slow_plan)
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
     request = head.replace(b"1000", str(len(body)).encode()) + body
     for _ in range(4):  # mid-plan

@@ -53,7 +53,7 @@ def test_metrics_need_the_operators_or_the_metrics_key(upstream, published, toke
             assert resp.status_code == 200
         text = resp.text
         assert 'kvnotes_front_variant_spliced_total{owner="registered"} 2.0' in text
-        for name in ("refunds", "header", *front.variant_hits.used):  # no entry is a label
+        for name in ("refunds", "header", *front.service.variant_hits.used):  # no entry is a label
             assert name not in text
         healthy(front, headers=acme)
 

@@ -314,7 +314,7 @@ def test_a_client_leaving_cancels_its_upstream_request(make_front, fake):
     while front.stats["disconnected"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert front.stats["disconnected"] == 1
-    assert front._in_flight == 0
+    assert front.service.in_flight == 0
     fake.fault = None
     still_serving(front)
 
@@ -328,7 +328,7 @@ def test_requests_past_the_bound_get_429(make_front, fake):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 2.5  # both admitted (a loaded machine may take a while)
-    while front._in_flight < 2 and time.monotonic() < deadline:
+    while front.service.in_flight < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     resp = completion(front)
     assert resp.status_code == 429 and error_of(resp)["type"] == "RateLimitError"
@@ -461,10 +461,10 @@ def test_one_log_line_per_request(front, caplog):
 
 def test_every_planning_thread_has_its_tokenizer_before_the_first_request(make_front):
     front = make_front(plan_workers=3)
-    pool = front._pool
+    pool = front.service._pool
     assert pool is not None and len(pool._threads) == 3  # started with the front, not per request
     copies = {id(t) for t in _planner_tokenizers(front)}
-    assert len(copies) == 3 and id(front.catalog.tokenizer) not in copies
+    assert len(copies) == 3 and id(front.service.catalog.tokenizer) not in copies
 
 
 def _planner_tokenizers(front: Front) -> list[Any]:
@@ -475,11 +475,11 @@ def _planner_tokenizers(front: Front) -> list[Any]:
     ready = threading.Barrier(front.config.plan_workers)
 
     def read() -> None:
-        held.append(front._local.tokenizer)
+        held.append(front.service._local.tokenizer)
         ready.wait(timeout=10)
 
-    assert front._pool is not None
-    futures = [front._pool.submit(read) for _ in range(front.config.plan_workers)]
+    assert front.service._pool is not None
+    futures = [front.service._pool.submit(read) for _ in range(front.config.plan_workers)]
     for f in futures:
         f.result(timeout=10)
     return held
@@ -491,7 +491,7 @@ def test_a_planning_failure_is_answered_exactly(make_front, fake, monkeypatch):
     def broken(*args: Any) -> Any:
         raise RuntimeError("Already borrowed")
 
-    monkeypatch.setattr(front, "_plan", broken)
+    monkeypatch.setattr(front.service, "_plan", broken)
     resp = completion(front)
     assert resp.status_code == 200
     assert resp.headers[REASON_HEADER].startswith("forwarded: plan_error")
@@ -521,3 +521,39 @@ def test_an_answer_closes_its_upstream_response_even_before_its_stream_starts():
     reply = Reply(200, stream=chunks(), upstream=Upstream())
     asyncio.run(reply.close())
     assert Upstream.closed == 1
+
+
+# ---- the front's shape -----------------------------------------------------------------------
+def test_the_front_holds_its_service_and_its_routes_ask_it(front, monkeypatch):
+    from kvnotes.serving.front.call import Reply
+    from kvnotes.serving.front.service import FrontService
+
+    assert isinstance(front.service, FrontService) and not isinstance(front, FrontService)
+    assert front.config is front.service.config
+
+    async def models(authorization: str | None) -> Reply:
+        return Reply(200, {"content-type": "application/json"}, b'{"data": []}')
+
+    # a route is a call of the service's public method: replace the method, the route follows
+    monkeypatch.setattr(front.service, "models", models)
+    assert httpx2.get(front.url + "/v1/models", timeout=10).json() == {"data": []}
+
+
+def test_a_client_with_its_answer_sees_it_counted_and_its_slot_back(front):
+    for n in range(1, 4):
+        resp = completion(front)
+        assert resp.status_code == 200, resp.text
+        # the admission exited before the last bytes went out: nothing to wait for
+        assert front.service.in_flight == 0
+        assert front.stats["spliced"] == n
+
+
+def test_in_flight_changes_only_in_the_admission():
+    import re
+
+    import kvnotes.serving.front as package
+
+    folder = Path(package.__file__).parent
+    pattern = re.compile(r"\.(take|give_back|release)\(\)")
+    assert [p.name for p in sorted(folder.glob("*.py"))
+            if pattern.search(p.read_text("utf-8"))] == ["admission.py"]

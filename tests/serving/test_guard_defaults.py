@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -16,6 +19,7 @@ from kvnotes.core.model_defaults import (
     model_defaults,
 )
 from kvnotes.core.repair import DEFAULT_REPAIR
+from kvnotes.serving.front.config import FrontConfig, LearnConfig
 from kvnotes.serving.front.guard_defaults import parse_guard, resolve_guard
 from kvnotes.serving.launch import launcher as launch_mod
 
@@ -77,7 +81,8 @@ def test_auto_resolves_from_the_table_and_an_explicit_value_wins(table):
     assert resolve_guard("1.5", "near-tie-model")[0] == 1.5
 
 
-def _served_guard(tmp_path, monkeypatch, *flags: str) -> tuple[float, str]:
+def _served(tmp_path, monkeypatch, *flags: str) -> tuple[launch_mod.LaunchConfig, str]:
+    """The launch ``kvnotes serve --model calibrated-model FLAGS`` asks for, and its output."""
     seen = []
 
     def fake_prepare(config, engine=None):
@@ -89,7 +94,14 @@ def _served_guard(tmp_path, monkeypatch, *flags: str) -> tuple[float, str]:
     result = CliRunner().invoke(app, ["serve", "--model", "calibrated-model", "--skills",
                                       str(tmp_path / "s"), *flags])
     assert seen, result.output
-    return seen.pop().front.guard, result.output
+    return seen.pop(), result.output
+
+
+def _served_guard(tmp_path, monkeypatch, *flags: str) -> tuple[float, str]:
+    config, output = _served(tmp_path, monkeypatch, *flags)
+    assert config.front is not None
+    # the guard as the launcher's front runs it (its model: the served name)
+    return dataclasses.replace(config.front, model=config.name).guard_tau(), output
 
 
 def test_serve_takes_the_calibrated_guard_unless_told(tmp_path, monkeypatch, table):
@@ -97,6 +109,55 @@ def test_serve_takes_the_calibrated_guard_unless_told(tmp_path, monkeypatch, tab
     assert tau == 0.4 and "guard: 0.4 for calibrated-model" in output
     assert _served_guard(tmp_path, monkeypatch, "--guard", "0")[0] == 0.0
     assert _served_guard(tmp_path, monkeypatch, "--guard", "0.7")[0] == 0.7
+
+
+def test_the_library_and_the_launcher_get_the_calibrated_guard(table):
+    assert FrontConfig(model="calibrated-model").guard_tau() == 0.4
+    assert FrontConfig(model="/models/calibrated-model.gguf").guard_tau() == 0.4
+    assert FrontConfig(model="near-tie-model").guard_tau() == 0.0
+    assert FrontConfig(model="unmeasured").guard_tau() == 0.0
+    assert FrontConfig().guard_tau() == 0.0  # no model named: none known
+    assert FrontConfig().guard_tau("calibrated-model") == 0.4  # the name vLLM serves
+    assert FrontConfig(model="calibrated-model", guard=0.0).guard_tau() == 0.0  # told: off
+    assert FrontConfig(model="calibrated-model", guard=1.5).guard_tau("x") == 1.5
+    launch = launch_mod.LaunchConfig(model="calibrated-model", skills=Path("s"),
+                                     front=FrontConfig())
+    assert launch.front is not None
+    assert dataclasses.replace(launch.front, model=launch.name).guard_tau() == 0.4
+
+
+def test_the_cli_and_the_library_get_the_same_defaults(tmp_path, monkeypatch, table):
+    """``kvnotes serve`` with no option builds the configs the library defaults to."""
+    config, _ = _served(tmp_path, monkeypatch)
+    library = launch_mod.LaunchConfig(model="calibrated-model", skills=config.skills,
+                                      front=FrontConfig())
+    assert config == library
+    learning, _ = _served(tmp_path, monkeypatch, "--learn")
+    assert learning == dataclasses.replace(library, block_size=None,
+                                           front=FrontConfig(learn=LearnConfig()))
+    assert learning.block_size == LearnConfig().block_size
+
+
+def test_the_front_runs_the_served_models_guard(table):
+    import asyncio
+
+    from kvnotes.serving.front.service import FrontService
+    from kvnotes.serving.planning.request import FrontOptions
+
+    class Served:
+        async def model(self) -> str:
+            return "calibrated-model"
+
+    def guard_of(config: FrontConfig, opts: FrontOptions) -> float:
+        service = FrontService.__new__(FrontService)  # no pool, no metrics: guard_of alone
+        service.config, service.up = config, Served()  # type: ignore[assignment]
+        return asyncio.run(service.guard_of(opts))
+
+    upstream = "http://127.0.0.1:9"
+    assert guard_of(FrontConfig(upstream=upstream), FrontOptions()) == 0.4
+    assert guard_of(FrontConfig(upstream=upstream, model="near-tie-model"), FrontOptions()) == 0
+    assert guard_of(FrontConfig(upstream=upstream, guard=0.2), FrontOptions()) == 0.2
+    assert guard_of(FrontConfig(upstream=upstream), FrontOptions(guard=0.9)) == 0.9
 
 
 def test_serve_refuses_a_bad_guard_before_loading_the_model(tmp_path, monkeypatch):

@@ -169,9 +169,9 @@ def test_front_runs_in_front_of_the_launched_server(engine, exported, tmp_path):
     launch = prepare(config, engine)
     front = launch.front
     assert front is not None and config.port is None  # vLLM on a free port
-    assert front.upstream == launch.server.url
+    assert front.service.upstream == launch.server.url
     assert front.config.block_size == 32 and front.config.repair == 16
-    assert front.catalog.folder == launch.skills.folder
+    assert front.service.catalog.folder == launch.skills.folder
     events: list[str] = []
     launch.server = _StubServer(events)  # type: ignore[assignment]
     with launch:
@@ -256,11 +256,11 @@ def test_a_learning_front_gets_a_learner_over_the_launched_skills(engine, export
     config = LaunchConfig(model="tiny", block_size=32, skills=tmp_path / "skills",
                           vllm_python=sys.executable, front=FrontConfig(learn=learn))
     launch = prepare(config, engine)
-    assert launch.front is not None and launch.front.learner is not None
-    assert launch.front.learner.config == learn
-    assert launch.front.learner.skills is launch.skills
+    assert launch.front is not None and launch.front.service.learner is not None
+    assert launch.front.service.learner.config == learn
+    assert launch.front.service.learner.skills is launch.skills
     plain = prepare(replace(config, front=FrontConfig()), engine)
-    assert plain.front is not None and plain.front.learner is None
+    assert plain.front is not None and plain.front.service.learner is None
 
 
 def test_serve_passes_the_learning_flags_to_the_front(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import KvnotesError
 
 if TYPE_CHECKING:  # the CLI starts fast: the agent is imported when a command runs
+    from kvnotes.apps.agent import Event, KvnotesAgent, SkillBook
     from kvnotes.bench.agent.run import AgentBenchConfig
     from kvnotes.bench.agent.summary import BenchSummary
 
@@ -180,15 +181,7 @@ def agent_interactive(
     carry_record: bool = _carry_option(),
 ) -> None:
     """One interactive episode: requests and state changes typed in the terminal."""
-    from kvnotes.apps.agent import (
-        FIELDS,
-        AgentConfig,
-        Event,
-        KvnotesAgent,
-        SkillBook,
-        route,
-        scripted_episode,
-    )
+    from kvnotes.apps.agent import AgentConfig, KvnotesAgent, SkillBook, scripted_episode
 
     try:
         config = AgentConfig(order=order, tool_calls=tool_calls, guard=guard, variants=variants,
@@ -203,52 +196,73 @@ def agent_interactive(
         return
     typer.echo(f"{engine!r}; skills ready ({book.library.hits} loaded, "
                f"{book.library.misses} compiled).\n{HELP}")
+    _session(agent, book)
+    sys.stdout.flush()
+
+
+def _session(agent: KvnotesAgent, book: SkillBook) -> None:
+    """Read lines until /quit or end of input: a slash command, or a customer request."""
     pending: list[Event] = []
     while True:
         try:
             line = input("> ").strip()
         except (EOFError, KeyboardInterrupt):
             typer.echo("")
-            break
+            return
         if not line:
             continue
         if line in ("/quit", "/exit"):
-            break
+            return
         try:
-            if line == "/state":
-                state = agent.state.apply(pending) if agent.state else None
-                typer.echo(state.render() if state else "(no record)")
-            elif line == "/fields":
-                typer.echo(", ".join(FIELDS))
-            elif line == "/skills":
-                typer.echo(", ".join(book.names))
-            elif line.startswith("/set"):
-                parts = line.split(maxsplit=2)
-                if len(parts) < 3:
-                    typer.echo("usage: /set FIELD VALUE")
-                    continue
-                pending.append(Event(parts[1], parts[2], "typed"))
-                typer.echo(f"queued: {parts[1]} = {parts[2]} (the record is rewritten at the next request)")
-            elif line.startswith("/"):
-                typer.echo(HELP)
+            if line.startswith("/"):
+                _slash_command(line, agent, book, pending)
             else:
-                request = route(line)
-                result = agent.turn(request, pending)
+                _request(line, agent, pending)
                 pending = []
-                d = result.decision
-                scores = ", ".join(f"{k} {v:.2f}" for k, v in d.scores.items())
-                typer.echo(f"decision: {d.answer}   [{request.kind}; log-probs {scores}]")
-                if d.guard is not None and d.guard.fired:
-                    typer.echo(f"guard: margin {d.guard.fast_margin:.2f} < {d.guard.tau}; "
-                               f"re-decided on exact notes ({d.guard.tokens} tokens recomputed"
-                               f"{', changed from ' + str(d.guard.fast_answer) if d.guard.changed else ''})")
-                if result.tool_call is not None:
-                    tc = result.tool_call
-                    typer.echo(f"tool call: {tc.tool} {tc.args}" if tc.ok
-                               else f"tool call malformed: {tc.error}\n  raw: {tc.raw!r}")
-                typer.echo(f"reused {result.tokens_reused} tokens, computed "
-                           f"{result.tokens_computed}, notebook {result.notebook_len} tokens, "
-                           f"{result.latency_s * 1000:.0f} ms")
         except KvnotesError as err:
             typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    sys.stdout.flush()
+
+
+def _slash_command(line: str, agent: KvnotesAgent, book: SkillBook,
+                   pending: list[Event]) -> None:
+    """``/state``, ``/fields``, ``/skills``, ``/set FIELD VALUE`` (queued in ``pending``)."""
+    from kvnotes.apps.agent import FIELDS, Event
+
+    if line == "/state":
+        state = agent.state.apply(pending) if agent.state else None
+        typer.echo(state.render() if state else "(no record)")
+    elif line == "/fields":
+        typer.echo(", ".join(FIELDS))
+    elif line == "/skills":
+        typer.echo(", ".join(book.names))
+    elif line.startswith("/set"):
+        parts = line.split(maxsplit=2)
+        if len(parts) < 3:
+            typer.echo("usage: /set FIELD VALUE")
+            return
+        pending.append(Event(parts[1], parts[2], "typed"))
+        typer.echo(f"queued: {parts[1]} = {parts[2]} (the record is rewritten at the next "
+                   "request)")
+    else:
+        typer.echo(HELP)
+
+
+def _request(line: str, agent: KvnotesAgent, pending: list[Event]) -> None:
+    """One customer request, with the record changes queued before it: its decision."""
+    from kvnotes.apps.agent import route
+
+    request = route(line)
+    result = agent.turn(request, pending)
+    d = result.decision
+    scores = ", ".join(f"{k} {v:.2f}" for k, v in d.scores.items())
+    typer.echo(f"decision: {d.answer}   [{request.kind}; log-probs {scores}]")
+    if d.guard is not None and d.guard.fired:
+        changed = f", changed from {d.guard.fast_answer}" if d.guard.changed else ""
+        typer.echo(f"guard: margin {d.guard.fast_margin:.2f} < {d.guard.tau}; re-decided on "
+                   f"exact notes ({d.guard.tokens} tokens recomputed{changed})")
+    if result.tool_call is not None:
+        tc = result.tool_call
+        typer.echo(f"tool call: {tc.tool} {tc.args}" if tc.ok
+                   else f"tool call malformed: {tc.error}\n  raw: {tc.raw!r}")
+    typer.echo(f"reused {result.tokens_reused} tokens, computed {result.tokens_computed}, "
+               f"notebook {result.notebook_len} tokens, {result.latency_s * 1000:.0f} ms")

@@ -12,6 +12,7 @@ Both are checked before any weights are read (:func:`kvnotes.core.validate.model
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,25 @@ if TYPE_CHECKING:
 
 DEVICE_HELP = "torch device for the model: cpu, cuda, cuda:1, mps (checked before loading)"
 DTYPE_HELP = "model dtype: float32, bfloat16, float16 or float64"
+
+
+def default_of(config: type, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``config``: a command's option defaults are
+    the library configs', read from them, never written again.
+
+    Example:
+        >>> from kvnotes.serving.front.config import LearnConfig
+        >>> default_of(LearnConfig, "after")
+        2
+    """
+    for f in dataclasses.fields(config):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise AssertionError(f"{config.__name__}.{name} has no default")
+    raise AssertionError(f"{config.__name__} has no field {name!r}")
 
 
 def device_option(default: str = "cpu") -> Any:

@@ -1,29 +1,247 @@
-"""``kvnotes serve`` and ``kvnotes skills``: vLLM with kvnotes' connector, and its skills folder."""
+"""``kvnotes serve``: vLLM with kvnotes' connector behind the OpenAI front.
+
+The command gathers its options in :class:`ServeOptions` (one field per option: a new option is
+a field, an ``Annotated`` alias and a line in :func:`serve`), which turns them into the
+library's configs (:meth:`ServeOptions.front_config`, :meth:`ServeOptions.launch_config`). Every
+default is the library's: an option left out is a field the config leaves at its own default
+(the front's repair, the served model's calibrated guard, a learning server's KV block size,
+the learning bounds), so ``kvnotes serve`` runs what ``LaunchConfig(front=FrontConfig())`` runs.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
+from kvnotes.cli.options import default_of
+from kvnotes.cli.skills import skill_files
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
-from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
-
-# vLLM's KV block for a learning server: repair regions are rounded up to blocks, and agent
-# traffic's chunks are short, so at the CPU build's default 128 rounding costs 14-16 points of
-# the spliced share (docs/results.md, agent traffic)
-LEARN_BLOCK_SIZE = 32
+from kvnotes.core.repair import Repair, parse_repair, repair_spelling
+from kvnotes.serving.front.config import FrontConfig, LearnConfig
+from kvnotes.serving.launch.launcher import LaunchConfig
 
 if TYPE_CHECKING:
-    from kvnotes.serving.front.config import LearnConfig
-    from kvnotes.serving.library.registry import LearnedEntry
+    from kvnotes.serving.launch.launcher import Launch
+
+FRONT_REPAIR = repair_spelling(FrontConfig().repair_for(None))
 
 
-# ---- composition inside vLLM ---------------------------------------------------------------------
+# ---- the options ------------------------------------------------------------------------------
+Model = Annotated[str, typer.Option("--model", help="Model alias, .gguf file or HF folder")]
+Skills = Annotated[Path, typer.Option(
+    "--skills", help="Skill-library folder (created if missing); skills registered there are "
+    "spliced, also while the server runs")]
+SkillFiles = Annotated[list[Path] | None, typer.Option(
+    "--skill", help="Text file to register as a skill at start (repeatable; its name is the "
+    "file's stem)")]
+Header = Annotated[Path | None, typer.Option(
+    "--header", help="Text file of the system header requests start with: registered as a "
+    "piece, and --skill files are compiled behind it (closer to a full prefill)")]
+Port = Annotated[int | None, typer.Option(
+    "--port", help="Port clients use (the OpenAI front's, or vLLM's with --no-front; default: "
+    "a free one)")]
+Host = Annotated[str, typer.Option(
+    "--host", help="Address the front listens on (0.0.0.0: every interface; give --api-key or "
+    "--key-file then). vLLM itself stays on 127.0.0.1")]
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="KVNOTES_API_KEY", help="Key clients must send (Authorization: Bearer "
+    "KEY) on /v1 and /kvnotes")]
+KeyFile = Annotated[Path | None, typer.Option(
+    "--key-file", help='JSON {"keys": {"KEY": {"tenant": "NAME"}}}: each key\'s requests are '
+    "spliced in its tenant")]
+MetricsKey = Annotated[str | None, typer.Option(
+    "--metrics-key", envvar="KVNOTES_METRICS_KEY", help="A key for the front's /metrics alone "
+    "(a scraper's); with keys on, /metrics needs it or --api-key")]
+NoFront = Annotated[bool, typer.Option(
+    "--no-front", help="Serve vLLM on --port directly, with no OpenAI front (clients send token "
+    "ids and the splice salt themselves, e.g. ComposeClient)")]
+RepairOption = Annotated[str | None, typer.Option(
+    "--repair", help="Front: what each spliced skill recomputes in context: K its first K "
+    "tokens (0: a bare splice), K@F at least the share F of it (e.g. 32@0.1), rounded up to "
+    f"the block (default: the front's, {FRONT_REPAIR})")]
+Guard = Annotated[str, typer.Option(
+    "--guard", help="Front: answer from an exact request when the first token's top-2 "
+    "log-prob margin is under this tau: auto (the model's calibrated default, off for a model "
+    "without one), 0 (never) or a margin such as 0.5")]
+Dtype = Annotated[str, typer.Option(
+    "--dtype", help="Server dtype: auto (bfloat16 where the CPU has native bf16, else "
+    "float32), float32 or bfloat16")]
+BlockSize = Annotated[int | None, typer.Option(
+    "--block-size", help="vLLM KV block size (CPU: a multiple of 32; default 128, "
+    f"{default_of(LearnConfig, 'block_size')} with --learn)")]
+MaxModelLen = Annotated[int, typer.Option("--max-model-len")]
+KvCacheGib = Annotated[float, typer.Option(
+    "--kv-cache-gib", help="CPU KV cache size in whole GiB (vLLM's CPU build takes no "
+    "fractions)")]
+VllmPython = Annotated[str | None, typer.Option(
+    "--vllm-python", help="Python of the vLLM environment (default .venv-vllm/bin/python)")]
+Log = Annotated[Path | None, typer.Option("--log", help="Server log file (default: in $TMPDIR)")]
+StartupTimeout = Annotated[float, typer.Option("--startup-timeout")]
+RequestLog = Annotated[bool, typer.Option(
+    "--request-log/--no-request-log", help="One JSON line per request on stderr (the front's "
+    "INFO log: id, tenant, plan, outcome)")]
+Learn = Annotated[bool, typer.Option(
+    "--learn", help="Front: learn the chunks requests carry (each tools entry, each text "
+    "content part): compiled in the background once seen --learn-after times per tenant, then "
+    "spliced; no request waits for a compile")]
+LearnAfter = Annotated[int, typer.Option(
+    "--learn-after", help="With --learn: the sighting at which a chunk is compiled")]
+LearnMinTokens = Annotated[int, typer.Option(
+    "--learn-min-tokens", help="With --learn: shorter chunks are never learned")]
+LibraryCap = Annotated[str | None, typer.Option(
+    "--library-cap", help="With --learn: bytes of learned entries kept (e.g. 256MiB, 1GB: "
+    "K/M/G are powers of 1000, KiB/MiB/GiB of 1024); least recently used evicted beyond it "
+    "(default: no cap)")]
+TenantQuota = Annotated[str | None, typer.Option(
+    "--tenant-quota", help="With --learn: bytes of learned entries one tenant keeps (e.g. "
+    "64MiB)")]
+LearnMaxVariants = Annotated[int, typer.Option(
+    "--learn-max-variants", min=1, help="With --learn: learned entries kept per skill (the "
+    "skill behind each predecessor seen --learn-after times before it); least recently used "
+    "evicted beyond it")]
+LearnCompileNice = Annotated[int, typer.Option(
+    "--learn-compile-nice", min=0, max=19, help="With --learn: the compile thread's nice "
+    "value; on a saturated core it gets a fixed share (15: 3.4%, 19: 1.4%, 0: half), on an "
+    "idle one all of it")]
+StoreUrl = Annotated[str | None, typer.Option(
+    "--store", help="A Redis store the fleet of hosts shares (redis://HOST:PORT/DB, rediss:// "
+    "for TLS; the password in the URL or in --store-password-file): its entries are copied "
+    "into --skills in the background, and with --learn sightings, compiles and the library's "
+    "cap are the fleet's. Default: this host's folder alone")]
+StorePasswordFile = Annotated[Path | None, typer.Option(
+    "--store-password-file", help="File whose first line is the store's password (kept out "
+    "of the URL and the process list)")]
+VllmArgs = Annotated[list[str] | None, typer.Argument(
+    metavar="[-- VLLM_FLAGS...]", help="vLLM flags after --, passed unchanged (e.g. -- "
+    "--tensor-parallel-size 2 --gpu-memory-utilization 0.8); what the connector cannot run "
+    "with is refused")]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """``kvnotes serve``'s options, one field each (defaults: the library configs')."""
+
+    skills: Path
+    model: str = default_of(LaunchConfig, "model")
+    skill: tuple[Path, ...] = ()
+    header: Path | None = None
+    port: int | None = None
+    host: str = default_of(FrontConfig, "host")
+    api_key: str | None = None
+    key_file: Path | None = None
+    metrics_key: str | None = None
+    no_front: bool = False
+    repair: str | None = None
+    guard: str = "auto"
+    dtype: str = default_of(LaunchConfig, "dtype")
+    block_size: int | None = None
+    max_model_len: int = default_of(LaunchConfig, "max_model_len")
+    kv_cache_gib: float = default_of(LaunchConfig, "kv_cache_gib")
+    vllm_python: str | None = None
+    log: Path | None = None
+    startup_timeout: float = default_of(LaunchConfig, "startup_timeout")
+    request_log: bool = True
+    learn: bool = False
+    learn_after: int = default_of(LearnConfig, "after")
+    learn_min_tokens: int = default_of(LearnConfig, "min_tokens")
+    library_cap: str | None = None
+    tenant_quota: str | None = None
+    learn_max_variants: int = default_of(LearnConfig, "max_variants")
+    learn_compile_nice: int = default_of(LearnConfig, "compile_nice")
+    store: str | None = None
+    store_password_file: Path | None = None
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        """The refusals that need no model (a bad option fails before any weights load)."""
+        from kvnotes.serving.front.guard_defaults import parse_guard
+        from kvnotes.serving.vllm.checks import check_vllm_args
+
+        if self.no_front and (self.api_key or self.key_file or self.metrics_key
+                              or self.host != default_of(FrontConfig, "host")):
+            raise InvalidArgumentError("--host, --api-key, --key-file and --metrics-key are the "
+                                       "front's: drop --no-front, or pass vLLM's own flags "
+                                       "after --")
+        if self.no_front and self.learn:
+            raise InvalidArgumentError("--learn is the front's (it sees the requests' chunks): "
+                                       "drop --no-front")
+        if not self.learn and (self.library_cap is not None or self.tenant_quota is not None):
+            raise InvalidArgumentError("--library-cap and --tenant-quota bound learned "
+                                       "entries: add --learn")
+        self._check_store()
+        check_vllm_args(list(self.vllm_args))
+        parse_guard(self.guard)
+        if self.repair is not None:
+            server_repair_spelled(self.repair)
+
+    def _check_store(self) -> None:
+        """``--store``'s URL and password file, read before any weights load."""
+        from kvnotes.serving.store.url import parse_store_url, read_password_file
+
+        if self.store is None:
+            if self.store_password_file is not None:
+                raise InvalidArgumentError("--store-password-file is the --store's: add "
+                                           "--store redis://HOST:PORT/DB")
+            return
+        if self.no_front:
+            raise InvalidArgumentError("--store is the front's (it mirrors and learns): drop "
+                                       "--no-front")
+        if not parse_store_url(self.store).is_redis:
+            raise InvalidArgumentError("--store takes a redis:// or rediss:// URL (this "
+                                       "host's own folder is --skills)")
+        if self.store_password_file is not None:
+            read_password_file(self.store_password_file)
+
+    def learn_config(self) -> LearnConfig | None:
+        """The front's learning (None without ``--learn``)."""
+        if not self.learn:
+            return None
+        return LearnConfig(after=self.learn_after, min_tokens=self.learn_min_tokens,
+                           library_cap=_size(self.library_cap, "--library-cap"),
+                           tenant_quota=_size(self.tenant_quota, "--tenant-quota"),
+                           max_variants=self.learn_max_variants,
+                           compile_nice=self.learn_compile_nice)
+
+    def front_config(self) -> FrontConfig | None:
+        """The front's settings (None with ``--no-front``); a bad key file fails here."""
+        from kvnotes.serving.front.guard_defaults import parse_guard
+
+        if self.no_front:
+            return None
+        front = FrontConfig(port=self.port, host=self.host, guard=parse_guard(self.guard),
+                            api_key=self.api_key, key_file=self.key_file,
+                            metrics_key=self.metrics_key, learn=self.learn_config(),
+                            store=self.store, store_password_file=self.store_password_file)
+        if self.repair is not None:
+            plan = server_repair_spelled(self.repair)
+            front = replace(front, repair=plan.first, repair_share=plan.share)
+        front.keys  # noqa: B018 -- a bad key file fails before the model loads
+        return front
+
+    def launch_config(self, front: FrontConfig | None) -> LaunchConfig:
+        """The launch: vLLM with the connector over ``--skills``, and ``front`` before it."""
+        from kvnotes.serving.launch.process import check_kv_cache_gib
+
+        return LaunchConfig(
+            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            kv_cache_gib=check_kv_cache_gib(self.kv_cache_gib),
+            max_model_len=self.max_model_len, port=self.port if self.no_front else None,
+            skills=folder_option(self.skills, "--skills"), log_path=self.log,
+            startup_timeout=self.startup_timeout, vllm_python=self.vllm_python, front=front,
+            extra_args=self.vllm_args)
+
+
+def _size(text: str | None, what: str) -> int | None:
+    from kvnotes.core.sizes import parse_size
+
+    return None if text is None else parse_size(text, what)
+
+
 def server_repair_spelled(spec: str) -> Repair:
     """``--repair``'s spelling as the front's repair: ``K`` or ``K@F``; the adaptive rule
     (``~T``) is refused, a server plans its phases before the request runs."""
@@ -36,125 +254,56 @@ def server_repair_spelled(spec: str) -> Repair:
     return plan
 
 
-def _skill_files(paths: list[Path] | None) -> list[tuple[str, str]]:
-    return [(p.stem, read_text_file(p, "--skill")) for p in (paths or [])]
-
-
+# ---- the command ------------------------------------------------------------------------------
 @app.command("serve")
 def serve(
-    model: str = typer.Option("smollm2-135m", "--model", help="Model alias, .gguf file or HF folder"),
-    skills: Path = typer.Option(..., "--skills", help="Skill-library folder (created if missing); "
-                                "skills registered there are spliced, also while the server runs"),
-    skill: list[Path] | None = typer.Option(None, "--skill", help="Text file to register as a skill at "
-                                     "start (repeatable; its name is the file's stem)"),
-    header: Path | None = typer.Option(None, "--header", help="Text file of the system header requests "
-                                "start with: registered as a piece, and --skill files are "
-                                "compiled behind it (closer to a full prefill)"),
-    port: int | None = typer.Option(None, "--port", help="Port clients use (the OpenAI front's, or "
-                             "vLLM's with --no-front; default: a free one)"),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address the front listens on "
-                             "(0.0.0.0: every interface; give --api-key or --key-file then). "
-                             "vLLM itself stays on 127.0.0.1"),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="KVNOTES_API_KEY", help="Key clients "
-                                "must send (Authorization: Bearer KEY) on /v1 and /kvnotes"),
-    key_file: Path | None = typer.Option(None, "--key-file", help='JSON {"keys": {"KEY": {"tenant": '
-                                  '"NAME"}}}: each key\'s requests are spliced in its tenant'),
-    metrics_key: str | None = typer.Option(None, "--metrics-key", envvar="KVNOTES_METRICS_KEY",
-                                           help="A key for the front's /metrics alone (a "
-                                           "scraper's); with keys on, /metrics needs it or "
-                                           "--api-key"),
-    no_front: bool = typer.Option(False, "--no-front", help="Serve vLLM on --port directly, "
-                                  "with no OpenAI front (clients send token ids and the splice "
-                                  "salt themselves, e.g. ComposeClient)"),
-    repair: str = typer.Option(repair_spelling(SERVER_REPAIR), "--repair", help="Front: what "
-                               "each spliced skill recomputes in context: K its first K tokens "
-                               "(0: a bare splice), K@F at least the share F of it (e.g. "
-                               "32@0.1), rounded up to the block"),
-    guard: str = typer.Option("auto", "--guard", help="Front: answer from an exact request "
-                              "when the first token's top-2 log-prob margin is under this tau: "
-                              "auto (the model's calibrated default, off for a model without "
-                              "one), 0 (never) or a margin such as 0.5"),
-    dtype: str = typer.Option("auto", "--dtype", help="Server dtype: auto (bfloat16 where the "
-                              "CPU has native bf16, else float32), float32 or bfloat16"),
-    block_size: int | None = typer.Option(None, "--block-size", help="vLLM KV block size (CPU: a "
-                                          "multiple of 32; default 128, 32 with --learn)"),
-    max_model_len: int = typer.Option(4096, "--max-model-len"),
-    kv_cache_gib: float = typer.Option(2, "--kv-cache-gib", help="CPU KV cache size in whole "
-                                       "GiB (vLLM's CPU build takes no fractions)"),
-    vllm_python: str | None = typer.Option(None, "--vllm-python", help="Python of the vLLM environment "
-                                           "(default .venv-vllm/bin/python)"),
-    log: Path | None = typer.Option(None, "--log", help="Server log file (default: in $TMPDIR)"),
-    startup_timeout: float = typer.Option(900.0, "--startup-timeout"),
-    request_log: bool = typer.Option(True, "--request-log/--no-request-log", help="One JSON "
-                                     "line per request on stderr (the front's INFO log: id, "
-                                     "tenant, plan, outcome)"),
-    learn: bool = typer.Option(False, "--learn", help="Front: learn the chunks requests carry "
-                               "(each tools entry, each text content part): compiled in the "
-                               "background once seen --learn-after times per tenant, then "
-                               "spliced; no request waits for a compile"),
-    learn_after: int = typer.Option(2, "--learn-after", help="With --learn: the sighting at "
-                                    "which a chunk is compiled"),
-    learn_min_tokens: int = typer.Option(32, "--learn-min-tokens", help="With --learn: "
-                                         "shorter chunks are never learned"),
-    library_cap: str | None = typer.Option(None, "--library-cap", help="With --learn: bytes of "
-                                           "learned entries kept (e.g. 256MiB); least recently "
-                                           "used evicted beyond it (default: no cap)"),
-    tenant_quota: str | None = typer.Option(None, "--tenant-quota", help="With --learn: bytes "
-                                            "of learned entries one tenant keeps (e.g. 64MiB)"),
-    learn_max_variants: int = typer.Option(4, "--learn-max-variants", min=1, help="With "
-                                           "--learn: learned entries kept per skill (the "
-                                           "skill behind each predecessor seen --learn-after "
-                                           "times before it); least recently used evicted "
-                                           "beyond it"),
-    learn_compile_nice: int = typer.Option(
-        DEFAULT_COMPILE_NICE, "--learn-compile-nice", min=0, max=19, help="With --learn: the "
-        "compile thread's nice value; on a saturated core it gets a fixed share (15: 3.4%, "
-        "19: 1.4%, 0: half), on an idle one all of it"),
-    vllm_args: list[str] | None = typer.Argument(None, metavar="[-- VLLM_FLAGS...]", help="vLLM "
-                                          "flags after --, passed unchanged (e.g. -- "
-                                          "--tensor-parallel-size 2 --gpu-memory-utilization "
-                                          "0.8); what the connector cannot run with is refused"),
+    skills: Skills, model: Model = default_of(LaunchConfig, "model"),
+    skill: SkillFiles = None, header: Header = None, port: Port = None,
+    host: Host = default_of(FrontConfig, "host"), api_key: ApiKey = None,
+    key_file: KeyFile = None, metrics_key: MetricsKey = None, no_front: NoFront = False,
+    repair: RepairOption = None, guard: Guard = "auto",
+    dtype: Dtype = default_of(LaunchConfig, "dtype"), block_size: BlockSize = None,
+    max_model_len: MaxModelLen = default_of(LaunchConfig, "max_model_len"),
+    kv_cache_gib: KvCacheGib = default_of(LaunchConfig, "kv_cache_gib"),
+    vllm_python: VllmPython = None, log: Log = None,
+    startup_timeout: StartupTimeout = default_of(LaunchConfig, "startup_timeout"),
+    request_log: RequestLog = True, learn: Learn = False,
+    learn_after: LearnAfter = default_of(LearnConfig, "after"),
+    learn_min_tokens: LearnMinTokens = default_of(LearnConfig, "min_tokens"),
+    library_cap: LibraryCap = None, tenant_quota: TenantQuota = None,
+    learn_max_variants: LearnMaxVariants = default_of(LearnConfig, "max_variants"),
+    learn_compile_nice: LearnCompileNice = default_of(LearnConfig, "compile_nice"),
+    store: StoreUrl = None, store_password_file: StorePasswordFile = None,
+    vllm_args: VllmArgs = None,
 ) -> None:
     """Run vLLM (prefix caching on) with kvnotes' connector behind an OpenAI-compatible front:
     registered skills found in a request's prompt are spliced (their first tokens recomputed in
     context) for any OpenAI client. Stops on Ctrl-C."""
-    import kvnotes
-    from kvnotes.serving.front.app import FrontConfig
-    from kvnotes.serving.front.config import busy_core_share
-    from kvnotes.serving.front.guard_defaults import resolve_guard
-    from kvnotes.serving.launch.launcher import LaunchConfig, prepare
-    from kvnotes.serving.launch.process import check_kv_cache_gib
-    from kvnotes.serving.library.manifest import SPLICE_SALT
-    from kvnotes.serving.vllm.checks import check_vllm_args
+    run_serve(ServeOptions(
+        skills=skills, model=model, skill=tuple(skill or ()), header=header, port=port,
+        host=host, api_key=api_key, key_file=key_file, metrics_key=metrics_key,
+        no_front=no_front, repair=repair, guard=guard, dtype=dtype, block_size=block_size,
+        max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, vllm_python=vllm_python,
+        log=log, startup_timeout=startup_timeout, request_log=request_log, learn=learn,
+        learn_after=learn_after, learn_min_tokens=learn_min_tokens, library_cap=library_cap,
+        tenant_quota=tenant_quota, learn_max_variants=learn_max_variants,
+        learn_compile_nice=learn_compile_nice, store=store,
+        store_password_file=store_password_file, vllm_args=tuple(vllm_args or ())))
 
-    if no_front and (api_key or key_file or metrics_key or host != "127.0.0.1"):
-        raise InvalidArgumentError("--host, --api-key, --key-file and --metrics-key are the "
-                                   "front's: drop --no-front, or pass vLLM's own flags after --")
-    check_vllm_args(vllm_args or [])
-    plan = server_repair_spelled(repair)
-    tau, why = resolve_guard(guard, model)
-    learning = learn_config(learn, learn_after, learn_min_tokens, library_cap, tenant_quota,
-                            learn_max_variants, learn_compile_nice)
-    block_size = serve_block_size(block_size, learn=learning is not None)
-    if no_front and learning is not None:
-        raise InvalidArgumentError("--learn is the front's (it sees the requests' chunks): "
-                                   "drop --no-front")
-    front = None if no_front else FrontConfig(port=port, host=host, repair=plan.first,
-                                              repair_share=plan.share, guard=tau,
-                                              api_key=api_key, key_file=key_file,
-                                              metrics_key=metrics_key, learn=learning)
+
+def run_serve(opts: ServeOptions) -> None:
+    """Start what ``opts`` asks for and serve until Ctrl-C (or vLLM exits: an error)."""
+    import kvnotes
+    from kvnotes.serving.front.guard_defaults import resolve_guard
+    from kvnotes.serving.launch import launcher
+
+    front = opts.front_config()
     if front is not None:
-        front.keys  # noqa: B018 -- a bad key file fails before the model loads
-        typer.echo(f"guard: {why}", err=True)
-    config = LaunchConfig(model=model, dtype=dtype, block_size=block_size,
-                          kv_cache_gib=check_kv_cache_gib(kv_cache_gib), max_model_len=max_model_len,
-                          port=port if no_front else None,
-                          skills=folder_option(skills, "--skills"), log_path=log,
-                          startup_timeout=startup_timeout, vllm_python=vllm_python, front=front,
-                          extra_args=tuple(vllm_args or ()))
-    texts = _skill_files(skill)
-    head = read_text_file(header, "--header") if header else None
-    launch = prepare(config, kvnotes.load(model))
+        typer.echo(f"guard: {resolve_guard(opts.guard, opts.model)[1]}", err=True)
+    config = opts.launch_config(front)
+    texts = skill_files(list(opts.skill))
+    head = read_text_file(opts.header, "--header") if opts.header else None
+    launch = launcher.prepare(config, kvnotes.load(opts.model))
     lib, server = launch.skills, launch.server
     assert lib is not None  # config.skills is set
     if head:
@@ -162,33 +311,12 @@ def serve(
     for name, text in texts:
         info = lib.add(text, name=name, after=head)
         typer.echo(f"skill {name}: {len(info)} tokens", err=True)
-    typer.echo(f"starting vLLM for {model} (log: {server.log_path}); skills in {lib.folder}",
-               err=True)
-    if request_log and front is not None:
+    typer.echo(f"starting vLLM for {opts.model} (log: {server.log_path}); skills in "
+               f"{lib.folder}", err=True)
+    if opts.request_log and front is not None:
         log_requests_to_stderr()
     with launch:
-        if launch.front is not None:
-            keys = len(launch.front.keys)
-            typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
-                       f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
-                       "prompts are spliced; Ctrl-C stops", err=True)
-            if learning is not None:
-                typer.echo(f"  learning: chunks of {learning.after} sightings and "
-                           f"{learning.min_tokens}+ tokens; cap "
-                           f"{learning.library_cap or 'none'} bytes, tenant quota "
-                           f"{learning.tenant_quota or 'none'} bytes; variants of skills "
-                           f"behind predecessors seen {learning.after} times, "
-                           f"{learning.max_variants} kept per skill; compiles at nice "
-                           f"{learning.compile_nice} ({busy_core_share(learning.compile_nice):.1%}"
-                           f" of a busy core); vLLM blocks of {block_size}", err=True)
-            typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
-                       f"{'stderr, one JSON line each' if request_log else 'off'}", err=True)
-            typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
-                       err=True)
-        else:
-            typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); "
-                       f"send prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; "
-                       "Ctrl-C stops", err=True)
+        _say_served(launch, opts)
         typer.echo(launch.url)
         try:
             while server.proc is not None and server.proc.poll() is None:
@@ -196,34 +324,44 @@ def serve(
         except KeyboardInterrupt:
             typer.echo("stopping the server", err=True)
             return
-    raise ServingError(f"the vLLM server exited with code {server.proc.returncode if server.proc else '?'}"
-                       f"; log: {server.log_path}\n{server.log_tail(20)}")
+    code = server.proc.returncode if server.proc else "?"
+    raise ServingError(f"the vLLM server exited with code {code}; log: {server.log_path}\n"
+                       f"{server.log_tail(20)}")
 
 
-def serve_block_size(block_size: int | None, *, learn: bool) -> int | None:
-    """vLLM's KV block for ``kvnotes serve``: the one given, else :data:`LEARN_BLOCK_SIZE` for
-    a learning server, else vLLM's default (None)."""
-    if block_size is None and learn:
-        return LEARN_BLOCK_SIZE
-    return block_size
+def _say_served(launch: Launch, opts: ServeOptions) -> None:
+    """Where the server is and what it does, on stderr."""
+    from kvnotes.serving.front.config import busy_core_share
+    from kvnotes.serving.library.manifest import SPLICE_SALT
 
-
-def learn_config(learn: bool, after: int, min_tokens: int, library_cap: str | None,
-                 tenant_quota: str | None, max_variants: int = 4,
-                 compile_nice: int = DEFAULT_COMPILE_NICE) -> LearnConfig | None:
-    """The front's :class:`LearnConfig` from ``kvnotes serve``'s flags (None without --learn;
-    a bound given without --learn is an error, not ignored)."""
-    from kvnotes.serving.front.config import LearnConfig, parse_size
-
-    if not learn:
-        if library_cap is not None or tenant_quota is not None:
-            raise InvalidArgumentError("--library-cap and --tenant-quota bound learned "
-                                       "entries: add --learn")
-        return None
-    return LearnConfig(after=after, min_tokens=min_tokens,
-                       library_cap=None if library_cap is None else parse_size(library_cap),
-                       tenant_quota=None if tenant_quota is None else parse_size(tenant_quota),
-                       max_variants=max_variants, compile_nice=compile_nice)
+    server = launch.server
+    if launch.front is None:
+        typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); "
+                   f"send prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; "
+                   "Ctrl-C stops", err=True)
+        return
+    keys = len(launch.front.service.keys)
+    typer.echo(f"serving {server.served_name} at {launch.url}/v1 (OpenAI front; "
+               f"{f'{keys} key(s)' if keys else 'no key'}); registered skills in "
+               "prompts are spliced; Ctrl-C stops", err=True)
+    learning = launch.front.config.learn
+    if learning is not None:
+        typer.echo(f"  learning: chunks of {learning.after} sightings and "
+                   f"{learning.min_tokens}+ tokens; cap {learning.library_cap or 'none'} "
+                   f"bytes, tenant quota {learning.tenant_quota or 'none'} bytes; variants of "
+                   f"skills behind predecessors seen {learning.after} times, "
+                   f"{learning.max_variants} kept per skill; compiles at nice "
+                   f"{learning.compile_nice} ({busy_core_share(learning.compile_nice):.1%} of "
+                   f"a busy core); vLLM blocks of {launch.config.block_size}", err=True)
+    link = launch.front.service.store
+    if link is not None:
+        typer.echo(f"  store: {link.store.url}, mirrored into {link.mirror.folder}"
+                   + ("; sightings, compiles and the cap are the fleet's"
+                      if link.learner is not None else ""), err=True)
+    typer.echo(f"  front metrics: {launch.url}/metrics; request log: "
+               f"{'stderr, one JSON line each' if opts.request_log else 'off'}", err=True)
+    typer.echo(f"  vLLM (pid {server.pid}): {server.url}, metrics: {server.url}/metrics",
+               err=True)
 
 
 def log_requests_to_stderr() -> None:
@@ -237,136 +375,3 @@ def log_requests_to_stderr() -> None:
     front_log.addHandler(handler)
     front_log.setLevel(logging.INFO)
     front_log.propagate = False  # the line is printed once, whatever the root logger does
-
-
-skills_app = typer.Typer(help="Skills a `kvnotes serve` server splices.", no_args_is_help=True)
-app.add_typer(skills_app, name="skills")
-
-
-@skills_app.command("add")
-def skills_add(
-    files: list[Path] = typer.Argument(..., help="Text files, one skill each (name: file stem)"),
-    model: str = typer.Option("smollm2-135m", "--model"),
-    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
-    header: Path | None = typer.Option(None, "--header", help="Compile the skills behind this system "
-                                       "header (as `kvnotes serve --header`)"),
-    after: str | None = typer.Option(None, "--after", help="Compile them as variants behind the "
-                                     "header and this registered skill (the one that precedes "
-                                     "them in requests)"),
-    max_variants: int = typer.Option(4, "--max-variants", min=1, help="Variants kept per skill "
-                                     "(the oldest are deleted)"),
-) -> None:
-    """Compile skills with kvnotes and publish them (a running server picks them up)."""
-    import kvnotes
-    from kvnotes.serving.skills import ServingSkills
-
-    texts = _skill_files(files)
-    head = read_text_file(header, "--header") if header else None
-    folder_option(skills, "--skills")
-    lib = ServingSkills(skills, kvnotes.load(model), max_variants=max_variants)
-    prefix: str | list[int] | None = head if after is None else lib.after_skill(after, header=head)
-    for name, text in texts:
-        info = lib.add(text, name=name, after=prefix)
-        typer.echo(f"{name}\t{len(info)} tokens\t{info.key}"
-                   + (f"\tafter {after}" if after else ""))
-
-
-@skills_app.command("list")
-def skills_list(
-    model: str = typer.Option("smollm2-135m", "--model"),
-    skills: Path = typer.Option(..., "--skills"),
-) -> None:
-    """The skills a server for this model would splice: the registered ones, then the chunks
-    and variants learned on sight (`kvnotes serve --learn`) with their tenant, what a variant
-    is of and behind, its size and its use (hits, of them exactly placed)."""
-    import kvnotes
-    from kvnotes.serving.library.registry import LearnedRegistry, registry_path
-    from kvnotes.serving.skills import ServingSkills
-
-    lib = ServingSkills(skills, kvnotes.load(model))
-    learned: dict[str, LearnedEntry] = {}
-    if registry_path(lib.folder).is_file():
-        with LearnedRegistry(lib.folder) as reg:
-            learned = {e.key: e for e in reg.entries()}
-    for group in lib.variants():
-        kept = [v for v in group.variants if v.piece.key not in learned]
-        if not kept:
-            continue
-        typer.echo(f"{group.name}\t{len(group.token_ids)} tokens\t{len(kept)} "
-                   f"variant(s)\t{sum(v.bytes for v in kept)} bytes"
-                   + (f"\ttenant {group.tenant}" if group.tenant else ""))
-        for v in kept:
-            typer.echo(f"  position {v.piece.origin}\tbehind {len(v.piece.behind)} tokens\t"
-                       f"{v.bytes} bytes\t{v.piece.key}")
-    for e in sorted(learned.values(), key=lambda e: -e.last_used):
-        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
-        what = (f"variant of {e.variant_of}\tbehind {e.behind or '?'} ({e.behind_tokens} "
-                "tokens)" if e.variant_of is not None else f"{e.kind}\tbehind "
-                f"{e.behind_tokens} tokens")
-        typer.echo(f"learned {e.name}\t{what}\ttenant {e.tenant or '-'}\t{e.tokens} tokens\t"
-                   f"{e.bytes} bytes\t{e.hits} hits ({e.exact} exact)\tlast used {used}\t"
-                   f"{'pinned' if e.pinned else 'evictable'}\t{e.key}")
-
-
-def _learned_home(skills: Path, key: str) -> tuple[Path, str]:
-    """``(serving folder, full key)`` of learned entry ``key`` (or a unique prefix of it) under
-    skills root ``skills``, whatever the model; a clear error when no folder has it."""
-    from kvnotes.serving.library.registry import REGISTRY_DIR, LearnedRegistry, registry_path
-
-    root = folder_option(skills, "--skills")
-    if len(key) < 6 or not key.isalnum():
-        raise InvalidArgumentError(f"{key!r} is not an entry key: give the key shown by "
-                                   "`kvnotes skills list` (or its first 6+ characters)")
-    folders = [p.parent.parent for p in sorted(root.glob(f"*/{REGISTRY_DIR}/*"))
-               if p == registry_path(p.parent.parent)]
-    found: list[tuple[Path, str]] = []
-    errors: list[str] = []
-    for folder in folders:
-        with LearnedRegistry(folder) as reg:
-            try:
-                found.append((folder, reg.resolve(key)))
-            except InvalidArgumentError as err:
-                errors.append(str(err))
-    if len(found) == 1:
-        return found[0]
-    if len(found) > 1:
-        raise InvalidArgumentError(f"{key!r} names entries of {len(found)} models: give more "
-                                   "of the key")
-    registered = sorted(p.stem for p in root.glob(f"*/{key}*.safetensors"))
-    if registered:
-        raise InvalidArgumentError(f"{key!r} is a registered skill ({registered[0]}), not a "
-                                   "learned one: registered skills are never evicted; delete "
-                                   "its file to unregister it")
-    why = next((e for e in errors if "names" in e or "not an entry key" in e), None)
-    raise InvalidArgumentError(why or f"no learned entry {key!r} under {root} (see `kvnotes "
-                               "skills list`)")
-
-
-@skills_app.command("pin")
-def skills_pin(
-    key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
-    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
-    unpin: bool = typer.Option(False, "--unpin", help="Make it evictable again"),
-) -> None:
-    """Keep a learned chunk: a pinned entry is never evicted (by the cap or a quota)."""
-    from kvnotes.serving.library.registry import LearnedRegistry
-
-    folder, full = _learned_home(skills, key)
-    with LearnedRegistry(folder) as reg:
-        reg.pin(full, not unpin)
-    typer.echo(f"{full}\t{'evictable' if unpin else 'pinned'}")
-
-
-@skills_app.command("forget")
-def skills_forget(
-    key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
-    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
-) -> None:
-    """Drop a learned chunk: its file and its registry row (a running server stops splicing
-    it at its next rescan; a request already planned with it recomputes those tokens)."""
-    from kvnotes.serving.library.registry import LearnedRegistry, forget
-
-    folder, full = _learned_home(skills, key)
-    with LearnedRegistry(folder) as reg:
-        forget(folder, full, reg)
-    typer.echo(f"{full}\tforgotten")

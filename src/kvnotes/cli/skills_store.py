@@ -1,12 +1,12 @@
 """``kvnotes skills list/pin/forget`` on a folder (``--skills``) or a shared store (``--store``).
 
-With ``--skills DIR`` the commands are the folder's (:mod:`kvnotes.cli.serve`: registered
+With ``--skills DIR`` the commands are the folder's (:mod:`kvnotes.cli.skills`: registered
 skills grouped with their variants, the learned entries with their registry rows). With
 ``--store URL`` they work on the store, every model in it at once, without loading one: each
 entry's model fingerprint id, tenant, size, use and whether it is pinned, evictable (learned)
 or registered (the operator's: never evicted, never forgotten from here).
 
-These three commands take the place of the folder-only ones :mod:`kvnotes.cli.serve`
+These three commands take the place of the folder-only ones :mod:`kvnotes.cli.skills`
 registers (this module is imported after it and replaces them by name).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli import serve as _serve
+from kvnotes.cli import skills as _serve
 from kvnotes.cli.store_options import open_store, store_option, store_password_file_option
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.store import EntryInfo, Store

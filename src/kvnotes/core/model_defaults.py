@@ -1,8 +1,9 @@
 """Per-model defaults, as calibrated on the development sets: the repair and the guard.
 
-One table for every entry point: :attr:`kvnotes.Engine.defaults`, ``kvnotes serve --guard auto``
-(its default) and the launcher of ``kvnotes serve-bench`` all read :func:`model_defaults`, so a
-benchmark runs the policy a deployment would.
+One table for every entry point: :attr:`kvnotes.Engine.defaults` and the front's config
+(``FrontConfig.guard`` None, its default: ``FrontConfig.guard_tau``) read :func:`model_defaults`,
+so a library user, the launcher, ``kvnotes serve`` (``--guard auto``) and ``kvnotes
+serve-bench`` run the same policy, and a benchmark runs the policy a deployment would.
 
 The repair is :data:`~kvnotes.core.repair.DEFAULT_REPAIR` (32 boundary tokens per spliced skill
 and at least a tenth of it) for every bundled model: chosen on the small models' development

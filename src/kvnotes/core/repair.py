@@ -152,7 +152,7 @@ def split_budget(k: int, sizes: Sequence[int]) -> list[int]:
 
 def _digest_feed(ids: Sequence[int]) -> bytes:
     """The bytes :func:`prefix_digest` hashes for ``ids`` after others (comma-joined)."""
-    return ",".join(str(int(i)) for i in ids).encode()
+    return ",".join(map(str, map(int, ids))).encode()
 
 
 class PrefixHasher:

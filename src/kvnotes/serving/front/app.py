@@ -41,16 +41,21 @@ is under tau, the answer is the exact request's (the same ids). A stream holds i
 back until the guard has decided.
 
 This module is the HTTP side (the routes, the answer that watches for the client leaving,
-serving in a thread); the rest, lowest first: :mod:`~kvnotes.serving.front.call` (a request's
-record and reply), :mod:`~kvnotes.serving.front.body` (reading and checking the body),
-:mod:`~kvnotes.serving.front.proxy` (forwarding, spliced requests, streams),
-:mod:`~kvnotes.serving.front.service` (keys and tenants, counting, planning).
+serving in a thread): :class:`Front` *holds* a :class:`~kvnotes.serving.front.service.FrontService`
+(keys and tenants, counting, planning) and its routes call the service's public methods. A
+request's slot and ending are its :class:`~kvnotes.serving.front.admission.Admission`'s alone:
+taken when the context is entered, given back (and the request counted) when it exits, just
+before the answer's last bytes are sent, so a client that has its answer sees it counted. The
+rest, lowest first: :mod:`~kvnotes.serving.front.call` (a request's record and reply),
+:mod:`~kvnotes.serving.front.body` (reading and checking the body),
+:mod:`~kvnotes.serving.front.proxy` (forwarding, spliced requests, streams).
 
 Example:
     >>> front = Front(FrontConfig(upstream="http://127.0.0.1:8001", port=8000),  # doctest: +SKIP
     ...               SkillCatalog(skills.folder, engine.tokenizer))
     >>> with front:                                                             # doctest: +SKIP
     ...     openai.OpenAI(base_url=front.url + "/v1", api_key="-").completions.create(...)
+    >>> front.service.stats["spliced"]                                          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -68,9 +74,8 @@ from starlette.requests import Request  # FastAPI reads the routes' annotations 
 from starlette.responses import Response as StarletteResponse
 
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.front.admission import Admission
 from kvnotes.serving.front.body import parse_body, read_body
-from kvnotes.serving.front.call import JSON, Call, Reply, error_reply
+from kvnotes.serving.front.call import Call, Reply, error_reply
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, sse
@@ -80,26 +85,38 @@ from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from kvnotes.serving.learning import Learner
 
-__all__ = ["STATS_PATH", "Front", "FrontConfig"]
+__all__ = ["STATS_PATH", "Front", "FrontConfig", "FrontService", "build_app"]
 
 STATS_PATH = "/kvnotes/stats"
 REQUEST_ID_HEADER = "x-request-id"
 log = logging.getLogger("kvnotes.serving.front")
 
 
-class Front(FrontService):
-    """The HTTP front (see the module docstring); ``with front:`` serves in a thread."""
+class Front:
+    """The HTTP front (see the module docstring): an app over one :class:`FrontService`
+    (:attr:`service`); ``with front:`` serves it in a thread."""
 
     def __init__(self, config: FrontConfig, catalog: SkillCatalog,
                  learner: Learner | None = None) -> None:
-        super().__init__(config, catalog, learner)
-        self.app = build_app(self)
+        self.service = FrontService(config, catalog, learner)
+        self.app = build_app(self.service)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self.connections: Any = None  # the ConnectionGuard of a started front
+
+    @property
+    def config(self) -> FrontConfig:
+        return self.service.config
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Requests by outcome (a copy; the service's)."""
+        return self.service.stats
 
     # ---- running ---------------------------------------------------------------------------
     @property
@@ -123,20 +140,7 @@ class Front(FrontService):
         if self._thread is not None:
             raise ServingError("this front is already started")
         c = self.config
-        family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
-        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
-        # so, and with it on, a reply's head and body written apart wait for a delayed ACK
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.bind((c.host, c.port or 0))
-            sock.listen(c.backlog)
-        except OSError as err:
-            sock.close()
-            raise ServingError(f"the front cannot listen on {c.host}:{c.port}: {err} (choose "
-                               "another --port)") from err
-        self._sock = sock
+        self._sock = sock = _listening(c)
         self.connections = ConnectionGuard(c.head_timeout, c.max_connections_per_ip)
         settings = uvicorn.Config(
             self.app, http=guarded_protocol(self.connections), loop="asyncio", lifespan="on",
@@ -176,49 +180,73 @@ class Front(FrontService):
         self.stop()
 
 
-# ---- the ASGI app ------------------------------------------------------------------------------
-class _Answer(StarletteResponse):
-    """One ``POST /v1/...`` request from its admission on: the slot taken, the body read and
-    checked, the answer sent while watching for the client to leave (a client that disconnects
-    cancels the work: planning wait, phases, upstream stream), all inside one
-    :class:`~kvnotes.serving.front.admission.Admission`, so the slot comes back however it
-    ends."""
+def _listening(c: FrontConfig) -> socket.socket:
+    """The front's listening socket, bound to ``c.host:c.port``."""
+    family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+    # so, and with it on, a reply's head and body written apart wait for a delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((c.host, c.port or 0))
+        sock.listen(c.backlog)
+    except OSError as err:
+        sock.close()
+        raise ServingError(f"the front cannot listen on {c.host}:{c.port}: {err} (choose "
+                           "another --port)") from err
+    return sock
 
-    def __init__(self, front: Front, call: Call, request: Request, key_tenant: str | None,
-                 auth: str | None) -> None:  # noqa: D107
+
+# ---- one /v1 request ---------------------------------------------------------------------------
+class _Answer(StarletteResponse):
+    """One ``POST /v1/...`` request from its admission on: the body read and checked, the
+    answer sent while watching for the client to leave (a client that disconnects cancels the
+    work: planning wait, phases, upstream stream), all inside the service's
+    :class:`~kvnotes.serving.front.admission.Admission`; the answer's last bytes are sent once
+    it has exited (the slot back, the request counted)."""
+
+    def __init__(self, service: FrontService, call: Call, request: Request,
+                 key_tenant: str | None, auth: str | None) -> None:  # noqa: D107
         # not Response.__init__: the status and headers are known only once the work is done
-        self.front, self.call, self.request = front, call, request
+        self.service, self.call, self.request = service, call, request
         self.key_tenant, self.auth = key_tenant, auth
         self.background = None
-        self.admitted: Admission | None = None
         self._started = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        front, call = self.front, self.call
+        last: bytes | None
         try:
-            async with front.admission(call) as self.admitted:
-                try:
-                    try:
-                        data = parse_body(await read_body(self.request, front.config),
-                                          call.route, front.config)
-                        check_bounds(call.route, data, front.config)
-                    except ApiError:
-                        call.outcome = "bad_request"
-                        raise
-                    await self._watched(front.answer(call.route, data, call, self.key_tenant,
-                                                     self.auth), receive, send)
-                except ApiError as err:
-                    if not self._started:
-                        await self._reply(error_reply(err), send)
-                except Exception:  # noqa: BLE001 -- a fault answers 500, its text in the log
-                    log.exception("request %s failed", call.id)
-                    call.outcome = "internal_error"
-                    if not self._started:
-                        await self._reply(error_reply(internal_error(call)), send)
+            async with self.service.admission(self.call):
+                last = await self._answer(receive, send)
         except ApiError as err:  # no slot free: a 429, counted as rejected
-            await self._reply(error_reply(err), send)
+            last = await self._head(error_reply(err), send)
+        if last is not None:
+            await send({"type": "http.response.body", "body": last})
 
-    async def _watched(self, work: Any, receive: Any, send: Any) -> None:
+    async def _answer(self, receive: Any, send: Any) -> bytes | None:
+        """The answer, sent but for its last bytes (returned; None: nothing more to send)."""
+        service, call = self.service, self.call
+        try:
+            try:
+                data = parse_body(await read_body(self.request, service.config), call.route,
+                                  service.config)
+                check_bounds(call.route, data, service.config)
+            except ApiError:
+                call.outcome = "bad_request"
+                raise
+            work = service.answer(call.route, data, call, self.key_tenant, self.auth)
+            return await self._watched(work, receive, send)
+        except ApiError as err:
+            return None if self._started else await self._head(error_reply(err), send)
+        except Exception:  # noqa: BLE001 -- a fault answers 500, its text in the log
+            log.exception("request %s failed", call.id)
+            call.outcome = "internal_error"
+            if self._started:
+                return None
+            return await self._head(error_reply(internal_error(call)), send)
+
+    async def _watched(self, work: Any, receive: Any, send: Any) -> bytes | None:
         task = asyncio.ensure_future(self._send(work, send))
         watch = asyncio.ensure_future(_disconnected(receive))
         try:
@@ -228,23 +256,19 @@ class _Answer(StarletteResponse):
                 self.call.outcome = "disconnected"
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            else:
-                await task
+                return None
+            return await task
         finally:
             watch.cancel()
             if not task.done():
                 task.cancel()
 
-    async def _reply(self, reply: Reply, send: Any) -> None:
-        """A whole answer (the call finished before its last bytes: a client that has its
-        answer sees it counted)."""
+    async def _head(self, reply: Reply, send: Any) -> bytes:
+        """Start a whole answer; its body is the caller's to send."""
         self.call.status = reply.status
         await self._start(reply, send, len(reply.body))
-        self.front.metrics.ttft.labels(self.call.route).observe(
-            time.perf_counter() - self.call.t0)
-        if self.admitted is not None:
-            self.admitted.release()
-        await send({"type": "http.response.body", "body": reply.body})
+        self.service.first_bytes(self.call)
+        return reply.body
 
     async def _start(self, reply: Reply, send: Any, length: int | None) -> None:
         headers = [(k.encode("latin-1"), header_value(v, 500).encode("latin-1"))
@@ -255,61 +279,66 @@ class _Answer(StarletteResponse):
         self._started = True
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
 
-    async def _send(self, work: Any, send: Any) -> None:
-        deadline = asyncio.get_running_loop().time() + self.front.config.request_timeout
+    async def _send(self, work: Any, send: Any) -> bytes:
+        """Send the answer ``work`` computes but for its last bytes (returned)."""
+        deadline = asyncio.get_running_loop().time() + self.service.config.request_timeout
+        reply = await self._reply_of(work, deadline)
+        if reply.stream is None:
+            return await self._head(reply, send)
+        self.call.status = reply.status
+        try:  # from the start of the answer on: a client leaving at any await closes upstream
+            await self._start(reply, send, None)
+            await self._stream(reply, send, deadline)
+        finally:
+            await reply.close()
+        return b""
+
+    async def _reply_of(self, work: Any, deadline: float) -> Reply:
+        """What ``work`` answers, or the error reply it ends in."""
         try:
             async with asyncio.timeout_at(deadline):
                 reply: Reply = await work
+                return reply
         except TimeoutError:
             self.call.outcome = "upstream_error"
-            reply = error_reply(self._too_long())
+            return error_reply(self._too_long())
         except ApiError as err:
             if not self.call.outcome or self.call.outcome == "forwarded":
                 self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
-            reply = error_reply(err)
+            return error_reply(err)
         except Exception:  # noqa: BLE001 -- a fault answers 500, its text only in the log
             log.exception("request %s failed", self.call.id)
             self.call.outcome = "internal_error"
-            reply = error_reply(internal_error(self.call))
-        if reply.stream is None:
-            await self._reply(reply, send)
-            return
-        self.call.status = reply.status
-        first = True
-        try:  # from the start of the answer on: a client leaving at any await closes upstream
-            await self._start(reply, send, None)
-            sse_stream = reply.headers.get("content-type", "").startswith("text/event-stream")
-            fault: ApiError | None = None
-            try:
-                async with asyncio.timeout_at(deadline):
-                    async for chunk in reply.stream:
-                        if chunk:
-                            if first:
-                                first = False
-                                self.front.metrics.ttft.labels(self.call.route).observe(
-                                    time.perf_counter() - self.call.t0)
-                            await send({"type": "http.response.body", "body": chunk,
-                                        "more_body": True})
-            except TimeoutError:
-                self.call.outcome = "upstream_error"
-                fault = self._too_long()
-            except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
-                log.exception("request %s: its stream failed", self.call.id)
-                self.call.outcome = "internal_error"
-                fault = internal_error(self.call)
-            if fault is not None and sse_stream:
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": sse(error_body(fault.status, str(fault))) + DONE})
-        finally:
-            await reply.close()
-        if self.admitted is not None:
-            self.admitted.release()
-        await send({"type": "http.response.body", "body": b""})
+            return error_reply(internal_error(self.call))
 
+    async def _stream(self, reply: Reply, send: Any, deadline: float) -> None:
+        """A streamed answer's chunks; a fault ends an event stream with an error event."""
+        assert reply.stream is not None
+        first, fault = True, None
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for chunk in reply.stream:
+                    if chunk:
+                        if first:
+                            first = False
+                            self.service.first_bytes(self.call)
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+        except TimeoutError:
+            self.call.outcome = "upstream_error"
+            fault = self._too_long()
+        except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
+            log.exception("request %s: its stream failed", self.call.id)
+            self.call.outcome = "internal_error"
+            fault = internal_error(self.call)
+        if fault is not None and reply.headers.get("content-type", "").startswith(
+                "text/event-stream"):
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": sse(error_body(fault.status, str(fault))) + DONE})
 
     def _too_long(self) -> ApiError:
-        return ApiError(504, f"the answer took longer than {self.front.config.request_timeout:g} "
-                        "s (FrontConfig.request_timeout)")
+        return ApiError(504, f"the answer took longer than {self.service.config.request_timeout:g}"
+                        " s (FrontConfig.request_timeout)")
 
 
 def internal_error(call: Call) -> ApiError:
@@ -323,8 +352,16 @@ async def _disconnected(receive: Any) -> None:
         pass
 
 
-def build_app(front: Front) -> Any:
-    """The FastAPI app of ``front`` (its routes, error shapes and lifespan)."""
+# ---- the ASGI app ------------------------------------------------------------------------------
+def build_app(service: FrontService) -> FastAPI:
+    """The FastAPI app serving ``service``: its error shapes, lifespan and routes."""
+    app = _new_app(service)
+    _add_routes(app, service)
+    return app
+
+
+def _new_app(service: FrontService) -> FastAPI:
+    """A FastAPI app with ``service``'s lifespan, the head limit and OpenAI-shaped errors."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
@@ -333,11 +370,11 @@ def build_app(front: Front) -> Any:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        await front.opened()
+        await service.opened()
         try:
             yield
         finally:
-            await front.closed()
+            await service.closed()
 
     settings: dict[str, Any] = {"lifespan": lifespan, "docs_url": None, "redoc_url": None,
                                 "openapi_url": None}
@@ -352,7 +389,7 @@ def build_app(front: Front) -> Any:
         return JSONResponse(error_body(err.status, str(err), err.param), err.status,
                             headers=headers)
 
-    app.add_middleware(HeadLimit, limit=front.config.max_header_bytes)
+    app.add_middleware(HeadLimit, limit=service.config.max_header_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> Response:
@@ -365,16 +402,21 @@ def build_app(front: Front) -> Any:
                               "/v1/chat/completions, /v1/models, /health, /metrics and "
                               f"{STATS_PATH}"))
 
+    return app
+
+
+def _add_routes(app: FastAPI, service: FrontService) -> None:
+    """The front's routes, each a call of one public method of ``service``."""
+    from fastapi.responses import JSONResponse, Response
+
+    def passed(reply: Reply) -> Response:
+        return Response(reply.body, reply.status, media_type=reply.headers["content-type"])
+
     async def post(request: Request, kind: str) -> Any:
-        call = front.new_call(kind, request.headers.get(REQUEST_ID_HEADER))
-        auth = request.headers.get("authorization")
-        try:
-            key_tenant = front.authenticate(auth)
-        except ApiError:
-            front.metrics.outcome(kind, "unauthorized")
-            raise
-        call.client = front.client_of(auth, request.client.host if request.client else "")
-        return _Answer(front, call, request, key_tenant, auth)
+        auth = _auth(request)
+        call, key_tenant = service.open_call(kind, request.headers.get(REQUEST_ID_HEADER), auth,
+                                             request.client.host if request.client else "")
+        return _Answer(service, call, request, key_tenant, auth)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -386,25 +428,21 @@ def build_app(front: Front) -> Any:
 
     @app.get(MODELS)
     async def models(request: Request) -> Response:
-        front.authenticate(request.headers.get("authorization"))
-        auth = front._passed_auth(request.headers.get("authorization"))
-        status, data, ctype = await front.up.get(MODELS, headers=front.up.headers(auth))
-        return Response(data, status, media_type=ctype or JSON)
+        return passed(await service.models(_auth(request)))
 
     @app.get(HEALTH)
     async def health() -> Response:
-        status, data, ctype = await front.up.get(HEALTH, timeout=front.config.discover_timeout)
-        return Response(data, status, media_type=ctype or "text/plain")
+        return passed(await service.health())
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        front.authorize_metrics(request.headers.get("authorization"))
-        return Response(front.metrics.exposition(),
+        return Response(service.metrics_text(_auth(request)),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(STATS_PATH)
     async def stats(request: Request) -> Response:
-        front.authenticate(request.headers.get("authorization"))
-        return JSONResponse(front.metrics.stats())
+        return JSONResponse(service.stats_for(_auth(request)))
 
-    return app
+
+def _auth(request: Request) -> str | None:
+    return request.headers.get("authorization")

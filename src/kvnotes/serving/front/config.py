@@ -23,38 +23,15 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
+from kvnotes.core.sizes import parse_size
+from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
 
+DEFAULT_MIRROR_BYTES = 8 << 30  # a host's copies of a shared store's entries
 API_KEY_ENV = "KVNOTES_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10**6,
-          "MB": 10**6, "MI": 1 << 20, "MIB": 1 << 20, "G": 10**9, "GB": 10**9, "GI": 1 << 30,
-          "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TI": 1 << 40, "TIB": 1 << 40}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``value``: an integer, or a number with a unit (``256MiB``, ``1.5GB``, ``64k``).
-
-    Example:
-        >>> parse_size("256MiB"), parse_size("2GB"), parse_size(4096)
-        (268435456, 2000000000, 4096)
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = _SIZE.fullmatch(str(value))
-        if m is None:
-            raise InvalidArgumentError(f"size {value!r}: give bytes, e.g. 268435456, 256MiB, "
-                                       "2GB")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if size < 1:
-        raise InvalidArgumentError(f"size {value!r}: give a positive number of bytes")
-    return size
 
 
 # Linux CFS load weights by nice value (kernel/sched/core.c, sched_prio_to_weight): a runnable
@@ -65,6 +42,10 @@ _CFS_WEIGHT = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
 
 # a compile's nice value: 3.4% of a saturated core (busy_core_share), all of an idle one
 DEFAULT_COMPILE_NICE = 15
+# vLLM's KV block for a learning server: repair regions are rounded up to blocks, and agent
+# traffic's chunks are short, so at the CPU build's default 128 rounding costs 14-16 points of
+# the spliced share (docs/results.md, agent traffic)
+LEARN_BLOCK_SIZE = 32
 
 
 def busy_core_share(nice: int) -> float:
@@ -110,6 +91,9 @@ class LearnConfig:
             at most about that share of their CPU and still always finishes. At 19 (1.4%) a
             compile under saturating load barely progresses; at 0 (50%) it delays concurrent
             first tokens (measured figures: docs/results/areas/learning.md, "Learning under load").
+        block_size: vLLM's KV block size for a server launched to learn when its
+            ``LaunchConfig.block_size`` is None (:data:`LEARN_BLOCK_SIZE`: short chunks lose
+            less of their spliced share to rounding at small blocks).
     """
 
     after: int = 2
@@ -121,9 +105,11 @@ class LearnConfig:
     flush_s: float = 5.0
     max_variants: int = 4
     compile_nice: int = DEFAULT_COMPILE_NICE
+    block_size: int = LEARN_BLOCK_SIZE
 
     def __post_init__(self) -> None:
-        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants"):
+        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants",
+                     "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"LearnConfig.{name} must be a positive integer, "
@@ -131,7 +117,7 @@ class LearnConfig:
         for name in ("library_cap", "tenant_quota"):
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, parse_size(value))
+                object.__setattr__(self, name, parse_size(value, f"LearnConfig.{name}"))
         if not float(self.flush_s) > 0:
             raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
                                        "seconds")
@@ -157,7 +143,8 @@ class FrontConfig:
             tokens are recomputed, rounded up to the block (``Repair.share``; 0: the fixed
             count).
         guard: tau, the first token's top-2 log-prob margin under which the exact answer is
-            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never).
+            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never; None: the
+            served model's calibrated tau, :meth:`guard_tau`).
         tenant: the tenant of requests that name none, and of ``api_key`` (None: shared).
         block_size: the server's KV block size (None: read once from its ``/metrics``).
         model: the served model's name (None: read once from its ``/v1/models``).
@@ -207,6 +194,12 @@ class FrontConfig:
             holding a registered skill, token ids; 413 beyond it).
         learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
             registered skills are spliced). Needs the engine: the launcher's front learns.
+        store: a Redis store a fleet of hosts shares (``redis://HOST:PORT/DB``, ``rediss://``
+            for TLS; None: this host's folder alone): its entries are mirrored into the
+            serving folder in the background, and with ``learn`` sightings, compiles and the
+            library's bounds are the fleet's (:mod:`kvnotes.serving.front.store_link`).
+        store_password_file: a file whose first line is the store's password.
+        mirror_bytes: the entries this host copies from the store, in all (``8GiB``).
     """
 
     upstream: str | None = None
@@ -214,7 +207,7 @@ class FrontConfig:
     host: str = "127.0.0.1"
     repair: int = DEFAULT_FIRST
     repair_share: float = DEFAULT_SHARE
-    guard: float = 0.0
+    guard: float | None = None
     tenant: str | None = None
     block_size: int | None = None
     model: str | None = None
@@ -247,12 +240,17 @@ class FrontConfig:
     max_content_parts: int = 512
     max_prompt_tokens: int = 131072
     learn: LearnConfig | None = None
+    store: str | None = None
+    store_password_file: Path | None = None
+    mirror_bytes: int = DEFAULT_MIRROR_BYTES  # or a size string: "8GiB"
 
     def __post_init__(self) -> None:
+        self._check_store()
         if self.upstream is not None:
             check_loopback_url(self.upstream)
         self.repair_for(None)  # checks the count and the share
-        check_tau(self.guard)
+        if self.guard is not None:
+            check_tau(self.guard)
         splice_salt(self.tenant)  # checks the spelling
         if self.block_size is not None and (isinstance(self.block_size, bool)
                                             or self.block_size < 1):
@@ -284,6 +282,23 @@ class FrontConfig:
         if self.key_file is not None:
             object.__setattr__(self, "key_file", Path(self.key_file))
 
+    def _check_store(self) -> None:
+        """A malformed store URL, or a folder where a Redis URL belongs, fails at start; a
+        store that is down does not (the host serves without it until it answers)."""
+        object.__setattr__(self, "mirror_bytes",
+                           parse_size(self.mirror_bytes, "FrontConfig.mirror_bytes"))
+        if self.store_password_file is not None:
+            if self.store is None:
+                raise InvalidArgumentError("FrontConfig.store_password_file is the store's: "
+                                           "set FrontConfig.store (redis://...) too")
+            object.__setattr__(self, "store_password_file", Path(self.store_password_file))
+        if self.store is not None:
+            from kvnotes.serving.store.url import parse_store_url
+
+            if not parse_store_url(self.store).is_redis:
+                raise InvalidArgumentError("FrontConfig.store takes a redis:// or rediss:// "
+                                           "URL (the host's own folder is its skills folder)")
+
     def repair_for(self, first: int | None) -> Repair:
         """The repair a request gets: ``Repair(first=repair, share=repair_share)``, or, when the
         request names its first tokens (``kvnotes.repair``), exactly those (``Repair(first=K)``,
@@ -291,6 +306,20 @@ class FrontConfig:
         if first is None:
             return Repair(first=self.repair, share=self.repair_share)
         return Repair(first=first)
+
+    def guard_tau(self, served: str | None = None) -> float:
+        """The guard's tau: ``guard`` when set, else the calibrated one of ``model`` (or of
+        ``served``, the name vLLM serves, when ``model`` is None:
+        :func:`~kvnotes.serving.front.guard_defaults.default_guard`), 0 when neither is known.
+
+        Example:
+            >>> FrontConfig(model="qwen2.5-coder-0.5b").guard_tau(), FrontConfig().guard_tau()
+            (0.4, 0.0)
+        """
+        if self.guard is not None:
+            return self.guard
+        model = self.model or served
+        return 0.0 if model is None else default_guard(model)[0]
 
     @property
     def keys(self) -> Keys:

@@ -1,9 +1,10 @@
-"""``--guard auto|0|X``: the front's guard, by default the served model's calibrated one.
+"""The front's guard, by default the served model's calibrated one; ``--guard auto|0|X``.
 
-``kvnotes serve --guard auto`` (its default) and the ``serve-bench`` launcher look the served
-model up in :data:`kvnotes.core.model_defaults.MODEL_DEFAULTS` (by its alias, or the last part
-of its path); ``--guard 0`` turns the guard off and ``--guard X`` sets tau. A model that is not
-in the table is served without a guard (see :mod:`kvnotes.core.model_defaults`).
+A :class:`~kvnotes.serving.front.config.FrontConfig` with no ``guard`` (the library's, the
+launcher's and ``kvnotes serve --guard auto``'s alike) takes :func:`default_guard` of the served
+model: :data:`kvnotes.core.model_defaults.MODEL_DEFAULTS` looked up by its alias, or the last
+part of its path. ``--guard 0`` turns the guard off and ``--guard X`` sets tau. A model that is
+not in the table is served without a guard (see :mod:`kvnotes.core.model_defaults`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def resolve_guard(text: str, model: str) -> tuple[float, str]:
     tau = parse_guard(text)
     if tau is not None:
         return tau, f"--guard {tau:g}" if tau else "--guard 0: off"
+    return default_guard(model)
+
+
+def default_guard(model: str) -> tuple[float, str]:
+    """The calibrated tau of ``model`` (0: off, for a model nobody calibrated), and why (one
+    line).
+
+    Example:
+        >>> default_guard("qwen2.5-coder-0.5b")[0], default_guard("my-model")[0]
+        (0.4, 0.0)
+    """
     found = defaults_table.model_defaults(model)
     if found is None:
         why = defaults_table.uncalibrated_reason(model) or (

@@ -75,6 +75,7 @@ class FrontMetrics:
                               "the first byte of its answer", ["route"], buckets=_LATENCY,
                               registry=r)
         self._learner: Callable[[], dict[str, int]] | None = None
+        self._store: Callable[[], dict[str, Any]] | None = None
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # the outcomes, for /kvnotes/stats
         self.reasons: Counter[str] = Counter()
@@ -118,6 +119,13 @@ class FrontMetrics:
         entry. Per-entry hits are the operator's: ``kvnotes skills list``."""
         self.registry.register(_VariantCollector(hits, folder, learned))
 
+    def watch_store(self, collector: Any, stats: Callable[[], dict[str, Any]]) -> None:
+        """Expose a shared store's series (``collector``: a Prometheus collector,
+        :class:`~kvnotes.serving.store.metrics.StoreCollector`) and its counters under
+        ``store`` in ``/kvnotes/stats``."""
+        self._store = stats
+        self.registry.register(collector)
+
     def stats(self) -> dict[str, Any]:
         """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
         with self._lock:
@@ -126,6 +134,8 @@ class FrontMetrics:
                                    "forwarded": dict(self.reasons)}
         if self._learner is not None:
             out["learner"] = self._learner()
+        if self._store is not None:
+            out["store"] = self._store()
         return out
 
     def exposition(self) -> bytes:

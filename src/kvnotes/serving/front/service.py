@@ -7,7 +7,9 @@ global lock), then spliced, or answered exactly with the reason
 (:class:`~kvnotes.serving.front.proxy.Proxy`): forwarded as it came, or, for a structured
 chat (tools, content parts, no chat template) or a completion text containing a registered
 skill, its same part-wise ids sent unspliced.
-:class:`~kvnotes.serving.front.app.Front` serves it over HTTP.
+:class:`~kvnotes.serving.front.app.Front` holds one and serves it over HTTP: its routes call
+the public methods here (:meth:`FrontService.open_call`, :meth:`FrontService.admission`,
+:meth:`FrontService.answer`, :meth:`FrontService.models`, ...), never its state.
 
 Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, a request's tenant is
 its key's (a ``kvnotes.tenant`` naming another is a 400), and a tenant's exact requests are
@@ -43,13 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import KvnotesError, ServingError
 from kvnotes.serving.front.admission import Admission, Slots
-from kvnotes.serving.front.call import Call, Reply
+from kvnotes.serving.front.call import JSON, Call, Reply
 from kvnotes.serving.front.config import FrontConfig, Keys, key_digest
 from kvnotes.serving.front.errors import ApiError, header_value
 from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
-from kvnotes.serving.front.upstream import Upstream
+from kvnotes.serving.front.store_link import link_for
+from kvnotes.serving.front.upstream import HEALTH, MODELS, Upstream
 from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.front_plan import FrontPlan, catalog_view, plan_request
@@ -102,7 +105,7 @@ class FrontService:
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        self.slots = Slots(config.max_concurrent, self._count_in_flight)
+        self.slots = Slots(config.max_concurrent, self.metrics.in_flight.inc)
         per_client = config.max_plans_per_client
         self.plan_turns = PlanTurns(max(1, config.plan_workers - 1) if per_client is None
                                     else per_client)
@@ -113,6 +116,10 @@ class FrontService:
         self.variant_hits = VariantHits()
         learned = None if learner is None else learner.registry.__contains__
         self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None), learned)
+        # a fleet's shared store (FrontConfig.store): mirrored into the folder, in /metrics
+        self.store = link_for(config, catalog, learner)
+        if self.store is not None:
+            self.metrics.watch_store(self.store.collector(), self.store.stats)
 
     @property
     def stats(self) -> Counter[str]:
@@ -130,6 +137,8 @@ class FrontService:
         await asyncio.gather(*(loop.run_in_executor(self._pool, self._warm_planner, ready)
                                for _ in range(workers)))
         await self.up.open()
+        if self.store is not None:
+            self.store.start()
         if self.learner is not None:
             self.learner.start()
         with contextlib.suppress(Exception):  # vLLM may not be up yet: read again when needed
@@ -138,6 +147,8 @@ class FrontService:
     async def closed(self) -> None:
         if self.learner is not None:
             self.learner.stop()
+        if self.store is not None:
+            self.store.stop()
         await self.up.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -202,23 +213,63 @@ class FrontService:
                                             digest_size=16).hexdigest()
         return "ip:" + address
 
-    def _passed_auth(self, client_auth: str | None) -> str | None:
-        # the client's key is vLLM's only when the front checks none of its own
+    def upstream_auth(self, client_auth: str | None) -> str | None:
+        """The ``Authorization`` passed on to vLLM: the client's own only when the front checks
+        none of its own (a front key is never vLLM's)."""
         return None if self.keys.enabled else client_auth
+
+    # ---- what the routes ask ---------------------------------------------------------------
+    def open_call(self, route: str, request_id: str | None, authorization: str | None,
+                  address: str) -> tuple[Call, str | None]:
+        """A new ``/v1`` request's record and its key's tenant; a 401 (counted as
+        ``unauthorized``) when keys are on and it carries none that is known."""
+        call = self.new_call(route, request_id)
+        try:
+            key_tenant = self.authenticate(authorization)
+        except ApiError:
+            self.metrics.outcome(route, "unauthorized")
+            raise
+        call.client = self.client_of(authorization, address)
+        return call, key_tenant
+
+    async def models(self, authorization: str | None) -> Reply:
+        """vLLM's ``/v1/models``, for a request that may see it."""
+        self.authenticate(authorization)
+        status, data, ctype = await self.up.get(
+            MODELS, headers=self.up.headers(self.upstream_auth(authorization)))
+        return Reply(status, {"content-type": ctype or JSON}, data)
+
+    async def health(self) -> Reply:
+        """vLLM's ``/health``."""
+        status, data, ctype = await self.up.get(HEALTH, timeout=self.config.discover_timeout)
+        return Reply(status, {"content-type": ctype or "text/plain"}, data)
+
+    def metrics_text(self, authorization: str | None) -> bytes:
+        """The Prometheus exposition of the front's metrics (401 without the metrics key when
+        it is needed: :meth:`authorize_metrics`)."""
+        self.authorize_metrics(authorization)
+        return self.metrics.exposition()
+
+    def stats_for(self, authorization: str | None) -> dict[str, Any]:
+        """The front's counters, for a request that may see them."""
+        self.authenticate(authorization)
+        return self.metrics.stats()
 
     # ---- requests --------------------------------------------------------------------------
     @property
-    def _in_flight(self) -> int:
+    def in_flight(self) -> int:
+        """Requests holding a slot now (their :class:`Admission` the only place it changes)."""
         return self.slots.in_flight
-
-    def _count_in_flight(self, delta: int) -> None:
-        self.metrics.in_flight.inc(delta)
 
     def admission(self, call: Call) -> Admission:
         """The context a request runs in: its slot (429 when none is free), given back and
-        the call finished (:meth:`finish`) however it ends."""
+        the call finished (:meth:`finish`) when the context exits, however it ends."""
         return Admission(self.slots, call, self.finish,
                          rejected=lambda c: self.metrics.outcome(c.route, "rejected"))
+
+    def first_bytes(self, call: Call) -> None:
+        """The answer's first bytes go out now (its time to first token)."""
+        self.metrics.ttft.labels(call.route).observe(time.perf_counter() - call.t0)
 
     def finish(self, call: Call) -> None:
         """A request's end: its leases, its metrics and its log line (once, before its last
@@ -263,21 +314,30 @@ class FrontService:
                     block_size = err
             req, fp = await self._planned(call, kind, data, opts, tenant, block_size)
             model = str(req.sampling.get("model") or await self.up.model())
+            tau = 0.0 if isinstance(fp, Unplannable) else await self.guard_of(opts)
         except ApiError:  # a request beyond the front's bounds
             raise
         except Exception as err:  # noqa: BLE001 -- planning is an optimization: exact instead
             return await self.proxy.forward(kind, exact, call, why_not(err, call.id),
-                                            self._passed_auth(client_auth))
+                                            self.upstream_auth(client_auth))
         if isinstance(fp, Unplannable):
             return await self.proxy.exact(req, model, call, fp, salt)
         used, exact_keys = self.variant_hits.record(fp.parts)
         if self.learner is not None:  # the entries it was planned with stay until it ends
             call.leased = self.learner.lease(self.plan_keys(fp, tenant), used=used,
                                              exact=exact_keys)
-        tau = self.config.guard if opts.guard is None else opts.guard
         call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
                      "spliced_tokens": fp.plan.spliced_tokens}
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
+
+    async def guard_of(self, opts: FrontOptions) -> float:
+        """The guard's tau for a request: its ``kvnotes.guard``, else the front's
+        (:meth:`FrontConfig.guard_tau`: the served model's calibrated one when none is set)."""
+        if opts.guard is not None:
+            return opts.guard
+        c = self.config
+        served = None if c.guard is not None or c.model is not None else await self.up.model()
+        return c.guard_tau(served)
 
     async def _planned(self, call: Call, kind: str, data: dict[str, Any], opts: FrontOptions,
                        tenant: str | None, block_size: int | Unplannable

@@ -35,6 +35,7 @@ from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.serving.front.app import Front, FrontConfig
+    from kvnotes.serving.learning import Learner
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.launch")
@@ -119,7 +120,8 @@ class LaunchConfig:
     Args:
         model: a bundled alias, a ``.gguf`` file or an HF folder (exported for vLLM).
         dtype: ``auto`` (:func:`cpu_dtype`), ``float32``, ``bfloat16`` or ``float16``.
-        block_size: vLLM's KV block size (None: vLLM's default, 128 on the CPU build).
+        block_size: vLLM's KV block size (None: the front's ``learn.block_size`` for a
+            learning front, else vLLM's default, 128 on the CPU build).
         kv_cache_gib: the CPU KV cache, in whole GiB (vLLM's CPU build reads it with ``int()``).
         max_model_len: the longest prompt plus answer (None: the model's
             ``max_position_embeddings``).
@@ -160,6 +162,8 @@ class LaunchConfig:
         object.__setattr__(self, "kv_cache_gib", check_kv_cache_gib(self.kv_cache_gib))
         if self.dtype not in DTYPES:
             raise InvalidArgumentError(f"dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.block_size is None and self.front is not None and self.front.learn is not None:
+            object.__setattr__(self, "block_size", self.front.learn.block_size)
         if self.block_size is not None and self.block_size <= 0:
             raise InvalidArgumentError(f"block_size {self.block_size}: use a positive number "
                                        "of tokens (vLLM's CPU build wants a multiple of 32)")
@@ -333,8 +337,12 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
                        block_size=front.block_size or config.block_size,
                        model=front.model or config.name,
                        upstream_api_key=front.upstream_api_key or vllm_api_key(config.extra_args))
-    learner = None
-    if front.learn is not None:  # learning needs the engine: it is here, in this process
+    learner: Learner | None = None
+    if front.learn is not None and front.store is not None:  # the fleet's, over its store
+        from kvnotes.serving.front.store_link import fleet_learner
+
+        learner = fleet_learner(front, skills)
+    elif front.learn is not None:  # learning needs the engine: it is here, in this process
         from kvnotes.serving.learning import Learner
 
         learner = Learner(front.learn, skills)

@@ -28,6 +28,7 @@ import torch
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.variants import variant_rank
+from kvnotes.serving.library.prefix_index import PrefixIndex
 
 # The key of a request's ``kv_transfer_params`` that carries its splice ranges.
 SPLICE_PARAMS_KEY = "kvnotes_splice"
@@ -35,9 +36,9 @@ SPLICE_PARAMS_KEY = "kvnotes_splice"
 # (one skill's variants hold the same tokens) or computes the range
 SPLICE_KEYS_PARAMS_KEY = "kvnotes_splice_keys"
 
-# Index key length: pieces are looked up by the hash of their first KEY_TOKENS tokens, so a
-# position costs one dict lookup plus a full compare of the (few) candidates, whatever the
-# number of pieces. Pieces shorter than this are keyed by all their tokens.
+# The trie's block length for token ids: a position costs one dict lookup per block of
+# KEY_TOKENS tokens a piece shares with the prompt plus a compare of the pieces ending in the next
+# block, whatever the number of pieces (:class:`~kvnotes.serving.library.prefix_index.PrefixIndex`).
 KEY_TOKENS = 8
 
 
@@ -80,9 +81,11 @@ class Placement:
 
 @dataclass
 class PieceIndex:
-    """Hashed lookup of pieces by their leading tokens; longest match first.
+    """Pieces by their token ids; the longest match first, at a cost independent of how many
+    pieces there are (:class:`~kvnotes.serving.library.prefix_index.PrefixIndex`).
 
-    Memory is the token ids of the pieces plus one dict entry per piece.
+    One skill's variants (the same tokens compiled behind different prefixes) share one entry,
+    in the order added; :func:`preferred` picks among them.
 
     Example:
         >>> idx = PieceIndex()
@@ -91,9 +94,9 @@ class PieceIndex:
         ['header']
     """
 
-    _by_head: dict[tuple[int, ...], list[PieceInfo]] = field(default_factory=dict)
+    _groups: PrefixIndex[list[PieceInfo]] = field(
+        default_factory=lambda: PrefixIndex(block=KEY_TOKENS))
     _keys: dict[str, PieceInfo] = field(default_factory=dict)
-    _short_lengths: set[int] = field(default_factory=set)  # lengths below KEY_TOKENS in use
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -113,25 +116,27 @@ class PieceIndex:
             raise ValueError(f"piece {piece.name!r} has no tokens")
         if piece.key in self._keys:
             return
-        head = piece.token_ids[:KEY_TOKENS]
-        bucket = self._by_head.setdefault(head, [])
-        bucket.append(piece)
-        bucket.sort(key=len, reverse=True)  # longest first: a piece that extends another wins
-        if len(head) < KEY_TOKENS:
-            self._short_lengths.add(len(head))
+        group = self._groups.get(piece.token_ids)
+        if group is None:
+            self._groups.add(piece.token_ids, [piece])
+        else:
+            group.append(piece)
         self._keys[piece.key] = piece
 
     def remove(self, key: str) -> None:
         piece = self._keys.pop(key, None)
         if piece is None:
             return
-        head = piece.token_ids[:KEY_TOKENS]
-        bucket = [p for p in self._by_head.get(head, []) if p.key != key]
-        if bucket:
-            self._by_head[head] = bucket
+        group = [p for p in self._groups.get(piece.token_ids) or () if p.key != key]
+        if group:
+            self._groups.add(piece.token_ids, group)
         else:
-            self._by_head.pop(head, None)
-        self._short_lengths = {len(h) for h in self._by_head if len(h) < KEY_TOKENS}
+            self._groups.remove(piece.token_ids)
+
+    def starts(self, tokens: Sequence[int]) -> list[int]:
+        """The positions of ``tokens`` where a piece may start, ascending (every one where a
+        piece does, and a few where only the hash of its first tokens matches)."""
+        return self._groups.starts(tokens)
 
     def match_at(self, tokens: Sequence[int], pos: int) -> PieceInfo | None:
         """The longest piece whose tokens are exactly ``tokens[pos:pos + len]``, if any.
@@ -139,32 +144,19 @@ class PieceIndex:
         Among pieces with the same tokens (one skill's variants, compiled behind different
         prefixes), :func:`preferred`'s rule decides, against the prompt's own ``tokens[:pos]``:
         the one whose prefix the prompt ends with (longest shared suffix), then the one
-        prefilled at ``pos`` itself, then the one prefilled latest.
+        prefilled at ``pos`` itself, then the one prefilled latest. ``tokens`` as a tuple saves
+        a copy per call.
         """
-        best: PieceInfo | None = None
-        heads = [tuple(tokens[pos:pos + KEY_TOKENS])]
-        heads += [tuple(tokens[pos:pos + n]) for n in sorted(self._short_lengths, reverse=True)]
-        for head in heads:
-            for piece in self._by_head.get(head, ()):
-                n = len(piece)
-                if best is not None and n < len(best):
-                    break  # the bucket is sorted longest first
-                if tuple(tokens[pos:pos + n]) != piece.token_ids:
-                    continue
-                if best is None or n > len(best) or _rank(piece, tokens, pos) > _rank(
-                        best, tokens, pos):
-                    best = piece
-        return best
+        seq = tokens if isinstance(tokens, tuple) else tuple(tokens)
+        hit = self._groups.longest_at(seq, pos)
+        return None if hit is None else preferred(hit[1], pos, seq)
 
     def match_exact(self, tokens: Sequence[int], start: int, end: int) -> PieceInfo | None:
         """The piece whose tokens are exactly ``tokens[start:end]``, if any (the same
         preference as :meth:`match_at` among pieces with the same tokens)."""
-        n = end - start
-        if n <= 0 or start < 0 or end > len(tokens):
+        if end - start <= 0 or start < 0 or end > len(tokens):
             return None
-        want = tuple(tokens[start:end])
-        return preferred((piece for piece in self._by_head.get(want[:KEY_TOKENS], ())
-                          if len(piece) == n and piece.token_ids == want), start, tokens)
+        return preferred(self._groups.get(tuple(tokens[start:end])) or (), start, tokens)
 
 
 def preferred(pieces: Iterable[PieceInfo], pos: int, ids: Sequence[int] = ()
@@ -206,6 +198,7 @@ def leading_run(tokens: Sequence[int], index: PieceIndex, *, max_pieces: int = 1
     """
     run: list[Placement] = []
     pos = 0
+    tokens = tuple(tokens)  # one copy, not one per position
     while pos < len(tokens) and len(run) < max_pieces:
         piece = index.match_at(tokens, pos)
         if piece is None:

@@ -14,9 +14,10 @@ Three layouts (:data:`LAYOUTS`), chosen per request:
 - ``"template"``: the model's chat template renders ``tools`` (rendering with a probe tool
   differs from rendering without, :func:`kvnotes.core.chat.renders_tools`); the messages and
   ``tools`` go to the template as they are (tool call arguments as objects, as vLLM passes
-  them) and each tool is found in the output as the template's ``tojson`` writes it (the tool
-  object, or its ``function``; compact, or with ``indent=4``); a tool the template writes
-  otherwise is text, not a chunk.
+  them). How the template writes each tool is read from the template itself
+  (:func:`tool_writings`: rendered with a probe tool, then with each tool added in turn, each
+  render diffed with the one before), whatever it writes (JSON, indented JSON, a line of
+  prose), and that writing is the tool's chunk.
 - ``"kvnotes_tools"``: the template ignores tools: :func:`tool_block` (one tool JSON per line,
   the call format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is added to the
   system turn (after the first system message's text, or as a system turn of its own), an
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +47,7 @@ from kvnotes.core.chat import has_template, render, renders_tools
 from kvnotes.core.document import added_bos
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.spans import sweep
 
 LAYOUTS = ("template", "kvnotes_tools", "default")
 CONTENT_JOIN = "\n"  # vLLM's join of a message's text parts (string-content templates)
@@ -130,11 +134,6 @@ def strip_bos_text(tokenizer: Any, text: str) -> str:
 def tool_json(tool: Any) -> str:
     """A tool as a chat template's ``tojson`` writes it (``json.dumps``, non-ASCII kept)."""
     return json.dumps(tool, ensure_ascii=False)
-
-
-def _indented(tool: Any) -> str:
-    """A tool as ``tojson(indent=4)`` writes it (Llama 3's templates)."""
-    return json.dumps(tool, ensure_ascii=False, indent=4)
 
 
 def tool_block(tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
@@ -367,19 +366,106 @@ def _locate(text: str, tool_texts: Sequence[Sequence[str]],
                 spans.append((at, at + len(cand), "tool"))
                 cursor = at + len(cand)
                 break
-    spans.sort()
-    parts: list[ChatPart] = []
-    pos = 0
-    for start, end, kind in spans:
-        if start < pos:
-            continue
-        if start > pos:
-            parts.append(ChatPart(text[pos:start]))
-        parts.append(ChatPart(text[start:end], kind))
-        pos = end
-    if pos < len(text):
-        parts.append(ChatPart(text[pos:]))
-    return parts
+    spans.sort(key=lambda s: (s[0], -s[1]))
+    return [ChatPart(text[a:b], kind or "text") for a, b, kind in sweep(len(text), spans)]
+
+
+# ---- how a template writes tools ---------------------------------------------------------
+# the tool every probe render lists first; its description comes last and ends in a character
+# no tool ends with, so a tool added after it is placed unambiguously (see inserted)
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "kvnotes_probe", "parameters": {"type": "object", "properties": {}},
+    "description": "A probe.\u2063"}}
+MAX_WRITINGS = 1024  # (template, tool) writings kept: a client's tools repeat
+_writings: OrderedDict[tuple[str, str], str] = OrderedDict()
+_writings_lock = threading.Lock()
+
+
+def _common_prefix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))  # compared by halves: C-speed slices, not a char loop
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _border(text: str, a: int, b: int) -> int:
+    """How many ends of ``text[a:b]`` sit at a line break or at an end of ``text``."""
+    return (a == 0 or text[a - 1] in "\r\n") + (b == len(text) or text[b] in "\r\n")
+
+
+def inserted(before: str, after: str) -> str | None:
+    r"""The text ``after`` holds that ``before`` does not, when ``after`` is ``before`` with one
+    run of text inserted (else None), without its edge whitespace.
+
+    An insertion next to text it repeats can be placed several ways (``"x\n"`` to
+    ``"x\ny\n"`` adds ``"y\n"`` or ``"\ny"``): the placement kept is the one whose text,
+    stripped, has the most ends at a line break, the rightmost among equals.
+
+    Example:
+        >>> inserted("<t>\nA\n</t>", "<t>\nA\n<x>\n</t>")
+        '<x>'
+        >>> inserted("<a>one</a>", "<b>two</b>") is None
+        True
+    """
+    n = len(after) - len(before)
+    p = _common_prefix(before, after)
+    if n <= 0 or after[p + n:] != before[p:]:
+        return None
+    best: tuple[int, int, int] | None = None  # (score, start, end)
+    for shift in range(n + 1):
+        a, b = p - shift, p + n - shift
+        if shift and (a < 0 or after[a] != after[b]):
+            break  # a placement one further left holds other text
+        a2, b2 = a, b
+        while a2 < b2 and after[a2].isspace():
+            a2 += 1
+        while b2 > a2 and after[b2 - 1].isspace():
+            b2 -= 1
+        score = _border(after, a2, b2)
+        if best is None or score > best[0]:
+            best = (score, a2, b2)
+    assert best is not None
+    return after[best[1]:best[2]] or None
+
+
+def tool_writings(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dict[str, Any]]
+                  ) -> list[str | None]:
+    """How the chat template writes each of ``tools``: the text that rendering ``msgs`` with
+    :data:`PROBE_TOOL` and the tool adds to the render with the probe alone
+    (:func:`inserted`; None: the template did more than insert it). The probe comes first so
+    that the tool is added to a list, as in a request (a template writes a block around its
+    tools when it has some), after a writing no tool's resembles."""
+    messages = _template_messages(msgs)
+    base = _render_template(tokenizer, messages, [PROBE_TOOL])
+    return [inserted(base, _render_template(tokenizer, messages, [PROBE_TOOL, tool]))
+            for tool in tools]
+
+
+def _tools_written(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dict[str, Any]],
+                   text: str) -> list[list[str]]:
+    """Each tool's writing (:func:`tool_writings`) as a list of candidates: the one last read
+    for this template and tool when ``text`` holds it, else the one read from this request."""
+    template = str(getattr(tokenizer, "chat_template", ""))
+    keys = [(template, json.dumps(t, ensure_ascii=False, sort_keys=True)) for t in tools]
+    with _writings_lock:
+        known = [_writings.get(k) for k in keys]
+    stale = [i for i, w in enumerate(known) if w is None or w not in text]
+    if stale:
+        try:
+            fresh = tool_writings(tokenizer, msgs, [tools[i] for i in stale])
+        except ChatShapeError:  # the template refuses the probe: those tools stay text
+            return [[w] if w and w in text else [] for w in known]
+        with _writings_lock:
+            for i, w in zip(stale, fresh, strict=True):
+                known[i] = _writings[keys[i]] = w or ""
+                _writings.move_to_end(keys[i])
+            while len(_writings) > MAX_WRITINGS:
+                _writings.popitem(last=False)
+    return [[w] if w else [] for w in known]
 
 
 def render_chat_parts(tokenizer: Any, messages: object, tools: object = None) -> RenderedChat:
@@ -398,8 +484,7 @@ def render_chat_parts(tokenizer: Any, messages: object, tools: object = None) ->
         layout = "kvnotes_tools"
     text = _render_text(tokenizer, msgs, tool_list, layout)
     if layout == "template":
-        tool_texts = [[dump(x) for dump in (tool_json, _indented) for x in (t, t["function"])]
-                      for t in tool_list]
+        tool_texts = _tools_written(tokenizer, msgs, tool_list, text)
     else:
         tool_texts = [[line] for line in tool_block(tool_list)[1]] if tool_list else []
     parts = _locate(text, tool_texts, _content_spans(tokenizer, msgs, tool_list, layout, text))

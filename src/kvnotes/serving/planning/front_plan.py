@@ -20,18 +20,19 @@ registered skill, sent exactly as the same ids).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.core.repair import Repair
 from kvnotes.core.variants import exactly_placed
-from kvnotes.serving.library.splice import PieceIndex
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 from kvnotes.serving.planning.chat_render import strip_bos_text
 from kvnotes.serving.planning.layout import SentPart
 from kvnotes.serving.planning.match import Part, SkillCatalog
 from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
+from kvnotes.serving.planning.spans import sweep
 
 # fields of the plan's bodies the client's own values replace (or remove, when it sent none:
 # vLLM's defaults then apply, as for a request sent to vLLM directly)
@@ -40,24 +41,20 @@ _CLIENT_FIELDS = ("temperature", "max_tokens")
 
 def split_pieces(ids: Sequence[int], index: PieceIndex) -> list[SentPart]:
     """Token ids split where registered pieces occur (longest piece first at each token), each
-    piece part with the piece :meth:`PieceIndex.match_at` found there."""
-    parts: list[SentPart] = []
-    text: list[int] = []
-    pos = 0
-    while pos < len(ids):
-        piece = index.match_at(ids, pos)
-        if piece is None:
-            text.append(int(ids[pos]))
-            pos += 1
-            continue
-        if text:
-            parts.append(SentPart(tuple(text)))
-            text = []
-        parts.append(SentPart(tuple(int(t) for t in piece.token_ids), piece))
-        pos += len(piece)
-    if text:
-        parts.append(SentPart(tuple(text)))
-    return parts
+    piece part with the piece :meth:`PieceIndex.match_at` found there. Only the positions
+    where a piece may start are tried (:meth:`PieceIndex.starts`): the cost follows the
+    prompt's length, not the number of pieces."""
+    seq = tuple(int(t) for t in ids)
+
+    def found() -> Iterator[tuple[int, int, PieceInfo]]:
+        end = 0
+        for at in index.starts(seq):
+            piece = None if at < end else index.match_at(seq, at)
+            if piece is not None:
+                end = at + len(piece)
+                yield at, end, piece
+
+    return [SentPart(seq[a:b], piece) for a, b, piece in sweep(len(seq), found())]
 
 
 def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:

@@ -6,7 +6,9 @@ template), not the part list a :class:`~kvnotes.serving.compose_client.ComposeCl
 knows each entry's tokens; a skill's text is its tokens decoded, kept only when encoding that
 text alone gives the same tokens back (otherwise the per-part ids could never match the piece).
 :func:`find_skills` splits a prompt's text into parts at the registered texts it contains,
-leftmost first and, among texts starting at the same character, longest first; each part is
+leftmost first and, among texts starting at the same character, longest first (through a
+:class:`~kvnotes.serving.library.prefix_index.PrefixIndex` of the texts, built once per
+catalog change: the cost of a match follows the prompt's length, not the catalog's size); each part is
 then tokenized alone (``layout.prompt_ids``), so a skill's tokens in the request are
 exactly its piece's, whatever the text around it (Gemma's tokenizer would merge a ``"\\n"``
 ending the header with one opening a skill into a single token if the whole text were encoded
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +33,10 @@ from kvnotes.core.document import added_bos, encode
 from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.serving.library.piece_store import PieceStore, index_entry
+from kvnotes.serving.library.prefix_index import PrefixIndex
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred, visible
 from kvnotes.serving.planning.layout import SentPart, part_ids
+from kvnotes.serving.planning.spans import sweep
 
 MAX_VIEWS = 256  # tenants' views kept at once (rebuilt on demand beyond it)
 
@@ -105,34 +109,43 @@ def skill_texts(tokenizer: Any, pieces: Iterable[PieceInfo]) -> tuple[list[Skill
 
 
 # ---- matching --------------------------------------------------------------------------------
-def find_skills(text: str, skills: Sequence[Skill]) -> list[Part]:
+TEXT_BLOCK = 16  # characters per block of the skill texts' trie (see PrefixIndex)
+SkillIndex = PrefixIndex[Skill]
+
+
+def skill_index(skills: Iterable[Skill]) -> SkillIndex:
+    """``skills`` indexed by text, for :func:`find_skills`."""
+    index: SkillIndex = PrefixIndex(block=TEXT_BLOCK)
+    for skill in skills:
+        index.add(skill.text, skill)
+    return index
+
+
+def find_skills(text: str, skills: SkillIndex | Iterable[Skill]) -> list[Part]:
     """``text`` split at the registered texts it contains: leftmost match first; at one
     character, the longest; matches never overlap. No skill found: one part, the whole text.
+    ``skills``: a :func:`skill_index` (built once per catalog change), or the skills
+    themselves. Its cost grows with the text's length, not with how many skills there are.
 
     Example:
         >>> s = Skill("POLICY", (1,), (PieceInfo("k", "policy", (1,), 0),))
         >>> [(p.text, p.skill is not None) for p in find_skills("Hi POLICY there", [s])]
         [('Hi ', False), ('POLICY', True), (' there', False)]
     """
-    found: list[tuple[int, int, Skill]] = []  # (start, -length, skill)
-    for skill in skills:
-        at = text.find(skill.text)
-        while at >= 0:
-            found.append((at, -len(skill.text), skill))
-            at = text.find(skill.text, at + 1)
-    found.sort(key=lambda f: (f[0], f[1]))
-    parts: list[Part] = []
-    pos = 0
-    for start, neg_len, skill in found:
-        if start < pos:
-            continue
-        if start > pos:
-            parts.append(Part(text[pos:start]))
-        parts.append(Part(skill.text, skill))
-        pos = start - neg_len
-    if pos < len(text) or not parts:
-        parts.append(Part(text[pos:]))
-    return parts
+    index = skills if isinstance(skills, PrefixIndex) else skill_index(skills)
+
+    def found() -> Iterator[tuple[int, int, Skill]]:
+        end = 0
+        for at in index.starts(text):
+            if at < end:
+                continue  # inside the match before: the sweep would drop it
+            hit = index.longest_at(text, at)
+            if hit is not None:
+                end = at + len(hit[1].text)
+                yield at, end, hit[1]
+
+    parts = [Part(text[a:b], skill) for a, b, skill in sweep(len(text), found())]
+    return parts or [Part(text)]
 
 
 def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInfo],
@@ -168,6 +181,7 @@ class _View:
     """What one tenant's requests are matched against: the shared entries and its own."""
 
     skills: list[Skill]
+    matcher: SkillIndex  # the skills by text
     index: PieceIndex
     bos: tuple[PieceInfo, ...]  # the one-token BOS entries
     left_out: list[str]
@@ -190,16 +204,38 @@ class SkillCatalog:
 
     def __init__(self, folder: str | os.PathLike[str], tokenizer: Any, *,
                  rescan_s: float = 0.25) -> None:
-        self.folder = Path(folder)
+        # the scheduler's own index of the folder: the front plans with what it will splice
+        self._setup(tokenizer, PieceStore(Path(folder), rescan_s=rescan_s))
+        self.refresh(force=True)
+
+    @classmethod
+    def of_pieces(cls, tokenizer: Any, pieces: Iterable[PieceInfo]) -> SkillCatalog:
+        """A catalog of ``pieces`` held in memory, following no folder: planning without a
+        disk (benchmarks, tests). Its :attr:`folder` is None."""
+        catalog = cls.__new__(cls)
+        catalog._setup(tokenizer, None)
+        catalog._snapshot(pieces)
+        return catalog
+
+    def _setup(self, tokenizer: Any, store: PieceStore | None) -> None:
+        self.folder = None if store is None else store.folder
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        # the scheduler's own index of the folder: the front plans with what it will splice
-        self._store = PieceStore(self.folder, rescan_s=rescan_s)
+        self._store = store
         self._pieces: dict[str, PieceInfo] = {}  # file stem -> piece
         self._by_tokens: dict[tuple[int, ...], tuple[PieceInfo, ...]] = {}
         self._views: dict[str | None, _View] = {}  # tenant -> its view, at this generation
         self._generation = -1  # the store's generation the snapshot above was built from
-        self.refresh(force=True)
+
+    def _snapshot(self, pieces: Iterable[PieceInfo]) -> None:
+        """Hold ``pieces`` as the catalog's entries (every view rebuilt on demand)."""
+        by_key = {p.key: p for p in pieces}
+        by_tokens: dict[tuple[int, ...], list[PieceInfo]] = {}
+        for piece in by_key.values():
+            by_tokens.setdefault(piece.token_ids, []).append(piece)
+        self._pieces = by_key
+        self._by_tokens = {ids: tuple(ps) for ids, ps in by_tokens.items()}
+        self._views = {}
 
     @property
     def left_out(self) -> list[str]:
@@ -207,17 +243,13 @@ class SkillCatalog:
         return self._view(None).left_out
 
     def refresh(self, *, force: bool = False) -> None:
+        if self._store is None:
+            return
         with self._lock:
             self._store.refresh(force=force)
             if force or self._store.generation != self._generation:
                 self._generation = self._store.generation
-                pieces = {p.key: p for p in self._store.index.pieces()}
-                by_tokens: dict[tuple[int, ...], list[PieceInfo]] = {}
-                for piece in pieces.values():
-                    by_tokens.setdefault(piece.token_ids, []).append(piece)
-                self._pieces = pieces
-                self._by_tokens = {ids: tuple(ps) for ids, ps in by_tokens.items()}
-                self._views = {}
+                self._snapshot(self._store.index.pieces())
 
     def _view(self, tenant: str | None) -> _View:
         """``tenant``'s view of the folder as indexed now (built once per change)."""
@@ -232,7 +264,7 @@ class SkillCatalog:
             index.add(piece)
         skills, left_out = skill_texts(self.tokenizer, pieces)
         bos = added_bos(self.tokenizer)
-        view = _View(skills, index, tuple(sorted(
+        view = _View(skills, skill_index(skills), index, tuple(sorted(
             (p for p in pieces if bos is not None and p.token_ids == (bos,)),
             key=lambda p: (p.origin, p.key))), left_out)
         with self._lock:
@@ -266,7 +298,8 @@ class SkillCatalog:
         return [p.key for p in pieces if visible(p, tenant)]
 
     def find(self, text: str, tenant: str | None = None) -> list[Part]:
-        return find_skills(text, self.skills(tenant))
+        self.refresh()
+        return find_skills(text, self._view(tenant).matcher)
 
     def lay_out(self, found: Sequence[Part], tokenizer: Any = None,
                 tenant: str | None = None) -> list[SentPart]:

@@ -140,6 +140,16 @@ class Store(Protocol):
         count not incremented for ``ttl_s`` seconds starts again from zero."""
         ...
 
+    def epoch(self) -> str:
+        """A token that stays the same while the store keeps its data, and changes when it is
+        emptied (a Redis restarted without persistence, or flushed): hosts then publish again
+        the entries they hold."""
+        ...
+
+    def clear_sighting(self, name: str) -> None:
+        """Forget ``name``'s sightings (it was compiled, or will never be)."""
+        ...
+
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         """Take the lease ``name`` for ``ttl_s`` seconds; False when another holder has it. A
         holder that dies leaves it to expire."""

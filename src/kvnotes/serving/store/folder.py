@@ -85,6 +85,10 @@ class Leases:
                 self._seen = {k: v for k, v in self._seen.items() if v[1] > now}
             return count
 
+    def clear(self, name: str) -> None:
+        with self._lock:
+            self._seen.pop(name, None)
+
     def acquire(self, name: str, ttl_s: float) -> bool:
         now = time.monotonic()
         with self._lock:
@@ -233,6 +237,12 @@ class FolderStore:
     # ---- what learners agree on ---------------------------------------------------------------
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
         return self._coord.incr(name, ttl_s)
+
+    def clear_sighting(self, name: str) -> None:
+        self._coord.clear(name)
+
+    def epoch(self) -> str:
+        return self.url  # a folder is never emptied behind its writer's back
 
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         return self._coord.acquire(name, ttl_s)

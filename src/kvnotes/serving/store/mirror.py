@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from kvnotes.serving.store.folder import FolderStore, write_entry_file
 log = logging.getLogger("kvnotes.serving.store")
 
 MIRROR_INDEX = "mirror.json"
+NOTIFY_S = 0.5  # within a pass, on_change is called at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +96,13 @@ class LocalMirror:
         mirror.want(key, "acme")  # from a request that missed it: fetched in the background
     """
 
-    def __init__(self, store: Store, folder: str | os.PathLike[str], config: MirrorConfig) -> None:
+    def __init__(self, store: Store, folder: str | os.PathLike[str], config: MirrorConfig, *,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.store = store
+        # called (on the mirror's thread) after it wrote or deleted files in the folder: the
+        # front's catalog rescans then, so the next request plans with what just landed
+        self.on_change = on_change
+        self._dirty, self._notified = False, 0.0
         self.folder = Path(folder)
         self.model = check_key(self.folder.name, "model id")
         self.config = config
@@ -185,6 +191,12 @@ class LocalMirror:
 
     def fetch_wanted(self) -> int:
         """Fetch every wanted entry now queued; returns how many were copied."""
+        try:
+            return self._fetch_wanted()
+        finally:
+            self._notify()
+
+    def _fetch_wanted(self) -> int:
         copied = 0
         while True:
             try:
@@ -206,6 +218,12 @@ class LocalMirror:
         first, every ``full_sync_s``, or when the feed no longer reaches back) its whole
         listing: remove what it forgot, copy what is missing here while it fits the bound
         without evicting (most recently used first). Returns the copies made."""
+        try:
+            return self._sync_once()
+        finally:
+            self._notify()
+
+    def _sync_once(self) -> int:
         try:
             if self._cursor is not None and time.monotonic() < self._next_full:
                 got = self.store.changes(self.model, self._cursor)
@@ -247,6 +265,34 @@ class LocalMirror:
         if self._local.delete(self.model, key):
             self._remove(key)
             self.stats.removed += 1
+            self._changed()
+
+    def _changed(self) -> None:
+        """Files changed: ``on_change`` is called at the end of this pass, and within it at
+        most every :data:`NOTIFY_S` (a long pass shows its first copies early, and a pass of
+        many copies costs a few rescans, not one per copy)."""
+        self._dirty = True
+        if time.monotonic() - self._notified >= NOTIFY_S:
+            self._notify()
+
+    def _notify(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty, self._notified = False, time.monotonic()
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # the folder is right; a catalog rescans at its own pace anyway
+                log.exception("kvnotes: store mirror: the catalog did not rescan %s", self.folder)
+
+    def disown(self, key: str) -> bool:
+        """Stop counting ``key`` as a copy of this mirror's (this host's learner took it on: its
+        bounds govern the file from now on); True when it was one."""
+        with self._lock:
+            had = self._mine.pop(key, None) is not None
+        if had:
+            self._save_index()
+        return had
 
     def _room(self, nbytes: int) -> bool:
         with self._lock:
@@ -275,6 +321,7 @@ class LocalMirror:
             self.stats.fetched_bytes += size
             self.stats.fetch_s += time.perf_counter() - start
         self._save_index()
+        self._changed()
         return 1
 
     def _evict(self, room: int) -> None:
@@ -291,6 +338,7 @@ class LocalMirror:
             (self.folder / f"{key}{ENTRY_SUFFIX}").unlink(missing_ok=True)
         if victims:
             self._save_index()
+            self._changed()
 
     def _remove(self, key: str) -> None:
         with self._lock:

@@ -507,6 +507,17 @@ class RedisStore:
             count, _ = pipe.execute()
         return int(count)
 
+    def epoch(self) -> str:
+        key = f"{self.settings.prefix}:epoch"
+        with self._guard("epoch"):
+            self.client.set(key, secrets.token_hex(8), nx=True)
+            value = self.client.get(key)
+        return _text(value) if value is not None else ""
+
+    def clear_sighting(self, name: str) -> None:
+        with self._guard("clear_sighting"):
+            self.client.delete(f"{self.settings.prefix}:seen:{name}")
+
     def acquire_lease(self, name: str, ttl_s: float) -> bool:
         with self._guard("acquire_lease"):
             got = self.client.set(f"{self.settings.prefix}:lease:{name}", self._token,

@@ -10,10 +10,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.serving.store.base import Store
+
+if TYPE_CHECKING:
+    from kvnotes.serving.store.redis_store import RedisSettings
 
 SCHEMES = ("redis", "rediss", "file")
 
@@ -92,7 +96,8 @@ def read_password_file(path: str | os.PathLike[str]) -> str:
     return password
 
 
-def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None) -> Store:
+def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None, *,
+                   settings: RedisSettings | None = None) -> Store:
     """The store a ``--store`` value names: a :class:`FolderStore` for a folder (or
     ``file://``), a :class:`RedisStore` for ``redis://`` / ``rediss://``. Nothing is sent to a
     server yet: a store that is down is found out (and counted) at its first use.
@@ -101,6 +106,8 @@ def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None
         InvalidArgumentError: a malformed URL, a password both in the URL and in a file, or a
             password file for a folder.
         UnknownNameError: another scheme.
+
+    ``settings``: a Redis store's timeouts and retries (default :class:`RedisSettings`'s).
     """
     parsed = parse_store_url(url)
     if not parsed.is_redis:
@@ -120,4 +127,5 @@ def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None
     except ImportError as err:  # redis-py is in the `serving` extra
         raise InvalidArgumentError("--store redis://...: the redis package is not installed "
                                    "(pip install 'kvnotes[serving]')") from err
-    return RedisStore.connect(parsed.url, password=password, display=parsed.display)
+    return RedisStore.connect(parsed.url, password=password, display=parsed.display,
+                              settings=settings)

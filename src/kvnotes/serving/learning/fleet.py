@@ -1,0 +1,412 @@
+"""Learning for a fleet: sightings counted, compiles leased and entries published in one store.
+
+Every host of a fleet runs a :class:`FleetLearner` over the same shared
+:class:`~kvnotes.serving.store.base.Store` (Redis): a chunk's sightings are counted across hosts
+(:class:`StoreSightings`), one host compiles it (:class:`StoreCompileLeases`: a lease with a
+time to live, so a host that dies mid-compile leaves the lease to expire and no entry behind:
+an entry is written locally and published atomically only once whole), and the compiled entry is
+published to the store (:class:`Publisher`) as well as written to the host's folder. The other
+hosts' :class:`~kvnotes.serving.store.mirror.LocalMirror` fetch it in the background into their
+folders, where the connector and the front's catalog find it; a host whose sightings make a job
+due that another host compiled takes the store's copy instead of compiling it again
+(:meth:`Publisher.adopt`).
+
+The request path (sightings and taking a lease) reaches the store through a :class:`StoreGate`:
+each call bounded by the store's socket timeout (a store made with
+:func:`request_path_settings`: tens of milliseconds, no retries), and after a fault the store is
+left alone for ``retry_s`` seconds: sightings are counted in this process meanwhile and nothing
+is compiled (a compile needs the fleet's lease). Requests never wait for the store beyond one
+timeout and are planned with the entries already local, which were checked when written.
+Publishing, adopting and the fleet's bounds (:func:`kvnotes.serving.store.bounds.evict`: the
+library cap and tenant quotas over the whole store, pins kept) run on the learner's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from kvnotes.core.errors import KvnotesError, StoreUnavailableError
+from kvnotes.serving.learning.compiles import Compiled, Compiler
+from kvnotes.serving.learning.learner import Learner, LearnSettings
+from kvnotes.serving.learning.sightings import Job, LocalSightings
+from kvnotes.serving.library.manifest import ENTRY_SUFFIX
+from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
+from kvnotes.serving.store import bounds as store_bounds
+from kvnotes.serving.store.base import Store
+from kvnotes.serving.store.entry import EntryInfo, StoredEntry, sha256
+from kvnotes.serving.store.folder import write_entry_file
+
+if TYPE_CHECKING:
+    from kvnotes.serving.library.splice import PieceInfo
+    from kvnotes.serving.skills import ServingSkills
+    from kvnotes.serving.store.mirror import LocalMirror
+    from kvnotes.serving.store.redis_store import RedisSettings
+
+log = logging.getLogger("kvnotes.serving.front")
+T = TypeVar("T")
+
+
+def request_path_settings() -> RedisSettings:
+    """Redis settings for the store a request's path calls (sightings, leases): an answer
+    within 50 ms or a fault, no retries (a request never waits for reconnects)."""
+    from kvnotes.serving.store.redis_store import RedisSettings
+
+    return RedisSettings(socket_timeout_s=0.05, connect_timeout_s=0.05, retries=0)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """How a :class:`FleetLearner` uses its store."""
+
+    lease_s: float = 600.0  # a compile lease's time to live (a dead holder's expires)
+    sighting_ttl_s: float = 86400.0  # a chunk not seen for this long is counted from zero
+    retry_s: float = 2.0  # after a store fault, the request path leaves the store alone
+    evict_s: float = 30.0  # the fleet's bounds are enforced at most this often
+    unpublished: int = 1024  # compiled entries whose publish failed, kept to try again
+
+
+@dataclass
+class FleetStats:
+    """What the fleet side of a learner did (``to_dict()`` at the JSON boundary)."""
+
+    local_sightings: int = 0  # sightings counted in this process: the store did not answer
+    skipped_compiles: int = 0  # due jobs not compiled: the fleet's lease could not be taken
+    published: int = 0  # entries compiled here and published to the store
+    publish_failures: int = 0  # publishes the store refused or missed (tried again later)
+    adopted: int = 0  # entries another host compiled, taken from the store instead
+    fleet_evictions: int = 0  # entries forgotten in the store by the fleet's bounds
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def add(self, name: str, n: int = 1) -> None:
+        """Count (from any thread)."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    def to_dict(self) -> dict[str, int]:
+        with self._lock:
+            return asdict(self)
+
+
+class StoreGate:
+    """The request path's door to a store: a call is made unless the store failed less than
+    ``retry_s`` seconds ago; a fault (counted by the store, by reason) closes the door for that
+    long and is logged once. Thread-safe."""
+
+    def __init__(self, store: Store, retry_s: float, stats: FleetStats) -> None:
+        self.store, self.retry_s, self.stats = store, retry_s, stats
+        self._lock = threading.Lock()
+        self._closed_until = 0.0
+        self._reason: str | None = None
+
+    @property
+    def open(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._closed_until
+
+    def call(self, what: str, op: Callable[[Store], T]) -> tuple[bool, T | None]:
+        """``(True, op(store))``, or ``(False, None)`` when the door is closed or ``op``
+        failed."""
+        if not self.open:
+            return False, None
+        try:
+            value = op(self.store)
+        except StoreUnavailableError as err:
+            self._fault(what, err.reason, str(err))
+            return False, None
+        except Exception as err:  # noqa: BLE001 -- the store is an optimization: serve on
+            self.store.faults.count("error")
+            self._fault(what, "error", f"{type(err).__name__}: {err}")
+            return False, None
+        with self._lock:
+            was, self._reason = self._reason, None
+        if was is not None:
+            log.warning("kvnotes learner: store %s answers again; sightings and compiles are "
+                        "the fleet's again", self.store.url)
+        return True, value
+
+    def _fault(self, what: str, reason: str, detail: str) -> None:
+        with self._lock:
+            first = self._reason is None
+            self._reason = reason
+            self._closed_until = time.monotonic() + self.retry_s
+        if first:
+            log.warning("kvnotes learner: store %s failed (%s) during %s: sightings are counted "
+                        "on this host and nothing is compiled until it answers (tried again "
+                        "every %.1f s): %s", self.store.url, reason, what, self.retry_s, detail)
+
+
+class StoreSightings:
+    """A :class:`~kvnotes.serving.learning.sightings.SightingCounter` in a store: every host's
+    sightings of a chunk add up. When the store does not answer (or failed moments ago) the
+    sighting is counted in ``fallback``, this process's counter."""
+
+    def __init__(self, gate: StoreGate, model: str, fallback: LocalSightings,
+                 ttl_s: float) -> None:
+        self.gate, self.model, self.fallback, self.ttl_s = gate, model, fallback, ttl_s
+
+    def _name(self, ident: bytes) -> str:
+        return f"{self.model}:{ident.hex()}"
+
+    def sight(self, ident: bytes) -> int:
+        name = self._name(ident)
+        ok, count = self.gate.call("incr_sighting",
+                                   lambda s: s.incr_sighting(name, self.ttl_s))
+        if ok and count is not None:
+            return count
+        self.gate.stats.add("local_sightings")
+        return self.fallback.sight(ident)
+
+    def clear(self, ident: bytes) -> None:
+        self.fallback.clear(ident)
+        name = self._name(ident)
+        self.gate.call("clear_sighting", lambda s: s.clear_sighting(name))
+
+
+class StoreCompileLeases:
+    """A :class:`~kvnotes.serving.learning.compiles.CompileLease` in a store: one host of the
+    fleet compiles a job at a time; a lease lives ``ttl_s`` seconds unless given back, so a host
+    that dies holding it stops no one for longer. No store, no compile: a job is compiled once
+    for the fleet, or waits for the store."""
+
+    def __init__(self, gate: StoreGate, model: str, ttl_s: float) -> None:
+        self.gate, self.model, self.ttl_s = gate, model, ttl_s
+
+    def _name(self, ident: bytes) -> str:
+        return f"compile:{self.model}:{ident.hex()}"
+
+    def take(self, ident: bytes) -> bool:
+        name = self._name(ident)
+        ok, got = self.gate.call("acquire_lease", lambda s: s.acquire_lease(name, self.ttl_s))
+        if not ok:
+            self.gate.stats.add("skipped_compiles")
+        return bool(ok and got)
+
+    def give_back(self, ident: bytes) -> None:
+        name = self._name(ident)
+        # a lease not given back (the store down meanwhile) expires on its own
+        self.gate.call("release_lease", lambda s: s.release_lease(name))
+
+
+class Publisher:
+    """Publishes this host's compiled entries to ``store`` and takes other hosts' from it, for
+    the serving folder ``folder`` (``ROOT/<model>``) and its ``registry``. Worker thread only."""
+
+    def __init__(self, store: Store, folder: Path, registry: LearnedRegistry,
+                 stats: FleetStats, *, mirror: LocalMirror | None = None,
+                 unpublished: int = 1024) -> None:
+        self.store, self.folder, self.registry, self.stats = store, folder, registry, stats
+        self.model = folder.name
+        self.mirror = mirror
+        self.max_unpublished = unpublished
+        self._unpublished: OrderedDict[str, LearnedEntry] = OrderedDict()
+
+    def publish(self, entry: LearnedEntry) -> bool:
+        """Publish learned ``entry`` (its file in the folder); True when the store has it. One
+        the store could not take is kept (a bounded number) and tried again by :meth:`retry`."""
+        try:
+            data = (self.folder / f"{entry.key}{ENTRY_SUFFIX}").read_bytes()
+        except OSError:
+            self._unpublished.pop(entry.key, None)
+            return False  # evicted since: nothing to publish
+        info = EntryInfo(entry.key, self.model, entry.tenant, entry.name, entry.tokens,
+                         len(data), sha256(data), kind=entry.kind, learned=True,
+                         pinned=entry.pinned, last_used=entry.last_used or time.time(),
+                         created=entry.created or time.time(), skill=entry.skill,
+                         variant_of=entry.variant_of, behind=entry.behind,
+                         behind_tokens=entry.behind_tokens)
+        try:
+            self.store.put(StoredEntry(info, data))
+        except StoreUnavailableError:  # counted and logged by the store
+            self.stats.add("publish_failures")
+            self.keep(entry)
+            return False
+        except KvnotesError as err:  # a file that fails its own checks is never published
+            self._unpublished.pop(entry.key, None)
+            self.stats.add("publish_failures")
+            log.warning("kvnotes learner: entry %s not published to %s: %s", entry.key,
+                        self.store.url, err)
+            return False
+        self._unpublished.pop(entry.key, None)
+        self.stats.add("published")
+        return True
+
+    def keep(self, entry: LearnedEntry) -> None:
+        """Keep ``entry`` to be published by the next :meth:`retry` (the oldest kept are
+        dropped beyond the bound: the store then misses them until they are compiled again)."""
+        self._unpublished.pop(entry.key, None)
+        self._unpublished[entry.key] = entry
+        while len(self._unpublished) > self.max_unpublished:
+            self._unpublished.popitem(last=False)
+
+    def retry(self) -> int:
+        """Publish again the entries whose publish failed (while the store takes them);
+        returns how many it took."""
+        done = 0
+        for key, entry in list(self._unpublished.items()):
+            if key not in self._unpublished:
+                continue
+            if self.publish(entry):
+                done += 1
+            elif key in self._unpublished:
+                break  # the store refused it: the rest wait for the next try
+        return done
+
+    @property
+    def unpublished(self) -> int:
+        return len(self._unpublished)
+
+    def adopt(self, key: str, tenant: str | None) -> bool:
+        """Take learned entry ``key`` of ``tenant`` from the store when another host compiled
+        it: its file written here (unless the mirror already did) and its row recorded, so that
+        this host's learner keeps it like its own. False when the store does not have it (or
+        does not answer): the caller compiles it."""
+        try:
+            got = self.store.get(self.model, key, tenant)
+        except StoreUnavailableError:
+            return False
+        if got is None or not got.info.learned or got.info.tenant != tenant:
+            return False
+        if not (self.folder / f"{key}{ENTRY_SUFFIX}").is_file():
+            write_entry_file(self.folder, key, got.data)  # checked by the store's get
+        i = got.info
+        self.registry.record(LearnedEntry(
+            key, tenant, i.name, i.kind, i.tokens, i.bytes, created=i.created or time.time(),
+            last_used=time.time(), skill=i.skill, variant_of=i.variant_of, behind=i.behind,
+            behind_tokens=i.behind_tokens))
+        if self.mirror is not None:
+            self.mirror.disown(key)  # the learner's bounds govern it now
+        self.stats.add("adopted")
+        log.info("kvnotes learner: took %s (%s) from store %s: compiled by another host",
+                 key, i.name, self.store.url)
+        return True
+
+
+class FleetCompiler(Compiler):
+    """A :class:`Compiler` that takes an entry another host compiled from the store instead of
+    compiling it again, and publishes the entries it compiles."""
+
+    def __init__(self, skills: ServingSkills, registry: LearnedRegistry,
+                 publisher: Publisher) -> None:
+        super().__init__(skills, registry)
+        self.publisher = publisher
+
+    def compile(self, job: Job) -> Compiled:
+        done = super().compile(job)
+        if done.entry is not None and done.new:
+            self.publisher.publish(done.entry)
+        return done
+
+    def _publish(self, job: Job, text: str, name: str, after: list[int] | None,
+                 token_ids: Sequence[int], mismatch: str
+                 ) -> tuple[PieceInfo, int, bool] | Compiled:
+        key = self.skills.path_for(text, after=after, tenant=job.tenant).stem
+        if key not in self.registry:
+            self.publisher.adopt(key, job.tenant)
+        return super()._publish(job, text, name, after, token_ids, mismatch)
+
+
+class FleetLearner(Learner):
+    """A :class:`Learner` whose sightings, compiles and library are the fleet's (see the module
+    docstring).
+
+    Args:
+        config, skills, registry: as :class:`Learner`'s.
+        store: the shared store (publishing, adopting, the fleet's bounds: the worker's side).
+        request_store: the same store through a client with short timeouts, for the request
+            path (default: ``store``).
+        mirror: this host's mirror of the store (its hits go to the store's LRU; entries the
+            learner adopts leave the mirror's bound).
+        settings: leases, retries, bounds' pace.
+    """
+
+    def __init__(self, config: LearnSettings, skills: ServingSkills,
+                 registry: LearnedRegistry | None = None, *, store: Store,
+                 request_store: Store | None = None, mirror: LocalMirror | None = None,
+                 settings: FleetSettings | None = None) -> None:
+        s = self.fleet_settings = settings or FleetSettings()
+        model = skills.folder.name
+        self.fleet_stats = FleetStats()
+        self.gate = StoreGate(store if request_store is None else request_store, s.retry_s,
+                              self.fleet_stats)
+        super().__init__(config, skills, registry,
+                         sightings=StoreSightings(self.gate, model,
+                                                  LocalSightings(config.max_tracked),
+                                                  s.sighting_ttl_s),
+                         compile_leases=StoreCompileLeases(self.gate, model, s.lease_s))
+        self.store, self.mirror, self.model = store, mirror, model
+        self.publisher = Publisher(store, skills.folder, self.registry, self.fleet_stats,
+                                   mirror=mirror, unpublished=s.unpublished)
+        self.compiler = FleetCompiler(skills, self.registry, self.publisher)
+        self._evicted_at = 0.0
+        self._epoch: str | None = None
+
+    def lease(self, keys: Iterable[str], *, used: Iterable[str] | None = None,
+              exact: Iterable[str] = ()) -> tuple[str, ...]:
+        held = super().lease(keys, used=used, exact=exact)
+        if self.mirror is not None:  # the fleet's LRU: sent by the mirror's thread
+            self.mirror.used(held if used is None else used)
+        return held
+
+    def upkeep(self) -> None:
+        """:meth:`Learner.upkeep`, then publish again what the store missed, and enforce the
+        fleet's bounds (at most every ``evict_s``)."""
+        super().upkeep()
+        with self._chores:
+            self.check_epoch()
+            self.publisher.retry()
+            if time.monotonic() - self._evicted_at >= self.fleet_settings.evict_s:
+                self.enforce_fleet()
+
+    def check_epoch(self) -> int:
+        """When the store was emptied since the last look (restarted, flushed), queue this
+        host's learned entries to be published again; returns how many were queued."""
+        try:
+            epoch = self.store.epoch()
+        except StoreUnavailableError:
+            return 0
+        was, self._epoch = self._epoch, epoch
+        if was is None or was == epoch:
+            return 0
+        entries = self.registry.entries()
+        for entry in entries:
+            self.publisher.keep(entry)
+        log.warning("kvnotes learner: store %s was emptied (restarted or flushed): publishing "
+                    "this host's %d learned entries again", self.store.url, len(entries))
+        return len(entries)
+
+    def enforce_fleet(self) -> list[str] | None:
+        """The library cap and tenant quotas over the whole store (the fleet's LRU; pinned and
+        registered entries kept): the keys forgotten (every host's mirror drops them), or None
+        when another host is doing it, no bound is set, or the store does not answer."""
+        self._evicted_at = time.monotonic()
+        cap, quota = self.config.library_cap, self.config.tenant_quota
+        if cap is None and quota is None:
+            return None
+        try:
+            gone = store_bounds.evict(self.store, self.model, cap=cap, quota=quota)
+        except StoreUnavailableError:
+            return None  # counted and logged by the store; tried again at the next chore
+        if gone:
+            self.fleet_stats.add("fleet_evictions", len(gone))
+            log.info("kvnotes learner: the fleet's bounds forgot %d entries in %s", len(gone),
+                     self.store.url)
+        return gone
+
+    def fleet_counters(self) -> dict[str, int]:
+        return self.fleet_stats.to_dict()
+
+    def store_faults(self) -> dict[str, int]:
+        """Store faults by reason, the request path's and the worker's and mirror's together."""
+        out = self.store.faults.to_dict()
+        if self.gate.store is not self.store:
+            for reason, n in self.gate.store.faults.to_dict().items():
+                out[reason] = out.get(reason, 0) + n
+        return out
