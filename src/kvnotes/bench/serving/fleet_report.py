@@ -65,7 +65,8 @@ def _share(result: FleetResult) -> list[str]:
     if any(after.values()):
         lines += ["", "The fronts' store, fleet and mirror series after the part:", ""]
         lines += [f"- {host}: " + ", ".join(f"{k} {v:g}" for k, v in sorted(values.items())
-                                            if v) for host, values in after.items() if values]
+                                            if v) for host, values in after.items()
+                  if any(values.values())]
     return lines + [""]
 
 

@@ -73,6 +73,9 @@ def goals(result: FleetResult) -> dict[str, dict[str, Any]]:
         out["soak_failed"] = _goal(summary.failed, "0 failed", summary.failed == 0)
         out["soak_wrong"] = _goal(summary.wrong, "0 wrong (checked against the engine)",
                                   summary.wrong == 0)
+        # an answer that could not be checked is no evidence either way: said apart
+        out["soak_unchecked"] = _goal(summary.unchecked, "every answer checked",
+                                      summary.unchecked == 0)
         done = sum(e.ok for e in result.faults)
         out["soak_faults"] = _goal(done, f"{len(result.faults)} faults done",
                                    done == len(result.faults))
