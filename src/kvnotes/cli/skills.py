@@ -52,8 +52,7 @@ def skills_add(
                    + (f"\tafter {after}" if after else ""))
 
 
-@skills_app.command("list")
-def skills_list(
+def folder_list(
     model: str = typer.Option("smollm2-135m", "--model"),
     skills: Path = typer.Option(..., "--skills"),
 ) -> None:
@@ -123,8 +122,7 @@ def _learned_home(skills: Path, key: str) -> tuple[Path, str]:
                                "skills list`)")
 
 
-@skills_app.command("pin")
-def skills_pin(
+def folder_pin(
     key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
     skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
     unpin: bool = typer.Option(False, "--unpin", help="Make it evictable again"),
@@ -138,8 +136,7 @@ def skills_pin(
     typer.echo(f"{full}\t{'evictable' if unpin else 'pinned'}")
 
 
-@skills_app.command("forget")
-def skills_forget(
+def folder_forget(
     key: str = typer.Argument(..., help="A learned entry's key (or its first 6+ characters)"),
     skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
 ) -> None:

@@ -6,8 +6,8 @@ skills grouped with their variants, the learned entries with their registry rows
 entry's model fingerprint id, tenant, size, use and whether it is pinned, evictable (learned)
 or registered (the operator's: never evicted, never forgotten from here).
 
-These three commands take the place of the folder-only ones :mod:`kvnotes.cli.skills`
-registers (this module is imported after it and replaces them by name).
+The folder's side of each command is :mod:`kvnotes.cli.skills`' (``folder_list``,
+``folder_pin``, ``folder_forget``); ``skills add`` is registered there.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli import skills as _serve
+from kvnotes.cli import skills as _folder
 from kvnotes.cli.store_options import open_store, store_option, store_password_file_option
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.store import EntryInfo, Store
 
-skills_app = _serve.skills_app
-REPLACED = ("list", "pin", "forget")
-skills_app.registered_commands[:] = [c for c in skills_app.registered_commands
-                                     if c.name not in REPLACED]
+skills_app = _folder.skills_app
 
 
 def _row(info: EntryInfo) -> str:
@@ -71,7 +68,7 @@ def skills_list(
     if store is None:
         if tenant is not None:
             raise InvalidArgumentError("--tenant lists a --store URL")
-        _serve.skills_list(model=model, skills=_need(skills))
+        _folder.folder_list(model=model, skills=_need(skills))
         return
     st = open_store(store, store_password_file)
     try:
@@ -98,7 +95,7 @@ def skills_pin(
 ) -> None:
     """Keep a learned chunk: a pinned entry is never evicted (by the cap or a quota)."""
     if store is None:
-        _serve.skills_pin(key=key, skills=_need(skills), unpin=unpin)
+        _folder.folder_pin(key=key, skills=_need(skills), unpin=unpin)
         return
     st = open_store(store, store_password_file)
     try:
@@ -121,7 +118,7 @@ def skills_forget(
     deleted at its mirror's next poll; a request already planned with it recomputes those
     tokens)."""
     if store is None:
-        _serve.skills_forget(key=key, skills=_need(skills))
+        _folder.folder_forget(key=key, skills=_need(skills))
         return
     st = open_store(store, store_password_file)
     try:
