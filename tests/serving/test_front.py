@@ -80,7 +80,7 @@ def test_completion_sends_phases_then_the_spliced_request(front, fake, client, t
     assert phases == plan.phase_bodies(ids, MODEL)  # in order, each a prefix of the prompt
     assert real["prompt"] == ids
     assert real["cache_salt"] == plan.salt
-    assert real["kv_transfer_params"] == plan.kv_params()
+    assert real["kv_transfer_params"] == plan.splice_request().to_params()
     assert real["max_tokens"] == 5 and real["temperature"] == 0.0 and "logprobs" not in real
     assert got.choices[0].text == "spliced answer"
     assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 2
@@ -105,7 +105,7 @@ def test_token_id_prompt_is_split_where_pieces_occur(front, fake, tokenizer):
     resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert resp.status_code == 200, resp.text
-    assert fake.posted()[-1]["kv_transfer_params"] == plan.kv_params()
+    assert fake.posted()[-1]["kv_transfer_params"] == plan.splice_request().to_params()
     assert resp.json()["usage"]["kvnotes"]["spliced_tokens"] == plan.spliced_tokens
 
 
@@ -117,7 +117,7 @@ def test_tenant_and_repair_options_set_salt_and_plan(front, fake, client, tokeni
     assert "acme" in plan.salt
     sent = fake.posted()
     assert {b["cache_salt"] for b in sent} == {plan.salt}
-    assert sent[-1]["kv_transfer_params"] == plan.kv_params()
+    assert sent[-1]["kv_transfer_params"] == plan.splice_request().to_params()
     assert "kvnotes" not in sent[-1]
 
 

@@ -78,6 +78,7 @@ from kvnotes.serving.front.limits import check_bounds
 from kvnotes.serving.front.service import FrontService
 from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:
     from kvnotes.serving.front.learner import Learner
@@ -203,7 +204,7 @@ class _Answer(StarletteResponse):
                                           call.route, front.config)
                         check_bounds(call.route, data, front.config)
                     except ApiError:
-                        call.outcome = "bad_request"
+                        call.outcome = Outcome.BAD_REQUEST
                         raise
                     await self._watched(front.answer(call.route, data, call, self.key_tenant,
                                                      self.auth), receive, send)
@@ -212,7 +213,7 @@ class _Answer(StarletteResponse):
                         await self._reply(error_reply(err), send)
                 except Exception:  # noqa: BLE001 -- a fault answers 500, its text in the log
                     log.exception("request %s failed", call.id)
-                    call.outcome = "internal_error"
+                    call.outcome = Outcome.INTERNAL_ERROR
                     if not self._started:
                         await self._reply(error_reply(internal_error(call)), send)
         except ApiError as err:  # no slot free: a 429, counted as rejected
@@ -225,7 +226,7 @@ class _Answer(StarletteResponse):
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
                 task.cancel()
-                self.call.outcome = "disconnected"
+                self.call.outcome = Outcome.DISCONNECTED
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             else:
@@ -261,15 +262,16 @@ class _Answer(StarletteResponse):
             async with asyncio.timeout_at(deadline):
                 reply: Reply = await work
         except TimeoutError:
-            self.call.outcome = "upstream_error"
+            self.call.outcome = Outcome.UPSTREAM_ERROR
             reply = error_reply(self._too_long())
         except ApiError as err:
-            if not self.call.outcome or self.call.outcome == "forwarded":
-                self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
+            if not self.call.outcome or self.call.outcome == Outcome.FORWARDED:
+                self.call.outcome = (Outcome.UPSTREAM_ERROR if err.status >= 500
+                                     else Outcome.BAD_REQUEST)
             reply = error_reply(err)
         except Exception:  # noqa: BLE001 -- a fault answers 500, its text only in the log
             log.exception("request %s failed", self.call.id)
-            self.call.outcome = "internal_error"
+            self.call.outcome = Outcome.INTERNAL_ERROR
             reply = error_reply(internal_error(self.call))
         if reply.stream is None:
             await self._reply(reply, send)
@@ -291,11 +293,11 @@ class _Answer(StarletteResponse):
                             await send({"type": "http.response.body", "body": chunk,
                                         "more_body": True})
             except TimeoutError:
-                self.call.outcome = "upstream_error"
+                self.call.outcome = Outcome.UPSTREAM_ERROR
                 fault = self._too_long()
             except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
                 log.exception("request %s: its stream failed", self.call.id)
-                self.call.outcome = "internal_error"
+                self.call.outcome = Outcome.INTERNAL_ERROR
                 fault = internal_error(self.call)
             if fault is not None and sse_stream:
                 await send({"type": "http.response.body", "more_body": True,
