@@ -42,6 +42,9 @@ class FakeVLLM:
         self.fail: tuple[int, dict[str, Any]] | None = None
         self.fault: str | None = None
         self.hang_metrics = False
+        # the connector's report a spliced completion returns in its kv_transfer_params (a
+        # function of the request body; None: vLLM returns none, as without a report)
+        self.report: Any = None
         self.closed_streams = 0  # streams whose client went away before their end
         fake = self
 
@@ -131,6 +134,8 @@ class FakeVLLM:
             data = {**head, "object": "text_completion", "usage": usage, "choices": [
                 {"index": 0, "text": text, "logprobs": lp, "finish_reason": "length",
                  "stop_reason": None}]}
+            if self.report is not None and body.get("kv_transfer_params"):
+                data["kv_transfer_params"] = self.report(body)
             handler._json(200, data)  # type: ignore[attr-defined]
             return
         handler.send_response(200)

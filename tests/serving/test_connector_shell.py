@@ -26,6 +26,8 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.library.splice import SpliceRange
+from kvnotes.serving.protocol import SpliceReport, SpliceRequest
 from kvnotes.serving.skills import ServingSkills
 from kvnotes.serving.vllm.kv_writer import KvWriter, WorkerShare, rank_heads
 
@@ -142,9 +144,9 @@ def rotary_for(manifest):
                            is_neox_style=True)
 
 
-def request(req_id, ids, salt="kvnotes-splice"):
+def request(req_id, ids, salt="kvnotes-splice", params=None):
     return SimpleNamespace(request_id=req_id, cache_salt=salt, prompt_token_ids=list(ids),
-                           mm_features=[])
+                           mm_features=[], kv_transfer_params=params)
 
 
 def blocks(ids):
@@ -222,6 +224,42 @@ def test_a_skill_deleted_after_planning_is_recomputed(cmod, library, monkeypatch
     assert worker.get_block_ids_with_load_errors() == set()  # reported once
     assert not any(layer.kv_cache.any() for layer in layers.values())
     assert "skill 'refunds'" in caplog.text and "gone from" in caplog.text
+    # vLLM hands the failed blocks to the scheduler side; the request's report says so
+    sched.update_connector_output(SimpleNamespace(invalid_block_ids=failed))
+    delay, params = sched.request_finished(req, [3, 8])
+    report = SpliceReport.from_params(params)
+    assert delay is False and report is not None
+    assert report.failed and report.recompute_from == min(a for a, _ in report.failed)
+    assert refunds.key in report.entries and report.supplied < ext
+
+
+def test_request_finished_returns_the_report_and_a_refused_message_splices_nothing(
+        cmod, library, caplog):
+    skills, (header, refunds, _) = library
+    sched = cmod.KvnotesConnector(vllm_config(skills.folder), cmod.KVConnectorRole.SCHEDULER)
+    ids = [*header.token_ids, *refunds.token_ids, 5]
+    n = len(header) + len(refunds)
+    asked = SpliceRequest((SpliceRange(0, 0, len(header)), SpliceRange(len(header),
+                                                                       len(header), n)))
+    ok = request("ok", ids, params=asked.to_params())
+    assert sched.get_num_new_matched_tokens(ok, 0) == (n, False)
+    sched.update_state_after_alloc(ok, blocks([1, 2, 3, 4]), n)
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"ok": len(ids)}))
+    delay, params = sched.request_finished(ok, [1, 2, 3, 4])
+    report = SpliceReport.from_params(params)
+    assert delay is False and report is not None and report.supplied == n
+    assert report.entries == (header.key, refunds.key) and report.computed == 1
+    # another version, or a field this connector does not know: nothing is supplied
+    for body in ({"v": 2, "ranges": []}, {"v": 1, "ranges": [], "mode": "all"}):
+        bad = request("bad", ids, params={"kvnotes": body})
+        with caplog.at_level(logging.WARNING, logger="vllm.kvnotes"):
+            assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)
+        report = SpliceReport.from_params(sched.request_finished(bad, [])[1])
+        assert report is not None and report.loaded == () and report.refused is not None
+    assert "its splice request was refused (kvnotes splice request: version 2" in caplog.text
+    assert "unknown field 'mode'" in caplog.text
+    # an exact request (no splice salt) gets no report
+    assert sched.request_finished(request("x", ids, salt=None), []) == (False, None)
 
 
 def test_only_splice_salts_are_spliced(cmod, library):

@@ -22,6 +22,7 @@ from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.launch.launcher import Launch
 from kvnotes.serving.planning.layout import prompt_ids
+from kvnotes.serving.protocol import SpliceReport
 
 pytestmark = pytest.mark.vllm
 
@@ -101,6 +102,34 @@ def test_preempted_spliced_requests_answer_as_alone(small, smollm2):
     assert splices >= len(jobs)
 
 
+def report_of(client, model: str, ids: list[int], salt: str,
+              params: dict | None = None) -> SpliceReport | None:
+    """The connector's report in a real server's completion (``kv_transfer_params``)."""
+    extra: dict = {"cache_salt": salt}
+    if params is not None:
+        extra["kv_transfer_params"] = params
+    r = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0,
+                                  extra_body=extra)
+    return SpliceReport.from_params((r.model_extra or {}).get("kv_transfer_params"))
+
+
+def test_vllm_returns_the_connectors_report_and_a_refused_message_splices_nothing(small,
+                                                                                  smollm2):
+    client, model = openai_client(small.server.url), small.server.served_name
+    ids = prompt_ids(smollm2.tokenizer, [HEADER, skill_copy("refunds", OWNER), USER])
+    report = report_of(client, model, ids, "kvnotes-splice:report")  # the leading run
+    assert report is not None and report.prompt_tokens == len(ids) and report.refused is None
+    assert report.supplied > 0 and len(report.entries) == 2  # the header and the skill
+    assert report.computed == len(ids) - report.local_hit - report.supplied
+    log_start = small.server.log_path.stat().st_size
+    refused = report_of(client, model, ids, "kvnotes-splice:refused",
+                        {"kvnotes": {"v": 99, "ranges": []}})
+    assert refused is not None and refused.loaded == () and refused.supplied == 0
+    assert refused.refused == "kvnotes splice request: version 99; this kvnotes reads version 1"
+    assert "its splice request was refused" in log_since(small, log_start)
+    assert report_of(client, model, ids, "cold-report") is None  # an exact request: none
+
+
 def test_a_skill_damaged_after_indexing_is_recomputed(small, smollm2):
     assert small.skills is not None
     client = ComposeClient(small.server.url, small.server.served_name, smollm2.tokenizer,
@@ -120,9 +149,15 @@ def test_a_skill_damaged_after_indexing_is_recomputed(small, smollm2):
     try:
         got = client.complete([HEADER, text, USER], max_tokens=16)
         cold = client.complete([HEADER, text, USER], max_tokens=16, salt=cold_salt())
+        ids = prompt_ids(smollm2.tokenizer, [HEADER, text, USER])
+        failed = report_of(openai_client(small.server.url), small.server.served_name, ids,
+                           "kvnotes-splice:damage-report")
     finally:
         path.write_bytes(intact)  # the library is the session's: leave it readable
     assert got.ok and cold.ok, (got.error, cold.error)
     assert got.text == cold.text  # recomputed: the exact answer
+    # the report says which load failed, and vLLM recomputed from there
+    assert failed is not None and failed.failed and info.key in failed.entries
+    assert failed.supplied < sum(len(r) for r in failed.loaded)
     log = log_since(small, log_start)
     assert f"skill '{OWNER}-lost-items'" in log and "are recomputed" in log

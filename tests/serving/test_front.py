@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import shutil
 import time
 from typing import Any
@@ -28,8 +29,15 @@ from kvnotes.serving.front.proxy import REASON_HEADER
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.match import Part, SkillCatalog
-from kvnotes.serving.planning.phases import part_spans, plan_phases
+from kvnotes.serving.planning.phases import part_spans, plan_phases, server_repair
 from kvnotes.serving.planning.request import read_request, render_chat
+from kvnotes.serving.protocol import (
+    LoadedRange,
+    RepairPolicy,
+    SpliceReport,
+    SpliceRequest,
+    UsageKvnotes,
+)
 from kvnotes.serving.skills import ServingSkills
 
 
@@ -80,7 +88,7 @@ def test_completion_sends_phases_then_the_spliced_request(front, fake, client, t
     assert phases == plan.phase_bodies(ids, MODEL)  # in order, each a prefix of the prompt
     assert real["prompt"] == ids
     assert real["cache_salt"] == plan.salt
-    assert real["kv_transfer_params"] == plan.kv_params()
+    assert real["kv_transfer_params"] == plan.splice_request().to_params()
     assert real["max_tokens"] == 5 and real["temperature"] == 0.0 and "logprobs" not in real
     assert got.choices[0].text == "spliced answer"
     assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 2
@@ -91,6 +99,45 @@ def test_completion_sends_phases_then_the_spliced_request(front, fake, client, t
     assert info["guard_fired"] is False
     assert info["plan"]["ranges"] == [r.to_list() for r in plan.ranges]
     assert info["plan"]["skills"] == ["header", "baggage", "refunds"]
+
+
+def connector_report(body: dict[str, Any]) -> dict[str, Any]:
+    """What the connector reports for a request body: every range asked, from its entry."""
+    asked = SpliceRequest.from_params(body["kv_transfer_params"])
+    assert asked is not None
+    keys = asked.keys or ("",) * len(asked.ranges)
+    return SpliceReport(len(body["prompt"]), asked.ranges[0].start if asked.ranges else 0,
+                        tuple(LoadedRange(r.piece_start, r.start, r.end, k)
+                              for r, k in zip(asked.ranges, keys, strict=True))).to_params()
+
+
+def test_usage_kvnotes_is_typed_and_carries_the_connectors_reports(front, fake, client):
+    texts = [HEADER, BAGGAGE, REFUNDS, USER]
+    fake.report = connector_report
+    got = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=3)
+    usage = UsageKvnotes.from_dict(kvnotes_usage(got.usage))
+    sent = fake.posted()
+    assert usage.plan is not None and usage.plan.repair == RepairPolicy.of(
+        server_repair(SERVER_REPAIR, BLOCK))
+    assert kvnotes_usage(got.usage)["plan"]["repair"] == {
+        "first": SERVER_REPAIR.first, "align": BLOCK, "share": SERVER_REPAIR.share,
+        "skip_exact": True}
+    assert usage.phases == len(sent) - 1 == len(usage.phase_reports) > 0
+    assert usage.report == SpliceReport.from_params(connector_report(sent[-1]))
+    assert [r.prompt_tokens for r in usage.reports] == [len(b["prompt"]) for b in sent]
+    # the report reaches the client as usage.kvnotes.report only
+    assert "kv_transfer_params" not in (got.model_extra or {})
+
+
+def test_a_report_the_front_cannot_read_is_left_out_and_logged(front, fake, client, caplog):
+    fake.report = lambda body: {"kvnotes": {"v": 9, "prompt_tokens": 1}}
+    with caplog.at_level(logging.WARNING, logger="kvnotes.front"):
+        got = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER,
+                                        max_tokens=2)
+    usage = UsageKvnotes.from_dict(kvnotes_usage(got.usage))
+    assert usage.report is None and usage.spliced_tokens > 0
+    assert "the connector's report was refused: kvnotes splice report: version 9; this " \
+           "kvnotes reads version 1" in caplog.text
 
 
 def test_completion_without_max_tokens_keeps_vllms_default(front, fake, client):
@@ -105,7 +152,7 @@ def test_token_id_prompt_is_split_where_pieces_occur(front, fake, tokenizer):
     resp = httpx2.post(front.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0})
     assert resp.status_code == 200, resp.text
-    assert fake.posted()[-1]["kv_transfer_params"] == plan.kv_params()
+    assert fake.posted()[-1]["kv_transfer_params"] == plan.splice_request().to_params()
     assert resp.json()["usage"]["kvnotes"]["spliced_tokens"] == plan.spliced_tokens
 
 
@@ -117,7 +164,7 @@ def test_tenant_and_repair_options_set_salt_and_plan(front, fake, client, tokeni
     assert "acme" in plan.salt
     sent = fake.posted()
     assert {b["cache_salt"] for b in sent} == {plan.salt}
-    assert sent[-1]["kv_transfer_params"] == plan.kv_params()
+    assert sent[-1]["kv_transfer_params"] == plan.splice_request().to_params()
     assert "kvnotes" not in sent[-1]
 
 

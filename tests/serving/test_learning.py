@@ -34,9 +34,10 @@ from kvnotes.serving.library.registry import (
     forget,
     registry_path,
 )
-from kvnotes.serving.library.splice import PieceIndex, PieceInfo, leading_run
+from kvnotes.serving.library.splice import PieceIndex, PieceInfo, SpliceRange, leading_run
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.protocol import SpliceRequest
 from kvnotes.serving.skills import ServingSkills
 from kvnotes.serving.vllm.kv_writer import KvWriter
 from kvnotes.serving.vllm.plans import SplicePlanner
@@ -101,7 +102,7 @@ def test_a_tenant_never_splices_another_tenants_entry():
     assert planner.match("own", "acme", prompt, 0, idx) == 60
     assert planner.match("other", "globex", prompt, 0, idx) == 20  # the shared header only
     assert planner.match("shared", None, prompt, 0, idx) == 20
-    ranges = [[0, 0, 20], [20, 20, 60]]
+    ranges = SpliceRequest((SpliceRange(0, 0, 20), SpliceRange(20, 20, 60)))
     assert planner.match("own-r", "acme", prompt, 0, idx, ranges) == 60
     assert planner.match("other-r", "globex", prompt, 16, idx, ranges) == 4
     planner.allocated("other-r", [0, 1, 2, 3], 4)
@@ -301,7 +302,7 @@ def test_an_entry_evicted_after_planning_fails_its_load_and_is_recomputed(lib, t
     ids = list(piece.behind) + list(piece.token_ids) + [9]
     planner = SplicePlanner(block_size=16)
     start = len(piece.behind)
-    ranges = [[start, start, start + len(piece)]]
+    ranges = SpliceRequest((SpliceRange(start, start, start + len(piece)),))
     assert planner.match("r", None, ids, 0, store.view(None), ranges) == 0  # no hit in it
     n = planner.match("r", None, ids, start, store.view(None), ranges)  # the prefix is cached
     assert n == len(piece)

@@ -12,7 +12,6 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import NO_REPAIR, Repair, repaired_end
 from kvnotes.serving.library.manifest import is_splice_salt, salt_tag, salt_tenant
 from kvnotes.serving.library.splice import (
-    SPLICE_PARAMS_KEY,
     PieceIndex,
     PieceInfo,
     SpliceRange,
@@ -28,7 +27,14 @@ from kvnotes.serving.planning.phases import (
     plan_phases,
     server_repair,
 )
+from kvnotes.serving.protocol import SpliceRequest
 
+
+def ranges_of(body: dict) -> list[list[int]]:
+    """The splice ranges a request body asks for, read as the connector reads them."""
+    req = SpliceRequest.from_params(body["kv_transfer_params"])
+    assert req is not None
+    return [r.to_list() for r in req.ranges]
 
 def skills_layout(header: int = 40, skills: tuple[int, ...] = (100, 100), user: int = 20
                   ) -> list[PartSpan]:
@@ -146,12 +152,12 @@ def test_phase_bodies_cut_the_prompt_and_carry_only_the_ranges_before_the_cut():
         # one token past the region: a repeat's local hit (one token short) covers it whole
         assert body["prompt"] == ids[:end + 1] and body["max_tokens"] == 1
         assert body["temperature"] == 0.0 and body["cache_salt"] == plan.salt
-        ranges = body["kv_transfer_params"][SPLICE_PARAMS_KEY]
+        ranges = ranges_of(body)
         assert ranges and all(e <= end for _, _, e in ranges)
-    assert bodies[0]["kv_transfer_params"][SPLICE_PARAMS_KEY] == [[0, 0, 40], [40, 40, 140]]
+    assert ranges_of(bodies[0]) == [[0, 0, 40], [40, 40, 140]]
     real = plan.real_body(ids, "m", max_tokens=8)
     assert real["prompt"] == ids and real["max_tokens"] == 8 and "logprobs" not in real
-    assert real["kv_transfer_params"][SPLICE_PARAMS_KEY] == [r.to_list() for r in plan.ranges]
+    assert ranges_of(real) == [r.to_list() for r in plan.ranges]
     guarded = plan.real_body(ids, "m", guard=0.5, stream=True)
     assert guarded["logprobs"] == 2 and guarded["stream"] is True
     assert guarded["stream_options"] == {"include_usage": True}
@@ -228,7 +234,7 @@ def test_every_range_is_reached_by_its_phase_and_validated_by_the_connector(layo
     piece_tokens = sum(len(s) for s in spans if s.is_piece)
     assert sum(b - a for a, b in covered) <= piece_tokens
     assert all(b <= c for (_, b), (c, _) in zip(covered, covered[1:], strict=False))
-    checked = check_ranges(ids, idx, plan.kv_params()[SPLICE_PARAMS_KEY])
+    checked = check_ranges(ids, idx, [r.to_list() for r in plan.splice_request().ranges])
     assert checked.reason is None and checked.ranges == plan.ranges
     # each phase (and the real request) finds, at the hit the phase before it left, the
     # ranges it was planned for: the hit is block-aligned and inside a range
@@ -239,7 +245,7 @@ def test_every_range_is_reached_by_its_phase_and_validated_by_the_connector(layo
         assert hit % block == 0
         prompt = body["prompt"]
         assert hit < len(prompt)  # the hit a phase leaves is reachable: one token to compute
-        value = body["kv_transfer_params"][SPLICE_PARAMS_KEY]
+        value = ranges_of(body)
         checked = check_ranges(prompt, idx, value)
         assert checked.reason is None
         run, stop = range_run(checked, hit)

@@ -1,4 +1,4 @@
-"""The entry planned for each splice range travels with it (``kvnotes_splice_keys``): the
+"""The entry planned for each splice range travels with it (``SpliceRequest.keys``): the
 connector supplies a range from that very entry, whichever variant its own rule would prefer,
 and computes the range when the entry is not in its view of the library."""
 
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from kvnotes.core.repair import Repair
 from kvnotes.serving.library.splice import (
-    SPLICE_KEYS_PARAMS_KEY,
-    SPLICE_PARAMS_KEY,
     PieceIndex,
     PieceInfo,
     check_ranges,
@@ -63,16 +61,16 @@ def test_the_plan_sends_each_ranges_entry_key() -> None:
     plan = plan_phases(spans, Repair(first=8), 4)
     assert [s.key for s in spans] == ["h", "late", ""]
     assert len(plan.keys) == len(plan.ranges) == 2 and plan.keys == ("h", "late")
-    params = plan.kv_params()
-    assert params[SPLICE_KEYS_PARAMS_KEY] == ["h", "late"]
-    assert len(params[SPLICE_PARAMS_KEY]) == 2
+    params = plan.splice_request().to_params()["kvnotes"]
+    assert params["keys"] == ["h", "late"]
+    assert len(params["ranges"]) == 2
     # a phase's request carries the keys of its own ranges only
     end = plan.ranges[1].start
-    assert plan.kv_params(end)[SPLICE_KEYS_PARAMS_KEY] == ["h"]
+    assert plan.splice_request(end).keys == ("h",)
 
 
 def test_spans_without_keys_send_none() -> None:
     spans = sent_spans([SentPart(HEADER.token_ids, PieceInfo("", "header", (1, 2, 3, 4), 0)),
                         SentPart((7, 8))])
     plan = plan_phases(spans, Repair(first=8), 4)
-    assert plan.keys == () and SPLICE_KEYS_PARAMS_KEY not in plan.kv_params()
+    assert plan.keys == () and "keys" not in plan.splice_request().to_params()["kvnotes"]

@@ -191,7 +191,8 @@ def test_a_phased_request_equals_engine_compose_with_the_same_repair(phased, smo
                                                             repair=Repair(first=32))
     assert got.ok, got.error
     plan = got.plan
-    assert plan is not None and plan["repair"] == f"f32a{block}"
+    assert plan is not None and plan["repair"] == {"first": 32, "align": block, "share": 0.0,
+                                               "skip_exact": True}
     # the header and the first skill (at their origins) are spliced whole; the other two skills'
     # first tokens are computed, each region ending on a block boundary, one phase each
     assert got.phases == 2 and got.phase_errors == 0

@@ -23,7 +23,6 @@ from kvnotes.bench.serving.agent_traffic_check import (
     KeptEntries,
     Reference,
     Rendered,
-    repair_of,
     verdict,
 )
 from kvnotes.bench.serving.agent_traffic_client import (
@@ -65,6 +64,14 @@ from kvnotes.bench.serving.agent_traffic_soak import summarize as soak_summarize
 from kvnotes.bench.tools.data import SkillDoc, ToolCase
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch.launcher import LaunchConfig
+from kvnotes.serving.library.splice import SpliceRange
+from kvnotes.serving.protocol import (
+    LoadedRange,
+    PlanReport,
+    RepairPolicy,
+    SpliceReport,
+    UsageKvnotes,
+)
 
 FN = {"name": "shop.order", "description": "Order food.", "parameters": {
     "type": "dict", "required": ["item"], "properties": {
@@ -490,16 +497,10 @@ def test_the_drift_rule_compares_paths_up_to_a_near_tie_on_either_side() -> None
     assert verdict(got, [early], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1).status == "wrong"
 
 
-def test_repair_tags_are_read_back() -> None:
-    r = repair_of("f32a16")
-    assert r is not None and (r.first, r.align, r.skip_exact) == (32, 16, True)
-    r = repair_of("f0a1e")
-    assert r is not None and (r.first, r.skip_exact) == (0, False)
-    r = repair_of("f32a128s0.1")  # the server's default: a share floor
-    assert r is not None and (r.first, r.align, r.share) == (32, 128, 0.1)
-    assert r.tag() == "f32a128s0.1"
-    assert repair_of("f8a1b0.5first") is None and repair_of("") is None
-    assert repair_of("f32a1t0.2k32c0.25") is None
+def plan_report(ranges, regions=(), first=32, align=64, share=0.0) -> PlanReport:
+    """A plan as ``usage.kvnotes.plan`` carries it."""
+    return PlanReport(200, align, RepairPolicy(first, align, share), "s",
+                      tuple(SpliceRange(*r) for r in ranges), tuple(map(tuple, regions)), ())
 
 
 # ---- the result, its report and the command -------------------------------------------------
@@ -516,7 +517,7 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
     from kvnotes.bench.serving.agent_traffic_share import breakdown
 
     result.cases["tools"][0].breakdown = breakdown(
-        {"repair": "f32a64", "ranges": [[10, 64, 100]]}, 120, [(10, 100)], 100)
+        plan_report([[10, 64, 100]]), 120, [(10, 100)], 100)
     result.timings.append(asyncio.run(miss_overhead(sender, reqs, 2)))
     result.soak_records = [rec(0), rec(1, status="wrong")]
     result.soak = {"evictions": 4.0, "pool_tools": 3, "library_cap_bytes": 1 << 20}
@@ -545,9 +546,9 @@ def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
 
     # BOS spliced; chunk [10, 100) repaired to 32, aligned to 64; chunk [101, 140) wholly
     # recomputed (its region reaches its end); chunk [141, 190) unmatched
-    plan = {"repair": "f32a64s0.1", "ranges": [[0, 0, 1], [10, 64, 100]],
-            "regions": [[10, 64], [101, 140]]}
+    plan = plan_report([[0, 0, 1], [10, 64, 100]], [[10, 64], [101, 140]], share=0.1)
     b = breakdown(plan, 200, [(10, 100), (101, 140), (141, 190)], 200)
+    assert b.repair == {"first": 32, "align": 64, "share": 0.1, "skip_exact": True}
     assert (b.spliced, b.repaired, b.aligned, b.unmatched) == (37, 32 + 32, 22 + 7, 49)
     assert b.text == 200 - 178 - 1 and b.text_head == 9  # the header less the spliced BOS
     assert sum(getattr(b, k) for k in BUCKETS) == b.prompt and b.layout_ok
@@ -715,49 +716,73 @@ def test_the_sdk_client_reports_a_refused_request_as_failed(fake_server) -> None
     assert not a.ok and a.error is not None and "NotFound" in a.error
 
 
+class FakeEntries:
+    def texts(self, usage, tokenizer):
+        return []
+
+
 class FakeOracle:
-    """Exact answers [1, 2]; a composition only for plans that name ranges [[0, 0, 2]]."""
+    """Exact answers [1, 2]; the reported reference [1, 9]; one reference per call, counted."""
 
-    computed = 0
+    def __init__(self) -> None:
+        self.computed = 0
+        self.entries = FakeEntries()
 
-    def composed(self, ids, plan):
-        return "nb" if plan.get("ranges") == [[0, 0, 2]] else None
-
-    def why_not(self, ids, plan):
-        return None if self.composed(ids, plan) else "no kept entry"
-
-    def candidates(self, ids, plan, n, stop=(), cached=()):
-        if plan and self.composed(ids, plan) is not None:
-            yield Reference("compose", [1, 9])
-        yield Reference("exact", [1, 2])
+    def reference(self, ids, usage, n, stop=()):
+        if usage is None or not usage.spliced_tokens:
+            self.computed += 1
+            return Reference("exact", [1, 2]), 0
+        if usage.report is None:
+            return "the connector's reports are missing", 0
+        self.computed += 1
+        return Reference("reported", [1, 9]), 3 if usage.report.local_hit == 3 else 0
 
 
-def test_check_records_gives_wrong_only_against_a_reference_it_could_build(tmp_path) -> None:
-    def answer(tokens, spliced=0, ranges=None, prompt=3):
+def test_check_records_computes_one_reference_per_answer_from_its_report(tmp_path) -> None:
+    def answer(tokens, spliced=0, report=None, prompt=3, plan=True):
+        usage = UsageKvnotes(spliced, 0, False, plan_report([[0, 0, 2]]) if plan else None,
+                             None, (), report) if spliced else None
         return Answer(ok=True, tokens=tokens, margins=[1.0] * len(tokens), prompt_tokens=prompt,
                       spliced_tokens=spliced,
-                      kvnotes={"plan": {"ranges": ranges}} if ranges else None)
+                      kvnotes=None if usage is None else json.loads(json.dumps(
+                          usage.to_dict())))
 
+    loaded = SpliceReport(3, 0, (LoadedRange(0, 0, 2, "k"),))
     r = tools_request(2)
-    records = [
-        (rec(0), r), (rec(1), r), (rec(2), r), (rec(3), r), (rec(4), r), (rec(5), r)]
+    records = [(rec(i), r) for i in range(7)]
     records[0][0].answer = answer(["<1>", "<2>"])  # exact: ok
-    records[1][0].answer = answer(["<1>", "<9>"], 5, [[0, 0, 2]])  # the composition: ok
+    records[1][0].answer = answer(["<1>", "<9>"], 5, loaded)  # the reported one: ok
     records[2][0].answer = answer(["<1>", "<7>"])  # nothing spliced, not exact: wrong
-    records[3][0].answer = answer(["<1>", "<7>"], 5, [[4, 4, 8]])  # no composition: unchecked
-    records[4][0].answer = answer(["<1>", "<2>"], prompt=4)  # another prompt: unchecked
-    records[5][0].answer = answer(["<1>", "<7>"], 5, [[0, 0, 2]])  # composition differs: wrong
-    rows = check_records(records, FakeOracle(), Tok(), CheckConfig(max_tokens=2),
-                         tenant="t", render=lambda tok, req: Rendered([5, 6, 7], ("\n",)))
+    records[3][0].answer = answer(["<1>", "<7>"], 5, None)  # no report: unchecked
+    records[4][0].answer = answer(["<1>", "<2>"], prompt=4)  # another prompt: wrong
+    records[5][0].answer = answer(["<1>", "<7>"], 5, loaded)  # differs from the report's: wrong
+    records[6][0].answer = answer(["<1>", "<7>"], 5, SpliceReport(3, 3))  # on a foreign prefix
+    oracle = FakeOracle()
+    rows = check_records(records, oracle, Tok(), CheckConfig(max_tokens=2), tenant="t",
+                         render=lambda tok, req, cuts: Rendered([5, 6, 7], ("\n",)))
     got = [(x.verdict or {}).get("status") for x, _ in records]
-    assert got == ["ok", "ok", "wrong", "unchecked", "unchecked", "wrong"]
-    assert records[1][0].verdict["matched"] == "compose"
+    assert got == ["ok", "ok", "wrong", "unchecked", "wrong", "wrong", "unchecked"]
+    assert oracle.computed == 5  # one per answer with a reference, none for the others
+    assert records[1][0].verdict["matched"] == "reported"
     assert "the server counted 4" in records[4][0].verdict["why"]
-    assert "no kept entry" in records[3][0].verdict["why"]
+    assert "reports are missing" in records[3][0].verdict["why"]
+    assert "3 tokens another request made" in records[6][0].verdict["why"]
     # one record per request, with what it takes to check it again
     assert [x.index for x in rows] == [x.index for x, _ in records]
     assert rows[1].prompt_ids == [5, 6, 7] and rows[1].stop == ["\n"] and rows[1].tenant == "t"
-    assert rows[1].plan == {"ranges": [[0, 0, 2]]} and rows[0].plan is None
+    assert UsageKvnotes.from_dict(rows[1].usage).report == loaded and rows[0].usage is None
     assert [x.verdict for x in rows] == [x.verdict for x, _ in records]
     back = read_records(write_records(rows, tmp_path / RECORDS_NAME))
     assert back == rows and back[5].answer().tokens == ["<1>", "<7>"]
+
+
+def test_a_usage_of_another_version_is_unchecked(tmp_path) -> None:
+    a = Answer(ok=True, tokens=["<1>"], margins=[1.0], prompt_tokens=3, spliced_tokens=5,
+               kvnotes={"spliced_tokens": 5, "plan": {"repair": "f32a16"}})
+    records = [(rec(0), tools_request(2))]
+    records[0][0].answer = a
+    check_records(records, FakeOracle(), Tok(), CheckConfig(max_tokens=1),
+                  render=lambda tok, req, cuts: Rendered([5, 6, 7]))
+    v = records[0][0].verdict
+    assert v["status"] == "unchecked"
+    assert v["why"] == "usage.kvnotes not read: usage.kvnotes: missing field 'v'"

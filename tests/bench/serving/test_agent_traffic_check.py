@@ -1,8 +1,11 @@
-"""The agent soak's engine references on a tiny random model: the composition rebuilt from a
-plan the front's own planner made (its ranges, repair tag and block size, as ``usage.kvnotes``
-reports them) is the one ``Engine.compose`` makes of the same parts."""
+"""The agent soak's one engine reference per answer, on a tiny random model: the computation
+the connector's reports describe (simulated with the connector's own planner over the bodies
+the front's plan sends) is ``Engine.compose``'s, a failed load recomputes from there, and the
+prompt is rendered from the chat template alone."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 from conftest import make_tiny_engine
@@ -10,17 +13,22 @@ from conftest import make_tiny_engine
 from kvnotes.bench.serving.agent_traffic_check import (
     AgentOracle,
     KeptEntries,
+    NotRendered,
     Reference,
-    cached_prefixes,
+    rendered_prompt,
     served_strings,
     verdict,
 )
 from kvnotes.bench.serving.agent_traffic_client import Answer
+from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.repair import Repair
-from kvnotes.serving.planning.front_plan import plan_request
+from kvnotes.serving.library.piece_store import PieceStore
+from kvnotes.serving.planning.front_plan import FrontPlan, plan_request
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import read_request
+from kvnotes.serving.protocol import SpliceReport, SpliceRequest, UsageKvnotes
 from kvnotes.serving.skills import ServingSkills
+from kvnotes.serving.vllm.plans import SplicePlanner
 
 HEADER = "You are the airline's support agent. Follow the policies.\n"
 BAGGAGE = "Baggage: one checked bag of 23 kg is included on every international fare.\n"
@@ -39,47 +47,137 @@ def published(tmp_path_factory, tokenizer):
     return lib
 
 
-@pytest.mark.parametrize("first", [0, 8])
-def test_the_composition_rebuilt_from_a_front_plan_is_engine_compose(published, tokenizer,
-                                                                     first):
+def front_plan(published, tokenizer, first: int) -> FrontPlan:
     texts = [HEADER, BAGGAGE, REFUNDS, USER]  # the skills in another order than compiled
     req = read_request("completion", {"model": "m", "prompt": "".join(texts)}, tokenizer)
-    fp = plan_request(req, SkillCatalog(published.folder, tokenizer),
-                      Repair(first=first, align=BLOCK), BLOCK, None)
-    plan = fp.to_dict()  # what usage.kvnotes.plan carries
-    assert plan["ranges"] and plan["spliced_tokens"] > 0
-    engine, lib = published.engine, published.library
-    oracle = AgentOracle(engine, KeptEntries(published.folder,
-                                             published.manifest.fingerprint_obj))
-    nb = oracle.composed(fp.ids, plan)
-    assert nb is not None and nb.token_ids.tolist() == fp.ids
+    return plan_request(req, SkillCatalog(published.folder, tokenizer),
+                        Repair(first=first, align=BLOCK), BLOCK, None)
+
+
+def served(published, fp: FrontPlan, fail_block: int | None = None) -> UsageKvnotes:
+    """The ``usage.kvnotes`` the front would answer with: the connector's planner run over the
+    phases and the real request as vLLM runs them (each phase's blocks the next one's local
+    hit; block ``i`` holds tokens ``[i * BLOCK, (i + 1) * BLOCK)``), its reports collected;
+    ``fail_block``: a block whose load fails in the real request."""
+    index = PieceStore(published.folder).index
+    planner = SplicePlanner(block_size=BLOCK)
+    bodies = [*fp.plan.phase_bodies(fp.ids, "m"), fp.plan.real_body(fp.ids, "m")]
+    reports: list[SpliceReport] = []
+    for n, (hit, body) in enumerate(zip([0, *fp.plan.phase_ends], bodies, strict=True)):
+        rid = f"r{n}"
+        asked = SpliceRequest.from_params(body["kv_transfer_params"])
+        ext = planner.match(rid, None, body["prompt"], hit, index, asked)
+        planner.allocated(rid, list(range(len(fp.ids) // BLOCK + 1)), ext)
+        planner.take({rid: 1})
+        if fail_block is not None and n == len(bodies) - 1:
+            planner.failed({fail_block})
+        report = planner.finished(rid)
+        assert report is not None
+        reports.append(report)
+    return UsageKvnotes(fp.plan.spliced_tokens, len(bodies) - 1, False, fp.report(), None,
+                        tuple(reports[:-1]), reports[-1])
+
+
+def oracle_of(published) -> AgentOracle:
+    return AgentOracle(published.engine, KeptEntries(published.folder,
+                                                     published.manifest.fingerprint_obj))
+
+
+def composition(published, first: int):
+    lib = published.library
     parts = [lib.get(HEADER, name="header"), lib.get(BAGGAGE, name="baggage", after=HEADER),
              lib.get(REFUNDS, name="refunds", after=HEADER), USER]
-    want = engine.compose(parts, repair=Repair(first=first, align=BLOCK))
+    return published.engine.compose(parts, repair=Repair(first=first, align=BLOCK))
+
+
+@pytest.mark.parametrize("first", [0, 8])
+def test_the_one_reference_a_report_describes_is_engine_compose(published, tokenizer, first):
+    fp = front_plan(published, tokenizer, first)
+    usage = served(published, fp)
+    assert usage.report is not None and usage.report.supplied > 0
+    oracle = oracle_of(published)
+    ref, foreign = oracle.reference(fp.ids, usage, 5)
+    assert isinstance(ref, Reference) and ref.label == "reported" and foreign == 0
+    engine = published.engine
+    want = composition(published, first)
     assert want.token_ids.tolist() == fp.ids
-    got = {r.label: r.ids for r in oracle.candidates(fp.ids, plan, 5)}
-    assert got["compose"] == engine.greedy(want, None, 5).token_ids
-    assert got["exact"] == engine.greedy(engine.prefill(fp.ids), None, 5).token_ids
-    partial = [k for k in got if k.startswith("partial@")]
-    assert partial == [f"partial@{c}" for c in range(BLOCK, len(fp.ids), BLOCK)]
-    before = oracle.computed
-    list(oracle.candidates(fp.ids, plan, 5))
-    assert oracle.computed == before  # each reference computed once
-    if first:  # a plan whose repair regions are not the composition's is not rebuilt
-        other = {**plan, "regions": [[r[0], r[1] + BLOCK] for r in plan["regions"]]}
-        assert plan["regions"] and oracle.composed(fp.ids, other) is None
+    assert ref.ids == engine.greedy(want, None, 5).token_ids
+    assert oracle.computed == 1  # one reference, no candidates tried
+    exact, _ = oracle.reference(fp.ids, UsageKvnotes(exact="no_skill"), 5)
+    assert isinstance(exact, Reference) and exact.label == "exact" and oracle.computed == 2
+    assert exact.ids == engine.greedy(engine.prefill(fp.ids), None, 5).token_ids
+    fired = UsageKvnotes(usage.spliced_tokens, usage.phases, True, usage.plan)
+    assert oracle.reference(fp.ids, fired, 5)[0].label == "exact"  # the exact request answered
 
 
-def test_a_plan_whose_entry_is_missing_gives_only_the_exact_reference(published, tokenizer,
-                                                                      tmp_path):
-    texts = [HEADER, REFUNDS, USER]
-    req = read_request("completion", {"model": "m", "prompt": "".join(texts)}, tokenizer)
-    fp = plan_request(req, SkillCatalog(published.folder, tokenizer), Repair(first=0), BLOCK,
-                      None)
+def test_a_failed_load_is_recomputed_from_its_first_failed_token(published, tokenizer):
+    fp = front_plan(published, tokenizer, 8)
+    clean = served(published, fp)
+    assert clean.report is not None
+    hit = clean.report.local_hit
+    usage = served(published, fp, fail_block=hit // BLOCK + 1)
+    assert usage.report is not None and usage.report.recompute_from == hit + BLOCK
+    c = hit + BLOCK
+    oracle = oracle_of(published)
+    ref, _ = oracle.reference(fp.ids, usage, 5)
+    engine = published.engine
+    want = engine.greedy(composition(published, 8).slice(0, c), fp.ids[c:], 5).token_ids
+    assert isinstance(ref, Reference) and ref.ids == want and oracle.computed == 1
+
+
+def test_an_entry_that_was_not_kept_gives_no_reference(published, tokenizer, tmp_path):
+    fp = front_plan(published, tokenizer, 0)
+    usage = served(published, fp)
     oracle = AgentOracle(published.engine, KeptEntries(tmp_path, None))  # nothing kept
-    assert oracle.composed(fp.ids, fp.to_dict()) is None
-    assert oracle.why_not(fp.ids, fp.to_dict()).startswith("no kept entry holds")
-    assert [r.label for r in oracle.candidates(fp.ids, fp.to_dict(), 3)] == ["exact"]
+    why, _ = oracle.reference(fp.ids, usage, 3)
+    assert isinstance(why, str) and why.endswith("was not kept") and oracle.computed == 0
+    missing = UsageKvnotes(usage.spliced_tokens, usage.phases, False, usage.plan, None,
+                           usage.phase_reports, None)  # a streamed answer: no report
+    assert oracle.reference(fp.ids, missing, 3)[0] == ("the connector's reports are missing "
+                                                       "(a streamed answer, or vLLM sent none)")
+
+
+TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0]['content'] }}
+<tools>
+{%- for tool in tools %}
+{{- "\\n" }}{{- tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% else %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}{%- for message in messages[1:] %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"Do {name}.",
+                                             "parameters": {"type": "object",
+                                                            "properties": {}}}}
+
+
+def test_the_prompt_is_rendered_from_the_chat_template_as_the_front_lays_it_out(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = TEMPLATE
+    request = AgentRequest("r", "tools", "You help travellers.", "Weather in Oslo?",
+                           (tool("get_weather"), tool("book_taxi")))
+    got = rendered_prompt(tok, request)
+    front = read_request("chat", {"model": "m", **request.body()}, tok)
+    assert got.ids == list(front.prompt_ids) and got.source == "template"
+    # a front that rendered the tools in another order would send another prompt
+    swapped = AgentRequest("r", "tools", request.system, request.question,
+                           request.chunks[::-1])
+    assert rendered_prompt(tok, swapped).ids != got.ids
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(NotRendered, match="no chat template"):
+        rendered_prompt(plain, request)
+    ignores = copy.deepcopy(tokenizer)
+    ignores.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(NotRendered, match="does not render tools"):
+        rendered_prompt(ignores, request)
 
 
 def test_a_korean_answer_is_compared_as_vllm_spells_its_byte_tokens(tokenizer):
@@ -115,30 +213,32 @@ def test_the_references_stop_where_the_server_stops(published, tmp_path):
     assert cut.margins == whole.margins[:len(cut.ids)]
 
 
-@pytest.mark.parametrize("first", [0, 8])
-def test_a_cached_prefix_of_the_same_composition_gives_the_composition(published, tokenizer,
-                                                                      first):
-    # vLLM's prefix cache may hold an earlier request's notes of the prompt's first blocks;
-    # when that request composed them as this one does, the answer built on the cached prefix
-    # (the plan's loaded tokens from there on, the rest computed) is the composition's
-    texts = [HEADER, BAGGAGE, REFUNDS, USER]
-    req = read_request("completion", {"model": "m", "prompt": "".join(texts)}, tokenizer)
-    fp = plan_request(req, SkillCatalog(published.folder, tokenizer),
-                      Repair(first=first, align=BLOCK), BLOCK, None)
-    plan = {**fp.to_dict(), "salt": "s"}
-    oracle = AgentOracle(published.engine, KeptEntries(published.folder,
-                                                       published.manifest.fingerprint_obj))
-    ids = fp.ids
-    loaded = min(r[1] for r in plan["ranges"] if r[2] - r[0] > 1)
-    cut = len(ids) - 8  # an earlier request shared all but the last tokens
-    other = [*ids[:cut], *(t + 1 for t in ids[cut:])]
-    cached = cached_prefixes(ids, plan, [(7, ids, plan), (8, other, {**plan, "salt": "x"})])
-    assert [c.label for c in cached] == [f"cached@{(len(ids) - 1) // BLOCK * BLOCK}:7"]
-    assert cached[0].tokens > loaded and cached[0].plan is not None
-    refs = {r.label: r.ids for r in oracle.candidates(ids, plan, 5, (), cached)}
-    assert refs[cached[0].label] == refs["compose"]
-    exact = cached_prefixes(ids, plan, [(9, other, {**plan, "ranges": [[cut, cut, cut + 2]]})])
-    assert exact and exact[0].plan is None  # its ranges start past the shared blocks: exact
+def test_prefix_cache_tokens_another_request_made_are_counted(published, tokenizer):
+    """A first request whose local hit reaches past the plan's first spliced piece stands on
+    another request's blocks: they are taken as the plan lays them out, and counted (a
+    mismatch there is then unchecked, not wrong); the text before that piece is not counted
+    (every request of the salt computes it alike)."""
+    from dataclasses import replace
+
+    from kvnotes.bench.serving.agent_traffic_check import reported_sources
+
+    fp = front_plan(published, tokenizer, 8)
+    usage = served(published, fp)
+    assert reported_sources(len(fp.ids), usage)[1] == 0
+    first = min(r.start for r in fp.plan.ranges if r.end - r.piece_start > 1)
+    phase = usage.phase_reports[0]
+    assert phase is not None
+    hit = first + BLOCK
+    early = replace(usage, phase_reports=(replace(phase, local_hit=hit), *usage.phase_reports[1:]))
+    sources, foreign = reported_sources(len(fp.ids), early)
+    assert foreign == hit - first
+    # there, each token's notes are what the plan's own phases would have made
+    def by_token(found):
+        return {t: (s.key, s.piece_start) for s in found for t in range(s.start, s.end)
+                if t < hit}
+
+    clean = by_token(reported_sources(len(fp.ids), usage)[0])
+    assert by_token(sources) == clean and any(k is not None for k, _ in clean.values())
 
 
 def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokenizer, tmp_path):
@@ -176,11 +276,13 @@ def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokeniz
     spliced = engine.greedy(want, None, n).token_ids
     exact = engine.greedy(engine.prefill(fp.ids), None, n).token_ids
 
+    usage = served(lib, fp).to_dict()
+
     def row(i: int, ids: list[int], splice: bool) -> SoakRequestRecord:
         return SoakRequestRecord(
             index=i, client=0, sent_s=float(i), tenant=None, splice=splice, eligible=splice,
-            tools=["t"], question=0, ok=True, prompt_ids=fp.ids, prompt_source="front",
-            prompt_tokens=len(fp.ids), plan=fp.to_dict() if splice else None,
+            tools=["t"], question=0, ok=True, prompt_ids=fp.ids, prompt_source="template",
+            prompt_tokens=len(fp.ids), usage=usage if splice else None,
             spliced_tokens=fp.plan.spliced_tokens if splice else 0,
             tokens=served_strings(tokenizer, ids), margins=[1.0] * len(ids),
             verdict={"status": "unchecked"})
@@ -196,13 +298,14 @@ def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokeniz
     got = recheck_bundle(tmp_path, engine, say=lambda s: None)
     status = [(r.verdict or {}).get("status") for r in got.soak_records]
     assert status == ["ok", "ok", "wrong"]
-    assert [(r.verdict or {}).get("matched") for r in got.soak_records][:2] == ["compose",
+    assert [(r.verdict or {}).get("matched") for r in got.soak_records][:2] == ["reported",
                                                                                  "exact"]
     assert got.soak_records[2].verdict["diverged_at"] == 2
     again = read_records(tmp_path / RECORDS_NAME)
     assert [r.verdict for r in again] == [r.verdict for r in got.soak_records]
     stored = json.loads((tmp_path / "result.json").read_text())
     assert stored["soak"]["summary"]["wrong"] == 1 and "checked again" in stored["notes"][-1]
+    assert stored["soak"]["references"] == 3  # one per answer
     assert (tmp_path / "report.md").is_file()
 
 
@@ -229,9 +332,6 @@ def test_kept_entries_are_taken_in_the_order_the_server_prefers_them(tokenizer, 
     assert len(first) == 2 and set(first) == set(other) and first != other
     info = {p: kept.by_ids[tuple(ids)][i][0] for i, (_, p) in enumerate(kept.by_ids[tuple(ids)])}
     assert list(info[first[0]].behind) == behind_baggage[-len(info[first[0]].behind):]
-    assert kept.variants([*behind_header, *ids], {"ranges": [[len(behind_header), 0,
-                                                              len(behind_header) + len(ids)]]}) \
-        == {len(behind_header): 2}
 
 
 def test_the_entry_a_plan_names_is_taken_first(tokenizer, tmp_path):

@@ -92,14 +92,14 @@ def test_declared_variants_are_the_tenants_and_the_front_splices_them_exactly(pu
     req = read_request("completion", {"model": "m", "prompt": "".join(PROMPTS[0])}, tokenizer)
     mine = plan_request(req, catalog, Repair(first=8), 1, VARIANTS_TENANT)
     shared = plan_request(req, catalog, Repair(first=8), 1, "repaired")
-    got = {e["name"]: e for e in mine.to_dict()["entries"]}
+    got = {e["name"]: e for e in mine.report().to_dict()["entries"]}
     # the second skill: the variant behind the header and its predecessor, exactly placed
     assert got["baggage"]["key"] == declared.keys[0] and got["baggage"]["repaired"] == 0
     # the third: the variant behind its predecessor alone, not the whole prefix: repaired
     assert got["meals"]["key"] == declared.keys[1] and got["meals"]["repaired"] == 8
     assert got["refunds"]["repaired"] == 0  # right behind the header it was compiled behind
     # another tenant never sees the declared variants: the header-anchored ones, repaired
-    theirs = {e["name"]: e for e in shared.to_dict()["entries"]}
+    theirs = {e["name"]: e for e in shared.report().to_dict()["entries"]}
     assert not {e["key"] for e in theirs.values()} & set(declared.keys)
     assert theirs["baggage"]["repaired"] == 8
     assert mine.plan.repaired_tokens < shared.plan.repaired_tokens

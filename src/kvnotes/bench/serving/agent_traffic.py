@@ -473,7 +473,8 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     entries = KeptEntries(keeper.keep, ServingManifest.read(launch.skills.folder).fingerprint_obj)
     check = CheckConfig(max_tokens=config.soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
                         tie_tau=config.soak.tie_tau, drift_tau=config.soak.drift_tau)
-    rows = check_records(records, AgentOracle(engine, entries), engine.tokenizer, check,
-                         tenant=config.tenant, say=say)
+    oracle = AgentOracle(engine, entries)
+    rows = check_records(records, oracle, engine.tokenizer, check, tenant=config.tenant, say=say)
+    result.soak["references"] = oracle.computed  # one per checked answer
     result.soak["records"] = write_records(rows, out / RECORDS_NAME).name
     result.soak_records = [r for r, _ in records]

@@ -1,42 +1,46 @@
-"""The agent soak's check: every answer against kvnotes' engine, from what the front reported.
+"""The agent soak's check: every answer against the one reference its report describes.
 
-The front renders a chat request itself and reports in ``usage.kvnotes.plan`` what it
-spliced: ``ranges`` (``[piece_start, start, end]``: prompt tokens ``[start, end)`` supplied from
-the entry placed at ``piece_start``), its ``repair`` (:meth:`Repair.tag`, e.g. the server's
-default ``f32a128s0.1``) and ``block_size``. The check rebuilds the prompt as the front sends it
-(:func:`rendered_prompt`: the front's own part-by-part layout, and the ``stop`` strings it adds,
-``"\n\nUser:"`` for a base model's chat; it must give as many tokens as the server counted,
-else the answer is ``unchecked``) and computes, with the engine, greedy, stopping where the
-server stops (an end-of-sequence token, a stop string, ``max_tokens``), in order until one
-equals the server's answer:
+The front answers each request with ``usage.kvnotes``
+(:class:`~kvnotes.serving.protocol.UsageKvnotes`): its plan, whether the guard fired, and the
+connector's report for each request it sent vLLM (the phases, then the one that answered:
+:class:`~kvnotes.serving.protocol.SpliceReport`, the tokens vLLM's prefix cache held, the
+ranges loaded and from which entry, the loads that failed). The check computes, with the
+engine, greedy, stopping where the server stops (an end-of-sequence token, a stop string,
+``max_tokens``), exactly ONE reference per answer, the computation the report describes
+(:meth:`AgentOracle.reference`):
 
-- ``compose``: the prompt composed from the very library entries the server spliced (copies kept
-  while the run went, :class:`KeptEntries`: an entry evicted later is still read), its text
-  computed in place, with the plan's repair (``Engine.compose``, the rule the front's plan
-  follows); when several entries hold a range's tokens (one chunk compiled behind different
-  prefixes), the one compiled behind the prompt's own preceding tokens comes first;
-- ``exact``: a prefill of the whole prompt (also the only candidate of an answer that spliced
-  nothing or was sent with ``splice: false``);
-- ``partial@c``: the composition's first ``c`` tokens (a block boundary), the rest computed on
-  top: a spliced request whose load failed from block ``c`` on (its entry evicted between the
-  plan and the load), which the connector recomputes.
+- ``exact``: a prefill of the whole prompt, for an answer sent exactly (no plan, ``splice:
+  false``, or the guard fired: the answer is then the exact request's);
+- ``reported``: the prompt walked in order, each loaded range's tokens from the very entry the
+  connector names (kept while the run went, :class:`KeptEntries`: an entry evicted later is
+  still read), placed at its range, every other token computed on top: a range supplied by a
+  phase is in the answering request's local hit, a load that failed is recomputed from its
+  first failed token, as vLLM does. Tokens held by the prefix cache before this request's own
+  first phase (another request's blocks of the same salt) are taken as the plan lays them out;
+  an answer that then differs is ``unchecked``, not ``wrong`` (``foreign`` says how many).
+
+The prompt is rendered independently of the front (:func:`rendered_prompt`): the model's own
+chat template (``tokenizer.apply_chat_template`` with the request's tools), the text cut at
+each tool as the template writes it and at each entry the report names, each part tokenized
+alone after BOS (the layout ``Engine.compose`` uses); a front that renders or tokenizes a
+request otherwise gives another prompt, and the answer shows as ``wrong`` (a prompt whose
+token count differs from the server's is ``wrong`` at once). A chat the template cannot render
+(no template, or one that drops tools) is ``unchecked``.
 
 The server's answer is compared as the token strings of its log-probs with the strings vLLM
 gives the reference's ids (:func:`served_strings`: a byte-fallback token of an unfinished UTF-8
-character is ``""``, the token that completes it carries the character). An answer equal to none
-is ``wrong``, unless it leaves the first candidate where the server's top-2 log-probabilities
-lie within ``tie_tau`` (``near_tie``, reported apart). With ``drift_tau`` (off by default) the
-greedy paths are compared only up to the first step where either side's top-2 margin is below
-it (:func:`drift_cut`): past a near tie two float32 computations (vLLM's CPU kernels, the
-engine's) may follow different, equally valid paths; the answers cut short are counted. An
-answer that differs from every reference while its composition could not be rebuilt is
-``unchecked``, with the reason (:meth:`AgentOracle.why_not`).
+character is ``""``, the token that completes it carries the character). An answer that differs
+is ``wrong``, unless the server's top-2 log-probabilities lie within ``tie_tau`` at the first
+differing step (``near_tie``, reported apart). With ``drift_tau`` (off by default) the greedy
+paths are compared only up to the first step where either side's top-2 margin is below it
+(:func:`drift_cut`). The oracle counts the references it computed (:attr:`AgentOracle.computed`,
+one per checked answer).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,80 +48,97 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes.bench.serving.agent_traffic_strings import served_strings
 from kvnotes.core.errors import KvnotesError
-from kvnotes.core.repair import Repair
+from kvnotes.serving.protocol import ProtocolError, UsageKvnotes
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
     from kvnotes.serving.library.splice import PieceInfo
 
-# Repair.tag(): f<first>a<align>, e (exact placements repaired too), s<share> (the share floor);
-# an adaptive rule (t...) or a budget (b...) is not rebuilt here
-_REPAIR_TAG = re.compile(r"^f(\d+)a(\d+)(e?)(?:s(\d*\.?\d+(?:e-?\d+)?))?$")
+CONTENT_JOIN = "\n"  # how an OpenAI server joins a message's text parts for the template
 
 
 @dataclass(frozen=True)
 class Rendered:
-    """A chat request as the front sends it upstream: its prompt ``ids``, the ``stop`` strings
-    the answer ends at (the client's, else the front's default layout's) and where the ids came
-    from (``front``: the front's own part-by-part layout; ``template``: the chat template
-    rendered whole, as vLLM renders a request the front forwards)."""
+    """A chat request as the check renders it: its prompt ``ids``, the ``stop`` strings the
+    answer ends at (the client's own) and how the ids were made (``template``: the model's
+    chat template, cut at the chunks, each part tokenized alone)."""
 
     ids: list[int]
     stop: tuple[str, ...] = ()
-    source: str = "front"
+    source: str = "template"
 
 
-def rendered_prompt(tokenizer: Any, request: AgentRequest) -> Rendered:
-    """What the front sends upstream for ``request``: its own reading of the chat body when it
-    plans it (the ids laid out part by part, each tool and content part tokenized alone, as
-    :func:`~kvnotes.serving.planning.front_plan.chat_parts` sends them; the sampling's
-    ``stop``), else the model's chat template with the request's tools. The check compares the
-    count with the server's ``prompt_tokens`` and leaves an answer unchecked when they differ.
-    """
-    from kvnotes.serving.planning.front_plan import strip_bos_text
-    from kvnotes.serving.planning.layout import prompt_ids
-    from kvnotes.serving.planning.request import Unplannable, read_request
-
-    try:
-        req = read_request("chat", {"model": "m", **request.body()}, tokenizer)
-    except Unplannable:
-        req = None
-    stop = _stops(req.sampling.get("stop")) if req is not None else ()
-    if req is not None and req.parts:
-        return Rendered([int(t) for t in req.prompt_ids], stop)
-    if req is not None and req.ids is not None:
-        return Rendered([int(t) for t in req.ids], stop)
-    if req is not None and req.text:
-        return Rendered(prompt_ids(tokenizer, [strip_bos_text(tokenizer, req.text)]), stop)
-    text = str(tokenizer.apply_chat_template(request.messages(), tools=request.tools(),
-                                             add_generation_prompt=True, tokenize=False))
-    return Rendered(prompt_ids(tokenizer, [strip_bos_text(tokenizer, text)]), stop, "template")
+class NotRendered(KvnotesError, ValueError):
+    """A chat the model's own template does not render as sent (the answer is unchecked)."""
 
 
-def _stops(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    return tuple(str(s) for s in value or ())
+def _tool_writings(tool: Mapping[str, Any]) -> list[str]:
+    """How a chat template's ``tojson`` may write a tool (compact or indented, the tool or its
+    ``function``)."""
+    inner = tool.get("function")
+    objs = [tool, inner] if isinstance(inner, Mapping) else [tool]
+    return [json.dumps(o, ensure_ascii=False, indent=i) for i in (None, 4) for o in objs]
 
 
-def repair_of(tag: str) -> Repair | None:
-    """The :class:`Repair` of a plan's ``repair`` tag (:meth:`Repair.tag`: ``f32a16``, with the
-    share floor ``f32a128s0.1``, the server's default); None for a tag this check does not
-    rebuild (an adaptive rule, a budget).
+def _cut(text: str, pieces: Sequence[Sequence[str]]) -> list[str]:
+    """``text`` cut before and after each piece (the first writing of each found, in order
+    after the previous one); the parts join back to ``text``."""
+    spans: list[tuple[int, int]] = []
+    cursor = 0
+    for writings in pieces:
+        for w in writings:
+            at = text.find(w, cursor) if w else -1
+            if at >= 0:
+                spans.append((at, at + len(w)))
+                cursor = at + len(w)
+                break
+    out, pos = [], 0
+    for a, b in spans:
+        out += [text[pos:a], text[a:b]]
+        pos = b
+    out.append(text[pos:])
+    return [p for p in out if p]
 
-    Example:
-        >>> r = repair_of("f32a128s0.1"); (r.first, r.align, r.skip_exact, r.share)
-        (32, 128, True, 0.1)
-        >>> repair_of("f8a1b4first"), repair_of("f32a1t0.2k32c0.25")
-        (None, None)
-    """
-    m = _REPAIR_TAG.match(tag or "")
-    if not m:
-        return None
-    return Repair(first=int(m.group(1)), align=int(m.group(2)), skip_exact=not m.group(3),
-                  share=float(m.group(4) or 0.0))
+
+def rendered_prompt(tokenizer: Any, request: AgentRequest, cuts: Sequence[str] = ()
+                    ) -> Rendered:
+    """``request`` rendered by the model's own chat template (transformers'
+    ``apply_chat_template`` with its tools and the generation prompt), independently of the
+    front: the text cut at each tool as the template writes it, at each text part of a
+    message's content and at ``cuts`` (the texts of the entries a report names, in prompt
+    order), each part tokenized alone after BOS (when the tokenizer adds one). The stop
+    strings are the request's own. :class:`NotRendered` for a chat the template cannot render
+    as sent."""
+    from kvnotes.core.document import added_bos, encode
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise NotRendered("the tokenizer has no chat template")
+    messages = [{**m, "content": CONTENT_JOIN.join(p["text"] for p in m["content"])}
+                if isinstance(m.get("content"), list) else m for m in request.messages()]
+    tools = request.tools() or None
+    text = str(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=True))
+    if tools and text == str(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                           add_generation_prompt=True)):
+        raise NotRendered("the chat template does not render tools")
+    bos = added_bos(tokenizer)
+    bos_text = getattr(tokenizer, "bos_token", None)
+    if bos is not None and isinstance(bos_text, str) and bos_text and text.startswith(bos_text):
+        text = text[len(bos_text):]
+    pieces = [_tool_writings(t) for t in tools or []]
+    pieces += [[p["text"]] for m in request.messages() if isinstance(m.get("content"), list)
+               for p in m["content"]]
+    parts = _cut(text, pieces)
+    for c in cuts:  # an entry's text inside a part: cut that part again
+        parts = [q for p in parts for q in (_cut(p, [[c]]) if c and c in p and c != p else [p])]
+    ids = [] if bos is None else [bos]
+    for part in parts:
+        ids += encode(tokenizer, part)
+    stop = request.body().get("stop")
+    return Rendered(ids, (stop,) if isinstance(stop, str) else tuple(stop or ()))
 
 
 class KeptEntries:
@@ -129,6 +150,7 @@ class KeptEntries:
 
         self.by_ids: dict[tuple[int, ...], list[tuple[PieceInfo, Path]]] = {}
         self.by_key: dict[str, Path] = {}
+        self.pieces: dict[str, PieceInfo] = {}
         self.skipped = 0
         for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
             try:
@@ -138,6 +160,7 @@ class KeptEntries:
                 continue
             self.by_ids.setdefault(piece.token_ids, []).append((piece, path))
             self.by_key[piece.key] = path
+            self.pieces[piece.key] = piece
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_ids.values())
@@ -165,17 +188,85 @@ class KeptEntries:
             out.append(left.pop(at)[1])
         return out
 
-    def variants(self, ids: Sequence[int], plan: Mapping[str, Any]) -> dict[int, int]:
-        """Per piece start of the plan's ranges, how many kept entries hold its tokens."""
-        out: dict[int, int] = {}
-        for ps, _, end in (tuple(int(v) for v in r) for r in plan.get("ranges") or []):
-            if end - ps > 1:
-                out[ps] = max(out.get(ps, 0), len(self.by_ids.get(tuple(ids[ps:end]), [])))
+    def texts(self, usage: UsageKvnotes, tokenizer: Any) -> list[str]:
+        """The texts of the kept entries ``usage`` names (its plan's entries, its reports'
+        loaded ranges), in prompt order: where the front cut the prompt into parts."""
+        keyed = {e.start: e.key for e in (usage.plan.entries if usage.plan else ())}
+        for report in usage.reports:
+            keyed.update({r.piece_start: r.key for r in report.loaded})
+        out = []
+        for _, key in sorted(keyed.items()):
+            piece = self.pieces.get(key)
+            if piece is not None and len(piece) > 1:
+                out.append(str(tokenizer.decode(list(piece.token_ids))))
         return out
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where the notes of prompt tokens ``[start, end)`` come from: entry ``key`` placed at
+    ``piece_start`` (``key`` None: computed on top of the notes before them)."""
+
+    start: int
+    end: int
+    key: str | None = None
+    piece_start: int = 0
+
+
+def reported_sources(prompt_len: int, usage: UsageKvnotes) -> tuple[list[Source], int] | None:
+    """The prompt's tokens by where their notes came from, as the reports say, and how many
+    past the plan's first spliced piece were held by the prefix cache beyond what this
+    request's own earlier phases made (another request's blocks, taken as the plan lays them
+    out); None when a report is missing.
+
+    Each request (the phases, then the one that answered) leaves the tokens of its local hit
+    as the requests before it made them, and sets the rest of its prompt: its loaded ranges
+    (before a failed load) from their entries, every other token computed.
+
+    Example:
+        >>> from kvnotes.serving.protocol import LoadedRange, SpliceReport
+        >>> phase = SpliceReport(17, 0, (LoadedRange(0, 0, 8, "a"),))
+        >>> real = SpliceReport(30, 16, (LoadedRange(8, 16, 29, "b"),))
+        >>> usage = UsageKvnotes(phases=1, phase_reports=(phase,), report=real)
+        >>> [(s.start, s.end, s.key) for s in reported_sources(30, usage)[0]]
+        [(0, 8, 'a'), (8, 16, None), (16, 29, 'b'), (29, 30, None)]
+    """
+    reports = usage.reports
+    if not reports:
+        return None
+    key: list[tuple[str, int] | None] = [None] * prompt_len
+    if usage.plan is not None:  # what a foreign prefix holds, when it is the plan's layout
+        names = {e.start: e.key for e in usage.plan.entries}
+        for r in usage.plan.ranges:
+            for t in range(r.start, min(r.end, prompt_len)):
+                key[t] = (names.get(r.piece_start, ""), r.piece_start)
+    # text before the first spliced piece is computed alike by every request of the salt:
+    # only a hit past it holds notes another request may have spliced otherwise
+    first = min((r.start for r in usage.plan.ranges if r.end - r.piece_start > 1),
+                default=prompt_len) if usage.plan is not None else prompt_len
+    made, foreign = 0, 0  # tokens [0, made) set by this request's own earlier requests
+    for report in reports:
+        foreign = max(foreign, report.local_hit - max(made, first))
+        cut = report.recompute_from
+        end = min(report.prompt_tokens, prompt_len)
+        for t in range(report.local_hit, end):
+            key[t] = None
+        for lr in report.loaded:
+            for t in range(lr.start, min(lr.end, end, cut if cut is not None else lr.end)):
+                key[t] = (lr.key, lr.piece_start)
+        made = max(made, end)
+    out: list[Source] = []
+    for t, k in enumerate(key):
+        if out and (out[-1].key, out[-1].piece_start) == ((None, 0) if k is None else k) \
+                and out[-1].end == t:
+            out[-1] = Source(out[-1].start, t + 1, out[-1].key, out[-1].piece_start)
+        else:
+            out.append(Source(t, t + 1) if k is None else Source(t, t + 1, k[0], k[1]))
+    return out, foreign
+
+
 class AgentOracle:
-    """The engine's references for the agent soak's answers (each computed once).
+    """The engine's reference for each of the agent soak's answers: one per answer, counted.
 
     Args:
         engine: the served model's engine (float32, as the entries are).
@@ -185,10 +276,7 @@ class AgentOracle:
     def __init__(self, engine: Engine, entries: KeptEntries) -> None:
         self.engine, self.entries = engine, entries
         self.computed = 0
-        self._cache: dict[tuple[Any, ...], Reference] = {}
         self._notebooks: dict[Path, Notebook] = {}
-        self._composed: dict[tuple[Any, ...], Notebook | None] = {}
-        self._why: dict[tuple[Any, ...], str] = {}
 
     def greedy(self, nb: Notebook, query: Sequence[int] | None, n: int,
                stop: Sequence[str] = ()) -> Reference:
@@ -217,18 +305,12 @@ class AgentOracle:
             nb, logits = out.notebook, out.logits
         return Reference("", ids, margins)
 
-    def _memo(self, key: tuple[Any, ...], label: str, make: Any) -> Reference:
-        if key not in self._cache:
-            self._cache[key] = make()
-            self.computed += 1
-        ref = self._cache[key]
-        return Reference(label, ref.ids, ref.margins)
-
     def exact(self, ids: Sequence[int], n: int, stop: Sequence[str] = ()) -> Reference:
         """The greedy answer after a prefill of ``ids`` (BOS included as given)."""
         e = self.engine
-        return self._memo(("exact", tuple(ids), n, tuple(stop)), "exact", lambda: self.greedy(
-            e.prefill(list(ids[:-1]), bos=False), list(ids[-1:]), n, stop))
+        ref = self.greedy(e.prefill(list(ids[:-1]), bos=False), list(ids[-1:]), n, stop)
+        self.computed += 1
+        return Reference("exact", ref.ids, ref.margins)
 
     def _notebook(self, path: Path) -> Notebook:
         from kvnotes.core.notebook import Notebook
@@ -237,274 +319,55 @@ class AgentOracle:
             self._notebooks[path] = Notebook.load(path, self.engine)
         return self._notebooks[path]
 
-    def text_parts(self, ids: Sequence[int]) -> list[str] | None:
-        """``ids`` as compose text parts that encode back to exactly ``ids`` (each part is
-        tokenized alone, as the front tokenizes a prompt's parts): the whole decoded, else its
-        halves, recursively; None when a single token does not come back."""
-        ids = [int(t) for t in ids]
-        if not ids:
-            return []
-        text = self.engine.tokenizer.decode(ids)
-        if text and self.engine.tokens_of(text, bos=False)[0] == ids:
-            return [text]
-        if len(ids) == 1:
-            return None
-        mid = len(ids) // 2
-        left, right = self.text_parts(ids[:mid]), self.text_parts(ids[mid:])
-        return None if left is None or right is None else left + right
-
-    def composed(self, ids: Sequence[int], plan: Mapping[str, Any],
-                 variant: tuple[int, int] | None = None) -> Notebook | None:
-        """The prompt composed as the plan says (None: see :meth:`why_not`), each range from
-        the entry the server prefers, or, with ``variant`` ``(piece_start, k)``, the range
-        at ``piece_start`` from its ``k``-th preferred entry (the preferred one may have been
-        evicted, or not yet published, when the request was planned); computed once each."""
-        key = (tuple(int(t) for t in ids), repr(plan), variant)
-        if key not in self._composed:
-            nb, why = self._compose(list(key[0]), plan, variant)
-            self._composed[key] = nb
-            self._why[key] = why
-        return self._composed[key]
-
-    def why_not(self, ids: Sequence[int], plan: Mapping[str, Any]) -> str | None:
-        """Why the plan's composition of ``ids`` could not be rebuilt (None: it was)."""
-        self.composed(ids, plan)
-        return self._why.get((tuple(int(t) for t in ids), repr(plan), None)) or None
-
-    def _compose(self, ids: list[int], plan: Mapping[str, Any],
-                 variant: tuple[int, int] | None) -> tuple[Notebook | None, str]:
-        repair = repair_of(str(plan.get("repair", "")))
-        if repair is None:
-            return None, f"repair {plan.get('repair')!r} is not rebuilt by the check"
-        e = self.engine
-        bos = e.bos_id
-        if bos is not None and ids[:1] != [bos]:
-            return None, "the prompt does not start with the BOS compose starts with"
-        ends: dict[int, int] = {}
-        for value in plan.get("ranges") or []:
-            ps, _, end = (int(v) for v in value)
-            if bos is not None and ps == 0 and end == 1:
-                continue  # the BOS entry: compose's own BOS is its prefill
-            ends[ps] = max(end, ends.get(ps, end))
-        keys = {int(e["start"]): str(e["key"]) for e in plan.get("entries") or []
-                if e.get("key")}
-        parts: list[Any] = []
-        pos = 0 if bos is None else 1
-        for ps in sorted(ends):
-            found = self.entries.matches(ids[ps:ends[ps]], ids[:ps], keys.get(ps))
-            if not found:
-                return None, f"no kept entry holds prompt tokens [{ps}, {ends[ps]})"
-            text = self.text_parts(ids[pos:ps]) if ps >= pos else None
-            if text is None:
-                return None, f"prompt tokens [{pos}, {ps}) do not encode back as text"
-            parts += text
-            k = variant[1] if variant is not None and variant[0] == ps else 0
-            if k >= len(found):
-                return None, f"no {k}-th kept entry holds prompt tokens [{ps}, {ends[ps]})"
-            parts.append(self._notebook(found[k]))
-            pos = ends[ps]
-        tail = self.text_parts(ids[pos:])
-        if tail is None:
-            return None, f"prompt tokens [{pos}, {len(ids)}) do not encode back as text"
-        nb = e.compose(parts + tail, repair=repair)
-        # the composition must recompute what the plan had vLLM recompute: else it is not
-        # the server's (e.g. an entry whose compiled prefix compose does not see)
-        if nb.token_ids.tolist() != ids:
-            return None, "the composition's tokens are not the prompt's"
-        regions = plan.get("regions")
-        if regions is not None and [list(r) for r in regions] != nb.meta["compose"]["regions"]:
-            return None, (f"the composition repairs {nb.meta['compose']['regions']}, the plan "
-                          f"{[list(r) for r in regions]}")
-        return nb, ""
-
-    def candidates(self, ids: Sequence[int], plan: Mapping[str, Any] | None, n: int,
-                   stop: Sequence[str] = (), cached: Sequence[CachedPrefix] = ()
-                   ) -> Iterator[Reference]:
-        """The references in order: compose, exact, partial@c, then one per ``cached``
-        prefix (see the module doc); only exact without a plan."""
-        composed = self.composed(ids, plan) if plan and plan.get("ranges") else None
-        key = (tuple(ids), n, tuple(stop), repr(plan))
-        if composed is not None:
-            yield self._memo(("compose", *key), "compose",
-                             lambda: self.greedy(composed, None, n, stop))
-        yield self.exact(ids, n, stop)
-        if composed is None or plan is None:
-            return
-        for ps, count in sorted(self.entries.variants(ids, plan).items()):
-            for k in range(1, count):
-                other = self.composed(ids, plan, (ps, k))
-                if other is not None:
-                    yield self._memo(("variant", ps, k, *key), f"compose@{ps}v{k}",
-                                     lambda nb=other: self.greedy(nb, None, n, stop))
-        block = int(plan.get("block_size") or 0)
-        for c in range(block, len(ids), block) if block else ():
-            yield self._memo(("partial", c, *key), f"partial@{c}",
-                             lambda c=c: self.greedy(composed.slice(0, c), ids[c:], n, stop))
-        for src in cached:
-            prefix = self._prefix(src)
-            if prefix is not None:
-                yield self._memo(("cached", src.label, *key), src.label,
-                                 lambda p=prefix: self._on_cached(p, ids, plan, composed, n, stop))
-
-    def _prefix(self, src: CachedPrefix) -> Notebook | None:
-        """The notes of ``src``'s first ``src.tokens`` tokens as its request computed them."""
-        ids = list(src.ids[:src.tokens])
-        if src.plan is None:
-            return self.engine.prefill(ids, bos=False)
-        nb = self.composed(src.ids, src.plan)
-        return None if nb is None else nb.slice(0, src.tokens)
-
-    def _on_cached(self, prefix: Notebook, ids: Sequence[int], plan: Mapping[str, Any],
-                   composed: Notebook, n: int, stop: Sequence[str]) -> Reference:
-        """The answer when vLLM's prefix cache holds ``prefix`` (another request's notes of
-        the same first tokens): from there on, the plan's loaded tokens (``[start, end)`` of
-        each range) are the composition's (an entry's notes do not depend on what precedes
-        them), every other token is computed on top, as vLLM computes it."""
+    def reported(self, ids: Sequence[int], sources: Sequence[Source], n: int,
+                 stop: Sequence[str] = ()) -> Reference | str:
+        """The greedy answer when the prompt's notes come from ``sources`` (an entry's tokens
+        from that entry, moved to its place; the rest computed on top, in order); a string
+        saying why it cannot be computed (an entry not kept); :class:`PromptMismatch` when an
+        entry's tokens are not the prompt's."""
         from kvnotes.core.notebook import Notebook
 
-        e = self.engine
-        loaded = [(max(int(r[1]), len(prefix)), int(r[2])) for r in plan.get("ranges") or []]
-        nb, pos, last = prefix, len(prefix), len(ids) - 1
-        for start, end in sorted((a, b) for a, b in loaded if b > a):
-            if start > pos:
-                nb = e.forward(nb, list(ids[pos:min(start, last)])).notebook
-                pos = min(start, last)
-            if pos < min(end, last):
-                nb = Notebook.concat([nb, composed.slice(pos, min(end, last))])
-                pos = min(end, last)
-        if pos < last:
-            nb = e.forward(nb, list(ids[pos:last])).notebook
-        return self.greedy(nb, list(ids[last:]), n, stop)
+        e, ids = self.engine, [int(t) for t in ids]
+        last = len(ids) - 1
+        nb: Notebook | None = None
+        for src in sources:
+            start, end = src.start, min(src.end, last)
+            if start >= end:
+                continue
+            if src.key is None:
+                nb = e.prefill(ids[start:end], bos=False) if nb is None \
+                    else e.forward(nb, ids[start:end]).notebook
+                continue
+            path = self.entries.by_key.get(src.key)
+            piece = self.entries.pieces.get(src.key)
+            if path is None or piece is None:
+                return f"entry {src.key or '(unnamed)'} of prompt tokens [{start}, {end}) " \
+                       "was not kept"
+            ps = src.piece_start
+            if list(piece.token_ids) != ids[ps:ps + len(piece)]:
+                raise PromptMismatch(f"entry {src.key} was loaded at {ps}, and holds other "
+                                     f"tokens than the prompt's [{ps}, {ps + len(piece)})")
+            placed = self._notebook(path).moved_to(ps).slice(start - ps, end - ps)
+            nb = placed if nb is None else Notebook.concat([nb, placed])
+        if nb is None:
+            return self.exact(ids, n, stop)
+        ref = self.greedy(nb, ids[last:], n, stop)
+        self.computed += 1
+        return Reference("reported", ref.ids, ref.margins)
 
-
-@dataclass(frozen=True)
-class CachedPrefix:
-    """An earlier request of the same cache salt whose first ``tokens`` tokens (whole blocks)
-    are the prompt's own: vLLM's prefix cache may hold its notes of them (``plan`` None: it
-    computed them exactly; else its composition)."""
-
-    label: str
-    ids: list[int]
-    plan: dict[str, Any] | None
-    tokens: int
-
-
-def cached_prefixes(ids: Sequence[int], plan: Mapping[str, Any],
-                    earlier: Iterable[tuple[int, Sequence[int], Mapping[str, Any]]]
-                    ) -> list[CachedPrefix]:
-    """The prefixes vLLM's prefix cache may hold for a spliced prompt ``ids`` from ``earlier``
-    requests (``(index, ids, plan)``, sent before it): those of the same cache salt sharing
-    whole blocks past the plan's first loaded token (the blocks before it are computed text
-    either way), longest first. An earlier request whose own ranges all start past the shared
-    blocks computed them exactly.
-
-    Example:
-        >>> plan = {"salt": "s", "block_size": 4, "ranges": [[2, 2, 9]]}
-        >>> other = {"salt": "s", "block_size": 4, "ranges": [[9, 9, 12]]}
-        >>> [(c.label, c.tokens, c.plan) for c in cached_prefixes(
-        ...     list(range(12)), plan, [(3, list(range(10)) + [0, 0], other)])]
-        [('cached@8:3', 8, None)]
-    """
-    block = int(plan.get("block_size") or 0)
-    salt = plan.get("salt")
-    starts = [int(r[1]) for r in plan.get("ranges") or [] if int(r[2]) - int(r[0]) > 1]
-    if not block or not starts:
-        return []
-    first = min(starts)
-    out: list[CachedPrefix] = []
-    for index, other, their in earlier:
-        if their.get("salt") != salt:
-            continue
-        common = 0
-        for a, b in zip(ids, other, strict=False):
-            if a != b:
-                break
-            common += 1
-        c = min(common, len(ids) - 1) // block * block
-        if c <= first:
-            continue
-        exact = all(int(r[1]) >= c for r in their.get("ranges") or []
-                    if int(r[2]) - int(r[0]) > 1)
-        out.append(CachedPrefix(f"cached@{c}:{index}", [int(t) for t in other],
-                                None if exact else dict(their), c))
-    return sorted(out, key=lambda x: -x.tokens)
-
-
-# ---- the server's token strings ----------------------------------------------------------------
-def _space_marker(tokenizer: Any) -> str | None:
-    """The Metaspace replacement character whose leading instances ``decode`` strips (a
-    SentencePiece tokenizer's ``▁``), as vLLM reads it; None for byte-level tokenizers."""
-    import json
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    try:
-        pre = (json.loads(backend.to_str()).get("pre_tokenizer") or {}) if backend else {}
-    except (ValueError, AttributeError):
-        return None
-    subs = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    for sub in subs:
-        if (sub or {}).get("type") == "Metaspace":
-            return str(sub.get("replacement", "\u2581"))
-    return None
-
-
-def _single(tokenizer: Any, token: int, marker: str | None) -> str:
-    text = tokenizer.decode([token]) or ""
-    if marker is None:
-        return str(text)
-    raw = str((tokenizer.convert_ids_to_tokens([token]) or [""])[0] or "")
-    lead = len(raw) - len(raw.lstrip(marker))
-    missing = lead - (len(text) - len(text.lstrip(" ")))
-    return " " * missing + text if missing > 0 else str(text)
-
-
-def served_strings(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """The token strings vLLM reports in the log-probs of an answer of ``ids``: each token
-    decoded alone (a SentencePiece token's leading spaces restored); a token whose text ends in
-    an unfinished UTF-8 sequence (U+FFFD, a byte-fallback token) is decoded with up to 4
-    preceding answer tokens as context: ``""`` while the character is unfinished, the whole
-    character on the token that completes it. Comparing these with the server's strings, not
-    each id decoded alone, is what makes a multi-byte answer (Korean, Hindi) comparable.
-
-    Example:
-        >>> class Bytes:  # ids are UTF-8 bytes
-        ...     def decode(self, ids): return bytes(ids).decode(errors="replace")
-        >>> served_strings(Bytes(), list("스a".encode()))
-        ['', '', '스', 'a']
-    """
-    marker = _space_marker(tokenizer)
-    out: list[str] = []
-    for i, token in enumerate(int(t) for t in ids):
-        text = _single(tokenizer, token, marker)
-        if text.endswith("\ufffd"):
-            text = _completed(tokenizer, [int(t) for t in ids[max(0, i - 4):i]], token)
-        out.append(text)
-    return out
-
-
-def _completed(tokenizer: Any, context: list[int], token: int) -> str:
-    """vLLM's correction of a byte-fallback token's string from the answer's preceding tokens."""
-    for n in range(1, len(context) + 1):
-        ctx = context[-n:]
-        full = str(tokenizer.decode(ctx + [token]))
-        if full.endswith("\ufffd"):
-            continue
-        clean = len(ctx)
-        for j in range(len(ctx) - 1, -1, -1):
-            if str(tokenizer.decode([ctx[j]])).endswith("\ufffd"):
-                clean = j
-            else:
-                break
-        prefix = str(tokenizer.decode(ctx[:clean])) if clean else ""
-        if full.startswith(prefix):
-            return full[len(prefix):]
-        common = 0
-        for a, b in zip(prefix, full, strict=False):
-            if a != b:
-                break
-            common += 1
-        return full[common:]
-    return ""
+    def reference(self, ids: Sequence[int], usage: UsageKvnotes | None, n: int,
+                  stop: Sequence[str] = ()) -> tuple[Reference | str, int]:
+        """The one reference ``usage`` describes for a prompt of ``ids`` (see the module
+        docstring), or why there is none; and the prefix-cache tokens another request made."""
+        if usage is None or usage.plan is None or usage.guard_fired or not usage.spliced_tokens:
+            return self.exact(ids, n, stop), 0
+        found = reported_sources(len(ids), usage)
+        if found is None:
+            return "the connector's reports are missing (a streamed answer, or vLLM sent none)", 0
+        sources, foreign = found
+        if not any(s.key is not None for s in sources):
+            return self.exact(ids, n, stop), foreign
+        return self.reported(ids, sources, n, stop), foreign
 
 
 # ---- one answer against its references ---------------------------------------------------------
@@ -649,31 +512,44 @@ class CheckConfig:
     drift_tau: float | None = None
 
 
+def read_usage(value: Mapping[str, Any] | None) -> UsageKvnotes | None:
+    """An answer's ``usage.kvnotes`` read as the protocol's message (None: none sent);
+    :class:`~kvnotes.serving.protocol.ProtocolError` for one this version does not read."""
+    return None if value is None else UsageKvnotes.from_dict(value)
+
+
 def check_request(record: SoakRequestRecord, oracle: AgentOracle, tokenizer: Any,
-                  config: CheckConfig, others: Sequence[SoakRequestRecord] = ()
-                  ) -> AgentVerdict:
-    """The verdict on one answered request from its record: ``unchecked`` when its prompt
-    could not be rebuilt or has another token count than the server's, or when it differs
-    from every reference and its spliced composition could not be rebuilt (no reference to
-    call it wrong); else :func:`verdict` against compose / exact / partial@c / cached@c
-    (``others``: the run's other requests; those sent before it, spliced under the same salt,
-    are the prefixes the prefix cache may hold: :func:`cached_prefixes`)."""
+                  config: CheckConfig) -> AgentVerdict:
+    """The verdict on one answered request from its record: against the one reference its
+    ``usage.kvnotes`` describes (:meth:`AgentOracle.reference`). ``wrong`` when the prompt the
+    check rendered is not the one the front sent (another token count, or a loaded entry
+    whose tokens are not the prompt's); ``unchecked`` when there is no reference (the prompt
+    could not be rendered, a report is missing, an entry was not kept) or when a wrong answer
+    stands on prefix-cache blocks another request made."""
     ids = record.prompt_ids
     if ids is None:
-        return AgentVerdict("unchecked", why="the prompt could not be rebuilt")
+        return AgentVerdict("unchecked", why="the prompt could not be rendered")
     if record.prompt_tokens is not None and len(ids) != record.prompt_tokens:
-        return AgentVerdict("unchecked", why=f"rebuilt {len(ids)} prompt tokens, the server "
-                            f"counted {record.prompt_tokens}")
-    plan = record.plan if record.spliced_tokens else None
-    cached = cached_prefixes(ids, plan, [
-        (o.index, o.prompt_ids, o.plan) for o in others
-        if o.sent_s < record.sent_s and o.plan and o.spliced_tokens and o.prompt_ids
-        and o.index != record.index]) if plan else []
-    v = verdict(record.answer(), oracle.candidates(ids, plan, config.max_tokens, record.stop,
-                                                   cached),
-                tokenizer, eos=config.eos, tie_tau=config.tie_tau, drift_tau=config.drift_tau)
-    if v.status != "ok" and plan and plan.get("ranges"):
-        why = oracle.why_not(ids, plan)
-        if why:
-            v.status, v.why = "unchecked", f"the spliced composition was not rebuilt: {why}"
+        return AgentVerdict("wrong", why=f"the prompt differs: the chat template gives "
+                            f"{len(ids)} tokens, the server counted {record.prompt_tokens}")
+    try:
+        usage = read_usage(record.usage)
+    except ProtocolError as err:
+        return AgentVerdict("unchecked", why=f"usage.kvnotes not read: {err}")
+    try:
+        ref, foreign = oracle.reference(ids, usage, config.max_tokens, record.stop)
+    except PromptMismatch as err:
+        return AgentVerdict("wrong", why=f"the prompt differs: {err}")
+    if isinstance(ref, str):
+        return AgentVerdict("unchecked", why=ref)
+    v = verdict(record.answer(), [ref], tokenizer, eos=config.eos, tie_tau=config.tie_tau,
+                drift_tau=config.drift_tau)
+    if v.status != "ok" and foreign:
+        v.status, v.why = "unchecked", (f"the prefix cache held {foreign} tokens another "
+                                        "request made, taken as the plan lays them out")
     return v
+
+
+class PromptMismatch(KvnotesError, ValueError):
+    """A loaded entry whose tokens are not the rendered prompt's there: the front sent another
+    prompt than the chat template gives."""

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes.serving.protocol import UsageKvnotes
 
 STATS_PATH = "/kvnotes/stats"  # the front's counters (kvnotes.serving.front.app)
 _NAME_FIELD = re.compile(r'"name"\s*:\s*"([^"]+)"')
@@ -52,6 +53,11 @@ class Answer:
     @property
     def first_token(self) -> str | None:
         return self.tokens[0] if self.tokens else None
+
+    def usage(self) -> UsageKvnotes | None:
+        """``kvnotes`` read as the front's message (None: none sent);
+        :class:`~kvnotes.serving.protocol.ProtocolError` for one this version does not read."""
+        return None if self.kvnotes is None else UsageKvnotes.from_dict(self.kvnotes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -51,7 +51,8 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
         result.config = dataclasses.replace(result.config, soak=soak)
     check = CheckConfig(max_tokens=soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
                         tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
-    rows = recheck(folder, engine, check, say=say)
+    rows, references = recheck(folder, engine, check, say=say)
+    result.soak["references"] = references
     verdicts = {r.index: r.verdict for r in rows}
     for rec in result.soak_records:
         rec.verdict = verdicts.get(rec.index, rec.verdict)

@@ -2,10 +2,10 @@
 
 A :class:`SoakRequestRecord` holds what it takes to look at one answer again, or check it again
 without a server (:func:`~kvnotes.bench.serving.agent_traffic_check.check_request` over the
-run's kept entries): who sent it (client, tenant, ``splice``), the prompt ids the check rebuilt
-(:func:`~kvnotes.bench.serving.agent_traffic_check.rendered_prompt`: the front's own layout, or
-the chat template where the front forwards) and the count the server reported, the stop strings,
-the plan from ``usage.kvnotes.plan``, the answer's token strings, per-step margins, text and
+run's kept entries): who sent it (client, tenant, ``splice``), the prompt ids the check rendered
+(:func:`~kvnotes.bench.serving.agent_traffic_check.rendered_prompt`: the model's own chat
+template) and the count the server reported, the stop strings, the answer's ``usage.kvnotes``
+(the plan and the connector's reports, as JSON), the answer's token strings, per-step margins, text and
 finish reason, and the verdict (matched reference, where it diverged, the expected ids, both
 sides' margins there, or why it is unchecked).
 """
@@ -37,11 +37,11 @@ class SoakRequestRecord:
     question: int
     ok: bool
     error: str | None = None
-    prompt_ids: list[int] | None = None  # None: the prompt could not be rebuilt
-    prompt_source: str | None = None  # "front" (its part-by-part layout) or "template"
+    prompt_ids: list[int] | None = None  # None: the prompt could not be rendered
+    prompt_source: str | None = None  # "template": the model's own chat template
     prompt_tokens: int | None = None  # the server's count
     stop: list[str] = field(default_factory=list)
-    plan: dict[str, Any] | None = None  # usage.kvnotes.plan (None: nothing spliced)
+    usage: dict[str, Any] | None = None  # usage.kvnotes as sent (None: the front sent none)
     spliced_tokens: int = 0
     tokens: list[str] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)
@@ -54,7 +54,7 @@ class SoakRequestRecord:
         return Answer(ok=self.ok, error=self.error, text=self.text, tokens=list(self.tokens),
                       margins=list(self.margins), prompt_tokens=self.prompt_tokens,
                       spliced_tokens=self.spliced_tokens,
-                      kvnotes=None if self.plan is None else {"plan": self.plan},
+                      kvnotes=self.usage,
                       finish_reason=self.finish_reason)
 
     def to_dict(self) -> dict[str, Any]:

@@ -149,8 +149,11 @@ def report(result: AgentResult) -> str:
             lines.append(f"\nServer and engine top-2 margins over the matched steps: largest gap "
                          f"{soak.gap_max:.2g}; {soak.gapped} ok answers with a gap over "
                          f"{GAP_TAU:g} (equal tokens, not the reference's very computation).")
+        if info.get("references") is not None:
+            lines.append(f"\nEngine references computed: {info['references']} (one per checked "
+                         "answer: the computation its connector reports describe).")
         if info.get("records"):
-            lines.append(f"Every request, its prompt ids, plan, answer and verdict: "
+            lines.append(f"Every request, its prompt ids, usage.kvnotes, answer and verdict: "
                          f"`{info['records']}`.")
         if soak.errors:
             lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))

@@ -1,7 +1,8 @@
 """Where a measured request's prompt tokens went: spliced, repaired, aligned, or computed.
 
-The front reports its phase plan in ``usage.kvnotes.plan`` (the ranges the connector supplied,
-``[piece_start, start, end]``, the repair's tag such as ``f32a128s0.1``); the benchmark lays the
+The front reports its phase plan in ``usage.kvnotes.plan`` (a
+:class:`~kvnotes.serving.protocol.PlanReport`: the ranges the connector supplied, the repair
+policy's fields, the regions recomputed); the benchmark lays the
 same chat out as the front does (:func:`~kvnotes.serving.planning.chat_render.render_chat_parts`
 then :func:`~kvnotes.serving.planning.chat_render.lay_out_chat`: the chunks' token spans). Put
 together, every prompt token falls in exactly one bucket of :class:`ShareBreakdown`:
@@ -21,7 +22,6 @@ Pure: nothing here talks to a server.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -29,22 +29,9 @@ from typing import Any
 from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.repair import first_tokens
+from kvnotes.serving.protocol import PlanReport, ProtocolError
 
-_TAG = re.compile(r"^f(\d+)a(\d+)(e?)(?:s([0-9.]+(?:e-?\d+)?))?")
 BUCKETS = ("spliced", "repaired", "aligned", "unmatched", "text")
-
-
-def repair_rule(tag: str) -> tuple[int, int, float] | None:
-    """``(first, align, share)`` of a plan's repair tag; None for a tag of another shape.
-
-    Example:
-        >>> repair_rule("f32a128s0.1"), repair_rule("f8a32"), repair_rule("")
-        ((32, 128, 0.1), (8, 32, 0.0), None)
-    """
-    m = _TAG.match(tag or "")
-    if not m:
-        return None
-    return int(m.group(1)), int(m.group(2)), float(m.group(4) or 0.0)
 
 
 @dataclass(frozen=True)
@@ -66,7 +53,7 @@ class ShareBreakdown:
     matched: int
     spliced_chunks: int
     chunk_tokens: int
-    repair: str
+    repair: dict[str, Any] | None  # the plan's repair policy (its fields; None: no plan)
     layout_ok: bool
 
     def share(self, bucket: str) -> float | None:
@@ -97,7 +84,7 @@ def chunk_spans(request: AgentRequest, tokenizer: Any) -> tuple[int, list[tuple[
     return pos, spans
 
 
-def breakdown(plan: Mapping[str, Any] | None, prompt_len: int,
+def breakdown(plan: PlanReport | None, prompt_len: int,
               spans: Sequence[tuple[int, int]], prompt_tokens: int | None = None
               ) -> ShareBreakdown:
     """The buckets of one answer: ``plan`` is its ``usage.kvnotes.plan`` (None: nothing
@@ -105,16 +92,17 @@ def breakdown(plan: Mapping[str, Any] | None, prompt_len: int,
     ``prompt_tokens`` the server's count (checks the layout).
 
     Example:
-        >>> plan = {"repair": "f32a64", "ranges": [[0, 0, 1], [10, 64, 100]]}
+        >>> from kvnotes.serving.library.splice import SpliceRange
+        >>> from kvnotes.serving.protocol import RepairPolicy
+        >>> plan = PlanReport(120, 64, RepairPolicy(32, 64), "s", (SpliceRange(0, 0, 1),
+        ...                   SpliceRange(10, 64, 100)), (), ())
         >>> b = breakdown(plan, 120, [(10, 100), (101, 110)], 120)
         >>> b.spliced, b.repaired, b.aligned, b.unmatched, b.text, b.text_head
         (37, 32, 22, 9, 20, 9)
     """
-    plan = plan or {}
-    rule = repair_rule(str(plan.get("repair", ""))) or (0, 1, 0.0)
-    first, _, share = rule
-    ranges = [tuple(int(x) for x in r) for r in plan.get("ranges") or []]
-    regions = [tuple(int(x) for x in r) for r in plan.get("regions") or []]
+    first, share = (0, 0.0) if plan is None else (plan.repair.first, plan.repair.share)
+    ranges = [] if plan is None else [(r.piece_start, r.start, r.end) for r in plan.ranges]
+    regions = [] if plan is None else list(plan.regions)
     by_start = {r[0]: r for r in ranges}
     spliced = sum(e - s for _, s, e in ranges)
     repaired = aligned = unmatched = matched = spliced_chunks = 0
@@ -143,18 +131,21 @@ def breakdown(plan: Mapping[str, Any] | None, prompt_len: int,
         text_head=spans[0][0] - sum(min(e, spans[0][0]) - s for _, s, e in ranges
                                     if s < spans[0][0]) if spans else text,
         chunks=len(spans), matched=matched, spliced_chunks=spliced_chunks,
-        chunk_tokens=chunk_tokens, repair=str(plan.get("repair", "")),
+        chunk_tokens=chunk_tokens, repair=None if plan is None else plan.repair.to_dict(),
         layout_ok=prompt_tokens is None or prompt_tokens == prompt_len)
 
 
 def answer_breakdown(answer: Answer, layout: tuple[int, Sequence[tuple[int, int]]]
                      ) -> ShareBreakdown | None:
     """:func:`breakdown` of one answer against its request's layout (:func:`chunk_spans`);
-    None for a failed answer."""
+    None for a failed answer or one whose ``usage.kvnotes`` this version does not read."""
     if not answer.ok:
         return None
-    plan = (answer.kvnotes or {}).get("plan")
-    return breakdown(plan if isinstance(plan, Mapping) else None, layout[0], layout[1],
+    try:
+        usage = answer.usage()
+    except ProtocolError:
+        return None
+    return breakdown(None if usage is None else usage.plan, layout[0], layout[1],
                      answer.prompt_tokens)
 
 

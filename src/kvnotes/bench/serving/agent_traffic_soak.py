@@ -8,8 +8,8 @@ greedy, ``max_tokens`` tokens; a fraction is sent with ``splice: false``. The se
 with a library cap smaller than the working set, so entries are evicted while requests use
 them. While the clients run, every entry the library publishes is kept (a hard link in
 ``out/soak-entries``: an evicted entry stays readable for the check). After the run (the server
-stopped) every answer is checked against the engine
-(:mod:`~kvnotes.bench.serving.agent_traffic_check`).
+stopped) every answer is checked against the one engine reference its report describes
+(:mod:`~kvnotes.bench.serving.agent_traffic_check`; the references computed are counted).
 
 Reported: requests served and failed, answers wrong / near tie / unchecked, the hit rate
 (spliced requests over requests sent after one of their tools had been seen ``sightings``
@@ -197,39 +197,51 @@ def request_record(rec: SoakRecord, rendered: Rendered | None, tenant: str | Non
         index=rec.index, client=rec.client, sent_s=rec.sent_s, tenant=tenant, splice=rec.splice,
         eligible=rec.eligible, tools=list(rec.tools), question=rec.question, ok=a.ok,
         error=a.error, prompt_tokens=a.prompt_tokens, spliced_tokens=a.spliced_tokens,
-        plan=(a.kvnotes or {}).get("plan") if a.spliced_tokens else None,
+        usage=a.kvnotes,
         tokens=list(a.tokens), margins=list(a.margins), text=a.text,
         finish_reason=a.finish_reason)
     if rendered is not None:
         row.prompt_ids, row.prompt_source = list(rendered.ids), rendered.source
         row.stop = list(rendered.stop)
     elif a.ok:
-        row.verdict = {"status": "unchecked", "why": why or "the prompt could not be rebuilt"}
+        row.verdict = {"status": "unchecked", "why": why or "the prompt could not be rendered"}
     return row
 
 
 def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: AgentOracle,
                   tokenizer: Any, config: CheckConfig, *, tenant: str | None = None,
-                  render: Callable[[Any, AgentRequest], Rendered] | None = None,
+                  render: Callable[[Any, AgentRequest, Sequence[str]], Rendered] | None = None,
                   say: Callable[[str], None] = lambda s: None) -> list[SoakRequestRecord]:
     """A verdict for every answered request (:func:`~kvnotes.bench.serving.
     agent_traffic_check.check_request`), set on its :class:`SoakRecord`; returns the
-    per-request records, failed requests included."""
-    from kvnotes.bench.serving.agent_traffic_check import check_request, rendered_prompt
+    per-request records, failed requests included. ``render``: the prompt of a request, cut
+    at the texts of the entries its answer's report names
+    (:func:`~kvnotes.bench.serving.agent_traffic_check.rendered_prompt`)."""
+    from kvnotes.bench.serving.agent_traffic_check import (
+        check_request,
+        read_usage,
+        rendered_prompt,
+    )
+    from kvnotes.serving.protocol import ProtocolError
 
     render = render or rendered_prompt
     rows: list[SoakRequestRecord] = []
     for rec, req in records:
         try:
-            rendered, why = render(tokenizer, req), None
+            usage = read_usage(rec.answer.kvnotes)
+        except ProtocolError:
+            usage = None  # the check says why
+        cuts = oracle.entries.texts(usage, tokenizer) if usage is not None else []
+        try:
+            rendered, why = render(tokenizer, req, cuts), None
         except Exception as err:  # noqa: BLE001  # e.g. no chat template: the answer is unchecked
-            rendered, why = None, (f"the prompt could not be rebuilt: {type(err).__name__}: "
+            rendered, why = None, (f"the prompt could not be rendered: {type(err).__name__}: "
                                    f"{str(err)[:200]}")
         rows.append(request_record(rec, rendered, tenant, why))
     done = [(rec, row) for (rec, _), row in zip(records, rows, strict=True) if rec.answer.ok]
     for n, (rec, row) in enumerate(done):
         if row.verdict is None:
-            row.verdict = check_request(row, oracle, tokenizer, config, rows).to_dict()
+            row.verdict = check_request(row, oracle, tokenizer, config).to_dict()
         rec.verdict = row.verdict
         status = row.verdict.get("status")
         if status != "ok":
@@ -252,7 +264,7 @@ class SoakSummary:
     wrong: int
     near_tie: int
     unchecked: int
-    matched: dict[str, int]  # which reference the ok answers equal (compose, exact, partial)
+    matched: dict[str, int]  # which reference the ok answers equal (reported, exact)
     eligible: int
     spliced: int  # eligible requests the front spliced
     hit_rate: float | None  # spliced / eligible
@@ -301,10 +313,12 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
 
 
 def recheck(folder: Path, engine: Engine, config: CheckConfig,
-            say: Callable[[str], None] = lambda s: None) -> list[SoakRequestRecord]:
+            say: Callable[[str], None] = lambda s: None
+            ) -> tuple[list[SoakRequestRecord], int]:
     """The per-request records of a soak run's output ``folder`` checked again (no server):
     its ``soak-requests.jsonl`` against the entries it kept (``soak-entries``, read with the
-    fingerprint of its ``soak-skills`` library); the records are returned with new verdicts."""
+    fingerprint of its ``soak-skills`` library); the records with new verdicts, and the
+    references computed for them."""
     from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
     from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records
     from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
@@ -319,8 +333,8 @@ def recheck(folder: Path, engine: Engine, config: CheckConfig,
     oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
     for row in rows:
         if row.ok and row.prompt_ids is not None:
-            row.verdict = check_request(row, oracle, engine.tokenizer, config, rows).to_dict()
+            row.verdict = check_request(row, oracle, engine.tokenizer, config).to_dict()
             if row.verdict["status"] != "ok":
                 say(f"  request {row.index} (splice {row.splice}): {row.verdict['status']} "
                     f"at {row.verdict.get('diverged_at')} {row.verdict.get('why') or ''}")
-    return rows
+    return rows, oracle.computed

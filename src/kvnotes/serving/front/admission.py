@@ -26,6 +26,7 @@ from types import TracebackType
 
 from kvnotes.serving.front.call import Call
 from kvnotes.serving.front.errors import ApiError
+from kvnotes.serving.protocol import Outcome
 
 log = logging.getLogger("kvnotes.serving.front")
 
@@ -97,10 +98,11 @@ class Admission:
     async def __aexit__(self, kind: type[BaseException] | None, err: BaseException | None,
                         tb: TracebackType | None) -> None:
         if isinstance(err, asyncio.CancelledError) and not self.call.finished:
-            self.call.outcome = "disconnected"
+            self.call.outcome = Outcome.DISCONNECTED
         elif err is not None and not self.call.finished:
             if not isinstance(err, ApiError):
-                self.call.outcome = "internal_error"
+                self.call.outcome = Outcome.INTERNAL_ERROR
             elif not self.call.outcome:
-                self.call.outcome = "bad_request" if err.status < 500 else "upstream_error"
+                self.call.outcome = (Outcome.BAD_REQUEST if err.status < 500
+                                     else Outcome.UPSTREAM_ERROR)
         self.release()

@@ -83,6 +83,7 @@ from kvnotes.serving.front.limits import check_bounds
 from kvnotes.serving.front.service import FrontService
 from kvnotes.serving.front.upstream import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -233,7 +234,7 @@ class _Answer(StarletteResponse):
                                   service.config)
                 check_bounds(call.route, data, service.config)
             except ApiError:
-                call.outcome = "bad_request"
+                call.outcome = Outcome.BAD_REQUEST
                 raise
             work = service.answer(call.route, data, call, self.key_tenant, self.auth)
             return await self._watched(work, receive, send)
@@ -241,7 +242,7 @@ class _Answer(StarletteResponse):
             return None if self._started else await self._head(error_reply(err), send)
         except Exception:  # noqa: BLE001 -- a fault answers 500, its text in the log
             log.exception("request %s failed", call.id)
-            call.outcome = "internal_error"
+            call.outcome = Outcome.INTERNAL_ERROR
             if self._started:
                 return None
             return await self._head(error_reply(internal_error(call)), send)
@@ -253,7 +254,7 @@ class _Answer(StarletteResponse):
             done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
             if task not in done:
                 task.cancel()
-                self.call.outcome = "disconnected"
+                self.call.outcome = Outcome.DISCONNECTED
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 return None
@@ -300,15 +301,15 @@ class _Answer(StarletteResponse):
                 reply: Reply = await work
                 return reply
         except TimeoutError:
-            self.call.outcome = "upstream_error"
+            self.call.outcome = Outcome.UPSTREAM_ERROR
             return error_reply(self._too_long())
         except ApiError as err:
-            if not self.call.outcome or self.call.outcome == "forwarded":
-                self.call.outcome = "upstream_error" if err.status >= 500 else "bad_request"
+            if not self.call.outcome or self.call.outcome == Outcome.FORWARDED:
+                self.call.outcome = Outcome.UPSTREAM_ERROR if err.status >= 500 else Outcome.BAD_REQUEST
             return error_reply(err)
         except Exception:  # noqa: BLE001 -- a fault answers 500, its text only in the log
             log.exception("request %s failed", self.call.id)
-            self.call.outcome = "internal_error"
+            self.call.outcome = Outcome.INTERNAL_ERROR
             return error_reply(internal_error(self.call))
 
     async def _stream(self, reply: Reply, send: Any, deadline: float) -> None:
@@ -325,11 +326,11 @@ class _Answer(StarletteResponse):
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
         except TimeoutError:
-            self.call.outcome = "upstream_error"
+            self.call.outcome = Outcome.UPSTREAM_ERROR
             fault = self._too_long()
         except Exception:  # noqa: BLE001 -- the stream ends with an error event, not a cut
             log.exception("request %s: its stream failed", self.call.id)
-            self.call.outcome = "internal_error"
+            self.call.outcome = Outcome.INTERNAL_ERROR
             fault = internal_error(self.call)
         if fault is not None and reply.headers.get("content-type", "").startswith(
                 "text/event-stream"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnotes.serving.front.errors import ApiError, error_body
+from kvnotes.serving.protocol import Outcome
 
 JSON = "application/json"
 
@@ -54,7 +55,7 @@ class Call:
     t0: float = field(default_factory=time.perf_counter)
     tenant: str | None = None
     client: str = ""  # whose turn its planning takes (its key's digest, or its address)
-    outcome: str = ""
+    outcome: Outcome | None = None  # None: not decided yet (counted as internal_error)
     reason: str | None = None
     status: int = 0
     plan: dict[str, Any] = field(default_factory=dict)

@@ -5,7 +5,9 @@ send per-part ids), with log-probs when the guard needs them; :class:`Shaper` tu
 (a whole body, or one streamed chunk) into the client's format: a completion as it came, or a
 chat completion (``chat.completion``, ``chat.completion.chunk`` with a first ``role`` delta);
 log-probs trimmed to what the client asked (none when it asked none); ``usage`` with a
-``kvnotes`` object (spliced tokens, phases, guard, plan). A chat that sent tools gets the
+``kvnotes`` object (:class:`~kvnotes.serving.protocol.UsageKvnotes`: spliced tokens, phases,
+guard, plan, the connector's reports; vLLM's own ``kv_transfer_params``, where the report
+came, are not passed on). A chat that sent tools gets the
 model's calls as ``tool_calls`` (:mod:`~kvnotes.serving.front.tool_calls`; streamed: text is
 held once a call may start, the calls come in one delta at the end). Pure functions over JSON
 values.
@@ -17,6 +19,7 @@ import json
 from typing import Any
 
 from kvnotes.serving.front.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from kvnotes.serving.protocol import UsageKvnotes
 
 DONE = b"data: [DONE]\n\n"
 
@@ -119,22 +122,23 @@ class Shaper:
         self._role_sent = False
         self._calls = ToolCallStream(parallel=parallel)
 
-    def usage(self, usage: dict[str, Any] | None, kvnotes: dict[str, Any]) -> dict[str, Any]:
+    def usage(self, usage: dict[str, Any] | None, kvnotes: UsageKvnotes) -> dict[str, Any]:
         out = dict(usage or {})
-        out["kvnotes"] = kvnotes
+        out["kvnotes"] = kvnotes.to_dict()
         return out
 
     def _chat_id(self, answer: dict[str, Any]) -> str:
         ident = str(answer.get("id") or "")
         return "chatcmpl-" + (ident[5:] if ident.startswith("cmpl-") else ident)
 
-    def body(self, answer: dict[str, Any], kvnotes: dict[str, Any]) -> dict[str, Any]:
+    def body(self, answer: dict[str, Any], kvnotes: UsageKvnotes) -> dict[str, Any]:
         """A whole (non-streamed) answer."""
         usage = self.usage(answer.get("usage"), kvnotes)
         if self.kind == "completion":
             choices = [{**c, "logprobs": trim_logprobs(c.get("logprobs"), self.logprobs)}
                        for c in answer.get("choices") or []]
-            return {**answer, "choices": choices, "usage": usage}
+            rest = {k: v for k, v in answer.items() if k != "kv_transfer_params"}
+            return {**rest, "choices": choices, "usage": usage}
         return {
             "id": self._chat_id(answer), "object": "chat.completion",
             "created": answer.get("created"), "model": answer.get("model"),
@@ -158,7 +162,7 @@ class Shaper:
         return {"message": {"role": "assistant", "content": text},
                 "finish_reason": choice.get("finish_reason")}
 
-    def chunk(self, chunk: dict[str, Any], kvnotes: dict[str, Any]) -> list[dict[str, Any]]:
+    def chunk(self, chunk: dict[str, Any], kvnotes: UsageKvnotes) -> list[dict[str, Any]]:
         """The client's chunks for one streamed vLLM chunk (the usage chunk gets ``kvnotes``;
         it is dropped when the client did not ask for usage)."""
         choices = chunk.get("choices") or []

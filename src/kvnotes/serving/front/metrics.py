@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.planning.request import REASONS
+from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:
     from kvnotes.serving.planning.variants import VariantHits
 
-OUTCOMES = ("spliced", "forwarded", "exact", "guard_fired", "phase_failed", "upstream_error",
-            "bad_request", "unauthorized", "rejected", "disconnected", "internal_error")
+OUTCOMES = tuple(o.value for o in Outcome)
 ROUTES = ("completion", "chat")
 TOKEN_KINDS = ("spliced", "repaired", "computed")
 VARIANT_OWNERS = ("registered", "learned")
@@ -89,7 +89,7 @@ class FrontMetrics:
 
     def outcome(self, route: str, outcome: str, reason: str | None = None) -> None:
         route = route if route in ROUTES else "completion"
-        outcome = outcome if outcome in OUTCOMES else "internal_error"
+        outcome = Outcome(outcome).value if outcome in OUTCOMES else Outcome.INTERNAL_ERROR.value
         self.requests.labels(route, outcome).inc()
         with self._lock:
             self.counts[outcome] += 1

@@ -15,6 +15,7 @@ until the guard has decided; an upstream stream that breaks ends with an error e
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -28,7 +29,9 @@ from kvnotes.serving.front.upstream import COMPLETIONS, ROUTES, Upstream
 from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, real_body
 from kvnotes.serving.planning.phases import guard_fires
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
+from kvnotes.serving.protocol import Outcome, ProtocolError, SpliceReport, UsageBuilder
 
+log = logging.getLogger("kvnotes.front")
 REASON_HEADER = "x-kvnotes"
 # headers of vLLM's answers not passed on: hop-by-hop (RFC 9110 7.6.1) and those uvicorn sets
 _DROP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -46,13 +49,13 @@ class Proxy:
                       auth: str | None) -> Reply:
         """The request passed to vLLM as it is (``auth``: the Authorization vLLM gets); its
         answer relayed as it comes."""
-        call.outcome, call.reason = "forwarded", why.code
+        call.outcome, call.reason = Outcome.FORWARDED, why.code
         call.upstream_started()
         resp = await self.up.open_stream("POST", ROUTES[kind], body, self.up.headers(auth))
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
         headers[REASON_HEADER] = header_value(f"forwarded: {why.code}: {why}")
         if resp.status_code >= 500:
-            call.outcome = "upstream_error"
+            call.outcome = Outcome.UPSTREAM_ERROR
         sse_stream = resp.headers.get("content-type", "").startswith("text/event-stream")
         return Reply(resp.status_code, headers, stream=self._relay(resp, sse_stream, call),
                      upstream=resp)
@@ -66,7 +69,7 @@ class Proxy:
                 ended = chunk.endswith(DONE) or ended and not chunk
                 yield chunk
         except httpx2.HTTPError as err:
-            call.outcome = "upstream_error"
+            call.outcome = Outcome.UPSTREAM_ERROR
             if sse_stream and not ended:
                 yield sse(error_body(502, f"the vLLM server's stream broke: {type(err).__name__}"))
                 yield DONE
@@ -75,8 +78,7 @@ class Proxy:
 
     async def spliced(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float, call: Call,
                       exact: dict[str, Any], salt: str | None) -> Reply:
-        info: dict[str, Any] = {"spliced_tokens": fp.plan.spliced_tokens, "phases": 0,
-                                "guard_fired": False, "plan": fp.to_dict()}
+        info = UsageBuilder(spliced_tokens=fp.plan.spliced_tokens, plan=fp.report())
         call.upstream_started()
         for body in fp.plan.phase_bodies(fp.ids, model):
             status, data = await self.up.post_json(COMPLETIONS, body)
@@ -87,10 +89,11 @@ class Proxy:
                     reply = await self.exact(req, model, call, why, salt)
                 else:
                     reply = await self.forward(req.kind, exact, call, why, None)
-                if call.outcome in ("forwarded", "exact"):
-                    call.outcome = "phase_failed"
+                if call.outcome in (Outcome.FORWARDED, Outcome.EXACT):
+                    call.outcome = Outcome.PHASE_FAILED
                 return reply
-            info["phases"] += 1
+            info.phases += 1
+            info.phase_reports.append(_phase_report(data, call))
         shaper = _shaper(req)
         headers = {REASON_HEADER: header_value(f"spliced {','.join(fp.skills)}")}
         exact_ids = exact_body(fp.ids, req, model)
@@ -102,27 +105,27 @@ class Proxy:
         if status != 200:
             return self._upstream_failed(status, data, call)
         answer = _loads(data)
+        info.report = _report(answer, call)
         if guard_fires(first_top_logprobs(answer), tau):
-            info["guard_fired"] = True
+            info.guard_fired, info.report = True, None
             status, data = await self.up.post_json(COMPLETIONS, exact_ids)
             if status != 200:
                 return self._upstream_failed(status, data, call)
             answer = _loads(data)
         self._spliced_done(fp, info, call)
-        return json_reply(200, shaper.body(answer, info), **headers)
+        return json_reply(200, shaper.body(answer, info.done()), **headers)
 
     async def exact(self, req: FrontRequest, model: str, call: Call, why: Unplannable,
                     salt: str | None) -> Reply:
         """A request sent exactly as its own ids (a structured chat, a completion text with
         a registered skill): its part-wise ids to ``/v1/completions`` (the exact ``salt``, no
         splice salt), answered in the client's format; ``why`` in the reason header."""
-        call.outcome, call.reason = "exact", why.code
+        call.outcome, call.reason = Outcome.EXACT, why.code
         call.upstream_started()
         body = exact_body(req.prompt_ids, req, model)
         if salt is not None:
             body["cache_salt"] = salt
-        info: dict[str, Any] = {"spliced_tokens": 0, "phases": 0, "guard_fired": False,
-                                "plan": None, "exact": why.code}
+        info = UsageBuilder(exact=why.code)
         shaper = _shaper(req)
         headers = {REASON_HEADER: header_value(f"exact: {why.code}: {why}")}
         if req.stream:
@@ -136,19 +139,19 @@ class Proxy:
         status, data = await self.up.post_json(COMPLETIONS, body)
         if status != 200:
             return self._upstream_failed(status, data, call)
-        return json_reply(200, shaper.body(_loads(data), info), **headers)
+        return json_reply(200, shaper.body(_loads(data), info.done()), **headers)
 
-    def _spliced_done(self, fp: FrontPlan | None, info: dict[str, Any], call: Call) -> None:
+    def _spliced_done(self, fp: FrontPlan | None, info: UsageBuilder, call: Call) -> None:
         if fp is None:  # an exact request sent by the front: its outcome stays
             return
-        call.outcome = "guard_fired" if info["guard_fired"] else "spliced"
+        call.outcome = Outcome.GUARD_FIRED if info.guard_fired else Outcome.SPLICED
         plan = fp.plan
         self.metrics.spliced_tokens(plan.spliced_tokens, plan.repaired_tokens,
                                     plan.prompt_len - plan.spliced_tokens - plan.repaired_tokens,
-                                    info["phases"])
+                                    info.phases)
 
     def _upstream_failed(self, status: int, data: bytes, call: Call) -> Reply:
-        call.outcome = "upstream_error"
+        call.outcome = Outcome.UPSTREAM_ERROR
         return Reply(status, {"content-type": JSON}, data)
 
     async def _begin_stream(self, body: dict[str, Any], call: Call) -> Any:
@@ -162,7 +165,7 @@ class Proxy:
         return resp
 
     async def _stream(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float,
-                      info: dict[str, Any], shaper: Shaper, headers: dict[str, str], call: Call,
+                      info: UsageBuilder, shaper: Shaper, headers: dict[str, str], call: Call,
                       exact_ids: dict[str, Any]) -> Reply:
         resp = await self._begin_stream(real_body(fp, req, model, tau), call)
         if isinstance(resp, Reply):
@@ -182,7 +185,7 @@ class Proxy:
                             if t is not None), None)
                 if guard_fires(top, tau):
                     await events.aclose()
-                    info["guard_fired"] = True
+                    info.guard_fired = True
                     resp = await self._begin_stream(exact_ids, call)
                     if isinstance(resp, Reply):
                         return resp
@@ -196,7 +199,7 @@ class Proxy:
                      upstream=resp)
 
     async def _shaped(self, held: list[Any], events: AsyncGenerator[Any, None], shaper: Shaper,
-                      info: dict[str, Any], fp: FrontPlan | None, call: Call
+                      info: UsageBuilder, fp: FrontPlan | None, call: Call
                       ) -> AsyncGenerator[bytes, None]:
         """The client's events; a stream that breaks or sends what is not JSON ends with an
         error event and ``[DONE]``."""
@@ -217,16 +220,16 @@ class Proxy:
                     failure = "the vLLM server sent an event that is not JSON"
                     break
                 if not isinstance(event, dict) or "error" in event:
-                    call.outcome = "upstream_error"
+                    call.outcome = Outcome.UPSTREAM_ERROR
                     yield sse(event)
                     continue
-                for out in shaper.chunk(event, info):
+                for out in shaper.chunk(event, info.done()):
                     yield sse(out)
         except httpx2.HTTPError as err:
             failure = f"the vLLM server's stream broke: {type(err).__name__}"
         finally:
             await events.aclose()
-        call.outcome = "upstream_error"
+        call.outcome = Outcome.UPSTREAM_ERROR
         yield sse(error_body(502, failure))
         yield DONE
 
@@ -234,6 +237,25 @@ class Proxy:
 def _shaper(req: FrontRequest) -> Shaper:
     return Shaper(req.kind, req.logprobs, req.include_usage, tools=req.tool_calls,
                   parallel=req.parallel_tool_calls)
+
+
+def _report(answer: dict[str, Any], call: Call) -> SpliceReport | None:
+    """The connector's report in a completion answer (None: it sent none; one this front
+    cannot read is logged and left out, never passed on as if it were read)."""
+    try:
+        return SpliceReport.from_params(answer.get("kv_transfer_params"))
+    except ProtocolError as err:
+        log.warning("request %s: the connector's report was refused: %s", call.id, err)
+        return None
+
+
+def _phase_report(data: bytes, call: Call) -> SpliceReport | None:
+    """A phase answer's report (None: vLLM sent none, or one this front cannot read)."""
+    try:
+        answer = json.loads(data, parse_constant=no_constant)
+    except (ValueError, RecursionError):
+        return None
+    return _report(answer, call) if isinstance(answer, dict) else None
 
 
 async def _events(resp: Any) -> AsyncGenerator[Any, None]:

@@ -66,6 +66,7 @@ from kvnotes.serving.planning.request import (
     read_request,
 )
 from kvnotes.serving.planning.variants import VariantHits, variant_candidates
+from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:
     from kvnotes.serving.learning import Learner
@@ -227,7 +228,7 @@ class FrontService:
         try:
             key_tenant = self.authenticate(authorization)
         except ApiError:
-            self.metrics.outcome(route, "unauthorized")
+            self.metrics.outcome(route, Outcome.UNAUTHORIZED)
             raise
         call.client = self.client_of(authorization, address)
         return call, key_tenant
@@ -265,7 +266,7 @@ class FrontService:
         """The context a request runs in: its slot (429 when none is free), given back and
         the call finished (:meth:`finish`) when the context exits, however it ends."""
         return Admission(self.slots, call, self.finish,
-                         rejected=lambda c: self.metrics.outcome(c.route, "rejected"))
+                         rejected=lambda c: self.metrics.outcome(c.route, Outcome.REJECTED))
 
     def first_bytes(self, call: Call) -> None:
         """The answer's first bytes go out now (its time to first token)."""
@@ -284,7 +285,7 @@ class FrontService:
         m = self.metrics
         if call.first_upstream is not None:
             m.overhead.labels(call.route).observe(call.first_upstream - call.t0)
-        outcome = call.outcome or "internal_error"
+        outcome = call.outcome or Outcome.INTERNAL_ERROR
         m.outcome(call.route, outcome, call.reason)
         log.info("request %s", json.dumps({
             "id": call.id, "route": call.route, "tenant": call.tenant, "status": call.status,

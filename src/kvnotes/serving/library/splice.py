@@ -7,8 +7,8 @@ admission for one contiguous run right after its local prefix-cache hit (docs/de
 
 - without instructions, the prompt is matched from token 0 against the registered pieces and the
   longest run of consecutive pieces (the *leading run*) is supplied;
-- with splice ranges from the client (:class:`SpliceRange`, sent as
-  ``kv_transfer_params["kvnotes_splice"]``), only tokens inside those ranges are supplied, from
+- with splice ranges from the client (:class:`SpliceRange`, sent in a
+  :class:`~kvnotes.serving.protocol.SpliceRequest`), only tokens inside those ranges are supplied, from
   the local hit on (:func:`range_run`): a client that has vLLM compute a piece's first tokens
   in context (:mod:`kvnotes.serving.planning.phases`) names the rest of the piece as a range.
 
@@ -29,12 +29,6 @@ import torch
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.variants import variant_rank
 from kvnotes.serving.library.prefix_index import PrefixIndex
-
-# The key of a request's ``kv_transfer_params`` that carries its splice ranges.
-SPLICE_PARAMS_KEY = "kvnotes_splice"
-# the entry the planner chose for each range, in order: the connector loads exactly that entry
-# (one skill's variants hold the same tokens) or computes the range
-SPLICE_KEYS_PARAMS_KEY = "kvnotes_splice_keys"
 
 # The trie's block length for token ids: a position costs one dict lookup per block of
 # KEY_TOKENS tokens a piece shares with the prompt plus a compare of the pieces ending in the next
@@ -264,11 +258,11 @@ class CheckedRanges:
 
 def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object,
                  keys: object = None) -> CheckedRanges:
-    """Validate ``value`` (the ``kvnotes_splice`` list) against the prompt, in order.
+    """Validate ``value`` (a request's splice ranges as JSON) against the prompt, in order.
 
     A range is valid when it is well formed, starts at or after the previous range's end, lies
     inside the prompt, and a registered piece holds exactly the prompt's tokens
-    ``[piece_start, end)``: with ``keys`` (the ``kvnotes_splice_keys`` list, one entry key per
+    ``[piece_start, end)``: with ``keys`` (the request's entry keys, one per
     range), the very entry the planner chose, else the one :meth:`PieceIndex.match_exact`
     prefers. A planner and a server whose views of the library differ for a moment (an entry
     published or evicted between the plan and the match) then never splice another variant
@@ -276,11 +270,11 @@ def check_ranges(tokens: Sequence[int], index: PieceIndex, value: object,
     range after it are dropped.
     """
     if not isinstance(value, (list, tuple)):
-        return CheckedRanges((), (), 0, f"kvnotes_splice must be a list of [piece_start, "
+        return CheckedRanges((), (), 0, f"splice ranges must be a list of [piece_start, "
                                         f"start, end], got {type(value).__name__}")
     if keys is not None and (not isinstance(keys, (list, tuple)) or len(keys) != len(value)
                              or not all(isinstance(k, str) for k in keys)):
-        return CheckedRanges((), (), len(value), "kvnotes_splice_keys must be a list of entry "
+        return CheckedRanges((), (), len(value), "splice keys must be a list of entry "
                                                  "keys, one per splice range")
     ranges: list[SpliceRange] = []
     pieces: list[PieceInfo] = []

@@ -33,6 +33,7 @@ from kvnotes.serving.planning.match import Part, SkillCatalog
 from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 from kvnotes.serving.planning.spans import sweep
+from kvnotes.serving.protocol import PlanEntry, PlanReport
 
 # fields of the plan's bodies the client's own values replace (or remove, when it sent none:
 # vLLM's defaults then apply, as for a request sent to vLLM directly)
@@ -77,12 +78,12 @@ class FrontPlan:
     def skills(self) -> list[str]:
         return [s.name for s in self.spans if s.is_piece]
 
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[PlanEntry]:
         """Per piece span: its name, the entry's key, its tokens and how many of them the plan
         recomputes in context (0: spliced as it is, e.g. an exactly placed variant)."""
-        return [{"name": s.name, "key": s.key, "start": s.start, "end": s.end,
-                 "repaired": sum(max(0, min(b, s.end) - max(a, s.start))
-                                 for a, b in self.plan.regions)}
+        return [PlanEntry(s.name, s.key, s.start, s.end,
+                          sum(max(0, min(b, s.end) - max(a, s.start))
+                              for a, b in self.plan.regions))
                 for s in self.spans if s.is_piece]
 
     @property
@@ -98,9 +99,9 @@ class FrontPlan:
             pos += len(part.token_ids)
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.plan.to_dict(), "skills": self.skills, "entries": self.entries(),
-                "exactly_placed": self.exactly_placed}
+    def report(self) -> PlanReport:
+        """The plan as the client is told it (``usage.kvnotes.plan``)."""
+        return self.plan.report(self.skills, self.entries(), self.exactly_placed)
 
 
 __all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body",

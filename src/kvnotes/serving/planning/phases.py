@@ -36,13 +36,9 @@ from kvnotes.core.repair import Repair, prefix_digest
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
 from kvnotes.serving.library.manifest import splice_salt
-from kvnotes.serving.library.splice import (
-    SPLICE_KEYS_PARAMS_KEY,
-    SPLICE_PARAMS_KEY,
-    PieceIndex,
-    SpliceRange,
-)
+from kvnotes.serving.library.splice import PieceIndex, SpliceRange
 from kvnotes.serving.planning.layout import SentPart
+from kvnotes.serving.protocol import PlanEntry, PlanReport, RepairPolicy, SpliceRequest
 
 # How many top log-probs the guarded real request asks for (the first token's margin).
 GUARD_LOGPROBS = 2
@@ -161,14 +157,15 @@ def server_repair(repair: Repair, block_size: int) -> Repair:
 class PhasePlan:
     """How one spliced, repaired request is sent: phases, then the real request.
 
-    - ``ranges``: what the connector supplies (``kv_transfer_params["kvnotes_splice"]``);
+    - ``ranges``: what the connector supplies (a :class:`~kvnotes.serving.protocol.SpliceRequest`
+      in ``kv_transfer_params``);
     - ``regions``: the pieces' tokens vLLM computes in context instead (merged when adjacent);
     - ``phase_ends``: the end ``r`` of the recomputed region each phase caches, in order;
     - ``salt``: ``splice_salt(tenant, tag=repair.tag())``, shared by the phases and the real
       request (blocks of one repair plan never serve another);
-    - ``keys``: the entry of each range, in order (``kv_transfer_params["kvnotes_splice_keys"]``:
-      the connector supplies a range from that very entry or computes it); () when a span's
-      entry is not known (the connector then picks by its own rule).
+    - ``keys``: the entry of each range, in order (the request's ``keys``: the connector
+      supplies a range from that very entry or computes it); () when a span's entry is not
+      known (the connector then picks by its own rule).
     """
 
     prompt_len: int
@@ -198,14 +195,11 @@ class PhasePlan:
                                        f"{out[-1].to_list()}: cut a prompt between ranges")
         return out
 
-    def kv_params(self, end: int | None = None) -> dict[str, Any]:
-        """The ``kv_transfer_params`` of a request for the prompt's first ``end`` tokens (all of
-        them by default)."""
+    def splice_request(self, end: int | None = None) -> SpliceRequest:
+        """What a request for the prompt's first ``end`` tokens (all of them by default) asks
+        the connector (its ``kv_transfer_params`` are ``.to_params()``)."""
         ranges = self.ranges if end is None else self.ranges_before(end)
-        params: dict[str, Any] = {SPLICE_PARAMS_KEY: [r.to_list() for r in ranges]}
-        if self.keys:
-            params[SPLICE_KEYS_PARAMS_KEY] = list(self.keys[:len(ranges)])
-        return params
+        return SpliceRequest(ranges, self.keys[:len(ranges)] if self.keys else ())
 
     def phase_bodies(self, ids: Sequence[int], model: str) -> list[dict[str, Any]]:
         """The ``/v1/completions`` bodies of the phases, to send one after the other (each one's
@@ -219,7 +213,7 @@ class PhasePlan:
         """
         ids = self._ids(ids)
         return [{"model": model, "prompt": ids[:r + 1], "max_tokens": 1, "temperature": 0.0,
-                 "cache_salt": self.salt, "kv_transfer_params": self.kv_params(r)}
+                 "cache_salt": self.salt, "kv_transfer_params": self.splice_request(r).to_params()}
                 for r in self.phase_ends]
 
     def real_body(self, ids: Sequence[int], model: str, *, max_tokens: int = 16,
@@ -230,16 +224,18 @@ class PhasePlan:
         body = completion_body(self._ids(ids), model, max_tokens=max_tokens,
                                logprobs=_guard_logprobs(guard, logprobs), stream=stream)
         body["cache_salt"] = self.salt
-        body["kv_transfer_params"] = self.kv_params()
+        body["kv_transfer_params"] = self.splice_request().to_params()
         return body
 
+    def report(self, skills: Sequence[str] = (), entries: Sequence[PlanEntry] = (),
+               exactly_placed: Sequence[str] = ()) -> PlanReport:
+        """The plan as the client is told it (``usage.kvnotes.plan``), the repair as fields."""
+        return PlanReport(self.prompt_len, self.block_size, RepairPolicy.of(self.repair),
+                          self.salt, self.ranges, self.regions, self.phase_ends, tuple(skills),
+                          tuple(entries), tuple(exactly_placed))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_len": self.prompt_len, "block_size": self.block_size,
-                "repair": self.repair.tag(), "salt": self.salt,
-                "ranges": [r.to_list() for r in self.ranges],
-                "regions": [list(r) for r in self.regions],
-                "phase_ends": list(self.phase_ends), "spliced_tokens": self.spliced_tokens,
-                "repaired_tokens": self.repaired_tokens}
+        return self.report().to_dict()
 
     def _ids(self, ids: Sequence[int]) -> list[int]:
         if len(ids) != self.prompt_len:

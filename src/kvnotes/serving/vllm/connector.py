@@ -14,14 +14,19 @@ another's; the worker's tensor cache is namespaced by tenant. Every other reques
 exactly as without kvnotes.
 
 Scheduler side (:mod:`kvnotes.serving.vllm.plans`): a request that names splice ranges
-(``kv_transfer_params={"kvnotes_splice": [[piece_start, start, end], ...]}``, sent by
-:mod:`kvnotes.serving.planning.phases`' plans) is supplied only inside those ranges, from vLLM's local
-prefix hit on; any other spliced request gets the prompt's leading run of registered pieces
-past the local hit. Either way the external tokens are one contiguous run right after the
-local hit (all vLLM takes), leaving at least one token to compute. The load is recorded with
-the request's blocks when vLLM allocates them and handed to the workers in the step that
-schedules the request: a new one, or one resumed after preemption (which the V1 model runner
-lists among its cached requests).
+(a :class:`~kvnotes.serving.protocol.SpliceRequest` in its ``kv_transfer_params``, sent by
+:mod:`kvnotes.serving.planning.phases`' plans) is supplied only inside those ranges, from
+vLLM's local prefix hit on; one whose message cannot be read (another version, an unknown
+field, a malformed range) is supplied nothing, logged with why; any other spliced request
+gets the prompt's leading run of registered pieces past the local hit. Either way the
+external tokens are one contiguous run right after the local hit (all vLLM takes), leaving at
+least one token to compute. The load is recorded with the request's blocks when vLLM
+allocates them and handed to the workers in the step that schedules the request: a new one,
+or one resumed after preemption (which the V1 model runner lists among its cached requests).
+When a spliced request finishes, ``request_finished`` returns what was done for it (a
+:class:`~kvnotes.serving.protocol.SpliceReport`: ranges loaded, entries used, tokens supplied
+and computed, loads that failed, learned from vLLM's ``invalid_block_ids``); vLLM puts it in
+the completion's ``kv_transfer_params``.
 
 Worker side (:mod:`kvnotes.serving.vllm.kv_writer`): before the forward, build each load's keys (re-
 rotated from where each piece was compiled to its place in the prompt) and values on the cache's
@@ -56,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.serving.library.manifest import ServingManifest, is_splice_salt, salt_tenant
 from kvnotes.serving.library.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
-from kvnotes.serving.library.splice import SPLICE_KEYS_PARAMS_KEY, SPLICE_PARAMS_KEY
+from kvnotes.serving.protocol import ProtocolError, SpliceRequest
 from kvnotes.serving.vllm.checks import (
     ServedModel,
     check_layers,
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
@@ -89,22 +95,13 @@ def splice_tenant(salt: str | None) -> tuple[bool, str | None]:
     return is_splice_salt(salt), salt_tenant(salt)
 
 
-def splice_ranges(request: Any) -> object:
-    """The request's ``kvnotes_splice`` value (its splice ranges, unchecked), or None when its
-    ``kv_transfer_params`` carry none."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return None
-    return params.get(SPLICE_PARAMS_KEY)
-
-
-def splice_keys(request: Any) -> object:
-    """The request's ``kvnotes_splice_keys`` value (the entry planned for each range,
-    unchecked), or None when it sent none."""
-    params = getattr(request, "kv_transfer_params", None)
-    if not isinstance(params, dict):
-        return None
-    return params.get(SPLICE_KEYS_PARAMS_KEY)
+def splice_request(request: Any) -> tuple[SpliceRequest | None, str | None]:
+    """``(message, None)``: the request's splice request (None when its ``kv_transfer_params``
+    carry none); ``(None, why)`` when it carries one this connector cannot read."""
+    try:
+        return SpliceRequest.from_params(getattr(request, "kv_transfer_params", None)), None
+    except ProtocolError as err:
+        return None, str(err)
 
 
 def tensor_parallel() -> tuple[int, int]:
@@ -197,10 +194,10 @@ class KvnotesConnector(KVConnectorBase_V1):
             return 0, False  # multimodal prompts: placeholders are not text the skills hold
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
+        message, refused = splice_request(request)
         # a tenant is matched against the shared pieces and its own, never another tenant's
         return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
-                                  self.store.view(tenant), splice_ranges(request),
-                                  splice_keys(request)), False
+                                  self.store.view(tenant), message, refused), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -213,11 +210,15 @@ class KvnotesConnector(KVConnectorBase_V1):
         # every request this step schedules, new, resumed or running, is a key here
         return KvnotesConnectorMetadata(self.planner.take(scheduler_output.num_scheduled_tokens))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.planner is not None:
+            self.planner.failed(getattr(connector_output, "invalid_block_ids", None) or ())
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        if self.planner is not None:
-            self.planner.finished(request.request_id)
-        return False, None
+        """Nothing is held past the request; its report goes back in ``kv_transfer_params``."""
+        report = None if self.planner is None else self.planner.finished(request.request_id)
+        return False, None if report is None else report.to_params()
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

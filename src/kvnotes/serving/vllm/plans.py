@@ -5,8 +5,8 @@ request is admitted (a preempted request is admitted again, from zero computed t
 
 1. ``get_num_new_matched_tokens`` -> :meth:`SplicePlanner.match`: how many tokens past the
    local prefix-cache hit the pieces supply (a *plan*): the leading run of known pieces, or,
-   when the request names splice ranges (``kv_transfer_params["kvnotes_splice"]``), the ranges
-   that hold the local hit, from the hit on;
+   when the request names splice ranges (a :class:`~kvnotes.serving.protocol.SpliceRequest`
+   in its ``kv_transfer_params``), the ranges that hold the local hit, from the hit on;
 2. ``update_state_after_alloc`` -> :meth:`SplicePlanner.allocated`: how many the scheduler took,
    and the request's blocks (a *load*, recorded here and nowhere later);
 3. ``build_connector_meta`` -> :meth:`SplicePlanner.take`: the loads of every request scheduled
@@ -14,14 +14,18 @@ request is admitted (a preempted request is admitted again, from zero computed t
    runner lists among the cached requests).
 
 A load is emitted once: the connector loads synchronously before the forward of the step that
-first schedules the request. Nothing here imports vLLM; requests are plain values.
+first schedules the request. What was done for a request (its local hit, its loads, the loads
+that failed: :meth:`SplicePlanner.failed`, from vLLM's ``invalid_block_ids``) is kept until it
+finishes, when :meth:`SplicePlanner.finished` gives it as a
+:class:`~kvnotes.serving.protocol.SpliceReport`. Nothing here imports vLLM; requests are plain
+values.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +39,7 @@ from kvnotes.serving.library.splice import (
     slot_mapping,
     visible,
 )
+from kvnotes.serving.protocol import LoadedRange, SpliceReport, SpliceRequest
 
 log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler prints these
 
@@ -69,12 +74,44 @@ class LoadSpec:
         """The placements that overlap ``[start, end)`` (the local hit may cover the first)."""
         return [p for p in self.run if p.end > self.start and p.start < self.end]
 
+    def loaded(self) -> list[LoadedRange]:
+        """The tokens written, per entry."""
+        return [LoadedRange(p.start, max(p.start, self.start), min(p.end, self.end), p.piece.key)
+                for p in self.pieces()]
+
+    def failed_from(self, blocks: Collection[int]) -> int | None:
+        """The first token this load wrote into one of ``blocks`` (None: it wrote none)."""
+        bs = self.block_size
+        for i in range(self.start // bs, -(-self.end // bs)):
+            if i < len(self.block_ids) and self.block_ids[i] in blocks:
+                return max(self.start, i * bs)
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
     tenant: str | None
     run: tuple[Placement, ...]
     start: int  # the block-aligned local hit vLLM asked with: the external run starts here
+
+
+@dataclass
+class _Done:
+    """What was done for one request so far (every admission of it), for its report."""
+
+    prompt_tokens: int
+    local_hit: int
+    refused: str | None = None
+    loaded: dict[tuple[int, int, int, str], None] = field(default_factory=dict)  # ordered set
+    failed: list[tuple[int, int]] = field(default_factory=list)
+    # the latest load (its blocks are the request's until it finishes or is preempted; a
+    # preempted request's old blocks may go to another request, so only the latest is matched)
+    load: LoadSpec | None = None
+
+    def report(self) -> SpliceReport:
+        loaded = sorted((LoadedRange(*k) for k in self.loaded), key=lambda r: (r.start, r.end))
+        return SpliceReport(self.prompt_tokens, self.local_hit, tuple(loaded),
+                            tuple(sorted(set(self.failed))), self.refused)
 
 
 class SplicePlanner:
@@ -96,28 +133,40 @@ class SplicePlanner:
         self._plans: dict[str, _Plan] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._warned: set[str] = set()  # requests whose dropped ranges were logged
+        self._done: dict[str, _Done] = {}
 
     def match(self, req_id: str, tenant: str | None, tokens: Sequence[int],
-              num_computed_tokens: int, index: PieceIndex, ranges: object = None,
-              keys: object = None) -> int:
+              num_computed_tokens: int, index: PieceIndex,
+              request: SpliceRequest | None = None, refused: str | None = None) -> int:
         """External tokens the pieces in ``index`` supply past ``num_computed_tokens``.
 
-        ``ranges``: the request's ``kvnotes_splice`` value, or None when it sent none. With
-        ranges, only tokens inside them are supplied: those of the range holding the local
-        hit (and the ranges contiguous after it), from the hit on; nothing when no range holds
-        it. The first invalid range and every range after it are dropped, logged once per
-        request. ``keys``: its ``kvnotes_splice_keys`` (the entry planned for each range; a
-        range whose entry is not in ``index`` is computed). Without ranges, the prompt's
-        leading run of known pieces.
+        ``request``: what the request asked (None: it sent no splice request). With one, only
+        tokens inside its ranges are supplied: those of the range holding the local hit (and
+        the ranges contiguous after it), from the hit on; nothing when no range holds it. The
+        first range that does not hold the prompt's tokens (or whose entry, ``keys``, is not in
+        ``index``) and every range after it are dropped, logged once per request. Without one,
+        the prompt's leading run of known pieces. ``refused``: why the request's splice
+        request could not be read: nothing is supplied (it is served exactly), and its report
+        says why.
 
         Called again on every admission attempt: the latest answer is the plan.
         """
+        done = self._done.setdefault(req_id, _Done(len(tokens), int(num_computed_tokens)))
+        if refused is not None:
+            if req_id not in self._warned:
+                self._warned.add(req_id)
+                log.warning("kvnotes: request %s: its splice request was refused (%s); nothing "
+                            "is spliced, it is computed exactly", req_id, refused)
+            done.refused = refused
+            self._plans.pop(req_id, None)
+            return 0
         end: int | None = None
-        if ranges is None:
+        if request is None:
             run = leading_run(tokens, index)
         else:
             # the server checks each range itself: no client, the front included, is trusted
-            checked = check_ranges(tokens, index, ranges, keys)
+            checked = check_ranges(tokens, index, [r.to_list() for r in request.ranges],
+                                   list(request.keys) if request.keys else None)
             if checked.reason is not None and req_id not in self._warned:
                 self._warned.add(req_id)
                 log.warning("kvnotes: request %s: %d of its splice ranges dropped (%s); their "
@@ -149,8 +198,14 @@ class SplicePlanner:
         if not plan.run or end > plan.run[-1].end:
             raise AssertionError(f"request {req_id}: vLLM took tokens up to {end}, past the "
                                  f"planned run's end {plan.run[-1].end if plan.run else 0}")
-        self._pending[req_id] = LoadSpec(req_id, plan.tenant, plan.run, plan.start, end,
-                                         tuple(int(b) for b in block_ids), self.block_size)
+        spec = LoadSpec(req_id, plan.tenant, plan.run, plan.start, end,
+                        tuple(int(b) for b in block_ids), self.block_size)
+        self._pending[req_id] = spec
+        done = self._done.get(req_id)
+        if done is not None:
+            done.load = spec
+            done.loaded.update(dict.fromkeys(
+                (r.piece_start, r.start, r.end, r.key) for r in spec.loaded()))
 
     def take(self, scheduled: Collection[str]) -> list[LoadSpec]:
         """The loads of the requests in ``scheduled`` (ids of every request the step schedules:
@@ -164,10 +219,25 @@ class SplicePlanner:
         self._plans.clear()  # plans not allocated this step are made again at the next admission
         return loads
 
-    def finished(self, req_id: str) -> None:
+    def failed(self, block_ids: Collection[int]) -> None:
+        """Blocks whose load failed (vLLM's ``invalid_block_ids``): each request that wrote
+        into them is recomputed by vLLM from the first one on, and its report says so."""
+        blocks = set(int(b) for b in block_ids)
+        if not blocks:
+            return
+        for done in self._done.values():
+            start = None if done.load is None else done.load.failed_from(blocks)
+            if done.load is not None and start is not None:
+                done.failed.append((start, done.load.end))
+
+    def finished(self, req_id: str) -> SpliceReport | None:
+        """Forget the request; what was done for it (None: it was never matched, e.g. not a
+        spliced request)."""
         self._warned.discard(req_id)
         self._plans.pop(req_id, None)
         self._pending.pop(req_id, None)
+        done = self._done.pop(req_id, None)
+        return None if done is None else done.report()
 
     @property
     def pending(self) -> int:

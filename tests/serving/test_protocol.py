@@ -1,0 +1,143 @@
+"""The wire contract: each message round-trips through its JSON form, and a reader refuses
+another version, an unknown field or a malformed value with a message naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvnotes.core.errors import KvnotesError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.front.metrics import OUTCOMES
+from kvnotes.serving.library.splice import SpliceRange
+from kvnotes.serving.protocol import (
+    PARAMS_KEY,
+    LoadedRange,
+    Outcome,
+    PlanEntry,
+    PlanReport,
+    ProtocolError,
+    RepairPolicy,
+    SpliceReport,
+    SpliceRequest,
+    UsageKvnotes,
+)
+
+REQUEST = SpliceRequest((SpliceRange(0, 0, 16), SpliceRange(16, 48, 90)), ("h", "k"))
+REPORT = SpliceReport(100, 48, (LoadedRange(16, 48, 90, "k"),), ((64, 90),))
+PLAN = PlanReport(100, 16, RepairPolicy(32, 16, 0.1, True), "kvnotes-splice+f32a16s0.1",
+                  REQUEST.ranges, ((16, 48),), (48,), ("header", "refunds"),
+                  (PlanEntry("header", "h", 0, 16, 0), PlanEntry("refunds", "k", 16, 90, 32)),
+                  ("header",))
+USAGE = UsageKvnotes(58, 1, False, PLAN, None, (None,), REPORT)
+
+
+def wire(obj: object) -> object:
+    """Through JSON text and back, as it travels."""
+    return json.loads(json.dumps(obj))
+
+
+def test_every_message_round_trips_through_json():
+    assert SpliceRequest.from_params(wire(REQUEST.to_params())) == REQUEST
+    assert SpliceReport.from_params(wire(REPORT.to_params())) == REPORT
+    assert PlanReport.from_dict(wire(PLAN.to_dict())) == PLAN
+    assert UsageKvnotes.from_dict(wire(USAGE.to_dict())) == USAGE
+    assert UsageKvnotes.from_dict(wire(UsageKvnotes(exact="no_skill").to_dict())).exact == \
+        "no_skill"
+
+
+def test_the_report_derives_supplied_and_computed_from_its_ranges():
+    # [48, 90) loaded, a failed load from 64: vLLM recomputed from there
+    assert REPORT.entries == ("k",) and REPORT.recompute_from == 64
+    assert REPORT.supplied == 16 and REPORT.computed == 100 - 48 - 16
+    d = REPORT.to_dict()
+    assert (d["supplied"], d["computed"], d["entries"]) == (16, 36, ["k"])
+
+
+def test_no_message_means_none():
+    assert SpliceRequest.from_params(None) is None
+    assert SpliceRequest.from_params({"do_remote_prefill": True}) is None
+    assert SpliceReport.from_params(None) is None and SpliceReport.from_params({}) is None
+
+
+def test_the_usage_reports_are_whole_or_none():
+    assert USAGE.reports == ()  # a phase without a report: the picture is incomplete
+    whole = UsageKvnotes(58, 1, False, PLAN, None, (REPORT,), REPORT)
+    assert whole.reports == (REPORT, REPORT)
+
+
+def test_the_repair_policy_is_fields_not_a_tag():
+    policy = RepairPolicy.of(Repair(first=32, align=16, share=0.1))
+    assert policy.to_dict() == {"first": 32, "align": 16, "share": 0.1, "skip_exact": True}
+    assert policy.repair() == Repair(first=32, align=16, share=0.1)
+    with pytest.raises(ProtocolError, match=r"repair f8a1b4first: a budget or the adaptive"):
+        RepairPolicy.of(Repair(first=8, budget=4))
+
+
+@pytest.mark.parametrize("params, message", [
+    ({PARAMS_KEY: {"v": 2, "ranges": []}},
+     "kvnotes splice request: version 2; this kvnotes reads version 1"),
+    ({PARAMS_KEY: {"ranges": []}}, "kvnotes splice request: missing field 'v'"),
+    ({PARAMS_KEY: {"v": 1, "ranges": [], "all": True}},
+     "kvnotes splice request: unknown field 'all' (fields: v, ranges, keys)"),
+    ({PARAMS_KEY: [[0, 0, 16]]}, "kvnotes splice request: expected a JSON object, got list"),
+    ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16]], "keys": ["a", "b"]}},
+     "kvnotes splice request: 2 keys for 1 ranges (give one entry key per range, or none)"),
+    ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16]], "keys": [7]}},
+     "kvnotes splice request: keys[0]: expected a string, got 7"),
+    ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16], [8, 8, 20]]}},
+     "kvnotes splice request: range [8, 8, 20] overlaps the one before it ([0, 0, 16])"),
+    ({PARAMS_KEY: {"v": 1, "ranges": [[0, 5, 3]]}},
+     "kvnotes splice request: ranges[0]: splice range [0, 5, 3]: need 0 <= piece_start <= "
+     "start < end"),
+    ("ranges", "kv_transfer_params: expected a JSON object, got str"),
+])
+def test_a_splice_request_this_version_cannot_read_is_refused(params, message):
+    with pytest.raises(ProtocolError) as err:
+        SpliceRequest.from_params(params)
+    assert str(err.value) == message
+    assert isinstance(err.value, KvnotesError)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"v": 0}, "kvnotes splice report: version 0; this kvnotes reads version 1"),
+    ({"blocks": [1]}, "kvnotes splice report: unknown field 'blocks' (fields: v, "
+                      "prompt_tokens, local_hit, loaded, failed, refused, entries, supplied, "
+                      "computed)"),
+    ({"loaded": [[16, 48, 90]]}, "kvnotes splice report: loaded[0]: expected [piece_start, "
+                                 "start, end, key], got [16, 48, 90]"),
+    ({"failed": [[90, 64]]}, "kvnotes splice report: failed[0]: [start, end] with start <= "
+                             "end, got [90, 64]"),
+    ({"local_hit": -1}, "kvnotes splice report: local_hit: expected an integer >= 0, got -1"),
+    ({"supplied": 42}, "kvnotes splice report: supplied is 42, the report's ranges give 16"),
+])
+def test_a_report_this_version_cannot_read_is_refused(change, message):
+    with pytest.raises(ProtocolError) as err:
+        SpliceReport.from_dict({**REPORT.to_dict(), **change})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"v": 2}, "usage.kvnotes: version 2; this kvnotes reads version 1"),
+    ({"tag": "f32a16"}, "usage.kvnotes: unknown field 'tag' (fields: v, spliced_tokens, "
+                        "phases, guard_fired, plan, exact, phase_reports, report)"),
+    ({"guard_fired": 1}, "usage.kvnotes: guard_fired: expected true or false, got 1"),
+    ({"plan": {**PLAN.to_dict(), "repair": "f32a16"}},
+     "kvnotes repair policy: expected a JSON object, got str"),
+    ({"plan": {**PLAN.to_dict(), "repair": {"first": 32, "align": 16, "share": 2}}},
+     "kvnotes repair policy: share: expected a number in [0, 1], got 2"),
+    ({"plan": {**PLAN.to_dict(), "spliced_tokens": 1}},
+     "kvnotes plan: spliced_tokens is 1, its ranges and regions give 58"),
+])
+def test_a_usage_this_version_cannot_read_is_refused(change, message):
+    with pytest.raises(ProtocolError) as err:
+        UsageKvnotes.from_dict({**USAGE.to_dict(), **change})
+    assert str(err.value) == message
+
+
+def test_outcomes_keep_their_label_strings():
+    assert OUTCOMES == ("spliced", "forwarded", "exact", "guard_fired", "phase_failed",
+                        "upstream_error", "bad_request", "unauthorized", "rejected",
+                        "disconnected", "internal_error")
+    assert Outcome.SPLICED == "spliced" and json.dumps(Outcome.GUARD_FIRED) == '"guard_fired"'
