@@ -1,20 +1,44 @@
-"""``serve-bench fleet``'s figures from a :class:`~kvnotes.bench.serving.fleet.FleetResult`:
-the ``share`` part's summary, the soak's windows between faults, and issue 48's goals, each
-with its value and whether it is met (None: not measured)."""
+"""``serve-bench fleet``'s figures from a :class:`~kvnotes.bench.serving.fleet.FleetResult`
+(read through :class:`FleetFigures`, what of it they need): the ``share`` part's summary, the
+soak's windows between faults, and the shared store's goals, each with its value and whether
+it is met (None: not measured)."""
 
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvnotes.bench.serving.fleet_parts import MISS_GOAL, SHARE_GOAL, TTFT_GOAL, ttft_overhead
-from kvnotes.bench.serving.fleet_soak import Window, windows
+from kvnotes.bench.serving.fleet_parts import (
+    MISS_GOAL,
+    SHARE_GOAL,
+    TTFT_GOAL,
+    FetchCost,
+    ShareCase,
+    TtftRun,
+    ttft_overhead,
+)
+from kvnotes.bench.serving.fleet_soak import FaultEvent, Window, windows
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.fleet import FleetResult
+    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord, SoakSummary
 
 
-def share_summary(result: FleetResult) -> dict[str, Any]:
+class FleetFigures(Protocol):
+    """What the figures read of a fleet run's result (a ``FleetResult``)."""
+
+    share: list[ShareCase]
+    compiles: dict[str, dict[str, int]]
+    ttft: list[TtftRun]
+    fetch: FetchCost | None
+    miss: Any  # agent_traffic_overhead.Timing | None
+    soak_records: list[SoakRecord]
+    faults: list[FaultEvent]
+
+    def soak_summary(self) -> SoakSummary | None: ...
+
+
+
+def share_summary(result: FleetFigures) -> dict[str, Any]:
     """The ``share`` part: share spliced on host B (mean, min), identical answers, entries that
     reached B before its request, and compiles against the new chunks (one each, fleet-wide)."""
     cases = result.share
@@ -36,7 +60,7 @@ def share_summary(result: FleetResult) -> dict[str, Any]:
             "compiles": sum(end.values()) if end else None, "compiles_by_host": end}
 
 
-def soak_windows(result: FleetResult) -> list[Window]:
+def soak_windows(result: FleetFigures) -> list[Window]:
     return windows(result.soak_records, result.faults) if result.soak_records else []
 
 
@@ -44,7 +68,7 @@ def _goal(value: Any, goal: str, met: bool | None) -> dict[str, Any]:
     return {"value": value, "goal": goal, "met": met}
 
 
-def goals(result: FleetResult) -> dict[str, dict[str, Any]]:
+def goals(result: FleetFigures) -> dict[str, dict[str, Any]]:
     """Issue 48's goals: each ``{"value", "goal", "met"}``."""
     out: dict[str, dict[str, Any]] = {}
     if result.share:
