@@ -320,3 +320,16 @@ def test_the_phase_plan_recomputes_what_engine_compose_recomputes(agree_pool, ch
         whole = [i for i, s in enumerate(spans) if s.is_piece
                  and not any(a <= s.start < b for a, b in plan.regions)]
         assert whole == stats["exact"]
+
+
+def test_an_exactly_placed_piece_after_text_off_a_block_is_spliced_from_the_next_boundary():
+    # a variant compiled behind the very 51 tokens before it (a tool list seen before): its
+    # notes are a prefill's, but vLLM takes external tokens only from a block-aligned local hit
+    behind = tuple(range(100, 151))
+    spans = [PartSpan(0, 51, ids=behind), PartSpan(51, 259, 51, "tool", ids=tuple(range(208)), behind=behind,
+                                       key="k1"),
+             PartSpan(259, 300)]
+    plan = plan_phases(spans, Repair(first=32), 32)
+    assert [r.to_list() for r in plan.ranges] == [[51, 64, 259]]
+    assert plan.regions == ((51, 64),) and plan.phase_ends == (64,)
+    assert plan.keys == ("k1",) and plan.repaired_tokens == 13

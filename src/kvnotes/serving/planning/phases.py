@@ -284,6 +284,12 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
             continue
         piece = by_index.get(i)
         r = span.start if piece is None else piece.first_end  # exactly placed: spliced whole
+        if piece is None and span.start % block_size and not (ranges and
+                                                              ranges[-1].end == span.start):
+            # an exactly placed piece right after text, off a block boundary: vLLM takes
+            # external tokens only from a block-aligned local hit, so its tokens up to the next
+            # boundary are computed in context (exact notes either way) and the rest supplied
+            r = min(span.end, -(-span.start // block_size) * block_size)
         if r > span.start:
             if regions and regions[-1][1] == span.start:
                 regions[-1] = (regions[-1][0], r)
