@@ -62,8 +62,12 @@ MODEL_DEFAULTS: dict[str, ModelDefaults] = {
 
 # Bundled models with no calibrated guard yet, and why: served without one.
 UNCALIBRATED: dict[str, str] = {
-    "qwen2.5-coder-1.5b": "not calibrated yet (kvnotes bench guard --model qwen2.5-coder-1.5b "
-                          "--dtype bfloat16 --set live_multiple,airline measures it)",
+    "qwen2.5-coder-1.5b": "half calibrated: on part 0/2 of the development requests (23, "
+                          "float32) no tau fixes a first token within the 20% fire budget, so "
+                          "the default would be off (benchmarks/guard-qwen2.5-coder-1.5b-part0); "
+                          "part 1/2 not run yet (kvnotes bench guard --model qwen2.5-coder-1.5b "
+                          "--set live_multiple,airline --cases 24 --part 1/2, then "
+                          "kvnotes bench guard-report pools the parts)",
 }
 
 
