@@ -47,6 +47,7 @@ from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import read_request
 
 PATHS = ("text", "ids")
+ROUNDS = 10  # interleaved rounds over the cases (see run)
 TOOL_OPEN = '{"type": "function", "function": {"name": "'  # learned tool chunks open so
 MODEL = "m"
 
@@ -197,30 +198,42 @@ def planner(tokenizer: Any, catalog: SkillCatalog, prompt: str | list[int],
 
 
 def run(config: PlanTimeConfig, tokenizer: Any = None, command: str = "") -> PlanTimeResult:
-    """Every case of ``config`` (``tokenizer``: the model's, loaded when None)."""
+    """Every case of ``config`` (``tokenizer``: the model's, loaded when None).
+
+    The cases are timed interleaved: ``ROUNDS`` rounds, each timing every case in turn (the
+    order rotated per round), so a machine whose speed drifts during the run (a shared VM)
+    slows every catalog size alike instead of the ones timed last."""
     tokenizer = load_tokenizer(config.model) if tokenizer is None else tokenizer
     rng = random.Random(config.seed)
     texts = entry_texts(tokenizer, max(config.sizes), rng)
     inside = texts[:config.in_prompt]
     text = prompt_text(tokenizer, inside, config.prompt_tokens, rng)
     before = machine_info()
-    rows: list[PlanTimeRow] = []
-    ids: list[int] = []
-    for size in config.sizes:
-        catalog = catalog_of(tokenizer, texts[:size])
-        if not ids:
-            find = catalog_view(catalog, None).find
-            ids = read_request("completion", {"model": MODEL, "prompt": text}, tokenizer,
-                               find=find).prompt_ids
-        for path, prompt in (("text", text), ("ids", ids)):
-            times, found = time_case(planner(tokenizer, catalog, prompt, config), config.repeats)
-            ms = [1000 * t for t in times]
-            rows.append(PlanTimeRow(path, size, pct(ms, 50), pct(ms, 90), len(ms), found))
-    tokenize, _ = time_case(lambda: len(encode(tokenizer, text)), config.repeats)
+    catalogs = {size: catalog_of(tokenizer, texts[:size]) for size in config.sizes}
+    find = catalog_view(catalogs[config.sizes[0]], None).find
+    ids = read_request("completion", {"model": MODEL, "prompt": text}, tokenizer,
+                       find=find).prompt_ids
+    cases: list[tuple[str, int, Callable[[], int]]] = [
+        (path, size, planner(tokenizer, catalogs[size], prompt, config))
+        for size in config.sizes for path, prompt in (("text", text), ("ids", ids))]
+    cases.append(("tokenize", 0, lambda: len(encode(tokenizer, text))))
+    found = [plan() for _, _, plan in cases]  # untimed: views built, caches warm
+    times: list[list[float]] = [[] for _ in cases]
+    per_round = -(-config.repeats // ROUNDS)
+    for r in range(ROUNDS):
+        for k in range(len(cases)):
+            i = (k + r) % len(cases)
+            n = min(per_round, config.repeats - len(times[i]))
+            if n > 0:
+                times[i] += time_case(cases[i][2], n)[0]
+    rows = [PlanTimeRow(path, size, pct([1000 * t for t in ts], 50),
+                        pct([1000 * t for t in ts], 90), len(ts), n_found)
+            for (path, size, _), ts, n_found in zip(cases, times, found, strict=True)
+            if path != "tokenize"]
     after = machine_info(since=before)
     return PlanTimeResult(config, len(ids), rows, before, after, load_note(after), command,
                           datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          tokenize_p50_ms=pct([1000 * t for t in tokenize], 50))
+                          tokenize_p50_ms=pct([1000 * t for t in times[-1]], 50))
 
 
 def plot(result: PlanTimeResult, path: Path) -> None:
