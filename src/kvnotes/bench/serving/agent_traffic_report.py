@@ -153,7 +153,9 @@ def report(result: AgentResult) -> str:
             lines.append(f"\nEngine references computed: {info['references']} (one per checked "
                          "answer: the computation its connector reports describe).")
         if info.get("records"):
-            lines.append(f"Every request, its prompt ids, usage.kvnotes, answer and verdict: "
+            # a run before the wire contract (no reference count) recorded the plan alone
+            what = "usage.kvnotes" if info.get("references") is not None else "plan"
+            lines.append(f"Every request, its prompt ids, {what}, answer and verdict: "
                          f"`{info['records']}`.")
         if soak.errors:
             lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))
