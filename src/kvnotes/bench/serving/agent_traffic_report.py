@@ -154,8 +154,8 @@ def report(result: AgentResult) -> str:
                          "answer: the computation its connector reports describe).")
         if info.get("records"):
             # a run before the wire contract (no reference count) recorded the plan alone
-            what = "usage.kvnotes" if info.get("references") is not None else "plan"
-            lines.append(f"Every request, its prompt ids, {what}, answer and verdict: "
+            recorded = "usage.kvnotes" if info.get("references") is not None else "plan"
+            lines.append(f"Every request, its prompt ids, {recorded}, answer and verdict: "
                          f"`{info['records']}`.")
         if soak.errors:
             lines.append("\nFailures: " + ", ".join(f"{k} {v}" for k, v in soak.errors.items()))
