@@ -1,4 +1,5 @@
-"""``kvnotes serve-bench fleet``: two kvnotes hosts over one Redis store (issue 48's goals).
+"""``kvnotes serve-bench fleet``: two kvnotes hosts over one Redis store, what the shared store
+gives a fleet and what it costs.
 
 Starts a ``redis-server`` on a free loopback port and two hosts (vLLM with kvnotes' connector,
 the learning OpenAI front on ``--store redis://...``), runs the ``share``, ``cost`` and ``soak``

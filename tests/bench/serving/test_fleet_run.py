@@ -64,7 +64,7 @@ def test_run_fleet_over_fake_hosts(tmp_path, monkeypatch, tiny_llama) -> None:
     assert (tmp_path / "soak-requests.jsonl").is_file()
     data = json.loads(json.dumps(result.to_dict()))
     paths = write_outputs(data, tmp_path)
-    assert paths["plot"].is_file() and "## Goals (issue 48)" in paths["report"].read_text()
+    assert paths["plot"].is_file() and "## Goals (a shared store)" in paths["report"].read_text()
     assert data["goals"]["share_compiles"]["met"] and data["goals"]["soak_faults"]["met"]
     assert any("host b: up" in line for line in lines)
     # the fake's answers are not the tiny engine's prompts: unchecked, and the report says so

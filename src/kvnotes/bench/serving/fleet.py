@@ -1,4 +1,5 @@
-"""``kvnotes serve-bench fleet``: two kvnotes hosts, one Redis store (issue 48's goals).
+"""``kvnotes serve-bench fleet``: two kvnotes hosts over one Redis store, what the shared store
+gives a fleet and what it costs.
 
 One ``redis-server`` is started here on a free loopback port
 (:class:`~kvnotes.serving.store.redis_process.RedisProcess`, stopped by its pid at the end) and

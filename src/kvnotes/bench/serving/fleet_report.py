@@ -39,7 +39,7 @@ def _header(result: FleetResult) -> list[str]:
 
 
 def _goals(result: FleetResult) -> list[str]:
-    lines = ["## Goals (issue 48)", "", "| goal | value | target | |", "|---|---|---|---|"]
+    lines = ["## Goals (a shared store)", "", "| goal | value | target | |", "|---|---|---|---|"]
     for name, g in goals(result).items():
         lines.append(f"| {name} | {_value(g['value'])} | {g['goal']} | {_met(g['met'])} |")
     return lines + [""]

@@ -69,7 +69,7 @@ def _goal(value: Any, goal: str, met: bool | None) -> dict[str, Any]:
 
 
 def goals(result: FleetFigures) -> dict[str, dict[str, Any]]:
-    """Issue 48's goals: each ``{"value", "goal", "met"}``."""
+    """The shared store's goals: each ``{"value", "goal", "met"}``."""
     out: dict[str, dict[str, Any]] = {}
     if result.share:
         s = share_summary(result)
