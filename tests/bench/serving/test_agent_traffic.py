@@ -22,7 +22,6 @@ from kvnotes.bench.serving.agent_traffic_check import (
     CheckConfig,
     KeptEntries,
     Reference,
-    Rendered,
     verdict,
 )
 from kvnotes.bench.serving.agent_traffic_client import (
@@ -41,6 +40,7 @@ from kvnotes.bench.serving.agent_traffic_protocol import (
     summarize,
 )
 from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records, write_records
+from kvnotes.bench.serving.agent_traffic_render import Rendered
 from kvnotes.bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
 from kvnotes.bench.serving.agent_traffic_requests import (
     AgentRequest,

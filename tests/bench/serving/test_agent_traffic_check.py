@@ -13,13 +13,12 @@ from conftest import make_tiny_engine
 from kvnotes.bench.serving.agent_traffic_check import (
     AgentOracle,
     KeptEntries,
-    NotRendered,
     Reference,
-    rendered_prompt,
     served_strings,
     verdict,
 )
 from kvnotes.bench.serving.agent_traffic_client import Answer
+from kvnotes.bench.serving.agent_traffic_render import NotRendered, rendered_prompt
 from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.repair import Repair
 from kvnotes.serving.library.piece_store import PieceStore
@@ -170,14 +169,35 @@ def test_the_prompt_is_rendered_from_the_chat_template_as_the_front_lays_it_out(
     swapped = AgentRequest("r", "tools", request.system, request.question,
                            request.chunks[::-1])
     assert rendered_prompt(tok, swapped).ids != got.ids
-    plain = copy.deepcopy(tokenizer)
-    plain.chat_template = None
-    with pytest.raises(NotRendered, match="no chat template"):
-        rendered_prompt(plain, request)
-    ignores = copy.deepcopy(tokenizer)
-    ignores.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    with pytest.raises(NotRendered, match="does not render tools"):
-        rendered_prompt(ignores, request)
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}{{ m.content }}{% endfor %}"],
+                         ids=["no_template", "template_ignores_tools"])
+def test_the_kvnotes_layouts_are_rendered_as_the_front_lays_them_out(tokenizer, template):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    for request in (AgentRequest("r", "tools", "You help travellers.", "Weather in Oslo?",
+                                 (tool("get_weather"), tool("book_taxi"))),
+                    AgentRequest("r", "tools", "", "Weather?", (tool("get_weather"),)),
+                    AgentRequest("d", "documents", "Answer from the documents.", "Which is older?",
+                                 ("The first document.", "The second document."))):
+        got = rendered_prompt(tok, request)
+        front = read_request("chat", {"model": "m", **request.body()}, tok)
+        assert got.ids == list(front.prompt_ids), request
+        assert got.source == ("default" if template is None else
+                              "kvnotes_tools" if request.kind == "tools" else "template")
+        assert got.stop == (("\n\nUser:",) if template is None else ())
+    # the tool block's tools in another order are another prompt
+    request = AgentRequest("r", "tools", "You help.", "Weather?", (tool("a"), tool("b")))
+    swapped = AgentRequest("r", "tools", "You help.", "Weather?", (tool("b"), tool("a")))
+    assert rendered_prompt(tok, request).ids != rendered_prompt(tok, swapped).ids
+
+
+def test_a_template_that_fails_leaves_the_answer_unchecked(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{{ raise_exception('no system turns') }}"
+    with pytest.raises(NotRendered, match="template failed"):
+        rendered_prompt(tok, AgentRequest("r", "tools", "S", "Q", (tool("a"),)))
 
 
 def test_a_korean_answer_is_compared_as_vllm_spells_its_byte_tokens(tokenizer):

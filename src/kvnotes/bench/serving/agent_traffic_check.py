@@ -19,13 +19,13 @@ engine, greedy, stopping where the server stops (an end-of-sequence token, a sto
   first phase (another request's blocks of the same salt) are taken as the plan lays them out;
   an answer that then differs is ``unchecked``, not ``wrong`` (``foreign`` says how many).
 
-The prompt is rendered independently of the front (:func:`rendered_prompt`): the model's own
-chat template (``tokenizer.apply_chat_template`` with the request's tools), the text cut at
-each tool as the template writes it and at each entry the report names, each part tokenized
-alone after BOS (the layout ``Engine.compose`` uses); a front that renders or tokenizes a
-request otherwise gives another prompt, and the answer shows as ``wrong`` (a prompt whose
-token count differs from the server's is ``wrong`` at once). A chat the template cannot render
-(no template, or one that drops tools) is ``unchecked``.
+The prompt is rendered independently of the front
+(:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`): from the request and the
+tokenizer alone, in the layout kvnotes documents for the model (its chat template; the kvnotes
+tool block when the template ignores tools; the default layout without a template), cut at
+each tool, content part and entry the report names, each part tokenized alone after BOS; a
+front that renders or tokenizes a request otherwise gives another prompt, and the answer shows
+as ``wrong`` (a prompt whose token count differs from the server's is ``wrong`` at once).
 
 The server's answer is compared as the token strings of its log-probs with the strings vLLM
 gives the reference's ids (:func:`served_strings`: a byte-fallback token of an unfinished UTF-8
@@ -39,7 +39,6 @@ one per checked answer).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -47,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.bench.serving.agent_traffic_strings import served_strings
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.protocol import ProtocolError, UsageKvnotes
@@ -56,90 +54,6 @@ if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
     from kvnotes.serving.library.splice import PieceInfo
-
-CONTENT_JOIN = "\n"  # how an OpenAI server joins a message's text parts for the template
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """A chat request as the check renders it: its prompt ``ids``, the ``stop`` strings the
-    answer ends at (the client's own) and how the ids were made (``template``: the model's
-    chat template, cut at the chunks, each part tokenized alone)."""
-
-    ids: list[int]
-    stop: tuple[str, ...] = ()
-    source: str = "template"
-
-
-class NotRendered(KvnotesError, ValueError):
-    """A chat the model's own template does not render as sent (the answer is unchecked)."""
-
-
-def _tool_writings(tool: Mapping[str, Any]) -> list[str]:
-    """How a chat template's ``tojson`` may write a tool (compact or indented, the tool or its
-    ``function``)."""
-    inner = tool.get("function")
-    objs = [tool, inner] if isinstance(inner, Mapping) else [tool]
-    return [json.dumps(o, ensure_ascii=False, indent=i) for i in (None, 4) for o in objs]
-
-
-def _cut(text: str, pieces: Sequence[Sequence[str]]) -> list[str]:
-    """``text`` cut before and after each piece (the first writing of each found, in order
-    after the previous one); the parts join back to ``text``."""
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for writings in pieces:
-        for w in writings:
-            at = text.find(w, cursor) if w else -1
-            if at >= 0:
-                spans.append((at, at + len(w)))
-                cursor = at + len(w)
-                break
-    out, pos = [], 0
-    for a, b in spans:
-        out += [text[pos:a], text[a:b]]
-        pos = b
-    out.append(text[pos:])
-    return [p for p in out if p]
-
-
-def rendered_prompt(tokenizer: Any, request: AgentRequest, cuts: Sequence[str] = ()
-                    ) -> Rendered:
-    """``request`` rendered by the model's own chat template (transformers'
-    ``apply_chat_template`` with its tools and the generation prompt), independently of the
-    front: the text cut at each tool as the template writes it, at each text part of a
-    message's content and at ``cuts`` (the texts of the entries a report names, in prompt
-    order), each part tokenized alone after BOS (when the tokenizer adds one). The stop
-    strings are the request's own. :class:`NotRendered` for a chat the template cannot render
-    as sent."""
-    from kvnotes.core.document import added_bos, encode
-
-    if not getattr(tokenizer, "chat_template", None):
-        raise NotRendered("the tokenizer has no chat template")
-    messages = [{**m, "content": CONTENT_JOIN.join(p["text"] for p in m["content"])}
-                if isinstance(m.get("content"), list) else m for m in request.messages()]
-    tools = request.tools() or None
-    text = str(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True))
-    if tools and text == str(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                           add_generation_prompt=True)):
-        raise NotRendered("the chat template does not render tools")
-    bos = added_bos(tokenizer)
-    bos_text = getattr(tokenizer, "bos_token", None)
-    if bos is not None and isinstance(bos_text, str) and bos_text and text.startswith(bos_text):
-        text = text[len(bos_text):]
-    pieces = [_tool_writings(t) for t in tools or []]
-    pieces += [[p["text"]] for m in request.messages() if isinstance(m.get("content"), list)
-               for p in m["content"]]
-    parts = _cut(text, pieces)
-    for c in cuts:  # an entry's text inside a part: cut that part again
-        parts = [q for p in parts for q in (_cut(p, [[c]]) if c and c in p and c != p else [p])]
-    ids = [] if bos is None else [bos]
-    for part in parts:
-        ids += encode(tokenizer, part)
-    stop = request.body().get("stop")
-    return Rendered(ids, (stop,) if isinstance(stop, str) else tuple(stop or ()))
-
 
 class KeptEntries:
     """The library entries a run published, from the copies kept while it ran (a folder of

@@ -3,7 +3,7 @@
 A :class:`SoakRequestRecord` holds what it takes to look at one answer again, or check it again
 without a server (:func:`~kvnotes.bench.serving.agent_traffic_check.check_request` over the
 run's kept entries): who sent it (client, tenant, ``splice``), the prompt ids the check rendered
-(:func:`~kvnotes.bench.serving.agent_traffic_check.rendered_prompt`: the model's own chat
+(:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`: the model's own chat
 template) and the count the server reported, the stop strings, the answer's ``usage.kvnotes``
 (the plan and the connector's reports, as JSON), the answer's token strings, per-step margins, text and
 finish reason, and the verdict (matched reference, where it diverged, the expected ids, both

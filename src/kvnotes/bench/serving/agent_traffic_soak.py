@@ -38,7 +38,8 @@ from kvnotes.bench.serving.agent_traffic_requests import AgentRequest, subset_re
 from kvnotes.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig, Rendered
+    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig
+    from kvnotes.bench.serving.agent_traffic_render import Rendered
     from kvnotes.core.engine import Engine
 
 
@@ -216,12 +217,9 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
     agent_traffic_check.check_request`), set on its :class:`SoakRecord`; returns the
     per-request records, failed requests included. ``render``: the prompt of a request, cut
     at the texts of the entries its answer's report names
-    (:func:`~kvnotes.bench.serving.agent_traffic_check.rendered_prompt`)."""
-    from kvnotes.bench.serving.agent_traffic_check import (
-        check_request,
-        read_usage,
-        rendered_prompt,
-    )
+    (:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`)."""
+    from kvnotes.bench.serving.agent_traffic_check import check_request, read_usage
+    from kvnotes.bench.serving.agent_traffic_render import rendered_prompt
     from kvnotes.serving.protocol import ProtocolError
 
     render = render or rendered_prompt
