@@ -272,6 +272,32 @@ def test_only_splice_salts_are_spliced(cmod, library):
         assert sched.get_num_new_matched_tokens(request("c", ids, salt), 0) == (0, False)
 
 
+def test_a_splice_request_names_its_tenant_and_the_salt_must_be_theirs(cmod, library, caplog):
+    skills, (header, refunds, _) = library
+    sched = cmod.KvnotesConnector(vllm_config(skills.folder), cmod.KVConnectorRole.SCHEDULER)
+    ids = [*header.token_ids, *refunds.token_ids, 5]
+    n = len(header) + len(refunds)
+    ranges = (SpliceRange(0, 0, len(header)), SpliceRange(len(header), len(header), n))
+    asked = SpliceRequest(ranges, tenant="acme", tag="f32a16")
+    ok = request("ok", ids, "kvnotes-splice:acme+f32a16", asked.to_params())
+    assert sched.get_num_new_matched_tokens(ok, 0) == (n, False)
+    # the salt of another tenant (or of no tenant) than the message's: computed exactly
+    for i, salt in enumerate(("kvnotes-splice:other+f32a16", "kvnotes-splice+f32a16")):
+        wrong = request(f"w{i}", ids, salt, asked.to_params())
+        with caplog.at_level(logging.WARNING, logger="vllm.kvnotes"):
+            assert sched.get_num_new_matched_tokens(wrong, 0) == (0, False)
+        report = SpliceReport.from_params(sched.request_finished(wrong, [])[1])
+        assert report is not None and report.loaded == () and "is not" in report.refused
+    # a tenant that no salt may hold is refused the same way
+    bad = SpliceRequest(ranges, tenant="a b")
+    assert sched.get_num_new_matched_tokens(
+        request("b", ids, "kvnotes-splice", bad.to_params()), 0) == (0, False)
+    # another salt altogether is an exact request, whatever it carries
+    assert sched.get_num_new_matched_tokens(request("x", ids, "cold", asked.to_params()),
+                                            0) == (0, False)
+    assert sched.request_finished(request("x", ids, "cold"), []) == (False, None)
+
+
 def test_refusals_at_start(cmod, library, monkeypatch, caplog):
     skills, _ = library
     draft = SimpleNamespace(method="eagle3", uses_draft_kv_cache=lambda: True)

@@ -40,6 +40,8 @@ def wire(obj: object) -> object:
 
 def test_every_message_round_trips_through_json():
     assert SpliceRequest.from_params(wire(REQUEST.to_params())) == REQUEST
+    tenanted = SpliceRequest(REQUEST.ranges, tenant="acme", tag="f32a16s0.1")
+    assert SpliceRequest.from_params(wire(tenanted.to_params())) == tenanted
     assert SpliceReport.from_params(wire(REPORT.to_params())) == REPORT
     assert PlanReport.from_dict(wire(PLAN.to_dict())) == PLAN
     assert UsageKvnotes.from_dict(wire(USAGE.to_dict())) == USAGE
@@ -80,7 +82,7 @@ def test_the_repair_policy_is_fields_not_a_tag():
      "kvnotes splice request: version 2; this kvnotes reads version 1"),
     ({PARAMS_KEY: {"ranges": []}}, "kvnotes splice request: missing field 'v'"),
     ({PARAMS_KEY: {"v": 1, "ranges": [], "all": True}},
-     "kvnotes splice request: unknown field 'all' (fields: v, ranges, keys)"),
+     "kvnotes splice request: unknown field 'all' (fields: v, ranges, keys, tenant, tag)"),
     ({PARAMS_KEY: [[0, 0, 16]]}, "kvnotes splice request: expected a JSON object, got list"),
     ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16]], "keys": ["a", "b"]}},
      "kvnotes splice request: 2 keys for 1 ranges (give one entry key per range, or none)"),

@@ -26,7 +26,7 @@ Example:
     ...     SpliceRequest.from_params({"kvnotes": {"v": 1, "ranges": [], "extra": 1}})
     ... except ProtocolError as err:
     ...     print(err)
-    kvnotes splice request: unknown field 'extra' (fields: v, ranges, keys)
+    kvnotes splice request: unknown field 'extra' (fields: v, ranges, keys, tenant, tag)
 """
 
 from __future__ import annotations
@@ -138,7 +138,11 @@ def _range(what: str, value: object) -> SpliceRange:
 @dataclass(frozen=True, slots=True)
 class SpliceRequest:
     """The ranges a request asks the connector to supply, in prompt order, and the entry of
-    each (``keys``: one per range, or () to let the connector pick by its own rule).
+    each (``keys``: one per range, or () to let the connector pick by its own rule); the
+    ``tenant`` whose entries it may use (None: the shared ones only) and the repair plan's
+    ``tag``. The request's ``cache_salt`` must be the one these two give
+    (:func:`~kvnotes.serving.library.manifest.splice_salt`): the connector composes it and
+    compares, it never reads a tenant out of a salt kvnotes wrote.
 
     The connector checks each range against the prompt and its library itself (no client is
     trusted); a message it cannot read is refused whole: the request is served exactly.
@@ -146,6 +150,8 @@ class SpliceRequest:
 
     ranges: tuple[SpliceRange, ...]
     keys: tuple[str, ...] = ()
+    tenant: str | None = None
+    tag: str | None = None
     version: int = PROTOCOL_VERSION
 
     _WHAT = "kvnotes splice request"
@@ -164,6 +170,10 @@ class SpliceRequest:
         body: dict[str, Any] = {"v": self.version, "ranges": [r.to_list() for r in self.ranges]}
         if self.keys:
             body["keys"] = list(self.keys)
+        if self.tenant is not None:
+            body["tenant"] = self.tenant
+        if self.tag is not None:
+            body["tag"] = self.tag
         return {PARAMS_KEY: body}
 
     @classmethod
@@ -177,12 +187,15 @@ class SpliceRequest:
                                 f"{type(params).__name__}")
         if PARAMS_KEY not in params:
             return None
-        body = _fields(cls._WHAT, params[PARAMS_KEY], ("v", "ranges", "keys"), ("v", "ranges"))
+        body = _fields(cls._WHAT, params[PARAMS_KEY], ("v", "ranges", "keys", "tenant", "tag"),
+                       ("v", "ranges"))
         ranges = tuple(_range(f"{cls._WHAT}: ranges[{i}]", r)
                        for i, r in enumerate(_list(f"{cls._WHAT}: ranges", body["ranges"])))
         keys = tuple(_str(f"{cls._WHAT}: keys[{i}]", k)
                      for i, k in enumerate(_list(f"{cls._WHAT}: keys", body.get("keys", []))))
-        return cls(ranges, keys)
+        tenant, tag = (None if body.get(name) is None else _str(f"{cls._WHAT}: {name}", body[name])
+                       for name in ("tenant", "tag"))
+        return cls(ranges, keys, tenant, tag)
 
 
 # ---- connector -> front ---------------------------------------------------------------------

@@ -165,7 +165,9 @@ class PhasePlan:
       request (blocks of one repair plan never serve another);
     - ``keys``: the entry of each range, in order (the request's ``keys``: the connector
       supplies a range from that very entry or computes it); () when a span's entry is not
-      known (the connector then picks by its own rule).
+      known (the connector then picks by its own rule);
+    - ``tenant``: whose entries the connector may use (None: the shared ones), sent with the
+      ranges, so the connector never reads it back out of the salt.
     """
 
     prompt_len: int
@@ -176,6 +178,7 @@ class PhasePlan:
     regions: tuple[tuple[int, int], ...]
     phase_ends: tuple[int, ...]
     keys: tuple[str, ...] = ()
+    tenant: str | None = None
 
     @property
     def spliced_tokens(self) -> int:
@@ -199,7 +202,8 @@ class PhasePlan:
         """What a request for the prompt's first ``end`` tokens (all of them by default) asks
         the connector (its ``kv_transfer_params`` are ``.to_params()``)."""
         ranges = self.ranges if end is None else self.ranges_before(end)
-        return SpliceRequest(ranges, self.keys[:len(ranges)] if self.keys else ())
+        return SpliceRequest(ranges, self.keys[:len(ranges)] if self.keys else (), self.tenant,
+                             self.repair.tag())
 
     def phase_bodies(self, ids: Sequence[int], model: str) -> list[dict[str, Any]]:
         """The ``/v1/completions`` bodies of the phases, to send one after the other (each one's
@@ -310,7 +314,7 @@ def plan_phases(spans: Sequence[PartSpan], repair: Repair, block_size: int, *,
     keys = tuple(key_of[r.start] for r in kept)
     return PhasePlan(prompt_len=pos, block_size=int(block_size), repair=repair, salt=salt,
                      ranges=tuple(kept), regions=tuple(regions), phase_ends=tuple(ends),
-                     keys=keys if all(keys) else ())
+                     keys=keys if all(keys) else (), tenant=tenant)
 
 
 def layout_part(span: PartSpan) -> LayoutPart:

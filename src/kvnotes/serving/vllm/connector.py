@@ -59,7 +59,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.serving.library.manifest import ServingManifest, is_splice_salt, salt_tenant
+from kvnotes.serving.library.manifest import (
+    ServingManifest,
+    is_splice_salt,
+    salt_tenant,
+    splice_salt,
+)
 from kvnotes.serving.library.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
 from kvnotes.serving.protocol import ProtocolError, SpliceRequest
 from kvnotes.serving.vllm.checks import (
@@ -89,10 +94,26 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-def splice_tenant(salt: str | None) -> tuple[bool, str | None]:
-    """``(spliced, tenant)`` for a request's salt: only ``kvnotes-splice[:<tenant>][+<tag>]``
-    salts are spliced; the tag does not change the tenant (the worker's cache key)."""
-    return is_splice_salt(salt), salt_tenant(salt)
+def splice_tenant(salt: str | None, message: SpliceRequest | None
+                  ) -> tuple[bool, str | None, str | None]:
+    """``(spliced, tenant, refused)`` for a request's salt and splice request.
+
+    With a splice request (the front's requests), the tenant and the repair tag are its
+    fields, and the salt must be the one they give (composed and compared, never parsed):
+    another salt is refused (``refused`` says why; the request is served exactly). Without one
+    (a client that sets the documented salt itself), only ``kvnotes-splice[:<tenant>][+<tag>]``
+    salts are spliced, and the tenant is the salt's; the tag does not change the tenant (the
+    worker's cache key)."""
+    if message is None:
+        return is_splice_salt(salt), salt_tenant(salt), None
+    try:
+        expected = splice_salt(message.tenant, message.tag)
+    except InvalidArgumentError as err:
+        return True, None, f"its tenant or tag: {err}"
+    if salt != expected:
+        return is_splice_salt(salt), None, (f"its cache_salt {salt!r} is not {expected!r}, the "
+                                            "salt of its tenant and tag")
+    return True, message.tenant, None
 
 
 def splice_request(request: Any) -> tuple[SpliceRequest | None, str | None]:
@@ -189,12 +210,13 @@ class KvnotesConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.planner is not None and self.store is not None
-        spliced, tenant = splice_tenant(getattr(request, "cache_salt", None))
+        message, refused = splice_request(request)
+        spliced, tenant, mismatch = splice_tenant(getattr(request, "cache_salt", None), message)
         if not spliced or getattr(request, "mm_features", None):
             return 0, False  # multimodal prompts: placeholders are not text the skills hold
+        refused = refused or mismatch
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
-        message, refused = splice_request(request)
         # a tenant is matched against the shared pieces and its own, never another tenant's
         return self.planner.match(request.request_id, tenant, tokens, num_computed_tokens,
                                   self.store.view(tenant), message, refused), False
