@@ -7,7 +7,7 @@ from _store_helpers import MODEL
 from typer.testing import CliRunner
 
 from kvnotes.cli import app
-from kvnotes.cli.store_options import open_mirror, open_store
+from kvnotes.cli.store_options import open_store
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.store import FolderStore
 from kvnotes.serving.store.redis_store import RedisStore
@@ -71,12 +71,8 @@ def test_neither_skills_nor_store_says_which_to_give():
     assert result.exit_code == 2 and "give --skills DIR" in " ".join(result.output.split())
 
 
-def test_open_store_and_open_mirror_for_serve(tmp_path, redis_url):
-    folder = open_store(None, skills=tmp_path)
-    assert isinstance(folder, FolderStore) and open_mirror(folder, tmp_path / MODEL) is None
-    shared = open_store(redis_url)
-    mirror = open_mirror(shared, tmp_path / MODEL, poll_s=0.05)
-    assert mirror is not None
-    mirror.stop()
+def test_open_store_gives_the_folder_or_the_shared_store(tmp_path, redis_url):
+    assert isinstance(open_store(None, skills=tmp_path), FolderStore)
+    assert not isinstance(open_store(redis_url), FolderStore)
     with pytest.raises(InvalidArgumentError, match="--store-password-file is for a --store"):
         open_store(None, tmp_path / "pw", skills=tmp_path)

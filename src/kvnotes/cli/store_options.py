@@ -1,10 +1,11 @@
 """``--store`` and ``--store-password-file``: where a server's skill library lives.
 
-The options and the one function a command needs to turn them into a store: ``kvnotes serve``
-takes them as its parameters (``store: str | None = store_option()``, ``store_password_file:
-Path | None = store_password_file_option()``) and calls :func:`open_store`, and for a shared
-store :func:`open_mirror`, which keeps the host's ``--skills`` folder (the one the connector
-reads) supplied from it. ``kvnotes skills list/pin/forget`` take the same two options.
+The options and the one function a command needs to turn them into a store
+(:func:`open_store`): ``kvnotes skills list/pin/forget`` take them as their parameters
+(``store: str | None = store_option()``, ``store_password_file: Path | None =
+store_password_file_option()``). ``kvnotes serve`` takes the same two options and opens a Redis
+store with its host's mirror itself
+(:meth:`~kvnotes.serving.front.store_link.StoreLink.open`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import typer
 from kvnotes.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from kvnotes.serving.store import LocalMirror, Store
+    from kvnotes.serving.store import Store
 
 STORE_HELP = ("Where the skill library lives: a folder (the default: --skills), or "
               "redis://HOST:PORT/DB (rediss:// for TLS), one library shared by every host "
               "given the same URL; the password in the URL (redis://:PASSWORD@HOST:PORT/DB) or "
               "in --store-password-file")
 PASSWORD_FILE_HELP = "File whose first line is the store's password (kept out of the URL, argv)"
-# a host's local copy of a shared library, by default (the entries it spliced and fetched)
-DEFAULT_MIRROR_BYTES = 8 << 30
 
 
 def store_option() -> Any:
@@ -55,17 +54,3 @@ def open_store(store: str | None, password_file: Path | None = None, *,
                                        "--store URL (a shared one)")
         return FolderStore(skills)
     return store_from_url(store, password_file)
-
-
-def open_mirror(store: Store, folder: Path, *, max_bytes: int = DEFAULT_MIRROR_BYTES,
-                poll_s: float = 2.0) -> LocalMirror | None:
-    """For a shared store, a started :class:`LocalMirror` that keeps ``folder`` (the serving
-    folder ``ROOT/<model fingerprint id>`` the connector reads) supplied; None for a folder
-    store, which is that folder already. The caller stops it when the server stops."""
-    from kvnotes.serving.store import FolderStore, LocalMirror, MirrorConfig
-
-    if isinstance(store, FolderStore):
-        return None
-    mirror = LocalMirror(store, folder, MirrorConfig(max_bytes=max_bytes, poll_s=poll_s))
-    mirror.start()
-    return mirror
