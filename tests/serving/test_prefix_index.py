@@ -129,3 +129,29 @@ def test_a_key_shorter_than_a_block_and_one_sharing_many_blocks():
         (19, "abcdabcd"), (23, "ab")]
     with pytest.raises(ValueError):
         idx.add("", "empty")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_longest_at_through_one_key_nodes_after_removals(seed):
+    """Long keys diverge early, so most of the walk is through nodes one key runs through
+    (compared whole); removals leave nodes whose maker is gone (walked): every position
+    against a scan."""
+    rng = random.Random(seed)
+    keys = {rng.choice(["", "abcd", "abcdabcd"]) + "".join(rng.choice("ab")
+                                                           for _ in range(rng.randint(1, 30)))
+            for _ in range(120)}
+    idx: PrefixIndex[str] = PrefixIndex(block=4)
+    for key in sorted(keys):
+        idx.add(key, key)
+    for key in rng.sample(sorted(keys), 40):
+        idx.remove(key)
+        keys.discard(key)
+    for key in rng.sample(sorted(keys), 10):  # re-added under a node another key made
+        idx.remove(key)
+        idx.add(key, key)
+    text = "".join(rng.choice(sorted(keys)) + rng.choice(["", "a", "b"]) for _ in range(60))
+    for pos in range(len(text)):
+        fits = [k for k in keys if text.startswith(k, pos)]
+        want = max(fits, key=len) if fits else None
+        hit = idx.longest_at(text, pos)
+        assert (hit and hit[0]) == want, pos

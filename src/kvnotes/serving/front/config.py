@@ -26,6 +26,7 @@ from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
 from kvnotes.core.sizes import parse_size
 from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.planning.part_tokens import DEFAULT_CHARS as PART_CACHE_CHARS
 from kvnotes.serving.planning.phases import check_tau
 from kvnotes.serving.upstream import check_loopback_url
 
@@ -186,6 +187,10 @@ class FrontConfig:
             (None: ``plan_workers - 1``, at least 1, so one thread is always left to others).
         plan_timeout: seconds one request's planning may take (413 past it); a plan also
             stops when its client leaves.
+        part_cache_chars: the characters of prompt parts whose token ids the planner keeps
+            (:class:`~kvnotes.serving.planning.part_tokens.PartTokenCache`, least recently used
+            dropped; about 2 bytes of memory each): a part seen again (each is tokenized
+            alone) is not tokenized again (0: none kept).
         max_tools: tools in one chat (400 beyond it).
         max_tool_depth: the deepest nesting of one tool's JSON (400 beyond it).
         max_messages: messages in one chat (400 beyond it).
@@ -234,6 +239,7 @@ class FrontConfig:
     plan_workers: int = 4
     max_plans_per_client: int | None = None
     plan_timeout: float = 10.0
+    part_cache_chars: int = PART_CACHE_CHARS
     max_tools: int = 128
     max_tool_depth: int = 16
     max_messages: int = 1024
@@ -273,6 +279,10 @@ class FrontConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, check_key(value, f"FrontConfig.{name}"))
+        chars = self.part_cache_chars
+        if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
+            raise InvalidArgumentError(f"FrontConfig.part_cache_chars must be an integer >= 0, "
+                                       f"got {chars!r}")
         for name in ("max_connections_per_ip", "max_plans_per_client"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

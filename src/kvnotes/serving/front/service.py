@@ -57,6 +57,7 @@ from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.front_plan import FrontPlan, catalog_view, plan_request
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 from kvnotes.serving.planning.request import (
     OPTIONS_KEY,
     FrontOptions,
@@ -106,6 +107,9 @@ class FrontService:
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
+        # prompt parts' ids, shared by the planning threads (their tokenizer copies encode alike)
+        self.part_cache = (PartTokenCache(config.part_cache_chars) if config.part_cache_chars
+                           else None)
         self.slots = Slots(config.max_concurrent, self.metrics.in_flight.inc)
         per_client = config.max_plans_per_client
         self.plan_turns = PlanTurns(max(1, config.plan_workers - 1) if per_client is None
@@ -371,7 +375,8 @@ class FrontService:
         if deadline is not None:
             deadline.start()
             tokenizer = DeadlineTokenizer(tokenizer, deadline)
-        req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find)
+        req = read_request(kind, data, tokenizer, find=catalog_view(self.catalog, tenant).find,
+                           cache=self.part_cache)
         tokens = len(req.prompt_ids) if req.parts else 0
         if tokens > self.config.max_prompt_tokens:
             raise ApiError(413, f"the prompt has {tokens} tokens, more than "
@@ -381,7 +386,8 @@ class FrontService:
             if isinstance(block_size, Unplannable):
                 raise block_size
             repair = self.config.repair_for(opts.repair)
-            fp = plan_request(req, self.catalog, repair, block_size, tenant, tokenizer)
+            fp = plan_request(req, self.catalog, repair, block_size, tenant, tokenizer,
+                              self.part_cache)
             self.observe_variants(tenant, fp)
             return req, fp
         except PlanStopped:

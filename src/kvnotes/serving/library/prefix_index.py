@@ -5,12 +5,16 @@ about a sequence of the same kind:
 
 - :meth:`PrefixIndex.starts`: where a key may start. Every window of the sequence the length of
   a key's head (its first ``block`` items, or the whole key when it is shorter) is hashed at once
-  with numpy and looked up in the sorted hashes of the keys' heads: one pass over the sequence
-  per distinct head length (at most ``block``), each ``O(length · log keys)`` in compiled code.
+  with numpy, passed through two small bit filters of the heads' hashes and, where both pass,
+  looked up in their sorted hashes: one pass over the sequence per distinct head length (at
+  most ``block``), each about ``O(length)`` in compiled code, on tables small enough to stay in
+  the CPU's cache.
 - :meth:`PrefixIndex.longest_at`: the longest key at one position. Keys are laid in a trie
   whose edges are whole blocks of ``block`` items (as vLLM's and SGLang's prefix caches chain
   block hashes): a lookup walks the blocks the sequence shares with some key, one dict lookup
-  each, then compares the few keys that end inside the next block.
+  each, then compares the few keys that end inside the next block. Once the walk reaches a
+  node only one key runs through, that key is compared whole instead (one comparison, not a
+  dict lookup per block: in a large trie each lookup is a likely cache miss).
 
 So finding every key in a prompt costs about the prompt's length plus the keys found, with
 10 keys or 10,000. Pure (numpy only): the connector's scheduler uses it too.
@@ -29,8 +33,14 @@ Key = str | tuple[int, ...]  # keys and the sequences searched are of one kind
 
 _BASE = 0x100000001B3  # the window hash: h = h * _BASE + item, modulo 2**64
 _MASK = (1 << 64) - 1
-_MIX = 0x9E3779B97F4A7C15  # a slot of the filter: the high bits of hash * _MIX
-FILTER_SLOTS_PER_KEY = 64  # the filter's size: about 1 window in 64 passes it falsely
+# a window's slot in each of the two filters: the high bits of hash * mix (one mix each)
+_MIXES = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
+FILTER_SLOTS_PER_KEY = 64  # each filter's size while under its cap
+# each filter at most 2**16 slots (64 KiB): both stay in a core's cache where one filter of 64
+# slots per key (512 KiB at 8k keys) is evicted by the tokenizer between requests, and each
+# of its gathers is then a miss; two capped filters pass as few windows falsely (about 1 in 80
+# at 8k keys) for a quarter of the memory
+FILTER_MAX_BITS = 16
 
 
 def codes(seq: str | Sequence[int]) -> np.ndarray:
@@ -77,10 +87,32 @@ def window_hashes(items: np.ndarray, lengths: Sequence[int]) -> Iterator[tuple[i
             yield n, acc
 
 
-def _slots(hashes: np.ndarray, bits: int) -> np.ndarray:
+def _slots(hashes: np.ndarray, bits: int, mix: int) -> np.ndarray:
     """Each hash's slot in a filter of ``2**bits`` (its multiplied high bits: well mixed)."""
     with np.errstate(over="ignore"):
-        return ((hashes * np.uint64(_MIX)) >> np.uint64(64 - bits)).astype(np.intp)
+        return ((hashes * np.uint64(mix)) >> np.uint64(64 - bits)).astype(np.intp)
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """The heads of one length: their sorted hashes, and two filters of ``2**bits`` slots
+    (a slot is set where some head's hash falls, one mix per filter)."""
+
+    table: np.ndarray
+    bits: int
+    filters: tuple[np.ndarray, ...]
+
+    def find(self, hashes: np.ndarray) -> np.ndarray:
+        """The indices of ``hashes`` that are some head's hash, ascending."""
+        maybe = np.flatnonzero(self.filters[0][_slots(hashes, self.bits, _MIXES[0])])
+        some = hashes[maybe]
+        for passes, mix in zip(self.filters[1:], _MIXES[1:], strict=True):
+            kept = passes[_slots(some, self.bits, mix)]
+            maybe, some = maybe[kept], some[kept]
+        table = self.table
+        at = np.minimum(np.searchsorted(table, some), len(table) - 1)
+        out: np.ndarray = maybe[table[at] == some]
+        return out
 
 
 @dataclass
@@ -88,6 +120,16 @@ class _Node:
     parent: int
     block: Key
     refs: int = 0  # keys whose path runs through this node
+    # the key that made this node: the one through it while refs is 1 (None once removed:
+    # the node's remaining key is then found by walking)
+    key: Key | None = None
+
+
+def _holds(seq: Key, pos: int, key: Key) -> bool:
+    """Whether ``seq`` holds ``key`` at ``pos``."""
+    if isinstance(seq, str) and isinstance(key, str):
+        return seq.startswith(key, pos)
+    return seq[pos:pos + len(key)] == key
 
 
 @dataclass
@@ -110,8 +152,7 @@ class PrefixIndex(Generic[V]):
     _tails: dict[int, list[tuple[Key, Key]]] = field(default_factory=dict)  # (rest, key)
     _short: dict[int, int] = field(default_factory=dict)  # length under block -> keys
     _heads: dict[int, dict[int, int]] = field(default_factory=dict)  # length -> hash -> keys
-    # head length -> (sorted head hashes, filter bits, filter); made on demand
-    _sorted: dict[int, tuple[np.ndarray, int, np.ndarray]] | None = None
+    _sorted: dict[int, _Heads] | None = None  # head length -> its heads; made on demand
     _next: int = 1  # the next node id (0: the root)
 
     def __post_init__(self) -> None:
@@ -156,7 +197,7 @@ class PrefixIndex(Generic[V]):
                 child = self._next
                 self._next += 1
                 self._children[(node, blk)] = child
-                self._nodes[child] = _Node(node, blk)
+                self._nodes[child] = _Node(node, blk, key=key)
             self._nodes[child].refs += 1
             node = child
         tails = self._tails.setdefault(node, [])
@@ -195,6 +236,8 @@ class PrefixIndex(Generic[V]):
         for node in path:
             n = self._nodes[node]
             n.refs -= 1
+            if n.key == key:
+                n.key = None
             if not n.refs:
                 del self._children[(n.parent, n.block)]
                 del self._nodes[node]
@@ -209,6 +252,12 @@ class PrefixIndex(Generic[V]):
             at = pos + len(path) * b
             child = self._children.get((node, seq[at:at + b]))
             if child is None:
+                break
+            only = self._nodes[child]
+            if only.refs == 1 and only.key is not None:
+                # no other key runs through the child: it is the longest here, or none deeper is
+                if _holds(seq, pos, only.key):
+                    return only.key, self._values[only.key]
                 break
             node = child
             path.append(node)
@@ -227,37 +276,34 @@ class PrefixIndex(Generic[V]):
         """The positions of ``seq`` where a key may start, ascending: every position where one
         does, and a few where only a head's hash matches (:meth:`longest_at` tells).
 
-        Each window's hash goes through a filter first (one bit per slot, about
-        :data:`FILTER_SLOTS_PER_KEY` slots per key: one gather, whatever the number of keys);
-        only the windows it passes are looked up in the sorted hashes."""
+        Each window's hash goes through two filters first (one bit per slot, one gather
+        each, whatever the number of keys: :data:`FILTER_SLOTS_PER_KEY`, :data:`FILTER_MAX_BITS`);
+        only the windows both pass are looked up in the sorted hashes."""
         if not self._values or not len(seq):
             return []
         tables = self._tables()
-        found = []
-        for n, hashes in window_hashes(codes(seq), sorted(tables)):
-            table, bits, passes = tables[n]
-            maybe = np.flatnonzero(passes[_slots(hashes, bits)])
-            if not len(maybe):
-                continue
-            some = hashes[maybe]
-            at = np.minimum(np.searchsorted(table, some), len(table) - 1)
-            found.append(maybe[table[at] == some])
+        found = [tables[n].find(hashes)
+                 for n, hashes in window_hashes(codes(seq), sorted(tables))]
         if not found:
             return []
         out: list[int] = np.unique(np.concatenate(found)).tolist()
         return out
 
-    def _tables(self) -> dict[int, tuple[np.ndarray, int, np.ndarray]]:
-        """Per head length: the sorted head hashes, the filter's bits and the filter."""
+    def _tables(self) -> dict[int, _Heads]:
+        """Per head length: its heads' sorted hashes and filters."""
         if self._sorted is None:
             tables = {}
             for n, counts in self._heads.items():
                 if not counts:
                     continue
                 table = np.sort(np.fromiter(counts, dtype=np.uint64, count=len(counts)))
-                bits = max(10, (len(table) * FILTER_SLOTS_PER_KEY - 1).bit_length())
-                passes = np.zeros(1 << bits, dtype=bool)
-                passes[_slots(table, bits)] = True
-                tables[n] = (table, bits, passes)
+                bits = min(FILTER_MAX_BITS,
+                           max(10, (len(table) * FILTER_SLOTS_PER_KEY - 1).bit_length()))
+                filters = []
+                for mix in _MIXES:
+                    passes = np.zeros(1 << bits, dtype=bool)
+                    passes[_slots(table, bits, mix)] = True
+                    filters.append(passes)
+                tables[n] = _Heads(table, bits, tuple(filters))
             self._sorted = tables
         return self._sorted

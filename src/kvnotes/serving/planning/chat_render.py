@@ -47,6 +47,7 @@ from kvnotes.core.chat import has_template, render, renders_tools
 from kvnotes.core.document import added_bos
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 from kvnotes.serving.planning.spans import sweep
 
 LAYOUTS = ("template", "kvnotes_tools", "default")
@@ -492,31 +493,35 @@ def render_chat_parts(tokenizer: Any, messages: object, tools: object = None) ->
 
 
 # ---- token layout ----------------------------------------------------------------------------
-Find = Callable[[str], Sequence[Any]]  # SkillCatalog.find: parts with .text and .skill
+# SkillCatalog.find: parts with .text and .skill (None, or a Skill with its .token_ids)
+Find = Callable[[str], Sequence[Any]]
 
 
-def lay_out_chat(tokenizer: Any, parts: Sequence[ChatPart], find: Find | None = None
-                 ) -> LaidOut:
+def lay_out_chat(tokenizer: Any, parts: Sequence[ChatPart], find: Find | None = None,
+                 cache: PartTokenCache | None = None) -> LaidOut:
     """``parts`` tokenized as sent: the template's BOS text dropped when the tokenizer adds BOS
     itself (then BOS is a part of its own), text parts split at the registered skills ``find``
-    finds in them (each a ``"skill"`` part), every part encoded alone
-    (:func:`~kvnotes.serving.planning.layout.part_ids`); each chunk as seen."""
+    finds in them (each a ``"skill"`` part, with its registered ids), every other part encoded
+    alone (:func:`~kvnotes.serving.planning.layout.part_ids`, through ``cache`` when given);
+    each chunk as seen."""
     parts = list(parts)
     if parts and not parts[0].is_chunk:
         parts[0] = ChatPart(strip_bos_text(tokenizer, parts[0].text), parts[0].kind)
-    split: list[ChatPart] = []
+    split: list[tuple[ChatPart, Sequence[int] | None]] = []  # with a skill's registered ids
     for part in parts:
         if part.is_chunk or find is None:
-            split.append(part)
+            split.append((part, None))
             continue
-        split += [ChatPart(p.text, "text" if p.skill is None else "skill") for p in find(part.text)]
-    split = [p for p in split if p.text]
-    ids = part_ids(tokenizer, [p.text for p in split])
+        split += [(ChatPart(p.text, "text" if p.skill is None else "skill"),
+                   None if p.skill is None else p.skill.token_ids) for p in find(part.text)]
+    split = [(p, known) for p, known in split if p.text]
+    ids = part_ids(tokenizer, [p.text for p, _ in split], cache=cache,
+                   known=[known for _, known in split])
     lead = tuple(t for tokens in ids[:len(ids) - len(split)] for t in tokens)
     laid: list[ChatPart] = []
     starts: list[tuple[ChatPart, int]] = []
     at = len(lead)
-    for part, tokens in zip(split, ids[len(ids) - len(split):], strict=True):
+    for (part, _), tokens in zip(split, ids[len(ids) - len(split):], strict=True):
         token_ids = tuple(tokens)
         laid.append(ChatPart(part.text, part.kind, token_ids))
         if part.is_chunk and token_ids:

@@ -30,6 +30,7 @@ from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 from kvnotes.serving.planning.chat_render import strip_bos_text
 from kvnotes.serving.planning.layout import SentPart
 from kvnotes.serving.planning.match import Part, SkillCatalog
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 from kvnotes.serving.planning.spans import sweep
@@ -119,11 +120,13 @@ class CatalogView:
     index: Callable[[], PieceIndex]
 
 
-def catalog_view(catalog: SkillCatalog, tenant: str | None) -> CatalogView:
+def catalog_view(catalog: SkillCatalog, tenant: str | None,
+                 cache: PartTokenCache | None = None) -> CatalogView:
     """The catalog as one request's planning sees it (every call to the catalog goes through
-    here: the one place a tenant's view is chosen)."""
+    here: the one place a tenant's view is chosen). ``cache``: the text parts' ids kept by
+    their text, for ``lay_out``."""
     return CatalogView(lambda text: catalog.find(text, tenant),
-                       lambda found, tok: catalog.lay_out(found, tok, tenant),
+                       lambda found, tok: catalog.lay_out(found, tok, tenant, cache),
                        lambda: catalog.index(tenant))
 
 
@@ -145,11 +148,13 @@ def chat_parts(req: FrontRequest, index: PieceIndex) -> list[SentPart]:
 
 
 def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block_size: int,
-                 tenant: str | None, tokenizer: Any = None) -> FrontPlan:
+                 tenant: str | None, tokenizer: Any = None,
+                 cache: PartTokenCache | None = None) -> FrontPlan:
     """The plan of ``req``'s prompt; :class:`Unplannable` when nothing would be spliced.
-    ``tokenizer``: the catalog's, or a copy of it (one per planning thread)."""
+    ``tokenizer``: the catalog's, or a copy of it (one per planning thread); ``cache``: the
+    text parts' ids kept by their text, for a text prompt not laid out yet."""
     tokenizer = catalog.tokenizer if tokenizer is None else tokenizer
-    view = catalog_view(catalog, tenant)
+    view = catalog_view(catalog, tenant, cache)
     if req.ids is not None:
         parts = split_pieces(req.ids, view.index())
     elif req.parts:

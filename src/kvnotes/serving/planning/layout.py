@@ -12,6 +12,7 @@ from typing import Any
 
 from kvnotes.core.document import added_bos, encode
 from kvnotes.serving.library.splice import PieceInfo
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,16 +24,27 @@ class SentPart:
     piece: PieceInfo | None = None
 
 
-def part_ids(tokenizer: Any, parts: Sequence[str]) -> list[list[int]]:
+def part_ids(tokenizer: Any, parts: Sequence[str], *, cache: PartTokenCache | None = None,
+             known: Sequence[Sequence[int] | None] | None = None) -> list[list[int]]:
     """Each part's token ids as ``engine.compose`` lays them out: BOS first, as a part of its
-    own, when the tokenizer adds one, then each part encoded alone (no special tokens)."""
+    own, when the tokenizer adds one, then each part encoded alone (no special tokens).
+
+    ``known``: per part, its ids when they are known already, else None (a registered skill's:
+    its text encodes alone to exactly them, checked when the catalog was read), so it is not
+    encoded again. ``cache``: the other parts' ids kept by their text (exact: each is encoded
+    alone), encoded only when not kept."""
     if isinstance(parts, str):
         raise TypeError("parts is a list of strings (header, skills, user text), not one string")
+    if known is not None and len(known) != len(parts):
+        raise ValueError(f"known has {len(known)} entries for {len(parts)} parts")
     out: list[list[int]] = []
     bos = added_bos(tokenizer)  # the engine's BOS rule
     if bos is not None:
         out.append([bos])
-    out += [list(encode(tokenizer, part)) for part in parts]
+    encoded = encode if cache is None else cache.encode
+    for i, part in enumerate(parts):
+        ids = None if known is None else known[i]
+        out.append(list(ids) if ids is not None else list(encoded(tokenizer, part)))
     return out
 
 

@@ -36,6 +36,7 @@ from kvnotes.serving.library.piece_store import PieceStore, index_entry
 from kvnotes.serving.library.prefix_index import PrefixIndex
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred, visible
 from kvnotes.serving.planning.layout import SentPart, part_ids
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 from kvnotes.serving.planning.spans import sweep
 
 MAX_VIEWS = 256  # tenants' views kept at once (rebuilt on demand beyond it)
@@ -149,10 +150,11 @@ def find_skills(text: str, skills: SkillIndex | Iterable[Skill]) -> list[Part]:
 
 
 def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInfo],
-            registered: PieceIndex) -> list[SentPart]:
+            registered: PieceIndex, cache: PartTokenCache | None = None) -> list[SentPart]:
     """``found`` (a :func:`find_skills` result) as sent: laid out by
     :func:`~kvnotes.serving.planning.layout.part_ids` (BOS first when the tokenizer adds one,
-    then each part encoded alone), each skill with the piece it is at its position (the
+    then each part encoded alone: a skill's registered ids, the others through ``cache`` when
+    given), each skill with the piece it is at its position (the
     :func:`~kvnotes.serving.library.splice.preferred` one among its variants, ranked against
     the prompt's ids before it: the connector's rule, so both pick the same entry), the BOS
     with one of ``bos_pieces``. Only pieces still in ``registered`` count: a skill removed since the
@@ -168,7 +170,8 @@ def lay_out(tokenizer: Any, found: Sequence[Part], bos_pieces: Sequence[PieceInf
         return SentPart(ids, piece)
 
     parts = [p for p in found if p.text]
-    ids = part_ids(tokenizer, [p.text for p in parts])
+    ids = part_ids(tokenizer, [p.text for p in parts], cache=cache,
+                   known=[None if p.skill is None else p.skill.token_ids for p in parts])
     lead = len(ids) - len(parts)  # the BOS part, when the tokenizer adds one
     out = [sent(tokens, bos_pieces) for tokens in ids[:lead]]
     for part, tokens in zip(parts, ids[lead:], strict=True):
@@ -302,11 +305,12 @@ class SkillCatalog:
         return find_skills(text, self._view(tenant).matcher)
 
     def lay_out(self, found: Sequence[Part], tokenizer: Any = None,
-                tenant: str | None = None) -> list[SentPart]:
+                tenant: str | None = None, cache: PartTokenCache | None = None
+                ) -> list[SentPart]:
         """``found`` (a :meth:`find` result) as sent, its pieces checked against ``tenant``'s
         view of the folder as indexed now (:func:`lay_out`). ``tokenizer``: the catalog's, or
-        a copy of it."""
+        a copy of it; ``cache``: the text parts' ids kept by their text."""
         self.refresh()
         view = self._view(tenant)
         return lay_out(self.tokenizer if tokenizer is None else tokenizer, found, view.bos,
-                       view.index)
+                       view.index, cache)

@@ -41,6 +41,7 @@ from kvnotes.serving.planning.chat_render import (
 )
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import part_ids
+from kvnotes.serving.planning.part_tokens import PartTokenCache
 
 OPTIONS_KEY = "kvnotes"
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -341,17 +342,17 @@ def _tool_choice(body: Mapping[str, Any]) -> bool:
 
 
 def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
-              find: Find | None) -> None:
+              find: Find | None, cache: PartTokenCache | None = None) -> None:
     """Render and lay out a chat into ``req`` (``find``: the catalog's registered texts, which
-    split the text parts; None: none). An opted-out chat that is neither structured nor holds
-    a registered skill raises :class:`Unplannable` (it is forwarded as it came); one that holds
-    a skill is sent as the same laid-out ids as its spliced counterpart
-    (:attr:`FrontRequest.sent_as_ids`)."""
+    split the text parts; None: none; ``cache``: parts' ids kept by their text). An opted-out
+    chat that is neither structured nor holds a registered skill raises :class:`Unplannable`
+    (it is forwarded as it came); one that holds a skill is sent as the same laid-out ids as
+    its spliced counterpart (:attr:`FrontRequest.sent_as_ids`)."""
     try:
         rendered = render_chat_parts(tokenizer, body.get("messages"), body.get("tools"))
     except ChatShapeError as err:
         raise Unplannable(str(err), err.code) from err
-    laid = lay_out_chat(tokenizer, rendered.parts, find)
+    laid = lay_out_chat(tokenizer, rendered.parts, find, cache)
     req.text, req.layout, req.structured = rendered.text, rendered.layout, rendered.structured
     req.parts, req.lead_ids, req.chunks = laid.parts, laid.lead_ids, laid.chunks
     if not req.options.splice and not req.sent_as_ids:
@@ -365,12 +366,14 @@ def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
         req.sampling.setdefault("stop", list(DEFAULT_STOP))
 
 
-def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find) -> None:
+def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find,
+                         cache: PartTokenCache | None = None) -> None:
     """Lay a completion's text prompt out into ``req`` when it contains a registered skill
     (``find``: the catalog's registered texts): the text split at them, BOS first when the
     tokenizer adds one, then each part tokenized alone
     (:func:`~kvnotes.serving.planning.layout.part_ids`, the layout ``engine.compose`` and the
-    skills' compiles use), each skill a ``"skill"`` part. These ids are what the front sends,
+    skills' compiles use), each skill a ``"skill"`` part with its registered ids (not
+    tokenized again), the other parts through ``cache`` when given. These ids are what the front sends,
     spliced or not (:attr:`FrontRequest.sent_as_ids`). No skill found: :class:`Unplannable`
     (``no_skill``, or ``opted_out`` for ``kvnotes.splice`` false); the request is forwarded as
     it came, and vLLM tokenizes its text.
@@ -391,19 +394,22 @@ def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find) -> None:
             raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
         raise Unplannable("no registered skill in the prompt", "no_skill")
     found = [p for p in found if p.text]
-    ids = part_ids(tokenizer, [p.text for p in found])
+    ids = part_ids(tokenizer, [p.text for p in found], cache=cache,
+                   known=[None if p.skill is None else p.skill.token_ids for p in found])
     lead = len(ids) - len(found)  # the BOS part, when the tokenizer adds one
     req.lead_ids = tuple(t for tokens in ids[:lead] for t in tokens)
     req.parts = tuple(ChatPart(p.text, "text" if p.skill is None else "skill", tuple(tokens))
                       for p, tokens in zip(found, ids[lead:], strict=True))
 
 
-def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = None
-                 ) -> FrontRequest:
+def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = None,
+                 cache: PartTokenCache | None = None) -> FrontRequest:
     """A :class:`FrontRequest` of a client's body (``kind``: a value of :data:`ENDPOINTS`);
     :class:`Unplannable` when it must be forwarded as it came. ``find``: the catalog's
     registered texts (a chat's text parts and a completion's text are split at them; None: not
-    split, and a completion text is laid out by the planner). A structured chat
+    split, and a completion text is laid out by the planner). ``cache``: the prompt's parts'
+    ids kept by their text (:class:`~kvnotes.serving.planning.part_tokens.PartTokenCache`;
+    None: every part is tokenized). A structured chat
     (:attr:`FrontRequest.structured`) and a completion text containing a registered skill with
     ``kvnotes.splice`` false are read all the same: their exact counterpart is sent by the
     front as the same ids (:attr:`FrontRequest.sent_as_ids`)."""
@@ -431,7 +437,7 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
         if isinstance(prompt, str) and prompt:
             req.text = prompt
             if find is not None:
-                read_completion_text(req, tokenizer, find)
+                read_completion_text(req, tokenizer, find, cache)
         elif (isinstance(prompt, list) and prompt
               and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
             if not options.splice:  # token ids mean the same to vLLM: sent as they came
@@ -449,7 +455,7 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
         if body.get("add_generation_prompt", True) is not True:
             raise Unplannable("add_generation_prompt=false is passed to vLLM as it is",
                               "special_tokens")
-        read_chat(req, body, tokenizer, find)
+        read_chat(req, body, tokenizer, find, cache)
         if body.get("max_completion_tokens") is not None:
             sampling["max_tokens"] = body["max_completion_tokens"]
         sampling.setdefault("max_tokens", None)  # chat's default: up to the context's end
