@@ -11,8 +11,8 @@ The counter is a small interface so that counts can be shared: :class:`LocalSigh
 this process (a bounded map, least recently seen forgotten); a fleet-wide counter (one store
 that every host's front counts in) implements the same calls. A request's jobs are counted
 together (:meth:`Sightings.due_all`: one :meth:`SightingCounter.sight_all`), so a shared
-counter is asked once per request, not once per chunk. Nothing here reads a file or
-the registry: everything on a request's path is in memory.
+counter is asked once per request, not once per chunk. Nothing here reads a file or the
+registry: everything on a request's path is in memory.
 """
 
 from __future__ import annotations

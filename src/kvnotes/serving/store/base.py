@@ -143,7 +143,8 @@ class Store(Protocol):
     def incr_sightings(self, names: Sequence[str],
                        ttl_s: float = 86400.0) -> builtins.list[int]:
         """:meth:`incr_sighting` for each of ``names`` in one call (one round trip to a
-        server): their counts, in order. A fault fails the whole call."""
+        server): their counts, in order. A fault raises for the whole call (a server may have
+        counted some of them: Redis runs a transaction's other commands when one fails)."""
         ...
 
     def epoch(self) -> str:

@@ -506,8 +506,9 @@ class RedisStore:
         return self._incr_seen(names, ttl_s, "incr_sightings")
 
     def _incr_seen(self, names: Sequence[str], ttl_s: float, op: str) -> builtins.list[int]:
-        """An INCR and a PEXPIRE per name, sent together (one round trip). In MULTI/EXEC: a
-        client cut off mid-send leaves nothing queued run, so no counter is left unexpiring."""
+        """An INCR and a PEXPIRE per name, sent together (one round trip). In MULTI/EXEC: the
+        server runs them only at EXEC, so a client cut off mid-send leaves no counter without
+        its expiry."""
         if not names:
             return []
         with self._guard(op):
