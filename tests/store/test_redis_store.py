@@ -167,6 +167,29 @@ def test_sightings_count_across_two_hosts_and_expire(redis_url):
     assert a.incr_sighting("chunk-2") == 1
 
 
+def test_a_batch_of_sightings_is_one_transaction_counted_with_the_single_ones(redis_url,
+                                                                             redis_server):
+    a, b = _store(redis_url), _store(redis_url)
+    probe = redis_server.client()
+    assert a.incr_sighting("c1") == 1
+    calls = _calls(probe)
+    assert b.incr_sightings(["c2", "c1", "c3"]) == [1, 2, 1]
+    assert a.incr_sightings(["c3", "c3"], ttl_s=0.2) == [2, 3]  # in order, each counted
+    done = _calls(probe)
+    assert (done["exec"] - calls["exec"], done["incrby"] - calls["incrby"]) == (2, 5)
+    assert a.incr_sightings([]) == [] and _calls(probe)["exec"] == done["exec"]  # no call
+    assert 0 < probe.pttl("kvn:seen:c3") <= 200 and probe.pttl("kvn:seen:c2") > 86_000_000
+    time.sleep(0.4)
+    assert b.incr_sightings(["c3", "c2"]) == [1, 2]
+    probe.close()
+
+
+def _calls(client) -> dict[str, int]:
+    """The server's count of calls per command (INFO commandstats)."""
+    stats = client.info("commandstats")
+    return {cmd: stats.get(f"cmdstat_{cmd}", {}).get("calls", 0) for cmd in ("exec", "incrby")}
+
+
 def test_a_lease_is_held_by_one_host_and_a_dead_holders_lease_expires(redis_url):
     a, b = _store(redis_url), _store(redis_url)
     assert a.acquire_lease("compile:k1", ttl_s=0.5)

@@ -147,8 +147,9 @@ class StoreGate:
 
 class StoreSightings:
     """A :class:`~kvnotes.serving.learning.sightings.SightingCounter` in a store: every host's
-    sightings of a chunk add up. When the store does not answer (or failed moments ago) the
-    sighting is counted in ``fallback``, this process's counter."""
+    sightings of a chunk add up. A request's sightings are one store call
+    (:meth:`sight_all`); when the store does not answer (or failed moments ago) all of them are
+    counted in ``fallback``, this process's counter (each one a ``local_sightings``)."""
 
     def __init__(self, gate: StoreGate, model: str, fallback: LocalSightings,
                  ttl_s: float) -> None:
@@ -158,13 +159,18 @@ class StoreSightings:
         return f"{self.model}:{ident.hex()}"
 
     def sight(self, ident: bytes) -> int:
-        name = self._name(ident)
-        ok, count = self.gate.call("incr_sighting",
-                                   lambda s: s.incr_sighting(name, self.ttl_s))
-        if ok and count is not None:
-            return count
-        self.gate.stats.add("local_sightings")
-        return self.fallback.sight(ident)
+        return self.sight_all([ident])[0]
+
+    def sight_all(self, idents: Sequence[bytes]) -> list[int]:
+        if not idents:
+            return []
+        names = [self._name(ident) for ident in idents]
+        ok, counts = self.gate.call("incr_sightings",
+                                    lambda s: s.incr_sightings(names, self.ttl_s))
+        if ok and counts is not None and len(counts) == len(idents):
+            return counts
+        self.gate.stats.add("local_sightings", len(idents))
+        return self.fallback.sight_all(idents)
 
     def clear(self, ident: bytes) -> None:
         self.fallback.clear(ident)

@@ -139,26 +139,28 @@ class Learner:
     # ---- the request path (in memory only) --------------------------------------------------
     def observe(self, tenant: str | None, chunks: Iterable[SeenChunk]) -> None:
         """Count one request's chunks; queue the ones seen ``after`` times. Never blocks."""
-        for job in self.sightings.chunk_jobs(tenant, chunks):
-            self._count("sightings")
-            self._sighted(job)
+        jobs = self.sightings.chunk_jobs(tenant, chunks)
+        self._count("sightings", len(jobs))
+        self._sighted(jobs)
 
     def observe_variants(self, tenant: str | None,
                          candidates: Iterable[VariantCandidate]) -> None:
         """Count one request's variant candidates; queue the ones seen ``after`` times. Never
         blocks (the same counter, queue and worker as :meth:`observe`)."""
-        for job in self.sightings.variant_jobs(tenant, candidates):
-            self._count("variant_sightings")
-            self._sighted(job)
+        jobs = self.sightings.variant_jobs(tenant, candidates)
+        self._count("variant_sightings", len(jobs))
+        self._sighted(jobs)
 
-    def _sighted(self, job: Job) -> None:
-        if not self.sightings.due(job, self.bounds.holds):
-            return
-        if not self.compile_leases.take(job.ident):
-            return  # queued or compiling already
-        if not self.worker.submit(job):
-            self.compile_leases.give_back(job.ident)
-            self._count("dropped")  # counted on: the next sighting queues it again
+    def _sighted(self, jobs: list[Job]) -> None:
+        """Count one request's jobs (one call to the counter) and queue the due ones."""
+        for job, due in zip(jobs, self.sightings.due_all(jobs, self.bounds.holds), strict=True):
+            if not due:
+                continue
+            if not self.compile_leases.take(job.ident):
+                continue  # queued or compiling already
+            if not self.worker.submit(job):
+                self.compile_leases.give_back(job.ident)
+                self._count("dropped")  # counted on: the next sighting queues it again
 
     def use(self, keys: Iterable[str]) -> None:
         """Count a use of each entry (its hits and last use; written by the worker)."""
@@ -335,6 +337,6 @@ class Learner:
             except Exception as err:  # noqa: BLE001 -- counts are advisory; serving goes on
                 log.warning("kvnotes learner: hits not recorded: %s", err)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            setattr(self.stats, name, getattr(self.stats, name) + 1)
+            setattr(self.stats, name, getattr(self.stats, name) + n)

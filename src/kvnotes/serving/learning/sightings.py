@@ -9,8 +9,10 @@ already learned (its entry still in the learned index) or known never to match.
 
 The counter is a small interface so that counts can be shared: :class:`LocalSightings` counts in
 this process (a bounded map, least recently seen forgotten); a fleet-wide counter (one store
-that every host's front counts in) implements the same two calls. Nothing here reads a file or
-the registry: everything on a request's path is in memory.
+that every host's front counts in) implements the same calls. A request's jobs are counted
+together (:meth:`Sightings.due_all`: one :meth:`SightingCounter.sight_all`), so a shared
+counter is asked once per request, not once per chunk. Nothing here reads a file or the
+registry: everything on a request's path is in memory.
 """
 
 from __future__ import annotations
@@ -70,12 +72,18 @@ class Job:
 class SightingCounter(Protocol):
     """Where sightings are counted (in this process, or in a store a fleet shares).
 
-    :meth:`sight` is called on a request's path: a shared implementation bounds its wait (a
-    short timeout, then a local count or no count) rather than hold the request.
+    :meth:`sight_all` (and :meth:`sight`) is called on a request's path: a shared
+    implementation bounds its wait (a short timeout, then a local count or no count) rather
+    than hold the request.
     """
 
     def sight(self, ident: bytes) -> int:
         """Count one sighting of ``ident``; return its sightings so far, this one included."""
+        ...
+
+    def sight_all(self, idents: Sequence[bytes]) -> list[int]:
+        """:meth:`sight` each of ``idents`` in one call (a shared implementation: one round
+        trip); their counts, in order."""
         ...
 
     def clear(self, ident: bytes) -> None:
@@ -102,11 +110,18 @@ class LocalSightings:
 
     def sight(self, ident: bytes) -> int:
         with self._lock:
-            count = self._seen.pop(ident, 0) + 1
-            self._seen[ident] = count
-            while len(self._seen) > self.max_tracked:
-                self._seen.popitem(last=False)
-            return count
+            return self._sight(ident)
+
+    def sight_all(self, idents: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            return [self._sight(ident) for ident in idents]
+
+    def _sight(self, ident: bytes) -> int:
+        count = self._seen.pop(ident, 0) + 1
+        self._seen[ident] = count
+        while len(self._seen) > self.max_tracked:
+            self._seen.popitem(last=False)
+        return count
 
     def clear(self, ident: bytes) -> None:
         with self._lock:
@@ -161,6 +176,21 @@ class Sightings:
     def due(self, job: Job, holds: Callable[[str], bool]) -> bool:
         """Count one sighting of ``job``; True when it is due (``holds(key)``: whether the
         learned index still holds an entry). A learned or unmatchable job is not counted."""
+        return self._counted(job, holds) and self.counter.sight(job.ident) >= self.after
+
+    def due_all(self, jobs: Sequence[Job], holds: Callable[[str], bool]) -> list[bool]:
+        """:meth:`due` for each of one request's ``jobs``, in order, their sightings counted
+        in one call to the counter (none when none is counted)."""
+        counted = [i for i, job in enumerate(jobs) if self._counted(job, holds)]
+        due = [False] * len(jobs)
+        if counted:
+            counts = self.counter.sight_all([jobs[i].ident for i in counted])
+            for i, count in zip(counted, counts, strict=True):
+                due[i] = count >= self.after
+        return due
+
+    def _counted(self, job: Job, holds: Callable[[str], bool]) -> bool:
+        """False when ``job`` is learned (its entry still held) or unmatchable: not counted."""
         with self._lock:
             key = self._known.get(job.ident)
         if key is not None:
@@ -169,7 +199,7 @@ class Sightings:
             with self._lock:  # gone since: counted from scratch
                 if self._known.get(job.ident) == key:
                     del self._known[job.ident]
-        return self.counter.sight(job.ident) >= self.after
+        return True
 
     def learned(self, ident: bytes, key: str) -> None:
         """``ident`` was compiled to entry ``key`` ("": it is never learned)."""

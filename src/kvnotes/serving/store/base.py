@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -138,6 +138,13 @@ class Store(Protocol):
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
         """Count one more sighting of ``name`` (a chunk's identity) and return the count; a
         count not incremented for ``ttl_s`` seconds starts again from zero."""
+        ...
+
+    def incr_sightings(self, names: Sequence[str],
+                       ttl_s: float = 86400.0) -> builtins.list[int]:
+        """:meth:`incr_sighting` for each of ``names`` in one call (one round trip to a
+        server): their counts, in order. A fault raises for the whole call (a server may have
+        counted some of them: Redis runs a transaction's other commands when one fails)."""
         ...
 
     def epoch(self) -> str:

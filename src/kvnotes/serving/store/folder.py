@@ -15,7 +15,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvnotes.core import files
@@ -237,6 +237,10 @@ class FolderStore:
     # ---- what learners agree on ---------------------------------------------------------------
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
         return self._coord.incr(name, ttl_s)
+
+    def incr_sightings(self, names: Sequence[str],
+                       ttl_s: float = 86400.0) -> builtins.list[int]:
+        return [self._coord.incr(name, ttl_s) for name in names]
 
     def clear_sighting(self, name: str) -> None:
         self._coord.clear(name)

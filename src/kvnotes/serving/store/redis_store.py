@@ -38,7 +38,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -499,13 +499,26 @@ class RedisStore:
 
     # ---- what learners agree on ---------------------------------------------------------------
     def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
-        key = f"{self.settings.prefix}:seen:{name}"
-        with self._guard("incr_sighting"):
+        return self._incr_seen([name], ttl_s, "incr_sighting")[0]
+
+    def incr_sightings(self, names: Sequence[str],
+                       ttl_s: float = 86400.0) -> builtins.list[int]:
+        return self._incr_seen(names, ttl_s, "incr_sightings")
+
+    def _incr_seen(self, names: Sequence[str], ttl_s: float, op: str) -> builtins.list[int]:
+        """An INCR and a PEXPIRE per name, sent together (one round trip). In MULTI/EXEC: the
+        server runs them only at EXEC, so a client cut off mid-send leaves no counter without
+        its expiry."""
+        if not names:
+            return []
+        with self._guard(op):
             pipe = self.client.pipeline(transaction=True)
-            pipe.incr(key)
-            pipe.pexpire(key, int(ttl_s * 1000))
-            count, _ = pipe.execute()
-        return int(count)
+            for name in names:
+                key = f"{self.settings.prefix}:seen:{name}"
+                pipe.incr(key)
+                pipe.pexpire(key, int(ttl_s * 1000))
+            replies = pipe.execute()
+        return [int(count) for count in replies[::2]]
 
     def epoch(self) -> str:
         key = f"{self.settings.prefix}:epoch"
