@@ -16,7 +16,7 @@ values.
 from __future__ import annotations
 
 import json
-from typing import NoReturn, TypedDict
+from typing import NoReturn, TypeAlias, TypedDict
 
 from kvnotes.serving.front.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 from kvnotes.serving.json_types import (
@@ -35,6 +35,7 @@ from kvnotes.serving.json_types import (
 from kvnotes.serving.protocol import UsageKvnotes
 
 DONE = b"data: [DONE]\n\n"
+ClientChunk: TypeAlias = "CompletionChunk | ChatCompletionChunk"  # a streamed chunk as sent
 
 
 class InvalidEvent(str):
@@ -189,7 +190,7 @@ class Shaper:
                 "finish_reason": choice.get("finish_reason")}
 
     def chunk(self, chunk: CompletionChunk, kvnotes: UsageKvnotes
-              ) -> list[CompletionChunk | ChatCompletionChunk]:
+              ) -> list[ClientChunk]:
         """The client's chunks for one streamed vLLM chunk (the usage chunk gets ``kvnotes``;
         it is dropped when the client did not ask for usage)."""
         choices = chunk.get("choices") or []
@@ -205,7 +206,7 @@ class Shaper:
                      "choices": [{**c, "logprobs": trim_logprobs(c.get("logprobs"),
                                                                  self.logprobs)}
                                  for c in choices]}]
-        out: list[CompletionChunk | ChatCompletionChunk] = []
+        out: list[ClientChunk] = []
         if not self._role_sent:
             self._role_sent = True
             out.append({**self._chat_head(chunk), "choices": [{
@@ -222,7 +223,7 @@ class Shaper:
         return out
 
     def _tool_chunks(self, chunk: CompletionChunk, choices: list[CompletionChoice]
-                     ) -> list[CompletionChunk | ChatCompletionChunk]:
+                     ) -> list[ClientChunk]:
         """A streamed chunk of a chat with tools (one choice): the text that cannot be a call,
         and at the end the rest of the content and the calls."""
         c = choices[0]
@@ -235,7 +236,7 @@ class Shaper:
         lp = chat_logprobs(c.get("logprobs"), self.logprobs)
         if not text and not finish and lp is None:
             return []
-        out: list[CompletionChunk | ChatCompletionChunk] = [{**self._chat_head(chunk), "choices": [{
+        out: list[ClientChunk] = [{**self._chat_head(chunk), "choices": [{
             "index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
             "finish_reason": None if calls else finish,
             "stop_reason": None if calls else c.get("stop_reason")}]}]

@@ -209,8 +209,8 @@ class Proxy:
                            **headers}, stream=self._shaped(held, events, shaper, info, fp, call),
                      upstream=resp)
 
-    async def _shaped(self, held: list[Event], events: AsyncGenerator[Event, None], shaper: Shaper,
-                      info: UsageBuilder, fp: FrontPlan | None, call: Call
+    async def _shaped(self, held: list[Event], events: AsyncGenerator[Event, None],
+                      shaper: Shaper, info: UsageBuilder, fp: FrontPlan | None, call: Call
                       ) -> AsyncGenerator[bytes, None]:
         """The client's events; a stream that breaks or sends what is not JSON ends with an
         error event and ``[DONE]``."""

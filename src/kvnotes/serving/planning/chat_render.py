@@ -299,8 +299,8 @@ def _render_text(tokenizer: Any, msgs: Sequence[_Message], tools: list[ToolSpec]
     if layout == "default":
         return _default_text(turns)
     plain: list[ChatMessage] = [{"role": "user" if role == "tool" else role,
-              "content": f"<tool_response>\n{text}\n</tool_response>" if role == "tool"
-              else text} for role, text in turns]
+                                 "content": f"<tool_response>\n{text}\n</tool_response>"
+                                 if role == "tool" else text} for role, text in turns]
     return _render_template(tokenizer, plain, None)
 
 
