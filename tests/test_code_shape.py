@@ -1,9 +1,12 @@
 """The code's shape: no module over 600 lines and no function over 80 in ``serving/`` and
-``cli/`` (issue 47's goal). Read with ``ast``, so the offenders are listed with their length."""
+``cli/``, and no function of ``serving/`` whose signature passes JSON as an untyped dict
+(``dict[str, Any]``, a bare ``dict`` or ``Mapping``: :mod:`kvnotes.serving.json_types` has the
+JSON types). Read with ``ast``, so the offenders are listed with their length or annotation."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvnotes"
 FOLDERS = ("serving", "cli")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+TYPED_FOLDER = "serving"
+_MAPPINGS = r"(?:dict|Dict|Mapping|MutableMapping)"
+# an untyped JSON object: a mapping of str to Any, or a mapping with no type arguments
+UNTYPED_DICT = re.compile(rf"\b{_MAPPINGS}\[str, *(?:typing\.)?Any\]|\b{_MAPPINGS}\b(?!\s*\[)")
 
 
 def module_lengths(root: Path) -> dict[str, int]:
@@ -73,3 +80,58 @@ def test_the_checks_find_offenders(tmp_path: Path) -> None:
     assert found == [f"pkg/long.py:7 A.long: {MAX_FUNCTION_LINES + 1} lines"]
     assert offenders(module_lengths(source.parent), 10) == [
         f"pkg/long.py: {MAX_FUNCTION_LINES + 7} lines"]
+
+
+def untyped_dicts(path: Path, root: Path) -> list[str]:
+    """Every annotation of a function's or method's parameters and return in ``path`` that
+    :data:`UNTYPED_DICT` matches (``path:line qualified.name: annotation``, the path relative to
+    ``root``'s parent)."""
+    tree = ast.parse(path.read_text("utf-8"))
+    where = path.relative_to(root.parent)
+    out: list[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+                notes = [p.annotation for p in params if p is not None and p.annotation]
+                notes += [child.returns] if child.returns is not None else []
+                for note in notes:
+                    text = ast.unparse(note)
+                    if UNTYPED_DICT.search(text):
+                        out.append(f"{where}:{note.lineno} {prefix}{child.name}: {text}")
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
+
+
+def test_no_untyped_json_in_signatures() -> None:
+    found: list[str] = []
+    for path in sorted((PACKAGE / TYPED_FOLDER).rglob("*.py")):
+        found += untyped_dicts(path, PACKAGE)
+    assert not found, ("signatures with an untyped dict (use kvnotes.serving.json_types or a "
+                       "dataclass):\n" + "\n".join(found))
+
+
+def test_the_untyped_dict_check_finds_offenders(tmp_path: Path) -> None:
+    source = tmp_path / "pkg" / "json.py"
+    source.parent.mkdir()
+    source.write_text(
+        "from typing import Any, Mapping\n\n"
+        "def ok(a: dict[str, int], b: Mapping[str, object], c: 'JsonObject') -> list[Any]:\n"
+        "    return []\n\n"
+        "class A:\n"
+        "    def f(self, a: dict[str, Any], *, b: Mapping | None = None) -> dict:\n"
+        "        return {}\n\n"
+        "async def g(**kw: 'typing.Mapping[str, typing.Any]') -> tuple[Dict[str, Any], int]:\n"
+        "    return {}, 0\n", "utf-8")
+    assert untyped_dicts(source, source.parent) == [
+        "pkg/json.py:7 A.f: dict[str, Any]", "pkg/json.py:7 A.f: Mapping | None",
+        "pkg/json.py:7 A.f: dict", "pkg/json.py:10 g: 'typing.Mapping[str, typing.Any]'",
+        "pkg/json.py:10 g: tuple[Dict[str, Any], int]"]

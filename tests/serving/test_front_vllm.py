@@ -63,7 +63,7 @@ def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2)
     got = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
     info = got.usage.model_extra["kvnotes"]
     assert got.choices[0].text == want.text
-    assert info["plan"]["ranges"] == want.plan["ranges"]
+    assert want.plan is not None and info["plan"]["ranges"] == want.plan.to_dict()["ranges"]
     assert info["phases"] == want.phases and info["guard_fired"] is False
     assert info["spliced_tokens"] == want.spliced_tokens
     assert got.usage.prompt_tokens == want.prompt_tokens
@@ -73,7 +73,7 @@ def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2)
                                      stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
-    assert chunks[-1].usage.model_extra["kvnotes"]["plan"]["ranges"] == want.plan["ranges"]
+    assert chunks[-1].usage.model_extra["kvnotes"]["plan"]["ranges"] == want.plan.to_dict()["ranges"]
 
     async def through_async() -> str:
         client = openai.AsyncOpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0,
@@ -141,8 +141,9 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     assert want.ok, want.error
     got = front.send("repaired", parts, 16)
     assert got.ok, got.error
-    assert got.plan is not None and got.plan["ranges"] == want.plan["ranges"]
-    assert len(got.plan["skills"]) == len(parts) - 1  # the header and every function
+    assert got.plan is not None and want.plan is not None
+    assert got.plan.ranges == want.plan.ranges
+    assert len(got.plan.skills) == len(parts) - 1  # the header and every function
     assert got.text == want.text and got.phases == want.phases
     fid = measure_fidelity(front, [parts], 16, ("compose", "repaired"), prompt_set=cases)
     assert [f.samples for f in fid] == [1, 1] and [f.forwarded for f in fid] == [0, 0]

@@ -190,8 +190,9 @@ def test_a_phased_request_equals_engine_compose_with_the_same_repair(phased, smo
     got = tenant_client(client, smollm2.tokenizer).complete(parts, max_tokens=16,
                                                             repair=Repair(first=32))
     assert got.ok, got.error
-    plan = got.plan
-    assert plan is not None and plan["repair"] == {"first": 32, "align": block, "share": 0.0,
+    assert got.plan is not None
+    plan = got.plan.to_dict()
+    assert plan["repair"] == {"first": 32, "align": block, "share": 0.0,
                                                "skip_exact": True}
     # the header and the first skill (at their origins) are spliced whole; the other two skills'
     # first tokens are computed, each region ending on a block boundary, one phase each
@@ -216,7 +217,7 @@ def test_repeats_reuse_their_phases(phased):
     assert again.text == first.text
     # each repeated phase is a local hit over its whole region (only its one extra token is
     # computed); the real request hits the first one's blocks, user text included
-    assert again.phase_cached_tokens == (again.plan or {})["phase_ends"]
+    assert again.plan is not None and again.phase_cached_tokens == list(again.plan.phase_ends)
     assert again.cached_tokens is not None and first.cached_tokens is not None
     assert again.prompt_tokens is not None and client.block_size is not None
     assert again.cached_tokens >= max(first.cached_tokens, again.prompt_tokens - client.block_size)

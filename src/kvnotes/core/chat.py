@@ -11,6 +11,7 @@ about BOS (see docs/design.md, "Beginning of sequence").
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +26,9 @@ def has_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], *,
-           generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+def render(tokenizer: Any, messages: Sequence[Mapping[str, object]], *,
+           generation_prompt: bool = False, tools: Sequence[Mapping[str, object]] | None = None
+           ) -> str:
     """The chat template applied to ``messages`` (and ``tools``, for a template that renders
     them), as text (the only call of the template)."""
     if tools:

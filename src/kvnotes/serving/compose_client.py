@@ -23,10 +23,11 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.core.repair import Repair
+from kvnotes.serving.json_types import CompletionBody, UpstreamBody
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.piece_store import PieceStore
 from kvnotes.serving.library.splice import PieceIndex
@@ -40,6 +41,7 @@ from kvnotes.serving.planning.phases import (
     part_spans,
     plan_phases,
 )
+from kvnotes.serving.protocol import PlanReport, UsageKvnotes
 from kvnotes.serving.upstream import check_loopback_url
 
 # body keys the openai client does not know: sent through extra_body
@@ -68,10 +70,10 @@ class ComposeResult:
     spliced_tokens: int | None = None
     margin: float | None = None
     guard_fired: bool | None = None
-    plan: dict[str, Any] | None = None
+    plan: PlanReport | None = None
     # the answer of kvnotes' OpenAI front: its ``usage.kvnotes`` (None: not sent by a front,
     # or forwarded there exactly)
-    usage_kvnotes: dict[str, Any] | None = None
+    usage_kvnotes: UsageKvnotes | None = None
 
     @property
     def reused_fraction(self) -> float | None:
@@ -161,10 +163,9 @@ class ComposeClient:
             if parts is None:
                 raise ServingError("complete() needs parts or ids")
             ids = self.prompt_ids(parts)
-        extra: dict[str, Any] = {}
-        if salt is not None or splice:
-            extra["cache_salt"] = salt if salt is not None else self.salt
-        return self._stream(ids, extra, max_tokens=max_tokens, logprobs=logprobs)
+        if salt is None and splice:
+            salt = self.salt
+        return self._stream(ids, salt, max_tokens=max_tokens, logprobs=logprobs)
 
     def _phased(self, parts: Sequence[str], repair: Repair, guard: float | None, *,
                 max_tokens: int, logprobs: int | None) -> ComposeResult:
@@ -194,17 +195,20 @@ class ComposeClient:
         res.phases, res.phase_errors, res.phase_cached_tokens = len(cached), errors, cached
         res.spliced_tokens = 0 if fired else plan.spliced_tokens
         res.guard_fired = None if guard is None else fired
-        res.plan = plan.to_dict()
+        res.plan = plan.report()
         return res
 
-    def _stream(self, ids: Sequence[int], extra: dict[str, Any], *, max_tokens: int,
+    def _stream(self, ids: Sequence[int], salt: str | None, *, max_tokens: int,
                 logprobs: int | None) -> ComposeResult:
         body = completion_body(ids, self.model, max_tokens=max_tokens, logprobs=logprobs)
-        return self.send({**body, **extra})
+        if salt is not None:
+            body["cache_salt"] = salt
+        return self.send(body)
 
-    def send(self, body: dict[str, Any], *, t0: float | None = None,
+    def send(self, body: CompletionBody | UpstreamBody, *, t0: float | None = None,
              stop: Callable[[ComposeResult], bool] | None = None) -> ComposeResult:
-        """Stream one prepared ``/v1/completions`` body (e.g. a :class:`PhasePlan`'s); ``stop``
+        """Stream one prepared ``/v1/completions`` body (e.g. a :class:`PhasePlan`'s, or a
+        client's for kvnotes' front, whose ``usage.kvnotes`` is read); ``stop``
         is asked once the first token is in and ends the stream early when it says so (the
         answer then comes from elsewhere). TTFT counts from ``t0`` (default: now)."""
         res = ComposeResult(ok=False)
@@ -212,7 +216,8 @@ class ComposeClient:
         std, extra = _split(body)
         std = {**std, "stream": True, "stream_options": {"include_usage": True}}
         try:
-            stream = self._client.completions.create(**std, extra_body=extra or None)
+            # the SDK checks its own fields' values
+            stream = self._client.completions.create(**cast(Any, std), extra_body=extra or None)
             for chunk in stream:
                 first = res.ttft_s is None
                 for choice in chunk.choices or []:
@@ -229,7 +234,7 @@ class ComposeClient:
                     res.cached_tokens = getattr(details, "cached_tokens", None) if details else None
                     extra = getattr(chunk.usage, "model_extra", None) or {}
                     if isinstance(extra.get("kvnotes"), dict):
-                        res.usage_kvnotes = extra["kvnotes"]
+                        res.usage_kvnotes = UsageKvnotes.from_dict(extra["kvnotes"])
                 if first and res.ttft_s is not None and stop is not None and stop(res):
                     stream.close()
                     break
@@ -242,10 +247,12 @@ class ComposeClient:
         return res
 
 
-def _split(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A completions body as the openai client takes it: its own keys, and ``extra_body``."""
-    std = {k: v for k, v in body.items() if k not in _EXTRA_KEYS}
-    return std, {k: body[k] for k in _EXTRA_KEYS if k in body}
+def _split(body: CompletionBody | UpstreamBody) -> tuple[dict[str, object], dict[str, object]]:
+    """A completions body as the openai client takes it: the keyword arguments of its own
+    fields, and ``extra_body``."""
+    fields: dict[str, object] = dict(body)
+    std = {k: v for k, v in fields.items() if k not in _EXTRA_KEYS}
+    return std, {k: fields[k] for k in _EXTRA_KEYS if k in fields}
 
 
 def cold_salt() -> str:

@@ -35,10 +35,10 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
+from kvnotes.serving.json_types import JsonObject, JsonValue
 from kvnotes.serving.library.splice import SpliceRange
 
 # The version of every message here; a reader refuses another one (a front and a connector of
@@ -71,7 +71,7 @@ class Outcome(StrEnum):
 
 # ---- reading JSON values strictly -----------------------------------------------------------
 def _fields(what: str, value: object, known: Sequence[str], required: Sequence[str] = ()
-            ) -> Mapping[str, Any]:
+            ) -> Mapping[str, object]:
     if not isinstance(value, Mapping):
         raise ProtocolError(f"{what}: expected a JSON object, got {type(value).__name__}")
     for name in value:
@@ -111,7 +111,7 @@ def _str(what: str, value: object) -> str:
     return value
 
 
-def _list(what: str, value: object) -> list[Any]:
+def _list(what: str, value: object) -> list[object]:
     if not isinstance(value, (list, tuple)):
         raise ProtocolError(f"{what}: expected a list, got {type(value).__name__}")
     return list(value)
@@ -165,9 +165,9 @@ class SpliceRequest:
                 raise ProtocolError(f"{self._WHAT}: range {b.to_list()} overlaps the one "
                                     f"before it ({a.to_list()})")
 
-    def to_params(self) -> dict[str, Any]:
+    def to_params(self) -> JsonObject:
         """The request's ``kv_transfer_params``."""
-        body: dict[str, Any] = {"v": self.version, "ranges": [r.to_list() for r in self.ranges]}
+        body: JsonObject = {"v": self.version, "ranges": [list(r.to_list()) for r in self.ranges]}
         if self.keys:
             body["keys"] = list(self.keys)
         if self.tenant is not None:
@@ -212,7 +212,7 @@ class LoadedRange:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def to_list(self) -> list[Any]:
+    def to_list(self) -> list[JsonValue]:
         return [self.piece_start, self.start, self.end, self.key]
 
     @classmethod
@@ -271,14 +271,14 @@ class SpliceReport:
         supplied)."""
         return max(0, self.prompt_tokens - self.local_hit - self.supplied)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"v": self.version, "prompt_tokens": self.prompt_tokens,
                 "local_hit": self.local_hit, "loaded": [r.to_list() for r in self.loaded],
                 "failed": [list(s) for s in self.failed], "refused": self.refused,
                 "entries": list(self.entries), "supplied": self.supplied,
                 "computed": self.computed}
 
-    def to_params(self) -> dict[str, Any]:
+    def to_params(self) -> JsonObject:
         """The ``kv_transfer_params`` the connector returns from ``request_finished``."""
         return {PARAMS_KEY: self.to_dict()}
 
@@ -301,8 +301,9 @@ class SpliceReport:
         for name in ("entries", "supplied", "computed"):
             if name in d:
                 want = getattr(report, name)
-                got = tuple(d[name]) if name == "entries" and isinstance(d[name], list) \
-                    else d[name]
+                got = d[name]
+                if name == "entries" and isinstance(got, list):
+                    got = tuple(got)
                 if got != want:
                     raise ProtocolError(f"{w}: {name} is {d[name]!r}, the report's ranges give "
                                         f"{list(want) if name == 'entries' else want!r}")
@@ -345,7 +346,7 @@ class RepairPolicy:
         return Repair(first=self.first, align=self.align, share=self.share,
                       skip_exact=self.skip_exact)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"first": self.first, "align": self.align, "share": self.share,
                 "skip_exact": self.skip_exact}
 
@@ -369,7 +370,7 @@ class PlanEntry:
     end: int
     repaired: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"name": self.name, "key": self.key, "start": self.start, "end": self.end,
                 "repaired": self.repaired}
 
@@ -407,10 +408,10 @@ class PlanReport:
     def repaired_tokens(self) -> int:
         return sum(b - a for a, b in self.regions)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"prompt_len": self.prompt_len, "block_size": self.block_size,
                 "repair": self.repair.to_dict(), "salt": self.salt,
-                "ranges": [r.to_list() for r in self.ranges],
+                "ranges": [list(r.to_list()) for r in self.ranges],
                 "regions": [list(r) for r in self.regions],
                 "phase_ends": list(self.phase_ends), "spliced_tokens": self.spliced_tokens,
                 "repaired_tokens": self.repaired_tokens, "skills": list(self.skills),
@@ -472,7 +473,7 @@ class UsageKvnotes:
 
     _WHAT = "usage.kvnotes"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"v": self.version, "spliced_tokens": self.spliced_tokens, "phases": self.phases,
                 "guard_fired": self.guard_fired,
                 "plan": None if self.plan is None else self.plan.to_dict(),

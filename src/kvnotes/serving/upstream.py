@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.json_types import JsonObject, JsonValue
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -60,9 +61,10 @@ class Client:
             self._http.close()
             self._http = None
 
-    def request(self, method: str, path: str, body: Any = None, *,
+    def request(self, method: str, path: str, body: JsonValue = None, *,
                 timeout: float | None = None) -> tuple[int, bytes]:
-        """``(status, body bytes)``; connection problems raise :class:`ServingError`."""
+        """``(status, body bytes)`` (``body``: sent as JSON); connection problems raise
+        :class:`ServingError`."""
         import httpx2
 
         try:
@@ -73,7 +75,7 @@ class Client:
             raise ServingError(f"cannot reach the server at {self.url} ({method} {path}): "
                                f"{err!r}") from err
 
-    def get_json(self, path: str, *, timeout: float | None = None) -> Any:
+    def get_json(self, path: str, *, timeout: float | None = None) -> JsonValue:
         import json
 
         status, data = self.request("GET", path, timeout=timeout)
@@ -97,22 +99,38 @@ class Client:
             raise ServingError(f"GET {self.url}/metrics returned HTTP {status}")
         return data.decode(errors="replace")
 
+    def get_object(self, path: str, *, timeout: float | None = None) -> JsonObject:
+        """:meth:`get_json` of an endpoint that answers a JSON object."""
+        data = self.get_json(path, timeout=timeout)
+        if not isinstance(data, dict):
+            raise ServingError(f"GET {self.url}{path} did not return a JSON object: "
+                               f"{type(data).__name__}")
+        return data
+
+    def _models(self) -> list[JsonObject]:
+        listed = self.get_object("/v1/models", timeout=30).get("data", [])
+        if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+            raise ServingError(f"GET {self.url}/v1/models did not list models")
+        return [m for m in listed if isinstance(m, dict)]
+
     def models(self) -> list[str]:
         """The model names the server serves (``/v1/models``)."""
-        return [m["id"] for m in self.get_json("/v1/models", timeout=30).get("data", [])]
+        return [str(m["id"]) for m in self._models()]
 
     def max_model_len(self, model: str) -> int | None:
         """The served model's context limit when the server reports it (vLLM does)."""
-        for m in self.get_json("/v1/models", timeout=30).get("data", []):
-            if m.get("id") == model and m.get("max_model_len"):
-                return int(m["max_model_len"])
+        for m in self._models():
+            limit = m.get("max_model_len")
+            if m.get("id") == model and limit and isinstance(limit, (int, float, str)):
+                return int(limit)
         return None
 
     def version(self) -> str | None:
         try:
-            return self.get_json("/version", timeout=10).get("version")
+            version = self.get_object("/version", timeout=10).get("version")
         except ServingError:
             return None
+        return None if version is None else str(version)
 
     def count_tokens(self, model: str, text: str) -> int:
         """Tokens of ``text`` by the server's tokenizer (vLLM's ``POST /tokenize``)."""

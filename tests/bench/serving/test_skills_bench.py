@@ -26,6 +26,7 @@ from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult
 from kvnotes.serving.planning.layout import prompt_ids
+from kvnotes.serving.protocol import PlanReport, RepairPolicy, UsageKvnotes
 
 
 def test_requests_pick_k_distinct_skills_in_random_order():
@@ -318,6 +319,7 @@ def test_fidelity_reads_decisions_and_right_tools(tokenizer):
 
 def test_front_clients_send_text_with_the_policy_options(tokenizer):
     sent = []
+    plan = PlanReport(10, 16, RepairPolicy(32, 16), "salt", (), (), (), ("a",))
 
     class Front:
         model = "m"
@@ -327,8 +329,7 @@ def test_front_clients_send_text_with_the_policy_options(tokenizer):
             planned = body["kvnotes"].get("splice", True)
             return ComposeResult(
                 ok=True, text="x", tokens=["x"], top_logprobs=[{"x": -0.5, "y": -1.75}],
-                usage_kvnotes=({"phases": 2, "spliced_tokens": 300, "guard_fired": True,
-                                "plan": {"skills": ["a"]}} if planned else None))
+                usage_kvnotes=(UsageKvnotes(300, 2, True, plan) if planned else None))
 
     fc = FrontClients(plain=None, front=Front(), tau=0.7)  # type: ignore[arg-type]
     assert fc.options("prefix") == {"splice": False}
@@ -338,7 +339,7 @@ def test_front_clients_send_text_with_the_policy_options(tokenizer):
     res = fc.send("guarded", ["head", "skill", "question"], 4, logprobs=2)
     assert sent[-1]["prompt"] == "headskillquestion" and sent[-1]["logprobs"] == 2
     assert (res.phases, res.spliced_tokens, res.guard_fired) == (2, 300, True)
-    assert res.margin == pytest.approx(1.25) and res.plan == {"skills": ["a"]}
+    assert res.margin == pytest.approx(1.25) and res.plan == plan
     res = fc.send("cold", ["head", "q"], 4)
     assert sent[-1]["cache_salt"].startswith("cold-") and sent[-1]["kvnotes"] == {"splice": False}
     assert res.phases == 0 and res.guard_fired is None  # forwarded: nothing planned

@@ -38,6 +38,7 @@ from kvnotes.serving.compose_client import ComposeResult
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import read_request
+from kvnotes.serving.protocol import PlanEntry, PlanReport, RepairPolicy, UsageKvnotes
 from kvnotes.serving.skills import ServingSkills
 
 HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
@@ -145,11 +146,11 @@ def test_config_clients_and_prompts_of_the_variants_policy():
 
 
 def _case(key: str, repaired: int) -> ComposeResult:
-    entries = [{"name": "h", "key": "hdr", "start": 0, "end": 5, "repaired": 0},
-               {"name": "s", "key": key, "start": 5, "end": 20, "repaired": repaired}]
+    entries = (PlanEntry("h", "hdr", 0, 5, 0), PlanEntry("s", key, 5, 20, repaired))
+    plan = PlanReport(40, 16, RepairPolicy(0, 16), "salt", (), ((5, 5 + repaired),) if repaired
+                      else (), (), ("h", "s"), entries)
     return ComposeResult(ok=True, text="x", tokens=["x"], prompt_tokens=40, spliced_tokens=30,
-                         usage_kvnotes={"phases": 1},
-                         plan={"repaired_tokens": repaired, "entries": entries})
+                         usage_kvnotes=UsageKvnotes(phases=1, plan=plan), plan=plan)
 
 
 def test_recompute_shares_variant_hits_and_the_report():
@@ -199,7 +200,7 @@ class _Front:
     def send(self, body: dict) -> ComposeResult:
         self.bodies.append(body)
         return ComposeResult(ok=True, text="x", tokens=["x"],
-                             usage_kvnotes={"phases": 1, "guard_fired": True, "plan": {}})
+                             usage_kvnotes=UsageKvnotes(phases=1, guard_fired=True))
 
 
 def test_variants_guarded_is_variants_with_the_runs_guard():

@@ -20,6 +20,7 @@ from kvnotes.bench.serving.skills_variants import VARIANTS_TENANT
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
+from kvnotes.serving.json_types import CompletionBody
 from kvnotes.serving.planning.phases import margin
 
 
@@ -101,7 +102,7 @@ class FrontClients:
              logprobs: int | None = None) -> ComposeResult:
         if policy not in SKILL_POLICIES:
             raise UnknownNameError("policy", policy, SKILL_POLICIES)
-        body: dict[str, Any] = {"model": self.front.model, "prompt": "".join(parts),
+        body: CompletionBody = {"model": self.front.model, "prompt": "".join(parts),
                                 "max_tokens": int(max_tokens), "temperature": 0.0,
                                 "kvnotes": self.options(policy)}
         if logprobs is not None:
@@ -111,11 +112,10 @@ class FrontClients:
         res = self.front.send(body)
         info = res.usage_kvnotes
         if info is not None:  # planned and spliced by the front (else forwarded exactly)
-            res.phases = int(info.get("phases") or 0)
-            res.spliced_tokens = info.get("spliced_tokens")
-            res.guard_fired = (bool(info.get("guard_fired")) if policy in GUARDED_POLICIES
-                               else None)
-            res.plan = info.get("plan")
+            res.phases = info.phases
+            res.spliced_tokens = info.spliced_tokens
+            res.guard_fired = info.guard_fired if policy in GUARDED_POLICIES else None
+            res.plan = info.plan
         res.margin = margin(res.top_logprobs[0]) if res.top_logprobs else None
         return res
 

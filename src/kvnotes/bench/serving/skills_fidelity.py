@@ -104,6 +104,7 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
                    prompt_set: PromptSet | None) -> dict[str, Any]:
     if not (got.ok and ref.ok):
         return {**info, "error": got.error or ref.error}
+    plan = got.plan.to_dict() if got.plan is not None else {}
     case: dict[str, Any] = {
         **info,
         "first_token_agree": bool(got.tokens and ref.tokens and got.tokens[0] == ref.tokens[0]),
@@ -112,13 +113,12 @@ def _fidelity_case(got: ComposeResult, ref: ComposeResult, info: dict[str, Any],
         "exact_prompt_tokens": ref.prompt_tokens, "margin": got.margin,
         "guard_fired": got.guard_fired, "phases": got.phases,
         "spliced_tokens": got.spliced_tokens,
-        "skills_found": (got.plan or {}).get("skills") if got.usage_kvnotes is not None
-        else None,
+        "skills_found": plan.get("skills") if got.usage_kvnotes is not None else None,
         # not spliced: forwarded, or sent exactly as its part-wise ids
         "forwarded": got.plan is None,
         # what the plan recomputed, and which entry each piece was spliced from
-        "repaired_tokens": (got.plan or {}).get("repaired_tokens"),
-        "entries": (got.plan or {}).get("entries")}
+        "repaired_tokens": plan.get("repaired_tokens"),
+        "entries": plan.get("entries")}
     if got.top_logprobs and ref.top_logprobs:
         a, b = set(got.top_logprobs[0]), set(ref.top_logprobs[0])
         case["top20_overlap"] = len(a & b) / max(1, len(b))

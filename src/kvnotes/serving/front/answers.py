@@ -19,9 +19,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvnotes.serving import json_types as jt
 
 
 class _Open(BaseModel):
@@ -63,21 +65,23 @@ class WrongShape(ValueError):
     """An upstream answer that is not what vLLM sends (``str(err)``: where, and how)."""
 
 
-def _checked(model: type[BaseModel], data: Any) -> Any:
+def _checked(model: type[BaseModel], data: object) -> dict[str, object]:
     try:
         model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the answer"
         raise WrongShape(f"{where}: {first['msg']}") from None
-    return data
+    if not isinstance(data, dict):  # a model validates objects only: never taken
+        raise WrongShape("the answer is not an object")
+    return dict(data)
 
 
-def check_completion(data: Any) -> dict[str, Any]:
+def check_completion(data: object) -> jt.Completion:
     """``data`` when it is a completion as vLLM sends it; :class:`WrongShape` otherwise."""
-    return dict(_checked(Completion, data))
+    return cast(jt.Completion, _checked(Completion, data))  # its fields as Completion checks
 
 
-def check_chunk(data: Any) -> dict[str, Any]:
+def check_chunk(data: object) -> jt.CompletionChunk:
     """``data`` when it is a streamed completion chunk; :class:`WrongShape` otherwise."""
-    return dict(_checked(CompletionChunk, data))
+    return cast(jt.CompletionChunk, _checked(CompletionChunk, data))

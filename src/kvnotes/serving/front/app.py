@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import threading
@@ -377,13 +378,13 @@ def _new_app(service: FrontService) -> FastAPI:
         finally:
             await service.closed()
 
-    settings: dict[str, Any] = {"lifespan": lifespan, "docs_url": None, "redoc_url": None,
-                                "openapi_url": None}
+    settings = functools.partial(FastAPI, lifespan=lifespan, docs_url=None, redoc_url=None,
+                                 openapi_url=None)
     try:  # FastAPI's own OpenTelemetry hooks cost a context lookup per request: the front has
         # its own metrics
-        app = FastAPI(**settings, telemetry={"tracing": False, "metrics": False})
+        app = settings(telemetry={"tracing": False, "metrics": False})
     except TypeError:  # a FastAPI without telemetry
-        app = FastAPI(**settings)
+        app = settings()
 
     def error(err: ApiError) -> Response:
         headers = {"connection": "close"} if err.status in (408, 413) else None

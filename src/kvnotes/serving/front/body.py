@@ -9,12 +9,13 @@ import contextlib
 import json
 import math
 import re
-from typing import Any
+from typing import NoReturn, TypeAlias
 
 from starlette.requests import Request
 
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError
+from kvnotes.serving.json_types import RequestBody
 from kvnotes.serving.planning.request import BadRequest, check_body
 
 
@@ -70,7 +71,7 @@ async def _drain(request: Request, config: FrontConfig, seen: int = 0) -> None:
         await asyncio.wait_for(drain(), min(config.body_timeout, 5.0))
 
 
-def parse_body(raw: bytes, kind: str, config: FrontConfig) -> dict[str, Any]:
+def parse_body(raw: bytes, kind: str, config: FrontConfig) -> RequestBody:
     """The body's JSON object, checked (400 naming the field): no deeper than
     ``max_json_depth``, every string valid Unicode (:func:`check_values`), every number finite
     and in range, the known fields of the right type and range (``check_body``)."""
@@ -92,16 +93,18 @@ def parse_body(raw: bytes, kind: str, config: FrontConfig) -> dict[str, Any]:
         raise ApiError(400, str(err), err.param or None) from err
 
 
-def no_constant(name: str) -> Any:
+def no_constant(name: str) -> NoReturn:
     """``json.loads``' ``parse_constant``: ``NaN`` and ``Infinity`` are not JSON."""
     raise ValueError(f"{name} is not a JSON number")
 
 
 INT_RANGE = (-(1 << 63), (1 << 63) - 1)  # what vLLM's fields (seeds, ids, counts) can hold
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# where a value sits in the body: (the parent's path, its key or index); None: the body itself
+_Path: TypeAlias = "tuple[_Path, str | int] | None"
 
 
-def check_values(value: Any, max_depth: int) -> None:
+def check_values(value: object, max_depth: int) -> None:
     """Every value of a parsed JSON body: nested at most ``max_depth`` deep, every string (and
     key) valid Unicode (JSON's ``"\\ud800"`` parses to a lone surrogate, which no encoder
     takes), every number finite (``1e999`` parses to infinity) and every integer within
@@ -116,7 +119,7 @@ def check_values(value: Any, max_depth: int) -> None:
         messages[0].content | messages[0].content is not valid Unicode (a lone surrogate)
     """
     # (value, depth, its path as (parent path, key)): the path's text is built only on error
-    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
+    stack: list[tuple[object, int, _Path]] = [(value, 1, None)]
     while stack:
         item, depth, path = stack.pop()
         if isinstance(item, dict):
@@ -147,7 +150,7 @@ def check_values(value: Any, max_depth: int) -> None:
             raise BadRequest(_path(path), f"{_path(path)} is not a finite number")
 
 
-def _path(path: Any) -> str:
+def _path(path: _Path) -> str:
     """``messages[0].content`` of a path ``((None, "messages"), 0), "content")``."""
     keys: list[str | int] = []
     while path is not None:

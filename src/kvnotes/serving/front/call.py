@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvnotes.serving.front.errors import ApiError, error_body
-from kvnotes.serving.protocol import Outcome
+from kvnotes.serving.json_types import JsonObject
+from kvnotes.serving.protocol import Outcome, PlanReport
 
 JSON = "application/json"
 
@@ -37,7 +38,8 @@ class Reply:
                 await self.upstream.aclose()
 
 
-def json_reply(status: int, obj: Any, **headers: str) -> Reply:
+def json_reply(status: int, obj: object, **headers: str) -> Reply:
+    """A whole answer of ``obj`` as JSON (``obj``: anything ``json.dumps`` writes)."""
     return Reply(status, {"content-type": JSON, **headers}, json.dumps(obj).encode())
 
 
@@ -58,10 +60,19 @@ class Call:
     outcome: Outcome | None = None  # None: not decided yet (counted as internal_error)
     reason: str | None = None
     status: int = 0
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: PlanReport | None = None  # the plan it was spliced with (None: not spliced)
     first_upstream: float | None = None
     finished: bool = False
     leased: tuple[str, ...] = ()  # learned entries held against eviction while it runs
+
+    def plan_summary(self) -> JsonObject:
+        """What its log line says of its plan: the skills spliced, the phases, the spliced
+        tokens (empty when it was not spliced)."""
+        p = self.plan
+        if p is None:
+            return {}
+        return {"skills": list(p.skills), "phases": len(p.phase_ends),
+                "spliced_tokens": p.spliced_tokens}
 
     def upstream_started(self) -> None:
         if self.first_upstream is None:

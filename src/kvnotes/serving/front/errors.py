@@ -7,7 +7,8 @@ status that fits (:data:`ERROR_TYPES`), the shape vLLM and OpenAI answer with.
 from __future__ import annotations
 
 import re
-from typing import Any
+
+from kvnotes.serving.json_types import ErrorBody
 
 ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -26,7 +27,7 @@ class ApiError(Exception):
         self.status, self.param = status, param
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> ErrorBody:
     """The OpenAI error object.
 
     Example:

@@ -16,24 +16,38 @@ values.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import NoReturn, TypeAlias, TypedDict
 
 from kvnotes.serving.front.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from kvnotes.serving.json_types import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    JsonValue,
+    TokenLogprob,
+    Usage,
+)
 from kvnotes.serving.protocol import UsageKvnotes
 
 DONE = b"data: [DONE]\n\n"
+ClientChunk: TypeAlias = "CompletionChunk | ChatCompletionChunk"  # a streamed chunk as sent
 
 
 class InvalidEvent(str):
     """A ``data:`` line whose payload is not JSON (the stream is then ended with an error)."""
 
 
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
+def sse(obj: object) -> bytes:
+    """One server-sent event carrying ``obj`` (anything ``json.dumps`` writes) as JSON."""
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def parse_sse_line(line: str) -> Any | None:
+def parse_sse_line(line: str) -> JsonValue | bytes | InvalidEvent:
     """The JSON of a ``data:`` line; ``DONE`` for ``[DONE]``; an :class:`InvalidEvent` for a
     payload that is not JSON; None for any other line.
 
@@ -52,11 +66,11 @@ def parse_sse_line(line: str) -> Any | None:
         return InvalidEvent(data[:200])
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
-def first_top_logprobs(answer: Any) -> dict[str, float] | None:
+def first_top_logprobs(answer: Completion | CompletionChunk | None) -> dict[str, float] | None:
     """The first generated token's top log-probs in a completion body or chunk (None: none)."""
     for choice in (answer or {}).get("choices") or []:
         lp = choice.get("logprobs") or {}
@@ -74,7 +88,8 @@ def _trim_top(top: dict[str, float], k: int, chosen: str | None) -> dict[str, fl
     return keep
 
 
-def trim_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, Any] | None:
+def trim_logprobs(logprobs: CompletionLogprobs | None, k: int | None
+                  ) -> CompletionLogprobs | None:
     """A completion choice's ``logprobs`` as a client that asked for ``k`` sees it (vLLM was
     asked for at least 2 for the guard): None when it asked none."""
     if logprobs is None or k is None:
@@ -86,7 +101,7 @@ def trim_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, A
     return {**logprobs, "top_logprobs": trimmed}
 
 
-def chat_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, Any] | None:
+def chat_logprobs(logprobs: CompletionLogprobs | None, k: int | None) -> ChatLogprobs | None:
     """A completion choice's ``logprobs`` in the chat format (``content``: one entry per
     token with its ``top_logprobs``)."""
     if logprobs is None or k is None:
@@ -94,15 +109,23 @@ def chat_logprobs(logprobs: dict[str, Any] | None, k: int | None) -> dict[str, A
     tokens = logprobs.get("tokens") or []
     values = logprobs.get("token_logprobs") or []
     tops = logprobs.get("top_logprobs") or []
-    content = []
+    content: list[TokenLogprob] = []
     for i, tok in enumerate(tokens):
-        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        given = tops[i] if i < len(tops) else None
+        top = given if isinstance(given, dict) else {}
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:k]
         content.append({"token": tok, "logprob": values[i] if i < len(values) else None,
                         "bytes": list(str(tok).encode()),
                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
                                          for t, v in ranked]})
     return {"content": content}
+
+
+class _Message(TypedDict):
+    """A chat choice's message and finish reason."""
+
+    message: AssistantMessage
+    finish_reason: str | None
 
 
 class Shaper:
@@ -122,24 +145,27 @@ class Shaper:
         self._role_sent = False
         self._calls = ToolCallStream(parallel=parallel)
 
-    def usage(self, usage: dict[str, Any] | None, kvnotes: UsageKvnotes) -> dict[str, Any]:
-        out = dict(usage or {})
+    def usage(self, usage: Usage | None, kvnotes: UsageKvnotes) -> Usage:
+        out: Usage = usage.copy() if usage else {}
         out["kvnotes"] = kvnotes.to_dict()
         return out
 
-    def _chat_id(self, answer: dict[str, Any]) -> str:
+    def _chat_id(self, answer: Completion | CompletionChunk) -> str:
         ident = str(answer.get("id") or "")
         return "chatcmpl-" + (ident[5:] if ident.startswith("cmpl-") else ident)
 
-    def body(self, answer: dict[str, Any], kvnotes: UsageKvnotes) -> dict[str, Any]:
+    def body(self, answer: Completion, kvnotes: UsageKvnotes) -> Completion | ChatCompletion:
         """A whole (non-streamed) answer."""
         usage = self.usage(answer.get("usage"), kvnotes)
         if self.kind == "completion":
-            choices = [{**c, "logprobs": trim_logprobs(c.get("logprobs"), self.logprobs)}
-                       for c in answer.get("choices") or []]
-            rest = {k: v for k, v in answer.items() if k != "kv_transfer_params"}
-            return {**rest, "choices": choices, "usage": usage}
-        return {
+            choices: list[CompletionChoice] = [
+                {**c, "logprobs": trim_logprobs(c.get("logprobs"), self.logprobs)}
+                for c in answer.get("choices") or []]
+            out = answer.copy()  # vLLM's fields as they came, its kv_transfer_params left out
+            out.pop("kv_transfer_params", None)
+            out["choices"], out["usage"] = choices, usage
+            return out
+        chat: ChatCompletion = {
             "id": self._chat_id(answer), "object": "chat.completion",
             "created": answer.get("created"), "model": answer.get("model"),
             "choices": [{
@@ -149,8 +175,9 @@ class Shaper:
             } for c in answer.get("choices") or []],
             "usage": usage,
         }
+        return chat
 
-    def _message(self, choice: dict[str, Any]) -> dict[str, Any]:
+    def _message(self, choice: CompletionChoice) -> _Message:
         """A chat choice's message and finish reason: its calls when tools were sent."""
         text = choice.get("text", "")
         if self.tools and isinstance(text, str):
@@ -162,7 +189,8 @@ class Shaper:
         return {"message": {"role": "assistant", "content": text},
                 "finish_reason": choice.get("finish_reason")}
 
-    def chunk(self, chunk: dict[str, Any], kvnotes: UsageKvnotes) -> list[dict[str, Any]]:
+    def chunk(self, chunk: CompletionChunk, kvnotes: UsageKvnotes
+              ) -> list[ClientChunk]:
         """The client's chunks for one streamed vLLM chunk (the usage chunk gets ``kvnotes``;
         it is dropped when the client did not ask for usage)."""
         choices = chunk.get("choices") or []
@@ -170,14 +198,15 @@ class Shaper:
         if not choices:
             if usage is None or not self.include_usage:
                 return []
-            base = chunk if self.kind == "completion" else self._chat_head(chunk)
-            return [{**base, "choices": [], "usage": self.usage(usage, kvnotes)}]
+            if self.kind == "completion":
+                return [{**chunk, "choices": [], "usage": self.usage(usage, kvnotes)}]
+            return [{**self._chat_head(chunk), "choices": [], "usage": self.usage(usage, kvnotes)}]
         if self.kind == "completion":
             return [{**chunk, "usage": None,
                      "choices": [{**c, "logprobs": trim_logprobs(c.get("logprobs"),
                                                                  self.logprobs)}
                                  for c in choices]}]
-        out = []
+        out: list[ClientChunk] = []
         if not self._role_sent:
             self._role_sent = True
             out.append({**self._chat_head(chunk), "choices": [{
@@ -193,7 +222,8 @@ class Shaper:
         } for c in choices]})
         return out
 
-    def _tool_chunks(self, chunk: dict[str, Any], choices: list[Any]) -> list[dict[str, Any]]:
+    def _tool_chunks(self, chunk: CompletionChunk, choices: list[CompletionChoice]
+                     ) -> list[ClientChunk]:
         """A streamed chunk of a chat with tools (one choice): the text that cannot be a call,
         and at the end the rest of the content and the calls."""
         c = choices[0]
@@ -206,7 +236,7 @@ class Shaper:
         lp = chat_logprobs(c.get("logprobs"), self.logprobs)
         if not text and not finish and lp is None:
             return []
-        out = [{**self._chat_head(chunk), "choices": [{
+        out: list[ClientChunk] = [{**self._chat_head(chunk), "choices": [{
             "index": 0, "delta": {"content": text} if text else {}, "logprobs": lp,
             "finish_reason": None if calls else finish,
             "stop_reason": None if calls else c.get("stop_reason")}]}]
@@ -219,6 +249,6 @@ class Shaper:
                 out.pop(0)
         return out
 
-    def _chat_head(self, chunk: dict[str, Any]) -> dict[str, Any]:
+    def _chat_head(self, chunk: CompletionChunk) -> ChatCompletionChunk:
         return {"id": self._chat_id(chunk), "object": "chat.completion.chunk",
                 "created": chunk.get("created"), "model": chunk.get("model")}

@@ -24,9 +24,10 @@ from typing import Any
 
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError
+from kvnotes.serving.json_types import RequestBody
 
 
-def check_bounds(kind: str, body: dict[str, Any], config: FrontConfig) -> None:
+def check_bounds(kind: str, body: RequestBody, config: FrontConfig) -> None:
     """Refuse a body beyond the front's bounds (400 naming the field, 413 for a prompt of
     token ids longer than ``max_prompt_tokens``)."""
     c = config
@@ -63,7 +64,7 @@ def check_bounds(kind: str, body: dict[str, Any], config: FrontConfig) -> None:
                                "(FrontConfig.max_content_parts)", f"messages[{i}].content")
 
 
-def _depth(value: Any) -> int:
+def _depth(value: object) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()

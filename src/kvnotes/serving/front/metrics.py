@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.planning.request import REASONS
 from kvnotes.serving.protocol import Outcome
@@ -75,7 +76,7 @@ class FrontMetrics:
                               "the first byte of its answer", ["route"], buckets=_LATENCY,
                               registry=r)
         self._learner: Callable[[], dict[str, int]] | None = None
-        self._store: Callable[[], dict[str, Any]] | None = None
+        self._store: Callable[[], JsonObject] | None = None
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # the outcomes, for /kvnotes/stats
         self.reasons: Counter[str] = Counter()
@@ -119,21 +120,21 @@ class FrontMetrics:
         entry. Per-entry hits are the operator's: ``kvnotes skills list``."""
         self.registry.register(_VariantCollector(hits, folder, learned))
 
-    def watch_store(self, collector: Any, stats: Callable[[], dict[str, Any]]) -> None:
+    def watch_store(self, collector: Any, stats: Callable[[], JsonObject]) -> None:
         """Expose a shared store's series (``collector``: a Prometheus collector,
         :class:`~kvnotes.serving.store.metrics.StoreCollector`) and its counters under
         ``store`` in ``/kvnotes/stats``."""
         self._store = stats
         self.registry.register(collector)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JsonObject:
         """The counters as ``/kvnotes/stats`` shows them (fixed keys only)."""
         with self._lock:
-            out: dict[str, Any] = {"requests": sum(self.counts.values()),
-                                   "outcomes": dict(self.counts),
-                                   "forwarded": dict(self.reasons)}
+            out: JsonObject = {"requests": sum(self.counts.values()),
+                               "outcomes": dict(self.counts),
+                               "forwarded": dict(self.reasons)}
         if self._learner is not None:
-            out["learner"] = self._learner()
+            out["learner"] = dict(self._learner())
         if self._store is not None:
             out["store"] = self._store()
         return out

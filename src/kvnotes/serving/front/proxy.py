@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 from kvnotes.serving.front.answers import WrongShape, check_chunk, check_completion
 from kvnotes.serving.front.body import no_constant
@@ -26,6 +26,14 @@ from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, InvalidEvent, Shaper, first_top_logprobs, parse_sse_line, sse
 from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.upstream import COMPLETIONS, ROUTES, Upstream
+from kvnotes.serving.json_types import (
+    Completion,
+    CompletionChunk,
+    ErrorEvent,
+    JsonValue,
+    RequestBody,
+    UpstreamBody,
+)
 from kvnotes.serving.planning.front_plan import FrontPlan, exact_body, real_body
 from kvnotes.serving.planning.phases import guard_fires
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
@@ -37,6 +45,8 @@ REASON_HEADER = "x-kvnotes"
 _DROP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                  "proxy-authenticate", "proxy-authorization", "content-length", "content-encoding",
                  "date", "server"}
+# one event of vLLM's stream: a checked chunk, an error event, DONE, or what is not a chunk
+Event: TypeAlias = "CompletionChunk | ErrorEvent | bytes | InvalidEvent"
 
 
 class Proxy:
@@ -45,7 +55,7 @@ class Proxy:
     def __init__(self, up: Upstream, metrics: FrontMetrics) -> None:
         self.up, self.metrics = up, metrics
 
-    async def forward(self, kind: str, body: dict[str, Any], call: Call, why: Unplannable,
+    async def forward(self, kind: str, body: RequestBody, call: Call, why: Unplannable,
                       auth: str | None) -> Reply:
         """The request passed to vLLM as it is (``auth``: the Authorization vLLM gets); its
         answer relayed as it comes."""
@@ -77,8 +87,9 @@ class Proxy:
             await resp.aclose()
 
     async def spliced(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float, call: Call,
-                      exact: dict[str, Any], salt: str | None) -> Reply:
-        info = UsageBuilder(spliced_tokens=fp.plan.spliced_tokens, plan=fp.report())
+                      exact: RequestBody, salt: str | None) -> Reply:
+        info = UsageBuilder(spliced_tokens=fp.plan.spliced_tokens,
+                            plan=fp.report() if call.plan is None else call.plan)
         call.upstream_started()
         for body in fp.plan.phase_bodies(fp.ids, model):
             status, data = await self.up.post_json(COMPLETIONS, body)
@@ -105,7 +116,7 @@ class Proxy:
         if status != 200:
             return self._upstream_failed(status, data, call)
         answer = _loads(data)
-        info.report = _report(answer, call)
+        info.report = _report(answer.get("kv_transfer_params"), call)
         if guard_fires(first_top_logprobs(answer), tau):
             info.guard_fired, info.report = True, None
             status, data = await self.up.post_json(COMPLETIONS, exact_ids)
@@ -154,7 +165,7 @@ class Proxy:
         call.outcome = Outcome.UPSTREAM_ERROR
         return Reply(status, {"content-type": JSON}, data)
 
-    async def _begin_stream(self, body: dict[str, Any], call: Call) -> Any:
+    async def _begin_stream(self, body: UpstreamBody, call: Call) -> Any:
         resp = await self.up.open_stream("POST", COMPLETIONS, body)
         if resp.status_code != 200:
             try:
@@ -166,22 +177,22 @@ class Proxy:
 
     async def _stream(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float,
                       info: UsageBuilder, shaper: Shaper, headers: dict[str, str], call: Call,
-                      exact_ids: dict[str, Any]) -> Reply:
+                      exact_ids: UpstreamBody) -> Reply:
         resp = await self._begin_stream(real_body(fp, req, model, tau), call)
         if isinstance(resp, Reply):
             return resp
         events = _events(resp)
-        held: list[Any] = []
+        held: list[Event] = []
         try:
             if tau > 0:
                 # hold the stream until the first token's log-probs have come
                 async for event in events:
                     held.append(event)
-                    if not isinstance(event, dict) or first_top_logprobs(event) is not None \
-                            or any(c.get("finish_reason") for c in event.get("choices") or []):
+                    if _decides(event):
                         break  # [DONE], an error, the first token's log-probs, or the end
                 top = next((t for t in map(first_top_logprobs,
-                                           (e for e in held if isinstance(e, dict)))
+                                           (e for e in held
+                                            if isinstance(e, dict) and "error" not in e))
                             if t is not None), None)
                 if guard_fires(top, tau):
                     await events.aclose()
@@ -198,8 +209,8 @@ class Proxy:
                            **headers}, stream=self._shaped(held, events, shaper, info, fp, call),
                      upstream=resp)
 
-    async def _shaped(self, held: list[Any], events: AsyncGenerator[Any, None], shaper: Shaper,
-                      info: UsageBuilder, fp: FrontPlan | None, call: Call
+    async def _shaped(self, held: list[Event], events: AsyncGenerator[Event, None],
+                      shaper: Shaper, info: UsageBuilder, fp: FrontPlan | None, call: Call
                       ) -> AsyncGenerator[bytes, None]:
         """The client's events; a stream that breaks or sends what is not JSON ends with an
         error event and ``[DONE]``."""
@@ -239,11 +250,23 @@ def _shaper(req: FrontRequest) -> Shaper:
                   parallel=req.parallel_tool_calls)
 
 
-def _report(answer: dict[str, Any], call: Call) -> SpliceReport | None:
-    """The connector's report in a completion answer (None: it sent none; one this front
-    cannot read is logged and left out, never passed on as if it were read)."""
+def _decides(event: Event) -> bool:
+    """Whether the guard can decide at ``event``: [DONE], what is not a chunk, the first
+    token's log-probs, or the answer's end (an error event is passed on, and held)."""
+    if not isinstance(event, dict):
+        return True
+    if "error" not in event:
+        return first_top_logprobs(event) is not None \
+            or any(c.get("finish_reason") for c in event.get("choices") or [])
+    return False
+
+
+def _report(params: object, call: Call) -> SpliceReport | None:
+    """The connector's report in a completion answer's ``kv_transfer_params`` (None: it sent
+    none; one this front cannot read is logged and left out, never passed on as if it were
+    read)."""
     try:
-        return SpliceReport.from_params(answer.get("kv_transfer_params"))
+        return SpliceReport.from_params(params)
     except ProtocolError as err:
         log.warning("request %s: the connector's report was refused: %s", call.id, err)
         return None
@@ -255,36 +278,44 @@ def _phase_report(data: bytes, call: Call) -> SpliceReport | None:
         answer = json.loads(data, parse_constant=no_constant)
     except (ValueError, RecursionError):
         return None
-    return _report(answer, call) if isinstance(answer, dict) else None
+    return _report(answer.get("kv_transfer_params"), call) if isinstance(answer, dict) else None
 
 
-async def _events(resp: Any) -> AsyncGenerator[Any, None]:
+async def _events(resp: Any) -> AsyncGenerator[Event, None]:
     """The events of an upstream SSE response (closing it when done or closed)."""
     try:
         async for line in resp.aiter_lines():
-            event = parse_sse_line(line)
-            if isinstance(event, dict) and "error" not in event:
-                try:
-                    check_chunk(event)
-                except WrongShape as err:
-                    event = WrongEvent(str(err))
-            elif event is not None and event is not DONE \
-                    and not isinstance(event, (dict, InvalidEvent)):
-                event = WrongEvent("an event that is not a JSON object")
+            event = _event(parse_sse_line(line))
             if event is not None:
                 yield event
     finally:
         await resp.aclose()
 
 
-async def _chain(held: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+def _event(data: JsonValue | bytes | InvalidEvent) -> Event | None:
+    """One line's event (None: the line carries none)."""
+    if isinstance(data, dict) and "error" not in data:
+        try:
+            return check_chunk(data)
+        except WrongShape as err:
+            return WrongEvent(str(err))
+    if isinstance(data, dict):
+        return cast(ErrorEvent, data)  # an object with an "error"
+    if isinstance(data, (bytes, InvalidEvent)):  # DONE, or a payload that is not JSON
+        return data
+    if data is not None:
+        return WrongEvent("an event that is not a JSON object")
+    return None
+
+
+async def _chain(held: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
     for event in held:
         yield event
     async for event in rest:
         yield event
 
 
-def _loads(data: bytes) -> dict[str, Any]:
+def _loads(data: bytes) -> Completion:
     try:
         out = json.loads(data, parse_constant=no_constant)
     except (ValueError, RecursionError) as err:

@@ -53,6 +53,7 @@ from kvnotes.serving.front.metrics import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.store_link import link_for
 from kvnotes.serving.front.upstream import HEALTH, MODELS, Upstream
+from kvnotes.serving.json_types import JsonObject, RequestBody
 from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.front_plan import FrontPlan, catalog_view, plan_request
@@ -255,7 +256,7 @@ class FrontService:
         self.authorize_metrics(authorization)
         return self.metrics.exposition()
 
-    def stats_for(self, authorization: str | None) -> dict[str, Any]:
+    def stats_for(self, authorization: str | None) -> JsonObject:
         """The front's counters, for a request that may see them."""
         self.authenticate(authorization)
         return self.metrics.stats()
@@ -293,19 +294,20 @@ class FrontService:
         m.outcome(call.route, outcome, call.reason)
         log.info("request %s", json.dumps({
             "id": call.id, "route": call.route, "tenant": call.tenant, "status": call.status,
-            "outcome": outcome, "reason": call.reason, "plan": call.plan,
+            "outcome": outcome, "reason": call.reason, "plan": call.plan_summary(),
             "ms": round((time.perf_counter() - call.t0) * 1e3, 2)}))
 
     def new_call(self, route: str, request_id: str | None) -> Call:
         rid = header_value(request_id, 64) if request_id else ""
         return Call(route, rid or uuid.uuid4().hex)
 
-    async def answer(self, kind: str, data: dict[str, Any], call: Call,
+    async def answer(self, kind: str, data: RequestBody, call: Call,
                      key_tenant: str | None, client_auth: str | None) -> Reply:
         """The answer to a checked body: spliced, or forwarded exactly with the reason."""
         opts = read_options(data.get(OPTIONS_KEY))
         tenant = call.tenant = self.tenant_of(opts, key_tenant)
-        exact = {k: v for k, v in data.items() if k != OPTIONS_KEY}
+        exact = data.copy()
+        exact.pop(OPTIONS_KEY, None)
         salt = self.exact_salt(tenant, exact.get("cache_salt"))
         if salt is not None:
             exact["cache_salt"] = salt
@@ -333,8 +335,7 @@ class FrontService:
                                              exact=exact_keys)
         elif self.store is not None:  # the fleet's LRU (a fleet learner counts its own leases)
             self.store.mirror.used(used)
-        call.plan = {"skills": fp.skills, "phases": len(fp.plan.phase_ends),
-                     "spliced_tokens": fp.plan.spliced_tokens}
+        call.plan = fp.report()
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
 
     async def guard_of(self, opts: FrontOptions) -> float:
@@ -346,7 +347,7 @@ class FrontService:
         served = None if c.guard is not None or c.model is not None else await self.up.model()
         return c.guard_tau(served)
 
-    async def _planned(self, call: Call, kind: str, data: dict[str, Any], opts: FrontOptions,
+    async def _planned(self, call: Call, kind: str, data: RequestBody, opts: FrontOptions,
                        tenant: str | None, block_size: int | Unplannable
                        ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
         """:meth:`_plan` on a planning thread, in its client's turn (:class:`PlanTurns`),
@@ -364,7 +365,7 @@ class FrontService:
             finally:  # done, or its client left: a plan still running stops at its next call
                 deadline.cancel()
 
-    def _plan(self, kind: str, data: dict[str, Any], opts: FrontOptions, tenant: str | None,
+    def _plan(self, kind: str, data: RequestBody, opts: FrontOptions, tenant: str | None,
               block_size: int | Unplannable, deadline: PlanDeadline | None = None
               ) -> tuple[FrontRequest, FrontPlan | Unplannable]:
         """The request and its plan; for a request sent as its own ids

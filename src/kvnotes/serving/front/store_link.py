@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import DEFAULT_MIRROR_BYTES, FrontConfig
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.learning.fleet import FleetLearner, request_path_settings
 from kvnotes.serving.store.base import Store
 from kvnotes.serving.store.mirror import LocalMirror, MirrorConfig
@@ -94,13 +95,13 @@ class StoreLink:
         """Register the store's series on a Prometheus ``registry``."""
         registry.register(self.collector())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JsonObject:
         """The store's counters for ``/kvnotes/stats``: where it is (no password), its faults,
         the mirror's and the fleet learner's counters."""
-        out: dict[str, Any] = {"url": self.store.url, "faults": self.faults(),
-                               "mirror": self.mirror.stats.to_dict()}
+        out: JsonObject = {"url": self.store.url, "faults": dict(self.faults()),
+                           "mirror": self.mirror.stats.to_dict()}
         if self.learner is not None:
-            out["fleet"] = self.learner.fleet_counters()
+            out["fleet"] = dict(self.learner.fleet_counters())
         return out
 
     def faults(self) -> dict[str, int]:

@@ -17,8 +17,8 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
+from kvnotes.serving.json_types import JsonValue, ToolCallOut
 from kvnotes.serving.planning.chat_render import CALL_CLOSE, CALL_OPEN
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE) + "|"
@@ -33,7 +33,7 @@ class ToolCall:
     name: str
     arguments: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> ToolCallOut:
         return {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
 
@@ -47,8 +47,9 @@ class ParsedAnswer:
     calls: tuple[ToolCall, ...] = ()
 
 
-def _call(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+def _call(obj: JsonValue) -> ToolCall | None:
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or not isinstance(name, str) or not name:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # already JSON text: kept when it is an object's
@@ -58,11 +59,11 @@ def _call(obj: Any) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"],
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name,
                     json.dumps(args, ensure_ascii=False))
 
 
-def _loads(text: str) -> Any:
+def _loads(text: str) -> JsonValue:
     try:
         return json.loads(text.strip())
     except (ValueError, RecursionError):

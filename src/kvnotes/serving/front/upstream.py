@@ -19,6 +19,7 @@ from typing import Any
 
 from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError
+from kvnotes.serving.json_types import RequestBody, UpstreamBody
 from kvnotes.serving.planning.request import Unplannable
 
 COMPLETIONS = "/v1/completions"
@@ -101,7 +102,7 @@ class Upstream:
         return {}
 
     # ---- calls ---------------------------------------------------------------------------------
-    async def post_json(self, route: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def post_json(self, route: str, body: UpstreamBody) -> tuple[int, bytes]:
         """``(status, body)`` of a POST to ``route`` (errors: :func:`upstream_error`)."""
         import httpx2
 
@@ -111,7 +112,8 @@ class Upstream:
             raise upstream_error(err, self.url) from err
         return resp.status_code, resp.content
 
-    async def open_stream(self, method: str, route: str, body: dict[str, Any] | None = None,
+    async def open_stream(self, method: str, route: str,
+                          body: RequestBody | UpstreamBody | None = None,
                           headers: dict[str, str] | None = None) -> Any:
         """The response to a request, its body not yet read (``aclose()`` it)."""
         import httpx2

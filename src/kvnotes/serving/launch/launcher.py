@@ -24,10 +24,11 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import preferred_dtype
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.launch.export import export_hf_dir
 from kvnotes.serving.launch.paths import SOURCE_ROOT
 from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
@@ -101,7 +102,7 @@ def tool_args(parser: str | None, extra_args: tuple[str, ...], folder: Path) -> 
     return [*auto, "--tool-call-parser", name]
 
 
-def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> dict[str, Any]:
+def kv_transfer_config(skills_folder: Path, *, max_gib: float = 2.0) -> JsonObject:
     """vLLM's ``--kv-transfer-config`` for kvnotes' connector over one model's skills folder.
 
     ``kv_load_failure_policy`` is ``recompute``: a skill that cannot be read when its KV is
@@ -222,7 +223,7 @@ class LaunchRecord:
     pid: int | None
     stopped: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 

@@ -21,13 +21,13 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
 from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.splice import PieceInfo
 
 # ---- the splice salt ---------------------------------------------------------------------------
@@ -119,7 +119,7 @@ ENTRY_SUFFIX = ".safetensors"
 class ServingManifest:
     """What the connector checks the served model against, and the tables it rotates with."""
 
-    fingerprint: dict[str, Any]
+    fingerprint: dict[str, object]  # ModelFingerprint.to_dict()
     model: str
     scheme: str
     num_layers: int
@@ -130,7 +130,7 @@ class ServingManifest:
     inv_freqs: list[list[float]]  # per layer: RoPE inverse frequencies (float64 values)
     # digests of the weights the skills were compiled with (kvnotes.serving.library.weights.WeightsDigest
     # .to_dict()); None in a manifest written before they were recorded: the connector refuses it
-    weights: dict[str, Any] | None = None
+    weights: JsonObject | None = None
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
 
@@ -207,7 +207,7 @@ def read_entry(path: str | os.PathLike[str], fingerprint: ModelFingerprint
     return PieceInfo(path.stem, name, ids, origin, tenant, behind), keys, values
 
 
-def entry_owner(header: dict[str, Any]) -> tuple[str | None, tuple[int, ...]]:
+def entry_owner(header: JsonObject) -> tuple[str | None, tuple[int, ...]]:
     """``(tenant, behind)`` of an entry from its header's ``meta``: the tenant it belongs to
     (``meta["tenant"]``; None: the operator's, shared) and the token ids it was prefilled
     behind (``meta["prefix_ids"]``; () when not recorded). A malformed value raises
@@ -222,4 +222,4 @@ def entry_owner(header: dict[str, Any]) -> tuple[str | None, tuple[int, ...]]:
     if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                             and t >= 0 for t in raw):
         raise NotebookFileError("the entry's prefix_ids are not token ids")
-    return tenant, tuple(raw)
+    return tenant, tuple(t for t in raw if isinstance(t, int))  # all of them, checked above

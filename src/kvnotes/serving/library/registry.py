@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 
 REGISTRY_DIR = "learned"
@@ -76,7 +77,7 @@ class LearnedEntry:
     behind_tokens: int = 0  # the ids it was compiled behind (BOS, lead, predecessor)
     exact: int = 0  # of its hits, those exactly placed (nothing repaired)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.manifest import entry_paths
 from kvnotes.serving.library.piece_store import index_entry
 from kvnotes.serving.library.splice import PieceInfo
@@ -33,7 +33,7 @@ class StoredVariant:
     bytes: int
     mtime_ns: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"key": self.piece.key, "origin": self.piece.origin,
                 "behind_tokens": len(self.piece.behind), "bytes": self.bytes}
 
@@ -51,7 +51,7 @@ class SkillVariants:
     def bytes(self) -> int:
         return sum(v.bytes for v in self.variants)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"name": self.name, "tokens": len(self.token_ids), "tenant": self.tenant,
                 "bytes": self.bytes, "variants": [v.to_dict() for v in self.variants]}
 

@@ -25,11 +25,11 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kvnotes.core.errors import NotebookFileError
+from kvnotes.serving.json_types import JsonObject
 
 SAMPLES = 16
 CAST_DTYPES = ("float32", "bfloat16", "float16")
@@ -50,7 +50,7 @@ class WeightsDigest:
     samples: int = SAMPLES
     version: int = DIGEST_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @classmethod

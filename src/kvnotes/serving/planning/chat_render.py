@@ -41,10 +41,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvnotes.core.chat import has_template, render, renders_tools
 from kvnotes.core.document import added_bos
+from kvnotes.serving.json_types import ChatMessage, JsonValue, ToolSpec
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.part_tokens import PartTokenCache
@@ -132,26 +133,26 @@ def strip_bos_text(tokenizer: Any, text: str) -> str:
     return text
 
 
-def tool_json(tool: Any) -> str:
+def tool_json(tool: ToolSpec) -> str:
     """A tool as a chat template's ``tojson`` writes it (``json.dumps``, non-ASCII kept)."""
     return json.dumps(tool, ensure_ascii=False)
 
 
-def tool_block(tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
+def tool_block(tools: Sequence[ToolSpec]) -> tuple[str, list[str]]:
     """``(block, lines)``: the kvnotes tool block for a template that ignores tools, and the
     tool lines in it (each a chunk)."""
     lines = [tool_json(t) for t in tools]
     return TOOL_BLOCK_HEAD + "\n".join(lines) + TOOL_BLOCK_TAIL, lines
 
 
-def call_text(name: str, arguments: Any) -> str:
+def call_text(name: str, arguments: JsonValue) -> str:
     """One tool call in the kvnotes block's format (the hermes format)."""
     return f"{CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}" \
            f"{CALL_CLOSE}"
 
 
 # ---- reading the request ---------------------------------------------------------------------
-def _check_tools(tools: object) -> list[dict[str, Any]]:
+def _check_tools(tools: object) -> list[ToolSpec]:
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -162,10 +163,10 @@ def _check_tools(tools: object) -> list[dict[str, Any]]:
                 or tool.get("type", "function") != "function":
             raise ChatShapeError("each tool must be {\"type\": \"function\", \"function\": "
                                  "{\"name\": ...}}")
-    return [dict(t) for t in tools]
+    return [cast(ToolSpec, dict(t)) for t in tools]  # checked above
 
 
-def _content(m: Mapping[str, Any]) -> tuple[str, list[str]]:
+def _content(m: Mapping[str, object]) -> tuple[str, list[str]]:
     """``(text, chunks)`` of a message's content: a string as it is; a list of text parts
     joined, each part a chunk."""
     content = m.get("content")
@@ -184,7 +185,7 @@ def _content(m: Mapping[str, Any]) -> tuple[str, list[str]]:
     return CONTENT_JOIN.join(texts), texts
 
 
-def _calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
+def _calls(m: Mapping[str, object]) -> list[tuple[str, JsonValue]]:
     """An assistant message's tool calls as ``(name, arguments)``, arguments parsed when they
     are a JSON text (as vLLM passes them to a template)."""
     calls = m.get("tool_calls")
@@ -212,8 +213,8 @@ class _Message:
     role: str
     text: str
     chunks: list[str]
-    calls: list[tuple[str, Any]]
-    raw: Mapping[str, Any]
+    calls: list[tuple[str, JsonValue]]
+    raw: ChatMessage
 
 
 def _read_messages(messages: object) -> list[_Message]:
@@ -231,20 +232,22 @@ def _read_messages(messages: object) -> list[_Message]:
         calls = _calls(m)
         if m.get("content") is None and not calls:
             raise ChatShapeError("a message without content must carry tool_calls")
-        out.append(_Message(m["role"], text, chunks, calls, m))
+        out.append(_Message(m["role"], text, chunks, calls, cast(ChatMessage, m)))  # checked
     return out
 
 
 # ---- rendering -------------------------------------------------------------------------------
-def _template_messages(msgs: Sequence[_Message]) -> list[dict[str, Any]]:
+def _template_messages(msgs: Sequence[_Message]) -> list[ChatMessage]:
     """The messages as a template that renders tools gets them (vLLM's shape)."""
     out = []
     for m in msgs:
-        d: dict[str, Any] = {k: v for k, v in m.raw.items() if k not in ("content", "tool_calls")}
+        d = cast(ChatMessage, {k: v for k, v in m.raw.items()
+                               if k not in ("content", "tool_calls")})
         d["content"] = m.text if m.raw.get("content") is not None or not m.calls else None
         if m.calls:
             d["tool_calls"] = [{**c, "function": {**c["function"], "arguments": args}}
-                               for c, (_, args) in zip(m.raw["tool_calls"], m.calls, strict=True)]
+                               for c, (_, args) in zip(m.raw.get("tool_calls") or [], m.calls,
+                                                       strict=True)]
         out.append(d)
     return out
 
@@ -272,8 +275,8 @@ def _default_text(turns: Sequence[tuple[str, str]]) -> str:
     return DEFAULT_SEPARATOR.join([*lines, DEFAULT_GENERATION])
 
 
-def _render_template(tokenizer: Any, messages: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None) -> str:
+def _render_template(tokenizer: Any, messages: Sequence[ChatMessage],
+                     tools: Sequence[ToolSpec] | None) -> str:
     try:
         text = render(tokenizer, messages, generation_prompt=True, tools=tools)
     except Exception as err:  # noqa: BLE001 -- a template's own failure: vLLM answers it
@@ -287,7 +290,7 @@ def _render_template(tokenizer: Any, messages: list[dict[str, Any]],
 _MARK = "\u2063KVC{}\u2063"  # invisible separators around a number: never real content
 
 
-def _render_text(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[str, Any]],
+def _render_text(tokenizer: Any, msgs: Sequence[_Message], tools: list[ToolSpec],
                  layout: str) -> str:
     """The prompt text of ``msgs`` and ``tools`` in ``layout``."""
     if layout == "template":
@@ -296,13 +299,13 @@ def _render_text(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[str,
     turns = _with_block(msgs, block)
     if layout == "default":
         return _default_text(turns)
-    plain = [{"role": "user" if role == "tool" else role,
-              "content": f"<tool_response>\n{text}\n</tool_response>" if role == "tool"
-              else text} for role, text in turns]
+    plain: list[ChatMessage] = [{"role": "user" if role == "tool" else role,
+                                 "content": f"<tool_response>\n{text}\n</tool_response>"
+                                 if role == "tool" else text} for role, text in turns]
     return _render_template(tokenizer, plain, None)
 
 
-def _content_spans(tokenizer: Any, msgs: Sequence[_Message], tools: list[dict[str, Any]],
+def _content_spans(tokenizer: Any, msgs: Sequence[_Message], tools: list[ToolSpec],
                    layout: str, text: str) -> list[tuple[int, int]]:
     """Where each content part is in ``text``: rendered again with a marker in place of each
     part, kept when putting the parts back gives ``text`` itself (a template that changes
@@ -374,7 +377,7 @@ def _locate(text: str, tool_texts: Sequence[Sequence[str]],
 # ---- how a template writes tools ---------------------------------------------------------
 # the tool every probe render lists first; its description comes last and ends in a character
 # no tool ends with, so a tool added after it is placed unambiguously (see inserted)
-PROBE_TOOL = {"type": "function", "function": {
+PROBE_TOOL: ToolSpec = {"type": "function", "function": {
     "name": "kvnotes_probe", "parameters": {"type": "object", "properties": {}},
     "description": "A probe.\u2063"}}
 MAX_WRITINGS = 1024  # (template, tool) writings kept: a client's tools repeat
@@ -433,7 +436,7 @@ def inserted(before: str, after: str) -> str | None:
     return after[best[1]:best[2]] or None
 
 
-def tool_writings(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dict[str, Any]]
+def tool_writings(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[ToolSpec]
                   ) -> list[str | None]:
     """How the chat template writes each of ``tools``: the text that rendering ``msgs`` with
     :data:`PROBE_TOOL` and the tool adds to the render with the probe alone
@@ -446,7 +449,7 @@ def tool_writings(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dict
             for tool in tools]
 
 
-def _tools_written(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[dict[str, Any]],
+def _tools_written(tokenizer: Any, msgs: Sequence[_Message], tools: Sequence[ToolSpec],
                    text: str) -> list[list[str]]:
     """Each tool's writing (:func:`tool_writings`) as a list of candidates: the one last read
     for this template and tool when ``text`` holds it, else the one read from this request."""

@@ -9,7 +9,8 @@ compiled behind when learned). The front's reader produces them; the learner cou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from kvnotes.serving.json_types import JsonObject
 
 CHUNK_KINDS = ("tool", "content")
 
@@ -39,5 +40,5 @@ class SeenChunk:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"kind": self.kind, "tokens": len(self.token_ids), "after": self.after_len}

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvnotes.core.repair import Repair
 from kvnotes.core.variants import exactly_placed
+from kvnotes.serving.json_types import UpstreamBody
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 from kvnotes.serving.planning.chat_render import strip_bos_text
 from kvnotes.serving.planning.layout import SentPart
@@ -35,10 +36,6 @@ from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 from kvnotes.serving.planning.spans import sweep
 from kvnotes.serving.protocol import PlanEntry, PlanReport
-
-# fields of the plan's bodies the client's own values replace (or remove, when it sent none:
-# vLLM's defaults then apply, as for a request sent to vLLM directly)
-_CLIENT_FIELDS = ("temperature", "max_tokens")
 
 
 def split_pieces(ids: Sequence[int], index: PieceIndex) -> list[SentPart]:
@@ -176,22 +173,24 @@ def plan_request(req: FrontRequest, catalog: SkillCatalog, repair: Repair, block
     return FrontPlan([t for p in parts for t in p.token_ids], spans, plan, tuple(parts))
 
 
-def _client_body(body: dict[str, Any], req: FrontRequest) -> dict[str, Any]:
-    for key in _CLIENT_FIELDS:
-        body.pop(key, None)
-    body.update(req.sampling)
-    return body
+def _client_body(body: UpstreamBody, req: FrontRequest) -> UpstreamBody:
+    # the fields of the plan's bodies the client's own values replace (or remove, when it sent
+    # none: vLLM's defaults then apply, as for a request sent to vLLM directly)
+    body.pop("temperature", None)
+    body.pop("max_tokens", None)
+    out: UpstreamBody = {**body, **req.sampling}
+    return out
 
 
 
-def real_body(fp: FrontPlan, req: FrontRequest, model: str, tau: float) -> dict[str, Any]:
+def real_body(fp: FrontPlan, req: FrontRequest, model: str, tau: float) -> UpstreamBody:
     """The spliced request: all ranges, the client's sampling, the guard's log-probs."""
     body = fp.plan.real_body(fp.ids, model, guard=tau if tau > 0 else None,
                              logprobs=req.logprobs, stream=req.stream)
     return _client_body(body, req)
 
 
-def exact_body(ids: Sequence[int], req: FrontRequest, model: str) -> dict[str, Any]:
+def exact_body(ids: Sequence[int], req: FrontRequest, model: str) -> UpstreamBody:
     """The same ids, no salt: the answer when the guard fires."""
     body = completion_body(ids, model, logprobs=req.logprobs, stream=req.stream)
     return _client_body(body, req)

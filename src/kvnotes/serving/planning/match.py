@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,8 @@ class Part:
 
 
 # ---- reading entries -------------------------------------------------------------------------
-def read_piece_info(path: str | os.PathLike[str], fingerprint: dict[str, Any]) -> PieceInfo:
+def read_piece_info(path: str | os.PathLike[str], fingerprint: Mapping[str, object]
+                    ) -> PieceInfo:
     """``PieceInfo`` of one library entry from its header and token ids alone (the scheduler's
     reader, :func:`kvnotes.serving.library.piece_store.index_entry`).
 

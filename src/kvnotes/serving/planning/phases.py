@@ -29,12 +29,12 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair, prefix_digest
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
+from kvnotes.serving.json_types import JsonObject, UpstreamBody
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import PieceIndex, SpliceRange
 from kvnotes.serving.planning.layout import SentPart
@@ -205,7 +205,7 @@ class PhasePlan:
         return SpliceRequest(ranges, self.keys[:len(ranges)] if self.keys else (), self.tenant,
                              self.repair.tag())
 
-    def phase_bodies(self, ids: Sequence[int], model: str) -> list[dict[str, Any]]:
+    def phase_bodies(self, ids: Sequence[int], model: str) -> list[UpstreamBody]:
         """The ``/v1/completions`` bodies of the phases, to send one after the other (each one's
         blocks are the next one's local hit); their answers are discarded.
 
@@ -222,7 +222,7 @@ class PhasePlan:
 
     def real_body(self, ids: Sequence[int], model: str, *, max_tokens: int = 16,
                   guard: float | None = None, logprobs: int | None = None,
-                  stream: bool = False) -> dict[str, Any]:
+                  stream: bool = False) -> UpstreamBody:
         """The ``/v1/completions`` body of the real request (all ranges): greedy, with the
         first token's top-2 log-probs when ``guard`` is set (for :func:`guard_fires`)."""
         body = completion_body(self._ids(ids), model, max_tokens=max_tokens,
@@ -238,7 +238,7 @@ class PhasePlan:
                           self.salt, self.ranges, self.regions, self.phase_ends, tuple(skills),
                           tuple(entries), tuple(exactly_placed))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return self.report().to_dict()
 
     def _ids(self, ids: Sequence[int]) -> list[int]:
@@ -343,14 +343,14 @@ def _groups(ranges: Sequence[SpliceRange]) -> list[list[SpliceRange]]:
 
 
 def completion_body(ids: Sequence[int], model: str, *, max_tokens: int = 16,
-                    logprobs: int | None = None, stream: bool = False) -> dict[str, Any]:
+                    logprobs: int | None = None, stream: bool = False) -> UpstreamBody:
     """A greedy ``/v1/completions`` body for token ids, with no salt: an exact request (the
     answer when the guard fires, or a request sent without splicing)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) \
             or max_tokens < 1:
         raise InvalidArgumentError(f"max_tokens must be at least 1, got {max_tokens!r}")
-    body: dict[str, Any] = {"model": model, "prompt": [int(t) for t in ids],
-                            "max_tokens": int(max_tokens), "temperature": 0.0}
+    body: UpstreamBody = {"model": model, "prompt": [int(t) for t in ids],
+                          "max_tokens": int(max_tokens), "temperature": 0.0}
     if logprobs is not None:
         body["logprobs"] = int(logprobs)
     if stream:

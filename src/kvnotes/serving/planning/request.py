@@ -27,9 +27,10 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, cast
 
 from kvnotes.core.errors import KvnotesError
+from kvnotes.serving.json_types import RequestBody, SamplingFields
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.chat_render import (
     DEFAULT_STOP,
@@ -43,7 +44,7 @@ from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import part_ids
 from kvnotes.serving.planning.part_tokens import PartTokenCache
 
-OPTIONS_KEY = "kvnotes"
+OPTIONS_KEY: Final = "kvnotes"
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 # fields passed on to vLLM's completions endpoint unchanged: sampling and output controls that
@@ -130,7 +131,7 @@ def _is_type(value: object, kind: str) -> bool:
     return isinstance(value, str)
 
 
-def check_body(kind: str, body: object) -> dict[str, Any]:
+def check_body(kind: str, body: object) -> RequestBody:
     """``body`` when its known fields have the right types; :class:`BadRequest` otherwise.
 
     Example:
@@ -170,10 +171,10 @@ def check_body(kind: str, body: object) -> dict[str, Any]:
     if opts is not None and not isinstance(opts, Mapping):
         raise BadRequest("stream_options", "stream_options must be an object")
     read_options(body.get(OPTIONS_KEY))
-    return body
+    return cast(RequestBody, body)  # its fields as checked above (RequestBody's types)
 
 
-def _check_range(name: str, value: Any) -> None:
+def _check_range(name: str, value: float) -> None:
     low, high, open_low = FIELD_RANGES[name]
     below = low is not None and (value <= low if open_low else value < low)
     if below or (high is not None and value > high):
@@ -249,7 +250,7 @@ class FrontRequest:
 
     kind: str  # "completion" or "chat"
     options: FrontOptions
-    sampling: dict[str, Any]  # passed on to vLLM's /v1/completions
+    sampling: SamplingFields  # passed on to vLLM's /v1/completions
     text: str | None = None  # the prompt's text (chat: rendered), when it came as text
     ids: list[int] | None = None  # the prompt's token ids, when it came as ids
     stream: bool = False
@@ -282,14 +283,14 @@ class FrontRequest:
         return self.structured or any(p.kind == "skill" for p in self.parts)
 
 
-def _check_fields(body: Mapping[str, Any], allowed: frozenset[str], what: str) -> None:
+def _check_fields(body: RequestBody, allowed: frozenset[str], what: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise Unplannable(f"{what} field(s) {_short(unknown)} are passed to vLLM as they are",
                           "unmodelled_field")
 
 
-def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
+def _stream_fields(body: RequestBody) -> tuple[bool, bool]:
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise Unplannable("stream must be true or false", "stream_options")
@@ -302,7 +303,7 @@ def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage")) and stream
 
 
-def _one_choice(body: Mapping[str, Any]) -> None:
+def _one_choice(body: RequestBody) -> None:
     if body.get("n", 1) not in (1, None):
         raise Unplannable("n > 1 is passed to vLLM as it is", "choices")
 
@@ -320,7 +321,7 @@ def render_chat(tokenizer: Any, messages: object, tools: object = None) -> str:
 TOOL_CHOICES = ("auto", "none", "required")
 
 
-def _tool_choice(body: Mapping[str, Any]) -> bool:
+def _tool_choice(body: RequestBody) -> bool:
     """Whether the answer's tool calls are parsed: tools sent and ``tool_choice`` ``auto`` (or
     absent). ``"required"`` and a named function constrain decoding, which vLLM does for its own
     chat route (structured outputs): such a request is :class:`Unplannable` and forwarded
@@ -341,7 +342,7 @@ def _tool_choice(body: Mapping[str, Any]) -> bool:
     return bool(body.get("tools")) and choice != "none"
 
 
-def read_chat(req: FrontRequest, body: Mapping[str, Any], tokenizer: Any,
+def read_chat(req: FrontRequest, body: RequestBody, tokenizer: Any,
               find: Find | None, cache: PartTokenCache | None = None) -> None:
     """Render and lay out a chat into ``req`` (``find``: the catalog's registered texts, which
     split the text parts; None: none; ``cache``: parts' ids kept by their text). An opted-out
@@ -402,7 +403,7 @@ def read_completion_text(req: FrontRequest, tokenizer: Any, find: Find,
                       for p, tokens in zip(found, ids[lead:], strict=True))
 
 
-def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = None,
+def read_request(kind: str, body: RequestBody, tokenizer: Any, find: Find | None = None,
                  cache: PartTokenCache | None = None) -> FrontRequest:
     """A :class:`FrontRequest` of a client's body (``kind``: a value of :data:`ENDPOINTS`);
     :class:`Unplannable` when it must be forwarded as it came. ``find``: the catalog's
@@ -420,7 +421,8 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
         raise Unplannable(f"{OPTIONS_KEY}.splice is false", "opted_out")
     _one_choice(body)
     stream, include_usage = _stream_fields(body)
-    sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS}
+    # the fields SamplingFields names, of the types check_body checked
+    sampling = cast(SamplingFields, {k: v for k, v in body.items() if k in SAMPLING_FIELDS})
     req = FrontRequest(kind, options, sampling, stream=stream, include_usage=include_usage)
     if kind == "completion":
         # an opted-out request's own cache_salt is kept (nothing of it is spliced)
@@ -456,8 +458,9 @@ def read_request(kind: str, body: object, tokenizer: Any, find: Find | None = No
             raise Unplannable("add_generation_prompt=false is passed to vLLM as it is",
                               "special_tokens")
         read_chat(req, body, tokenizer, find, cache)
-        if body.get("max_completion_tokens") is not None:
-            sampling["max_tokens"] = body["max_completion_tokens"]
+        max_completion = body.get("max_completion_tokens")
+        if isinstance(max_completion, int):  # checked: an integer, or null
+            sampling["max_tokens"] = max_completion
         sampling.setdefault("max_tokens", None)  # chat's default: up to the context's end
         if body.get("logprobs"):
             top = body.get("top_logprobs") or 0

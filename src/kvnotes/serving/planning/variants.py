@@ -18,9 +18,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvnotes.core.variants import exactly_placed
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.planning.layout import SentPart
 from kvnotes.serving.planning.phases import PartSpan
 
@@ -37,7 +37,7 @@ class VariantCandidate:
     start: int
     predecessor: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"after": list(self.after), "name": self.name, "tokens": len(self.token_ids),
                 "start": self.start, "predecessor": self.predecessor}
 
@@ -163,7 +163,7 @@ class VariantHits:
             n = self.used.get(key, 0)
             return self.exact.get(key, 0) / n if n else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         with self._lock:
             return {key: {"used": n, "exact": self.exact.get(key, 0)}
                     for key, n in self.used.items()}

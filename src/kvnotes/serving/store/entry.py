@@ -20,10 +20,10 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
 
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, NotebookFileError
+from kvnotes.serving.json_types import JsonObject, JsonValue
 from kvnotes.serving.library.manifest import ENTRY_FORMAT, ENTRY_VERSION, entry_owner
 from kvnotes.serving.library.registry import LearnedEntry
 
@@ -78,7 +78,7 @@ class EntryInfo:
     behind: str | None = None
     behind_tokens: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @classmethod
@@ -115,7 +115,7 @@ class StoredEntry:
     data: bytes = field(repr=False)
 
 
-def _safetensors_header(data: bytes) -> dict[str, Any]:
+def _safetensors_header(data: bytes) -> JsonObject:
     if len(data) < 8:
         raise ValueError("shorter than a safetensors header")
     n = int.from_bytes(data[:8], "little")
@@ -127,7 +127,7 @@ def _safetensors_header(data: bytes) -> dict[str, Any]:
     return table
 
 
-def kvnotes_header(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+def kvnotes_header(data: bytes) -> tuple[JsonObject, JsonObject]:
     """``(kvnotes header, safetensors table)`` of an entry file's bytes, parsed without reading
     a tensor; :class:`NotebookFileError` when they are not a kvnotes skill entry."""
     try:
@@ -143,6 +143,16 @@ def kvnotes_header(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     return header, table
 
 
+def _item(value: JsonValue, key: str | int) -> JsonValue:
+    """``value[key]`` of a JSON object or array; KeyError, IndexError or TypeError (a value
+    with no such item) as indexing raises them."""
+    if isinstance(value, dict) and isinstance(key, str):
+        return value[key]
+    if isinstance(value, list) and isinstance(key, int):
+        return value[key]
+    raise TypeError(f"{type(value).__name__} has no item {key!r}")
+
+
 def describe(data: bytes, key: str, model: str) -> EntryInfo:
     """The info of a registered (operator's) entry read from its bytes: tenant, name, tokens.
 
@@ -150,9 +160,12 @@ def describe(data: bytes, key: str, model: str) -> EntryInfo:
     header, table = kvnotes_header(data)
     tenant, _ = entry_owner(header)
     try:
-        tokens = int(table["token_ids"]["shape"][0])
+        shape = _item(_item(_item(table, "token_ids"), "shape"), 0)
+        if not isinstance(shape, (int, float, str)):
+            raise TypeError(f"a shape of {type(shape).__name__}")
+        tokens = int(shape)
         spans = header.get("spans") or []
-        name = str(spans[0][0]) if spans else key
+        name = str(_item(_item(spans, 0), 0)) if spans else key
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise NotebookFileError(f"entry {key}: no token ids in its table ({err})") from err
     return EntryInfo(key, model, tenant, name, tokens, len(data), sha256(data))

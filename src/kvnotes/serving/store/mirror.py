@@ -38,6 +38,7 @@ from pathlib import Path
 
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, StoreUnavailableError
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import REGISTRY_DIR
 from kvnotes.serving.store.base import Change, Store
@@ -82,7 +83,7 @@ class MirrorStats:
     local_entries: int = 0  # copies held now
     local_bytes: int = 0
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 

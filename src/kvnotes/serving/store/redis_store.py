@@ -180,7 +180,7 @@ class RedisStore:
         to the server until the first operation."""
         s = settings or RedisSettings()
         retry = Retry(ExponentialBackoff(cap=s.backoff_cap_s, base=s.backoff_base_s), s.retries)
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, str] = {}
         if password is not None:
             kwargs["password"] = password
         client = redis.Redis.from_url(
@@ -487,7 +487,8 @@ class RedisStore:
             last = _text(id_)
         return (last if rows else after), out
 
-    def _trimmed(self, feed: str, info: Mapping[str, Any], after: str, last: str) -> bool:
+    def _trimmed(self, feed: str, info: Any, after: str, last: str) -> bool:
+        # info: redis-py's XINFO STREAM reply (untyped)
         """Whether the feed may have lost entries after ``after`` (trimming drops the oldest:
         while the entry at ``after`` is still there, nothing after it was dropped)."""
         if after == "0-0":  # read while the feed was empty: lost if any entry is gone

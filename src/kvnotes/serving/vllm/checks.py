@@ -210,7 +210,7 @@ def check_weights(manifest: ServingManifest, model: str | os.PathLike[str], fold
     return got
 
 
-def check_layers(manifest: ServingManifest, layers: Mapping[str, Any],
+def check_layers(manifest: ServingManifest, layers: Mapping[str, object],
                  kv_caches: Mapping[str, torch.Tensor], *, heads: range, dtype: torch.dtype,
                  ) -> list[tuple[int, str]]:
     """``(manifest layer, layer name)`` of each attention layer this worker writes, sorted;
@@ -236,10 +236,11 @@ def check_layers(manifest: ServingManifest, layers: Mapping[str, Any],
                 f"{manifest.num_layers} layers of {manifest.model} (a speculative-decoding "
                 f"draft layer?): spliced skills have no KV for it. {_FIX} drop "
                 "--speculative-config.")
-        if getattr(layer, "kv_sharing_target_layer_name", None):
+        shared = getattr(layer, "kv_sharing_target_layer_name", None)
+        if shared:
             raise ServingError(
                 f"kvnotes connector: layer {name!r} shares the KV cache of "
-                f"{layer.kv_sharing_target_layer_name!r} (cross-layer KV sharing), which the "
+                f"{shared!r} (cross-layer KV sharing), which the "
                 f"connector does not write yet. {_FIX} serve a model without KV sharing.")
         backend = getattr(layer, "attn_backend", None)
         if backend is not None and getattr(backend, "forward_includes_kv_cache_update", False):

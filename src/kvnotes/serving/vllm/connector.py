@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
+from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.manifest import (
     ServingManifest,
     is_splice_salt,
@@ -237,7 +238,7 @@ class KvnotesConnector(KVConnectorBase_V1):
             self.planner.failed(getattr(connector_output, "invalid_block_ids", None) or ())
 
     def request_finished(self, request: Request, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
+                         ) -> tuple[bool, JsonObject | None]:
         """Nothing is held past the request; its report goes back in ``kv_transfer_params``."""
         report = None if self.planner is None else self.planner.finished(request.request_id)
         return False, None if report is None else report.to_params()
