@@ -191,6 +191,9 @@ class AgentOracle:
         self.engine, self.entries = engine, entries
         self.computed = 0
         self._notebooks: dict[Path, Notebook] = {}
+        # each spliced request's (salt, prompt ids, sources), in the order checked
+        self.layouts: list[tuple[str, tuple[int, ...], list[Source]]] = []
+        self.donor_index: int | None = None  # the layout the last reference took a hit from
 
     def greedy(self, nb: Notebook, query: Sequence[int] | None, n: int,
                stop: Sequence[str] = ()) -> Reference:
@@ -272,16 +275,59 @@ class AgentOracle:
     def reference(self, ids: Sequence[int], usage: UsageKvnotes | None, n: int,
                   stop: Sequence[str] = ()) -> tuple[Reference | str, int]:
         """The one reference ``usage`` describes for a prompt of ``ids`` (see the module
-        docstring), or why there is none; and the prefix-cache tokens another request made."""
+        docstring), or why there is none; and the prefix-cache tokens another request made.
+
+        Those tokens are taken from the earliest request checked before this one under the
+        same salt whose prompt shares them (:meth:`donor`: vLLM keeps the first blocks
+        computed for a token prefix and salt, so that request's layout is what the cache
+        holds, unless they were evicted and written again), else as this plan lays them out.
+        Each spliced request's layout is kept for the requests after it."""
         if usage is None or usage.plan is None or usage.guard_fired or not usage.spliced_tokens:
             return self.exact(ids, n, stop), 0
         found = reported_sources(len(ids), usage)
         if found is None:
             return "the connector's reports are missing (a streamed answer, or vLLM sent none)", 0
         sources, foreign = found
+        salt, held = usage.plan.salt, foreign_end(len(ids), usage)
+        self.donor_index = None
+        if foreign and held:
+            donor = self.donor(salt, ids, held)
+            if donor is not None:
+                self.donor_index = donor[0]
+                sources = [*clip(donor[1], 0, held), *clip(sources, held, len(ids))]
+        self.layouts.append((salt, tuple(int(t) for t in ids), sources))
         if not any(s.key is not None for s in sources):
             return self.exact(ids, n, stop), foreign
         return self.reported(ids, sources, n, stop), foreign
+
+    def donor(self, salt: str, ids: Sequence[int], held: int
+              ) -> tuple[int, list[Source]] | None:
+        """``(index, sources)`` of the earliest kept layout of ``salt`` whose prompt shares the
+        first ``held`` tokens of ``ids`` (its index in :attr:`layouts`)."""
+        head = tuple(int(t) for t in ids[:held])
+        for i, (s, other, sources) in enumerate(self.layouts):
+            if s == salt and other[:held] == head:
+                return i, sources
+        return None
+
+
+def foreign_end(prompt_len: int, usage: UsageKvnotes) -> int:
+    """The end of the last prefix-cache hit that holds tokens another request made (0: none),
+    by the rule of :func:`reported_sources`."""
+    first = min((r.start for r in usage.plan.ranges if r.end - r.piece_start > 1),
+                default=prompt_len) if usage.plan is not None else prompt_len
+    made, end = 0, 0
+    for report in usage.reports:
+        if report.local_hit > max(made, first):
+            end = report.local_hit
+        made = max(made, min(report.prompt_tokens, prompt_len))
+    return end
+
+
+def clip(sources: Sequence[Source], start: int, end: int) -> list[Source]:
+    """``sources`` cut to prompt tokens ``[start, end)``."""
+    return [Source(max(s.start, start), min(s.end, end), s.key, s.piece_start)
+            for s in sources if s.end > start and s.start < end]
 
 
 # ---- one answer against its references ---------------------------------------------------------
@@ -459,8 +505,11 @@ def check_request(record: SoakRequestRecord, oracle: AgentOracle, tokenizer: Any
     v = verdict(record.answer(), [ref], tokenizer, eos=config.eos, tie_tau=config.tie_tau,
                 drift_tau=config.drift_tau)
     if v.status != "ok" and foreign:
+        taken = ("taken as the plan lays them out" if oracle.donor_index is None else
+                 f"taken from the layout of the {oracle.donor_index + 1}th spliced request "
+                 "that shares them")
         v.status, v.why = "unchecked", (f"the prefix cache held {foreign} tokens another "
-                                        "request made, taken as the plan lays them out")
+                                        f"request made, {taken}")
     return v
 
 

@@ -236,7 +236,9 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
             rendered, why = None, (f"the prompt could not be rendered: {type(err).__name__}: "
                                    f"{str(err)[:200]}")
         rows.append(request_record(rec, rendered, tenant, why))
-    done = [(rec, row) for (rec, _), row in zip(records, rows, strict=True) if rec.answer.ok]
+    # in the order sent: a request's prefix-cache hit is taken from an earlier one's layout
+    done = sorted(((rec, row) for (rec, _), row in zip(records, rows, strict=True)
+                   if rec.answer.ok), key=lambda pair: (pair[0].sent_s, pair[0].index))
     for n, (rec, row) in enumerate(done):
         if row.verdict is None:
             row.verdict = check_request(row, oracle, tokenizer, config).to_dict()
@@ -329,7 +331,8 @@ def recheck(folder: Path, engine: Engine, config: CheckConfig,
                                    "server's library) to read the kept entries with")
     fingerprint = ServingManifest.read(manifests[0].parent).fingerprint_obj
     oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
-    for row in rows:
+    # in the order sent: a request's prefix-cache hit is taken from an earlier one's layout
+    for row in sorted(rows, key=lambda r: (r.sent_s, r.index)):
         if row.ok and row.prompt_ids is not None:
             row.verdict = check_request(row, oracle, engine.tokenizer, config).to_dict()
             if row.verdict["status"] != "ok":
