@@ -313,21 +313,20 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
 
 
 def recheck(folder: Path, engine: Engine, config: CheckConfig,
-            say: Callable[[str], None] = lambda s: None
+            say: Callable[[str], None] = lambda s: None, *, skills: str = "soak-skills"
             ) -> tuple[list[SoakRequestRecord], int]:
     """The per-request records of a soak run's output ``folder`` checked again (no server):
     its ``soak-requests.jsonl`` against the entries it kept (``soak-entries``, read with the
-    fingerprint of its ``soak-skills`` library); the records with new verdicts, and the
-    references computed for them."""
+    fingerprint of the library under ``folder/skills``); the records with new verdicts, and
+    the references computed for them."""
     from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
     from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records
     from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
 
     rows = read_records(folder / RECORDS_NAME)
-    manifests = sorted((folder / "soak-skills").rglob(MANIFEST_NAME),
-                       key=lambda p: len(p.parts))
+    manifests = sorted((folder / skills).rglob(MANIFEST_NAME), key=lambda p: len(p.parts))
     if not manifests:
-        raise InvalidArgumentError(f"{folder / 'soak-skills'}: no {MANIFEST_NAME} (the soak "
+        raise InvalidArgumentError(f"{folder / skills}: no {MANIFEST_NAME} (the soak "
                                    "server's library) to read the kept entries with")
     fingerprint = ServingManifest.read(manifests[0].parent).fingerprint_obj
     oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))

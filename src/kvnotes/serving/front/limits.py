@@ -7,7 +7,8 @@ client's requests may plan at once.
   These bound a request's planning and its memory by a small multiple of its body.
 - :class:`PlanDeadline`: a plan stops (:class:`PlanStopped`) once it has run ``plan_timeout``
   seconds or its client has left; :class:`DeadlineTokenizer` checks it at every call to the
-  tokenizer, the planner's unit of work (one per part), so a thread stops within one call.
+  tokenizer and at every part the layout reads (its ids cached or not), so a thread stops
+  within one part.
 - :class:`PlanTurns`: at most ``max_plans_per_client`` plans of one client (its key, or its
   address without keys) wait for or hold a planning thread; its other requests wait their turn
   behind them, so one client never occupies every planning thread.
@@ -112,6 +113,11 @@ class DeadlineTokenizer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._deadline.check()
         return self._tokenizer(*args, **kwargs)
+
+    def check_deadline(self) -> None:
+        """Stop here if the plan's time is up: called per part by the layout, so a plan whose
+        parts' ids are all cached (no tokenizer call) stops within one part too."""
+        self._deadline.check()
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._tokenizer, name)

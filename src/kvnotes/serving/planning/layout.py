@@ -42,7 +42,12 @@ def part_ids(tokenizer: Any, parts: Sequence[str], *, cache: PartTokenCache | No
     if bos is not None:
         out.append([bos])
     encoded = encode if cache is None else cache.encode
+    # a tokenizer that bounds the plan's time (the front's) is asked at every part, since a
+    # part whose ids are cached or known makes no tokenizer call
+    check = getattr(tokenizer, "check_deadline", None)
     for i, part in enumerate(parts):
+        if check is not None:
+            check()
         ids = None if known is None else known[i]
         out.append(list(ids) if ids is not None else list(encoded(tokenizer, part)))
     return out
