@@ -727,6 +727,7 @@ class FakeOracle:
     def __init__(self) -> None:
         self.computed = 0
         self.entries = FakeEntries()
+        self.donor_index = None  # no earlier request's layout taken
 
     def reference(self, ids, usage, n, stop=()):
         if usage is None or not usage.spliced_tokens:

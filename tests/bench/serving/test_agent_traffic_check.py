@@ -261,6 +261,38 @@ def test_prefix_cache_tokens_another_request_made_are_counted(published, tokeniz
     assert by_token(sources) == clean and any(k is not None for k, _ in clean.values())
 
 
+def test_a_foreign_hit_is_taken_from_the_earliest_request_that_shares_it(published, tokenizer):
+    """The tokens of a hit another request made come from the earliest earlier request of the
+    same salt whose prompt shares them (its layout), the rest from this request's reports; with
+    no such request, from the plan's layout."""
+    from dataclasses import replace
+
+    from kvnotes.bench.serving.agent_traffic_check import Source, clip, foreign_end
+
+    fp = front_plan(published, tokenizer, 8)
+    usage = served(published, fp)
+    assert foreign_end(len(fp.ids), usage) == 0
+    first = min(r.start for r in fp.plan.ranges if r.end - r.piece_start > 1)
+    phase = usage.phase_reports[0]
+    assert phase is not None
+    hit = first + BLOCK
+    early = replace(usage, phase_reports=(replace(phase, local_hit=hit), *usage.phase_reports[1:]))
+    assert foreign_end(len(fp.ids), early) == hit
+    assert clip([Source(0, 10), Source(10, 20, "k", 10)], 5, 12) == [
+        Source(5, 10), Source(10, 12, "k", 10)]
+    oracle = oracle_of(published)
+    salt = usage.plan.salt
+    donor = [Source(0, len(fp.ids))]  # an earlier request that computed the prompt whole
+    oracle.layouts += [("another-salt", tuple(fp.ids), [Source(0, len(fp.ids), "x", 0)]),
+                       (salt, tuple(fp.ids), donor)]
+    assert oracle.donor(salt, fp.ids, hit) == (1, donor)
+    assert oracle.donor(salt, [*fp.ids[:hit - 1], -1], hit) is None
+    ref, foreign = oracle.reference(fp.ids, early, 2)
+    assert foreign == hit - first and oracle.donor_index == 1
+    assert oracle.layouts[-1][2][0] == Source(0, hit)  # the donor's, up to the hit
+    assert ref == oracle.reference(fp.ids, early, 2)[0]
+
+
 def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokenizer, tmp_path):
     import json
     import shutil
