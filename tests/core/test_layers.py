@@ -282,6 +282,7 @@ def test_the_connector_imports_no_engine_and_no_transformers():
 IN_VLLM = "kvnotes.serving.vllm"
 IN_VLLM_MAY_IMPORT = ("kvnotes.serving.vllm", "kvnotes.serving.library", "kvnotes.serving.planning",
                       "kvnotes.serving.protocol",  # the wire contract: pure, light
+                      "kvnotes.serving.json_types",  # types only: nothing runs
                       "kvnotes.core.errors", "kvnotes.core.fingerprint", "kvnotes.core.files",
                       "kvnotes.core.positions", "kvnotes.core.document", "kvnotes.core.repair",
                       "kvnotes.core.jsontext", "kvnotes.core.variants")
