@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,27 +29,29 @@ def module_lengths(root: Path) -> dict[str, int]:
             for p in sorted(root.rglob("*.py"))}
 
 
+def functions(tree: ast.AST) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method under ``tree`` with its qualified name (``A.f``, ``f.inner``)."""
+
+    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, Any]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{prefix}{child.name}", child
+                yield from visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                yield from visit(child, f"{prefix}{child.name}.")
+            else:
+                yield from visit(child, prefix)
+
+    return visit(tree, "")
+
+
 def function_lengths(path: Path, root: Path) -> dict[str, int]:
     """Lines of each function or method in ``path`` (``path:line qualified.name``: count, the
     path relative to ``root``'s parent), from its ``def`` line to its last (decorators
     not counted)."""
-    tree = ast.parse(path.read_text("utf-8"))
     where = path.relative_to(root.parent)
-    out: dict[str, int] = {}
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out[f"{where}:{child.lineno} {prefix}{child.name}"] = (
-                    (child.end_lineno or child.lineno) - child.lineno + 1)
-                visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
-    return out
+    return {f"{where}:{fn.lineno} {name}": (fn.end_lineno or fn.lineno) - fn.lineno + 1
+            for name, fn in functions(ast.parse(path.read_text("utf-8")))}
 
 
 def offenders(lengths: dict[str, int], limit: int) -> list[str]:
@@ -86,28 +90,15 @@ def untyped_dicts(path: Path, root: Path) -> list[str]:
     """Every annotation of a function's or method's parameters and return in ``path`` that
     :data:`UNTYPED_DICT` matches (``path:line qualified.name: annotation``, the path relative to
     ``root``'s parent)."""
-    tree = ast.parse(path.read_text("utf-8"))
     where = path.relative_to(root.parent)
     out: list[str] = []
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = child.args
-                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
-                notes = [p.annotation for p in params if p is not None and p.annotation]
-                notes += [child.returns] if child.returns is not None else []
-                for note in notes:
-                    text = ast.unparse(note)
-                    if UNTYPED_DICT.search(text):
-                        out.append(f"{where}:{note.lineno} {prefix}{child.name}: {text}")
-                visit(child, f"{prefix}{child.name}.")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, f"{prefix}{child.name}.")
-            else:
-                visit(child, prefix)
-
-    visit(tree, "")
+    for name, fn in functions(ast.parse(path.read_text("utf-8"))):
+        a = fn.args
+        params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+        notes = [p.annotation for p in params if p is not None and p.annotation]
+        notes += [fn.returns] if fn.returns is not None else []
+        out += [f"{where}:{note.lineno} {name}: {ast.unparse(note)}" for note in notes
+                if UNTYPED_DICT.search(ast.unparse(note))]
     return out
 
 

@@ -22,7 +22,43 @@ from kvnotes.bench.serving.agent_traffic import AgentResult, utc_minute
 from kvnotes.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
+    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
     from kvnotes.core.engine import Engine
+    from kvnotes.serving.json_types import JsonObject
+
+
+def read_bundle(folder: Path, what: str) -> JsonObject:
+    """The ``result.json`` of a stored run in ``folder``; :class:`InvalidArgumentError` naming
+    ``what`` it should hold when it or the per-request records are missing."""
+    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME
+
+    path = folder / "result.json"
+    if not path.is_file() or not (folder / RECORDS_NAME).is_file():
+        raise InvalidArgumentError(f"{folder}: no {what} here (it needs result.json and "
+                                   f"{RECORDS_NAME})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise InvalidArgumentError(f"{path}: not JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{path}: not a JSON object")
+    return data
+
+
+def load_engine(model: str) -> Engine:
+    """The engine of a stored run's model (by its alias or folder)."""
+    from kvnotes.core.models import load
+
+    return load(model)
+
+
+def check_config(soak: AgentSoakConfig, engine: Engine) -> CheckConfig:
+    """How a soak's answers are checked: its greedy length and thresholds, ``engine``'s EOS."""
+    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
+
+    return CheckConfig(max_tokens=soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
+                       tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
 
 
 def recheck_bundle(folder: Path, engine: Engine | None = None, *,
@@ -31,26 +67,17 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
     """Every answer of the soak run in ``folder`` checked again (``engine``: the run's model,
     None: loaded by its name; ``drift_tau``: the drift rule's threshold, None: the run's own);
     the bundle rewritten; returns the result."""
-    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
     from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
     from kvnotes.bench.serving.agent_traffic_report import write_outputs
     from kvnotes.bench.serving.agent_traffic_soak import recheck
 
-    path = folder / "result.json"
-    if not path.is_file() or not (folder / RECORDS_NAME).is_file():
-        raise InvalidArgumentError(f"{folder}: no soak run here (it needs result.json and "
-                                   f"{RECORDS_NAME})")
-    result = AgentResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    if engine is None:
-        from kvnotes.core.models import load
-
-        engine = load(result.config.model)
+    result = AgentResult.from_dict(read_bundle(folder, "soak run"))
+    engine = engine if engine is not None else load_engine(result.config.model)
     soak = result.config.soak
     if drift_tau is not None:
         soak = dataclasses.replace(soak, drift_tau=drift_tau)
         result.config = dataclasses.replace(result.config, soak=soak)
-    check = CheckConfig(max_tokens=soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
-                        tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
+    check = check_config(soak, engine)
     rows, references = recheck(folder, engine, check, say=say)
     result.soak["references"] = references
     verdicts = {r.index: r.verdict for r in rows}
