@@ -26,6 +26,7 @@ import torch
 from conftest import make_tiny_engine
 
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import SpliceRange
 from kvnotes.serving.protocol import SpliceReport, SpliceRequest
 from kvnotes.serving.skills import ServingSkills
@@ -149,6 +150,12 @@ def request(req_id, ids, salt="kvnotes-splice", params=None):
                            mm_features=[], kv_transfer_params=params)
 
 
+def leading(req_id, ids, tenant=None):
+    """A request as ``ComposeClient`` sends one: its tenant's salt and a splice request for the
+    prompt's leading run of skills."""
+    return request(req_id, ids, splice_salt(tenant), SpliceRequest.leading(tenant).to_params())
+
+
 def blocks(ids):
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
@@ -182,7 +189,7 @@ def test_a_resumed_request_is_spliced_by_every_rank_into_its_heads(cmod, library
     sched = cmod.KvnotesConnector(vllm_config(folder, tp=tp), cmod.KVConnectorRole.SCHEDULER)
     ids = [*header.token_ids, *fees.token_ids, *refunds.token_ids, 5, 6]
     n = len(ids) - 2
-    req = request("r", ids, salt="kvnotes-splice:acme")
+    req = leading("r", ids, tenant="acme")
     # admitted, preempted, admitted again: only the last admission's blocks are written
     for block_ids in ([0, 1, 2, 3], [7, 9, 4, 11]):
         assert sched.get_num_new_matched_tokens(req, 0) == (n, False)
@@ -210,7 +217,7 @@ def test_a_skill_deleted_after_planning_is_recomputed(cmod, library, monkeypatch
     folder, manifest = skills.folder, skills.manifest
     sched = cmod.KvnotesConnector(vllm_config(folder), cmod.KVConnectorRole.SCHEDULER)
     ids = [*header.token_ids, *refunds.token_ids, 5]
-    req = request("r", ids)
+    req = leading("r", ids)
     ext, _ = sched.get_num_new_matched_tokens(req, 0)
     sched.update_state_after_alloc(req, blocks([3, 8]), ext)
     meta = sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r": len(ids)}))
@@ -258,18 +265,20 @@ def test_request_finished_returns_the_report_and_a_refused_message_splices_nothi
         assert report is not None and report.loaded == () and report.refused is not None
     assert "its splice request was refused (kvnotes splice request: version 2" in caplog.text
     assert "unknown field 'mode'" in caplog.text
-    # an exact request (no splice salt) gets no report
+    # an exact request (no splice request) gets no report
     assert sched.request_finished(request("x", ids, salt=None), []) == (False, None)
 
 
-def test_only_splice_salts_are_spliced(cmod, library):
+def test_only_requests_with_a_splice_request_are_spliced(cmod, library):
     skills, (header, refunds, _) = library
     sched = cmod.KvnotesConnector(vllm_config(skills.folder), cmod.KVConnectorRole.SCHEDULER)
     ids = [*header.token_ids, *refunds.token_ids, 5]
-    assert sched.get_num_new_matched_tokens(request("a", ids), 0)[0] > 0
-    assert sched.get_num_new_matched_tokens(request("b", ids, "kvnotes-splice:t-1"), 0)[0] > 0
-    for salt in (None, "cold-1", "kvnotes-spliceX", "kvnotes-splice:"):
+    assert sched.get_num_new_matched_tokens(leading("a", ids), 0) == (len(ids) - 1, False)
+    assert sched.get_num_new_matched_tokens(leading("b", ids, "t-1"), 0)[0] > 0
+    # a splice salt alone is an exact request: the connector reads no salt
+    for salt in (None, "cold-1", "kvnotes-splice", "kvnotes-splice:t-1", "kvnotes-splice+f32a16"):
         assert sched.get_num_new_matched_tokens(request("c", ids, salt), 0) == (0, False)
+        assert sched.request_finished(request("c", ids, salt), []) == (False, None)
 
 
 def test_a_splice_request_names_its_tenant_and_the_salt_must_be_theirs(cmod, library, caplog):
@@ -292,10 +301,15 @@ def test_a_splice_request_names_its_tenant_and_the_salt_must_be_theirs(cmod, lib
     bad = SpliceRequest(ranges, tenant="a b")
     assert sched.get_num_new_matched_tokens(
         request("b", ids, "kvnotes-splice", bad.to_params()), 0) == (0, False)
-    # another salt altogether is an exact request, whatever it carries
+    # another salt altogether: refused the same way (computed exactly; its report says why)
     assert sched.get_num_new_matched_tokens(request("x", ids, "cold", asked.to_params()),
                                             0) == (0, False)
-    assert sched.request_finished(request("x", ids, "cold"), []) == (False, None)
+    report = SpliceReport.from_params(sched.request_finished(request("x", ids, "cold"), [])[1])
+    assert report is not None and "'cold' is not" in report.refused
+    # the leading run asked with another tenant's salt: refused
+    assert sched.get_num_new_matched_tokens(
+        request("y", ids, "kvnotes-splice:acme", SpliceRequest.leading().to_params()),
+        0) == (0, False)
 
 
 def test_refusals_at_start(cmod, library, monkeypatch, caplog):

@@ -21,8 +21,9 @@ from conftest import VLLM_BLOCK, VLLM_KV_BLOCKS, skill_copy, wait_for_rescan
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.launch.launcher import Launch
+from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.layout import prompt_ids
-from kvnotes.serving.protocol import SpliceReport
+from kvnotes.serving.protocol import SpliceReport, SpliceRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -52,6 +53,11 @@ def log_since(launch: Launch, offset: int) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
+def leading(tenant: str) -> dict:
+    """The ``kv_transfer_params`` of a request for the prompt's leading run of skills."""
+    return SpliceRequest.leading(tenant).to_params()
+
+
 def openai_client(url: str):
     from openai import OpenAI
 
@@ -73,15 +79,16 @@ def test_preempted_spliced_requests_answer_as_alone(small, smollm2):
     need = sum(math.ceil((len(ids) + ANSWER_TOKENS) / VLLM_BLOCK) for _, ids in jobs)
     assert need > VLLM_KV_BLOCKS, f"{need} blocks of load fit the cache: no preemption"
 
-    def complete(ids, salt):
+    def complete(ids, tenant):
         r = client.completions.create(
             model=small.server.served_name, prompt=ids, max_tokens=ANSWER_TOKENS,
-            temperature=0.0, extra_body={"cache_salt": salt, "ignore_eos": True})
+            temperature=0.0, extra_body={"cache_salt": splice_salt(tenant), "ignore_eos": True,
+                                         "kv_transfer_params": leading(tenant)})
         return r.choices[0].text
 
     before, log_start = preemptions(url), small.server.log_path.stat().st_size
     with ThreadPoolExecutor(len(jobs)) as pool:  # a tenant each: no block is shared
-        under_load = list(pool.map(lambda k: complete(jobs[k][1], f"kvnotes-splice:load-{k}"),
+        under_load = list(pool.map(lambda k: complete(jobs[k][1], f"load-{k}"),
                                    range(len(jobs))))
     after = preemptions(url)
     preempted = after - before
@@ -90,7 +97,7 @@ def test_preempted_spliced_requests_answer_as_alone(small, smollm2):
     # cache together, so none is preempted
     with ThreadPoolExecutor(len(prompts)) as pool:
         unpreempted = list(pool.map(
-            lambda i: complete(prompts[i], f"kvnotes-splice:alone-{i}"), range(len(prompts))))
+            lambda i: complete(prompts[i], f"alone-{i}"), range(len(prompts))))
     assert preemptions(url) == after
     wrong = [k for k, (i, _) in enumerate(jobs) if under_load[k] != unpreempted[i]]
     assert wrong == [], f"{len(wrong)} of {len(jobs)} differ ({preempted:.0f} preemptions)"
@@ -117,7 +124,7 @@ def test_vllm_returns_the_connectors_report_and_a_refused_message_splices_nothin
                                                                                   smollm2):
     client, model = openai_client(small.server.url), small.server.served_name
     ids = prompt_ids(smollm2.tokenizer, [HEADER, skill_copy("refunds", OWNER), USER])
-    report = report_of(client, model, ids, "kvnotes-splice:report")  # the leading run
+    report = report_of(client, model, ids, splice_salt("report"), leading("report"))
     assert report is not None and report.prompt_tokens == len(ids) and report.refused is None
     assert report.supplied > 0 and len(report.entries) == 2  # the header and the skill
     assert report.computed == len(ids) - report.local_hit - report.supplied
@@ -151,7 +158,7 @@ def test_a_skill_damaged_after_indexing_is_recomputed(small, smollm2):
         cold = client.complete([HEADER, text, USER], max_tokens=16, salt=cold_salt())
         ids = prompt_ids(smollm2.tokenizer, [HEADER, text, USER])
         failed = report_of(openai_client(small.server.url), small.server.served_name, ids,
-                           "kvnotes-splice:damage-report")
+                           splice_salt("damage-report"), leading("damage-report"))
     finally:
         path.write_bytes(intact)  # the library is the session's: leave it readable
     assert got.ok and cold.ok, (got.error, cold.error)

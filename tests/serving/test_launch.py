@@ -68,6 +68,17 @@ def test_whole_floats_become_ints():
     assert server.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
 
+def test_the_server_reuses_its_compiled_model_unless_the_operator_says_otherwise(monkeypatch):
+    """vLLM 0.32's CPU build cannot load its own AOT artifact back: AOT is off by default, so a
+    restart loads inductor's cache instead of compiling again."""
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    server = VLLMServer(Path("."), served_name="m", python=sys.executable)
+    assert server.env["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    server = VLLMServer(Path("."), served_name="m", python=sys.executable)
+    assert server.env["VLLM_USE_AOT_COMPILE"] == "1"
+
+
 def test_serve_refuses_a_fraction_before_loading_the_model(tmp_path, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")

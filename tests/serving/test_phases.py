@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import NO_REPAIR, Repair, repaired_end
-from kvnotes.serving.library.manifest import is_splice_salt, salt_tag, salt_tenant
+from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import (
     PieceIndex,
     PieceInfo,
@@ -133,8 +133,11 @@ def test_spans_must_tile_the_prompt():
 def test_the_salt_names_the_tenant_and_the_aligned_repair():
     plan = plan_phases(skills_layout(), Repair(first=32), 128, tenant="acme")
     assert plan.salt == "kvnotes-splice:acme+f32a128"
-    assert is_splice_salt(plan.salt) and salt_tenant(plan.salt) == "acme"
-    assert salt_tag(plan.salt) == "f32a128"
+    assert plan.salt == splice_salt("acme", tag="f32a128")
+    # the connector composes the salt from the splice request's fields and compares
+    message = plan.splice_request()
+    assert (message.tenant, message.tag) == ("acme", "f32a128")
+    assert splice_salt(message.tenant, message.tag) == plan.salt
     other = plan_phases(skills_layout(), Repair(first=16), 128, tenant="acme")
     assert other.salt != plan.salt  # blocks of one plan never serve another
     # vLLM refuses '@', '/', '\\' and NUL in a cache_salt, and salts over 128 characters

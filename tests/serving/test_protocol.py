@@ -49,6 +49,20 @@ def test_every_message_round_trips_through_json():
         "no_skill"
 
 
+def test_a_leading_request_names_no_ranges():
+    """``ComposeClient``'s: the connector supplies the prompt's leading run of its entries."""
+    asked = SpliceRequest.leading("acme")
+    assert asked.to_params() == {"kvnotes": {"v": 1, "tenant": "acme"}}
+    assert SpliceRequest.from_params(wire(asked.to_params())) == asked
+    assert asked.ranges is None and asked.tag is None
+    # an empty list is not the same: no range at all, so nothing is supplied
+    assert SpliceRequest.from_params({"kvnotes": {"v": 1, "ranges": []}}).ranges == ()
+    with pytest.raises(ProtocolError, match="keys without ranges"):
+        SpliceRequest.from_params({"kvnotes": {"v": 1, "keys": ["k"]}})
+    with pytest.raises(ProtocolError, match="missing field 'v'"):
+        SpliceRequest.from_params({"kvnotes": {"tenant": "acme"}})
+
+
 def test_the_report_derives_supplied_and_computed_from_its_ranges():
     # [48, 90) loaded, a failed load from 64: vLLM recomputed from there
     assert REPORT.entries == ("k",) and REPORT.recompute_from == 64

@@ -14,7 +14,6 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import DEFAULT_FIRST, SERVER_REPAIR, Repair, repaired_end
 from kvnotes.serving.front.app import FrontConfig
 from kvnotes.serving.launch import launcher as launch_mod
-from kvnotes.serving.library.manifest import salt_tag
 from kvnotes.serving.planning.phases import PartSpan, plan_phases, server_repair
 
 
@@ -49,7 +48,9 @@ def test_share_floor_regions_end_on_block_boundaries(block):
 def test_the_share_floor_changes_the_salt_and_grows_with_the_skill():
     fixed = plan_phases(layout(), Repair(first=32), 16, tenant="acme")
     floor = plan_phases(layout(), Repair(first=32, share=0.1), 16, tenant="acme")
-    assert salt_tag(fixed.salt) == "f32a16" and salt_tag(floor.salt) == "f32a16s0.1"
+    assert fixed.salt == "kvnotes-splice:acme+f32a16"
+    assert floor.salt == "kvnotes-splice:acme+f32a16s0.1"
+    assert floor.splice_request().tag == "f32a16s0.1"
     # the 100-token skill is exact behind the header; the 2000-token one gets 200, not 32,
     # ending at 340 rounded up to the block
     assert fixed.regions == ((140, 176),) and floor.regions == ((140, 352),)

@@ -332,12 +332,12 @@ def run_serve(opts: ServeOptions) -> None:
 def _say_served(launch: Launch, opts: ServeOptions) -> None:
     """Where the server is and what it does, on stderr."""
     from kvnotes.serving.front.config import busy_core_share
-    from kvnotes.serving.library.manifest import SPLICE_SALT
 
     server = launch.server
     if launch.front is None:
         typer.echo(f"serving {server.served_name} at {server.url}/v1 (pid {server.pid}); "
-                   f"send prompts as token ids with cache_salt={SPLICE_SALT!r} to splice; "
+                   "send prompts as token ids with a splice request and its salt to splice "
+                   "(kvnotes.serving.SpliceRequest.leading, splice_salt); "
                    "Ctrl-C stops", err=True)
         return
     keys = len(launch.front.service.keys)

@@ -33,7 +33,7 @@ _EXPORTS = {
     "LaunchRecord": "launch.launcher", "prepare": "launch.launcher",
     "export_model": "launch.launcher",
     "ServingManifest": "library.manifest", "SPLICE_SALT": "library.manifest",
-    "is_splice_salt": "library.manifest", "splice_salt": "library.manifest",
+    "splice_salt": "library.manifest", "SpliceRequest": "protocol",
     "read_entry": "library.manifest",
     "ServingSkills": "skills",
     "VLLMServer": "launch.process",
@@ -41,7 +41,7 @@ _EXPORTS = {
 
 __all__ = [  # the names _EXPORTS loads
     "ComposeClient", "ComposeResult", "Launch", "LaunchConfig", "LaunchRecord", "SPLICE_SALT",
-    "ServingManifest", "ServingSkills", "VLLMServer", "export_model", "is_splice_salt",
+    "ServingManifest", "ServingSkills", "SpliceRequest", "VLLMServer", "export_model",
     "prepare", "read_entry", "splice_salt",
 ]
 
@@ -52,10 +52,10 @@ if TYPE_CHECKING:
     from kvnotes.serving.library.manifest import (
         SPLICE_SALT,
         ServingManifest,
-        is_splice_salt,
         read_entry,
         splice_salt,
     )
+    from kvnotes.serving.protocol import SpliceRequest
     from kvnotes.serving.skills import ServingSkills
 
 

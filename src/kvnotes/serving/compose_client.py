@@ -41,7 +41,7 @@ from kvnotes.serving.planning.phases import (
     part_spans,
     plan_phases,
 )
-from kvnotes.serving.protocol import PlanReport, UsageKvnotes
+from kvnotes.serving.protocol import PlanReport, SpliceRequest, UsageKvnotes
 from kvnotes.serving.upstream import check_loopback_url
 
 # body keys the openai client does not know: sent through extra_body
@@ -85,7 +85,9 @@ class ComposeResult:
 class ComposeClient:
     """Send composed prompts to a loopback vLLM server started by ``kvnotes serve``.
 
-    ``tenant`` namespaces the client's spliced requests (salt ``kvnotes-splice:<tenant>``).
+    ``tenant`` namespaces the client's spliced requests (salt ``kvnotes-splice:<tenant>``;
+    each spliced request also carries a :class:`~kvnotes.serving.protocol.SpliceRequest`, the
+    only thing the connector splices by).
     ``skills`` is the server's skills folder (``ROOT/<model fingerprint id>``, e.g.
     ``ServingSkills.folder``; rescanned as it changes) or an index of its pieces, and
     ``block_size`` the server's block size: both are needed for repaired (phased) requests,
@@ -142,9 +144,12 @@ class ComposeClient:
                  guard: float | None = None) -> ComposeResult:
         """Greedy completion of the composed prompt.
 
-        ``splice=True`` sends the client's splice salt (skills at the front are supplied by
-        the connector); ``splice=False`` sends no salt (an exact request: plain prefix caching).
-        ``salt`` overrides both (e.g. a fresh salt per request for a cold prefill).
+        ``splice=True`` sends the client's splice salt and a splice request for the prompt's
+        leading run of skills (:meth:`SpliceRequest.leading
+        <kvnotes.serving.protocol.SpliceRequest.leading>`: the connector supplies the registered
+        skills at the front); ``splice=False`` sends neither (an exact request: plain prefix
+        caching). ``salt`` overrides both: an exact request under that salt (e.g. a fresh salt
+        per request for a cold prefill).
 
         ``repair`` (with ``parts``): a phased prefill, each skill's first tokens computed in
         context by vLLM (:mod:`kvnotes.serving.planning.phases`); ``guard`` (a log-prob margin, with a
@@ -163,9 +168,13 @@ class ComposeClient:
             if parts is None:
                 raise ServingError("complete() needs parts or ids")
             ids = self.prompt_ids(parts)
-        if salt is None and splice:
-            salt = self.salt
-        return self._stream(ids, salt, max_tokens=max_tokens, logprobs=logprobs)
+        body = completion_body(ids, self.model, max_tokens=max_tokens, logprobs=logprobs)
+        if salt is not None:
+            body["cache_salt"] = salt
+        elif splice:
+            body["cache_salt"] = self.salt
+            body["kv_transfer_params"] = SpliceRequest.leading(self.tenant).to_params()
+        return self.send(body)
 
     def _phased(self, parts: Sequence[str], repair: Repair, guard: float | None, *,
                 max_tokens: int, logprobs: int | None) -> ComposeResult:
@@ -197,13 +206,6 @@ class ComposeClient:
         res.guard_fired = None if guard is None else fired
         res.plan = plan.report()
         return res
-
-    def _stream(self, ids: Sequence[int], salt: str | None, *, max_tokens: int,
-                logprobs: int | None) -> ComposeResult:
-        body = completion_body(ids, self.model, max_tokens=max_tokens, logprobs=logprobs)
-        if salt is not None:
-            body["cache_salt"] = salt
-        return self.send(body)
 
     def send(self, body: CompletionBody | UpstreamBody, *, t0: float | None = None,
              stop: Callable[[ComposeResult], bool] | None = None) -> ComposeResult:

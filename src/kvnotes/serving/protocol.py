@@ -140,15 +140,18 @@ class SpliceRequest:
     """The ranges a request asks the connector to supply, in prompt order, and the entry of
     each (``keys``: one per range, or () to let the connector pick by its own rule); the
     ``tenant`` whose entries it may use (None: the shared ones only) and the repair plan's
-    ``tag``. The request's ``cache_salt`` must be the one these two give
-    (:func:`~kvnotes.serving.library.manifest.splice_salt`): the connector composes it and
-    compares, it never reads a tenant out of a salt kvnotes wrote.
+    ``tag``. ``ranges=None`` (:meth:`leading`) asks for the prompt's leading run of entries the
+    connector holds, whatever they are (a client that does not know the library).
+
+    Only a request that carries a splice request is spliced; its ``cache_salt`` must be the one
+    ``tenant`` and ``tag`` give (:func:`~kvnotes.serving.library.manifest.splice_salt`): the
+    connector composes that salt and compares, it never reads anything out of a salt.
 
     The connector checks each range against the prompt and its library itself (no client is
     trusted); a message it cannot read is refused whole: the request is served exactly.
     """
 
-    ranges: tuple[SpliceRange, ...]
+    ranges: tuple[SpliceRange, ...] | None
     keys: tuple[str, ...] = ()
     tenant: str | None = None
     tag: str | None = None
@@ -156,7 +159,17 @@ class SpliceRequest:
 
     _WHAT = "kvnotes splice request"
 
+    @classmethod
+    def leading(cls, tenant: str | None = None, tag: str | None = None) -> SpliceRequest:
+        """Splice the prompt's leading run of the entries the connector holds for ``tenant``."""
+        return cls(None, (), tenant, tag)
+
     def __post_init__(self) -> None:
+        if self.ranges is None:
+            if self.keys:
+                raise ProtocolError(f"{self._WHAT}: keys without ranges (keys name the entry "
+                                    "of each range)")
+            return
         if self.keys and len(self.keys) != len(self.ranges):
             raise ProtocolError(f"{self._WHAT}: {len(self.keys)} keys for {len(self.ranges)} "
                                 "ranges (give one entry key per range, or none)")
@@ -167,7 +180,9 @@ class SpliceRequest:
 
     def to_params(self) -> JsonObject:
         """The request's ``kv_transfer_params``."""
-        body: JsonObject = {"v": self.version, "ranges": [list(r.to_list()) for r in self.ranges]}
+        body: JsonObject = {"v": self.version}
+        if self.ranges is not None:
+            body["ranges"] = [list(r.to_list()) for r in self.ranges]
         if self.keys:
             body["keys"] = list(self.keys)
         if self.tenant is not None:
@@ -188,9 +203,10 @@ class SpliceRequest:
         if PARAMS_KEY not in params:
             return None
         body = _fields(cls._WHAT, params[PARAMS_KEY], ("v", "ranges", "keys", "tenant", "tag"),
-                       ("v", "ranges"))
-        ranges = tuple(_range(f"{cls._WHAT}: ranges[{i}]", r)
-                       for i, r in enumerate(_list(f"{cls._WHAT}: ranges", body["ranges"])))
+                       ("v",))
+        ranges = None if "ranges" not in body else tuple(
+            _range(f"{cls._WHAT}: ranges[{i}]", r)
+            for i, r in enumerate(_list(f"{cls._WHAT}: ranges", body["ranges"])))
         keys = tuple(_str(f"{cls._WHAT}: keys[{i}]", k)
                      for i, k in enumerate(_list(f"{cls._WHAT}: keys", body.get("keys", []))))
         tenant, tag = (None if body.get(name) is None else _str(f"{cls._WHAT}: {name}", body[name])

@@ -26,8 +26,9 @@ from kvnotes.bench.serving.soak_client import Answer, stream_completion, token_i
 from kvnotes.bench.serving.soak_events import EventRecord, damage_file, damage_times
 from kvnotes.bench.serving.soak_report import markdown, report
 from kvnotes.bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
-from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, salt_of, volatile_name
+from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.serving.protocol import SpliceRequest
 
 PROMPT = Prompt(("refunds", "volatile-0"), "\n\nCustomer: hi\nAgent:", 4, volatile_at=1)
 
@@ -199,9 +200,9 @@ def test_requests_by_kind():
         if s.kind == "volatile":  # after one library skill, last, in a tenant of its own
             assert s.prompt.skills[-1] == volatile_name(2) and s.prompt.volatile_at == 1
             assert s.tenant.startswith("soak-v2-") and s.volatile == 2
-            assert salt_of(s) == f"kvnotes-splice:{s.tenant}"
+            assert splice_of(s) == SpliceRequest.leading(s.tenant)
         elif s.kind == "exact":
-            assert s.tenant is None and salt_of(s) is None
+            assert s.tenant is None and splice_of(s) is None
         else:
             assert s.tenant in SHARED_TENANTS and s.prompt.volatile_at is None
             assert cfg.k_min <= len(s.prompt.skills) <= cfg.k_max

@@ -137,8 +137,8 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
     from openai import AsyncOpenAI
 
     from kvnotes.bench.serving.prompt_sets import user_text
-    from kvnotes.serving.library.manifest import splice_salt
     from kvnotes.serving.planning.layout import prompt_ids
+    from kvnotes.serving.protocol import SpliceRequest
     from kvnotes.serving.upstream import Client
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,
@@ -154,11 +154,11 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
         return prompt_ids(tokenizer, [header, *(texts[s] for s in chosen), user_text(rng)])
 
     async def background(mode: str, cid: int, end: float, out: list[Answer]) -> None:
-        salt = splice_salt(CORUN_TENANT) if mode == "spliced" else None
+        splice = SpliceRequest.leading(CORUN_TENANT) if mode == "spliced" else None
         i = 0
         while time.monotonic() < end:
             out.append(await stream_completion(client, model, background_ids(cid, i),
-                                               max_tokens=config.max_tokens, salt=salt))
+                                               max_tokens=config.max_tokens, splice=splice))
             i += 1
 
     async def probes(start: float, end: float, out: list[Answer]) -> None:

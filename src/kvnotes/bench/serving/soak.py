@@ -37,7 +37,7 @@ from kvnotes.bench.serving.soak_check import EngineOracle, allowed, check
 from kvnotes.bench.serving.soak_client import PREEMPTIONS, read_counter, stream_completion
 from kvnotes.bench.serving.soak_events import EventLog, EventRecord, damage_times, run_events
 from kvnotes.bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
-from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, salt_of, volatile_name, volatile_text
+from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name, volatile_text
 from kvnotes.eval.reports import write_bundle
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ async def soak_clients(url: str, model: str, tokenizer: Any, config: SoakConfig,
             ids = prompt_ids(tokenizer, parts)
             sent = time.monotonic() - t0
             answer = await stream_completion(client, model, ids, max_tokens=config.max_tokens,
-                                             salt=salt_of(spec), close_after=spec.close_after)
+                                             splice=splice_of(spec), close_after=spec.close_after)
             records.append((SoakRecord(len(records), cid, spec, sent, answer), ids))
 
     async def progress() -> None:

@@ -17,6 +17,8 @@ from typing import Any
 from kvnotes.bench.kit.failures import classify
 from kvnotes.bench.serving.metrics import parse_prometheus
 from kvnotes.core.errors import ServingError
+from kvnotes.serving.library.manifest import splice_salt
+from kvnotes.serving.protocol import SpliceRequest
 
 TOKEN_PREFIX = "token_id:"
 
@@ -75,7 +77,7 @@ def _read_chunk(ans: Answer, chunk: Any, t: float) -> int:
 
 
 async def stream_completion(client: Any, model: str, ids: Sequence[int], *, max_tokens: int,
-                            salt: str | None = None, close_after: int | None = None,
+                            splice: SpliceRequest | None = None, close_after: int | None = None,
                             ignore_eos: bool = False, top: int = 2) -> Answer:
     """Greedy completion of ``ids`` on ``client`` (an ``openai.AsyncOpenAI``), streamed.
 
@@ -85,8 +87,9 @@ async def stream_completion(client: Any, model: str, ids: Sequence[int], *, max_
     """
     ans = Answer()
     extra: dict[str, Any] = {"return_tokens_as_token_ids": True}
-    if salt is not None:
-        extra["cache_salt"] = salt
+    if splice is not None:  # the salt its tenant and tag give, and the message itself
+        extra["cache_salt"] = splice_salt(splice.tenant, splice.tag)
+        extra["kv_transfer_params"] = splice.to_params()
     if ignore_eos:
         extra["ignore_eos"] = True
     t0 = time.perf_counter()

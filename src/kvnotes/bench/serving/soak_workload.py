@@ -16,6 +16,7 @@ from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
 if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import LaunchConfig
+    from kvnotes.serving.protocol import SpliceRequest
 
 
 # short user turns: every reference is computed by the engine, and a distinct prompt costs its
@@ -185,7 +186,8 @@ def volatile_name(i: int) -> str:
     return f"volatile-{i}"
 
 
-def salt_of(spec: RequestSpec) -> str | None:
-    from kvnotes.serving.library.manifest import splice_salt
+def splice_of(spec: RequestSpec) -> SpliceRequest | None:
+    """What a spliced request of the soak carries: its tenant's leading run of skills."""
+    from kvnotes.serving.protocol import SpliceRequest
 
-    return None if spec.kind == "exact" else splice_salt(spec.tenant)
+    return None if spec.kind == "exact" else SpliceRequest.leading(spec.tenant)

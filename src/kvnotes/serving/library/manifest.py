@@ -31,55 +31,18 @@ from kvnotes.serving.json_types import JsonObject
 from kvnotes.serving.library.splice import PieceInfo
 
 # ---- the splice salt ---------------------------------------------------------------------------
-# Requests whose cache_salt is ``kvnotes-splice[:<tenant>][+<tag>]`` are the ones the connector
-# splices; any other request (no salt, or another salt) is served exactly as vLLM would without
-# kvnotes. The tenant keeps one tenant's prefix-cache entries apart from another's; the tag (a
-# repair plan's name, :meth:`kvnotes.core.repair.Repair.tag`) keeps blocks written under one
-# repair plan from serving another. vLLM refuses salts holding '@', '/', '\\' or NUL, or longer
+# A spliced request carries a splice request (kvnotes.serving.protocol.SpliceRequest) and the
+# cache_salt ``kvnotes-splice[:<tenant>][+<tag>]`` its tenant and tag give: the connector
+# composes that salt and compares, never parses one. The tenant keeps one tenant's prefix-cache
+# entries apart from another's; the tag (a repair plan's name,
+# :meth:`kvnotes.core.repair.Repair.tag`) keeps blocks written under one repair plan from
+# serving another. vLLM refuses salts holding '@', '/', '\\' or NUL, or longer
 # than 128 characters, so the tag follows a '+'.
 SPLICE_SALT_PREFIX = "kvnotes-splice"
 SPLICE_SALT = SPLICE_SALT_PREFIX  # the salt of untenanted spliced requests: repeats share cache
 TAG_SEPARATOR = "+"
 _TENANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _TAG = re.compile(r"[A-Za-z0-9_.-]{1,40}")
-_SALT = re.compile(rf"{SPLICE_SALT_PREFIX}(?::(?P<tenant>[A-Za-z0-9_.-]{{1,64}}))?"
-                   rf"(?:\{TAG_SEPARATOR}(?P<tag>[A-Za-z0-9_.-]{{1,40}}))?")
-
-
-def _parse(salt: str | None) -> re.Match[str] | None:
-    return _SALT.fullmatch(salt) if isinstance(salt, str) else None
-
-
-def salt_tenant(salt: str | None) -> str | None:
-    """The tenant of a tenant's splice salt; None for any other salt (the untenanted one too).
-
-    Example:
-        >>> salt_tenant("kvnotes-splice:acme+f32a16"), salt_tenant("kvnotes-splice"), salt_tenant("x")
-        ('acme', None, None)
-    """
-    m = _parse(salt)
-    return None if m is None else m.group("tenant")
-
-
-def salt_tag(salt: str | None) -> str | None:
-    """The repair tag of a splice salt; None for a salt without one (or not a splice salt).
-
-    Example:
-        >>> salt_tag("kvnotes-splice:acme+f32a16"), salt_tag("kvnotes-splice:acme")
-        ('f32a16', None)
-    """
-    m = _parse(salt)
-    return None if m is None else m.group("tag")
-
-
-def is_splice_salt(salt: str | None) -> bool:
-    """True for a salt the connector splices: ``kvnotes-splice[:<tenant>][+<tag>]``.
-
-    Example:
-        >>> is_splice_salt("kvnotes-splice:acme+f32a16"), is_splice_salt("kvnotes-splicex")
-        (True, False)
-    """
-    return _parse(salt) is not None
 
 
 def splice_salt(tenant: str | None = None, tag: str | None = None) -> str:

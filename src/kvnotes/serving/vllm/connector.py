@@ -7,18 +7,20 @@ Loaded by vLLM out of tree (``kvnotes serve`` passes these flags)::
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"skills": "ROOT/<fingerprint>"}}'
 
-Which requests: those whose ``cache_salt`` is ``kvnotes-splice[:<tenant>][+<tag>]``. The salt
-keeps their prefix-cache entries apart from exact requests' (spliced KV is close to, not equal
-to, a prefill), a tenant's apart from other tenants' and one repair plan's (the tag) apart from
-another's; the worker's tensor cache is namespaced by tenant. Every other request is served
-exactly as without kvnotes.
+Which requests: those that carry a splice request (a
+:class:`~kvnotes.serving.protocol.SpliceRequest` in their ``kv_transfer_params``) and the
+``cache_salt`` its tenant and repair tag give (``kvnotes-splice[:<tenant>][+<tag>]``,
+composed and compared, never parsed). The salt keeps their prefix-cache entries apart from
+exact requests' (spliced KV is close to, not equal to, a prefill), a tenant's apart from other
+tenants' and one repair plan's (the tag) apart from another's; the worker's tensor cache is
+namespaced by tenant. Every other request is served exactly as without kvnotes.
 
-Scheduler side (:mod:`kvnotes.serving.vllm.plans`): a request that names splice ranges
-(a :class:`~kvnotes.serving.protocol.SpliceRequest` in its ``kv_transfer_params``, sent by
-:mod:`kvnotes.serving.planning.phases`' plans) is supplied only inside those ranges, from
+Scheduler side (:mod:`kvnotes.serving.vllm.plans`): a request that names splice ranges (sent
+by :mod:`kvnotes.serving.planning.phases`' plans) is supplied only inside those ranges, from
 vLLM's local prefix hit on; one whose message cannot be read (another version, an unknown
-field, a malformed range) is supplied nothing, logged with why; any other spliced request
-gets the prompt's leading run of registered pieces past the local hit. Either way the
+field, a malformed range) or whose salt is not its tenant's and tag's is supplied nothing,
+logged with why; one without ranges (:meth:`~kvnotes.serving.protocol.SpliceRequest.leading`,
+``ComposeClient``'s) gets the prompt's leading run of registered pieces past the local hit. Either way the
 external tokens are one contiguous run right after the local hit (all vLLM takes), leaving at
 least one token to compute. The load is recorded with the request's blocks when vLLM
 allocates them and handed to the workers in the step that schedules the request: a new one,
@@ -60,12 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
 from kvnotes.serving.json_types import JsonObject
-from kvnotes.serving.library.manifest import (
-    ServingManifest,
-    is_splice_salt,
-    salt_tenant,
-    splice_salt,
-)
+from kvnotes.serving.library.manifest import ServingManifest, splice_salt
 from kvnotes.serving.library.piece_store import DEFAULT_MAX_ENTRY_BYTES, PieceStore
 from kvnotes.serving.protocol import ProtocolError, SpliceRequest
 from kvnotes.serving.vllm.checks import (
@@ -95,26 +92,19 @@ class KvnotesConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-def splice_tenant(salt: str | None, message: SpliceRequest | None
-                  ) -> tuple[bool, str | None, str | None]:
-    """``(spliced, tenant, refused)`` for a request's salt and splice request.
-
-    With a splice request (the front's requests), the tenant and the repair tag are its
-    fields, and the salt must be the one they give (composed and compared, never parsed):
-    another salt is refused (``refused`` says why; the request is served exactly). Without one
-    (a client that sets the documented salt itself), only ``kvnotes-splice[:<tenant>][+<tag>]``
-    salts are spliced, and the tenant is the salt's; the tag does not change the tenant (the
-    worker's cache key)."""
-    if message is None:
-        return is_splice_salt(salt), salt_tenant(salt), None
+def splice_tenant(salt: str | None, message: SpliceRequest) -> tuple[str | None, str | None]:
+    """``(tenant, refused)`` of a request that carries a splice request: the tenant and repair
+    tag are the message's fields, and the request's salt must be the one they give (composed
+    and compared, never parsed); another salt is refused (``refused`` says why: the request is
+    served exactly and its report says so)."""
     try:
         expected = splice_salt(message.tenant, message.tag)
     except InvalidArgumentError as err:
-        return True, None, f"its tenant or tag: {err}"
+        return None, f"its tenant or tag: {err}"
     if salt != expected:
-        return is_splice_salt(salt), None, (f"its cache_salt {salt!r} is not {expected!r}, the "
-                                            "salt of its tenant and tag")
-    return True, message.tenant, None
+        return None, (f"its cache_salt {salt!r} is not {expected!r}, the salt of its tenant "
+                      "and tag")
+    return message.tenant, None
 
 
 def splice_request(request: Any) -> tuple[SpliceRequest | None, str | None]:
@@ -212,10 +202,13 @@ class KvnotesConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         assert self.planner is not None and self.store is not None
         message, refused = splice_request(request)
-        spliced, tenant, mismatch = splice_tenant(getattr(request, "cache_salt", None), message)
-        if not spliced or getattr(request, "mm_features", None):
-            return 0, False  # multimodal prompts: placeholders are not text the skills hold
-        refused = refused or mismatch
+        if (message is None and refused is None) or getattr(request, "mm_features", None):
+            # no splice request: computed exactly, whatever its salt; multimodal prompts:
+            # placeholders are not text the skills hold
+            return 0, False
+        tenant = None
+        if message is not None:
+            tenant, refused = splice_tenant(getattr(request, "cache_salt", None), message)
         self.store.refresh()
         tokens = list(request.prompt_token_ids or [])
         # a tenant is matched against the shared pieces and its own, never another tenant's

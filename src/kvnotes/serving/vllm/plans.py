@@ -140,14 +140,14 @@ class SplicePlanner:
               request: SpliceRequest | None = None, refused: str | None = None) -> int:
         """External tokens the pieces in ``index`` supply past ``num_computed_tokens``.
 
-        ``request``: what the request asked (None: it sent no splice request). With one, only
-        tokens inside its ranges are supplied: those of the range holding the local hit (and
-        the ranges contiguous after it), from the hit on; nothing when no range holds it. The
-        first range that does not hold the prompt's tokens (or whose entry, ``keys``, is not in
-        ``index``) and every range after it are dropped, logged once per request. Without one,
-        the prompt's leading run of known pieces. ``refused``: why the request's splice
-        request could not be read: nothing is supplied (it is served exactly), and its report
-        says why.
+        ``request``: what the request asked (None, or one without ranges: the prompt's leading
+        run of known pieces). With ranges, only tokens inside them are supplied: those of the
+        range holding the local hit (and the ranges contiguous after it), from the hit on;
+        nothing when no range holds it. The first range that does not hold the prompt's tokens
+        (or whose entry, ``keys``, is not in ``index``) and every range after it are dropped,
+        logged once per request. ``refused``: why the request's splice request could not be
+        read, or its salt is not its tenant's: nothing is supplied (it is served exactly), and
+        its report says why.
 
         Called again on every admission attempt: the latest answer is the plan.
         """
@@ -161,7 +161,7 @@ class SplicePlanner:
             self._plans.pop(req_id, None)
             return 0
         end: int | None = None
-        if request is None:
+        if request is None or request.ranges is None:
             run = leading_run(tokens, index)
         else:
             # the server checks each range itself: no client, the front included, is trusted
