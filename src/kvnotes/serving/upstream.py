@@ -16,6 +16,23 @@ from kvnotes.core.errors import ServingError
 from kvnotes.serving.json_types import JsonObject, JsonValue
 
 LOOPBACK_NAMES = ("localhost",)
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+def info_labels(text: str, name: str = CACHE_CONFIG) -> dict[str, str]:
+    """The labels of an info-style gauge in a ``/metrics`` text, read with ``prometheus_client``'s
+    parser (vLLM's ``vllm:cache_config_info`` carries the cache configuration, ``block_size``
+    among it); {} when absent or unparsable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name:
+                    return dict(s.labels)
+    except ValueError:
+        return {}
+    return {}
 
 
 def check_loopback_url(url: str) -> tuple[str, int, str]:

@@ -23,7 +23,6 @@ from kvnotes.bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
     agreement,
-    info_labels,
     parse_prometheus,
     percentile,
     ttft_breakdown,
@@ -42,6 +41,7 @@ from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameE
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
 from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
+from kvnotes.serving.upstream import info_labels
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))

@@ -25,13 +25,12 @@ from kvnotes.bench.kit.machine import load_now
 from kvnotes.bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
-    info_labels,
     parse_prometheus,
     percentile,
     ttft_breakdown,
 )
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.upstream import Client
+from kvnotes.serving.upstream import Client, info_labels
 
 __all__ = ["failure_lines", "Outcome", "p90_ratios", "P90Ratio", "phase_line", "PhaseRun",
            "PhaseSummary", "run_phase", "Sent", "ServerRecord", "summarize"]

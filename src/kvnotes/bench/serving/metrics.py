@@ -21,7 +21,6 @@ K = TypeVar("K")
 
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
-CACHE_CONFIG = "vllm:cache_config_info"
 
 # per-request histograms of vLLM v1 (vllm/v1/metrics/loggers.py); name -> what it measures
 HISTOGRAMS: dict[str, str] = {
@@ -53,19 +52,6 @@ def parse_prometheus(text: str) -> dict[str, float]:
         raise ServingError(f"the server's /metrics is not Prometheus text ({err}); is the URL "
                            "a vLLM server?") from err
     return totals
-
-
-def info_labels(text: str, name: str = CACHE_CONFIG) -> dict[str, str]:
-    """The labels of an info-style gauge (vLLM's ``vllm:cache_config_info`` carries the cache
-    configuration, ``block_size`` among it); {} when absent or unparsable."""
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name:
-                    return dict(s.labels)
-    except ValueError:
-        return {}
-    return {}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError
 from kvnotes.serving.json_types import RequestBody, UpstreamBody
 from kvnotes.serving.planning.request import Unplannable
+from kvnotes.serving.upstream import CACHE_CONFIG, info_labels
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -37,7 +37,6 @@ POOL_SHARDS = 8
 # is closing at that moment fails the request with no response at all.
 UPSTREAM_KEEPALIVE_S = 2.0
 log = logging.getLogger("kvnotes.serving.front")
-_BLOCK_SIZE = re.compile(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 
 def upstream_error(err: BaseException, upstream: str) -> ApiError:
@@ -174,10 +173,10 @@ class Upstream:
 
     async def _read_block_size(self) -> int:
         status, data, _ = await self.get(METRICS, timeout=self.config.discover_timeout)
-        m = _BLOCK_SIZE.search(data.decode(errors="replace")) if status == 200 else None
-        if m is None:
-            raise ValueError(f"no vllm:cache_config_info in /metrics (HTTP {status})")
-        return int(m.group(1))
+        labels = info_labels(data.decode(errors="replace")) if status == 200 else {}
+        if not labels.get("block_size", "").isdigit():
+            raise ValueError(f"no block_size in {CACHE_CONFIG} of /metrics (HTTP {status})")
+        return int(labels["block_size"])
 
     async def _read_model(self) -> str:
         status, data, _ = await self.get(MODELS, timeout=self.config.discover_timeout)
