@@ -16,6 +16,8 @@ from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import prompt_ids
+from kvnotes.serving.planning.phases import completion_body
+from kvnotes.serving.protocol import SpliceRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -49,7 +51,11 @@ def test_a_learned_chunk_is_its_tenants_only_and_computed_once_evicted(vllm_laun
     def ask(tenant: str, tag: str) -> tuple[str, list[tuple[int, int]]]:
         start = launch.server.log_path.stat().st_size
         client = ComposeClient(url, name, tok, tenant=tenant)
-        res = client.complete(parts, max_tokens=16, salt=splice_salt(tenant, tag=tag))
+        # the leading run under a tag of its own: a fresh prefix-cache namespace
+        body = completion_body(client.prompt_ids(parts), name, max_tokens=16)
+        body["cache_salt"] = splice_salt(tenant, tag=tag)
+        body["kv_transfer_params"] = SpliceRequest.leading(tenant, tag).to_params()
+        res = client.send(body)
         assert res.ok, res.error
         with open(launch.server.log_path, "rb") as f:
             f.seek(start)
