@@ -58,17 +58,16 @@ MODEL_DEFAULTS: dict[str, ModelDefaults] = {
                                              "identical to exact 22 -> 24/24, 16 tokens 9 -> "
                                              "13/24; live_multiple unchanged (21/22 first "
                                              "tokens: the one that differs has margin >= 0.75)"),
+    "qwen2.5-coder-1.5b": ModelDefaults(0.0, "float32 (the AVX2 host has no BF16): no tau fixes "
+                                             "a first token within the 20% fire budget (the "
+                                             "first that fixes one fires on 5% of live_multiple "
+                                             "at 0.75 and 25% of airline at 0.4); unguarded "
+                                             "first tokens identical to exact 20/22 "
+                                             "live_multiple, 21/24 airline"),
 }
 
 # Bundled models with no calibrated guard yet, and why: served without one.
-UNCALIBRATED: dict[str, str] = {
-    "qwen2.5-coder-1.5b": "half calibrated: on part 0/2 of the development requests (23, "
-                          "float32) no tau fixes a first token within the 20% fire budget, so "
-                          "the default would be off (benchmarks/guard-qwen2.5-coder-1.5b-part0); "
-                          "part 1/2 not run yet (kvnotes bench guard --model qwen2.5-coder-1.5b "
-                          "--set live_multiple,airline --cases 24 --part 1/2, then "
-                          "kvnotes bench guard-report pools the parts)",
-}
+UNCALIBRATED: dict[str, str] = {}
 
 
 def _keys(model: str) -> tuple[str, ...]:
