@@ -59,7 +59,7 @@ MetricsKey = Annotated[str | None, typer.Option(
     "(a scraper's); with keys on, /metrics needs it or --api-key")]
 NoFront = Annotated[bool, typer.Option(
     "--no-front", help="Serve vLLM on --port directly, with no OpenAI front (clients send token "
-    "ids and the splice salt themselves, e.g. ComposeClient)")]
+    "ids, a splice request and its salt themselves, e.g. ComposeClient)")]
 RepairOption = Annotated[str | None, typer.Option(
     "--repair", help="Front: what each spliced skill recomputes in context: K its first K "
     "tokens (0: a bare splice), K@F at least the share F of it (e.g. 32@0.1), rounded up to "

@@ -5,8 +5,8 @@ again and again for ``seconds`` while ``background`` clients send requests of th
 (header, ``k`` skills in random order, user text) in a loop. Modes:
 
 - ``idle``: no background (the floor);
-- ``spliced``: the background requests carry the splice salt (tenant ``corun``): the connector
-  writes their skills' KV before the step's forward, vLLM computes the user text;
+- ``spliced``: the background requests carry a splice request and salt (tenant ``corun``): the
+  connector writes their skills' KV before the step's forward, vLLM computes the user text;
 - ``exact``: the same background prompts, in the same order, without a salt: vLLM computes
   them (its prefix cache reuses what earlier exact prompts share, typically the header and a
   first skill).

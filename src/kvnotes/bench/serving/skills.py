@@ -8,8 +8,9 @@ decision the function name the answer writes). Policies:
 - ``cold``: a fresh ``cache_salt`` per request, so nothing is reused (full prefill);
 - ``prefix``: no salt, plain prefix caching: reuse only when an earlier request shared the
   exact same leading pieces in the same order;
-- ``compose``: the splice salt, so the connector supplies the leading run of known pieces and
-  prefix caching reuses repeats of the same spliced order (the bare splice);
+- ``compose``: a splice request for the leading run and its salt, so the connector supplies the
+  leading run of known pieces and prefix caching reuses repeats of the same spliced order (the
+  bare splice);
 - ``repaired``: a phased prefill (:mod:`kvnotes.serving.planning.phases`): the first ``repair`` tokens
   of every skill not exactly placed are computed in context by vLLM, each region ending on a
   block boundary, the rest spliced (``Repair(first=repair)`` aligned to the server's block

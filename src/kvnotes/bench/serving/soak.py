@@ -5,7 +5,8 @@ One vLLM server with kvnotes' connector and a KV cache small enough that vLLM pr
 requests; ``clients`` concurrent clients send requests for ``duration_s`` seconds, each one
 ``[header][k skills of the skills workload's library, random subset and order][user text]``:
 
-- ``spliced``: the splice salt of one of a few shared tenants (the prefix cache is shared);
+- ``spliced``: the splice request and salt of one of a few shared tenants (the prefix cache is
+  shared);
 - ``exact``: no salt (vLLM's own prefix caching, never spliced KV);
 - ``volatile``: spliced, with the volatile skill of the moment among the skills, in a tenant of
   its own. A background task publishes a new volatile skill every ``event_interval_s``, damages

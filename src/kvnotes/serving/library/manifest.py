@@ -5,8 +5,8 @@ A serving-skills folder is one model's skill library plus a manifest::
     ROOT/<model fingerprint id>/serving.json       model shape and RoPE tables, for the connector
     ROOT/<model fingerprint id>/<key>.safetensors  one notebook file per compiled skill
 
-This module holds the three things both sides of the server read: the splice salt (which
-requests the connector may splice), the manifest schema (:class:`ServingManifest`), and the
+This module holds the three things both sides of the server read: the splice salt (composed
+from a spliced request's tenant and repair tag), the manifest schema (:class:`ServingManifest`), and the
 reader of one entry's tensors (:func:`read_entry`). It is imported inside vLLM's process by the
 connector, so its import closure stays free of kvnotes' engine, of ``kvnotes.ops`` and of
 transformers: torch, safetensors and the engine-free core modules (errors, files, fingerprint)

@@ -49,7 +49,7 @@ class LoadSpec:
     """Tokens ``[start, end)`` of one request, supplied by ``run``, written into ``block_ids``.
 
     ``block_ids`` are all of the request's blocks (of its one KV cache group) at allocation;
-    ``tenant`` is the one its salt names (``None`` for the shared splice salt).
+    ``tenant`` is its splice request's (``None``: the shared entries only).
     """
 
     req_id: str
