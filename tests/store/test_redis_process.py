@@ -3,6 +3,8 @@ restart empty on the same port."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvnotes.serving.store.redis_process import (
@@ -51,3 +53,13 @@ def test_missing_binary_is_named(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(server, "binary", None)
     with pytest.raises(RedisProcessError, match="redis-server is not installed"):
         server.start()
+
+
+@needs_redis
+def test_a_relative_folder_starts(tmp_path, monkeypatch) -> None:
+    """``--out out/run`` gives a relative folder: redis-server changes into ``--dir`` before it
+    opens ``--logfile``, so both must be absolute."""
+    monkeypatch.chdir(tmp_path)
+    with RedisProcess(Path("out") / "run" / "redis") as server:
+        assert server.alive and server.log_path.is_absolute()
+        assert server.log_path.is_file()

@@ -64,7 +64,9 @@ class RedisProcess:
 
     def __init__(self, folder: Path, *, port: int | None = None, binary: str | None = None,
                  start_timeout_s: float = 10.0) -> None:
-        self.folder = Path(folder)
+        # absolute: redis-server changes into --dir before it opens --logfile, so a relative
+        # log path would be looked up inside the folder and the server would exit silently
+        self.folder = Path(folder).resolve()
         self.port = free_port() if port is None else port
         self.binary = binary or REDIS_SERVER
         self.start_timeout_s = start_timeout_s
