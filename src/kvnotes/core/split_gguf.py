@@ -138,11 +138,8 @@ def _assembled_already(target: Path, spec: SplitGguf, sources: list[Path]) -> bo
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _write_stamp(target: Path, spec: SplitGguf, sources: list[Path]) -> None:

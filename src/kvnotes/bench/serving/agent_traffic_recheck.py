@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvnotes.bench.serving.agent_traffic import AgentResult, utc_minute
 from kvnotes.core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from kvnotes.bench.serving.agent_traffic_check import CheckConfig
-    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
+    from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
+    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord
     from kvnotes.core.engine import Engine
     from kvnotes.serving.json_types import JsonObject
 
@@ -61,13 +62,25 @@ def check_config(soak: AgentSoakConfig, engine: Engine) -> CheckConfig:
                        tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
 
 
+def store_verdicts(folder: Path, soak: dict[str, Any], records: Sequence[SoakRecord],
+                   rows: Sequence[SoakRequestRecord], references: int) -> None:
+    """A recheck's outcome kept in a run's bundle: each record's new verdict (by index), the
+    references it computed in ``soak``, and the checked rows written to ``folder``'s records."""
+    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+
+    soak["references"] = references
+    verdicts = {r.index: r.verdict for r in rows}
+    for rec in records:
+        rec.verdict = verdicts.get(rec.index, rec.verdict)
+    write_records(rows, folder / RECORDS_NAME)
+
+
 def recheck_bundle(folder: Path, engine: Engine | None = None, *,
                    drift_tau: float | None = None,
                    say: Callable[[str], None] = print) -> AgentResult:
     """Every answer of the soak run in ``folder`` checked again (``engine``: the run's model,
     None: loaded by its name; ``drift_tau``: the drift rule's threshold, None: the run's own);
     the bundle rewritten; returns the result."""
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
     from kvnotes.bench.serving.agent_traffic_report import write_outputs
     from kvnotes.bench.serving.agent_traffic_soak import recheck
 
@@ -79,11 +92,7 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
         result.config = dataclasses.replace(result.config, soak=soak)
     check = check_config(soak, engine)
     rows, references = recheck(folder, engine, check, say=say)
-    result.soak["references"] = references
-    verdicts = {r.index: r.verdict for r in rows}
-    for rec in result.soak_records:
-        rec.verdict = verdicts.get(rec.index, rec.verdict)
-    write_records(rows, folder / RECORDS_NAME)
+    store_verdicts(folder, result.soak, result.soak_records, rows, references)
     result.notes.append(f"answers checked again {utc_minute()} UTC from the stored records and "
                         "kept entries (`kvnotes serve-bench agent-check`)"
                         + ("" if drift_tau is None else f", drift rule at {drift_tau:g}"))

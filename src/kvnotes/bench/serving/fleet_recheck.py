@@ -26,8 +26,12 @@ def recheck_fleet(folder: Path, engine: Engine | None = None, *,
                   say: Callable[[str], None] = print) -> FleetResult:
     """Every soak answer of the fleet run in ``folder`` checked again (``engine``: the run's
     model, None: loaded by its name); the bundle rewritten; returns the result."""
-    from kvnotes.bench.serving.agent_traffic_recheck import check_config, load_engine, read_bundle
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+    from kvnotes.bench.serving.agent_traffic_recheck import (
+        check_config,
+        load_engine,
+        read_bundle,
+        store_verdicts,
+    )
     from kvnotes.bench.serving.agent_traffic_soak import recheck
     from kvnotes.bench.serving.fleet_report import write_outputs
 
@@ -35,11 +39,7 @@ def recheck_fleet(folder: Path, engine: Engine | None = None, *,
     engine = engine if engine is not None else load_engine(result.config.model)
     check = check_config(result.config.soak, engine)
     rows, references = recheck(folder, engine, check, say=say, skills="hosts")
-    result.soak["references"] = references
-    verdicts = {r.index: r.verdict for r in rows}
-    for rec in result.soak_records:
-        rec.verdict = verdicts.get(rec.index, rec.verdict)
-    write_records(rows, folder / RECORDS_NAME)
+    store_verdicts(folder, result.soak, result.soak_records, rows, references)
     result.notes.append(f"answers checked again {utc_minute()} UTC from the stored records and "
                         "kept entries (`kvnotes serve-bench fleet-check`)")
     write_outputs(result.to_dict(), folder)
