@@ -149,9 +149,8 @@ class VLLMServer:
         # closing at that moment (the request would fail with no response); an operator's own
         # setting wins.
         # vLLM 0.32's CPU build saves its AOT-compiled model but cannot load it back ("'function'
-        # object has no attribute 'finalize_loading'"), so every start compiled the model again
-        # (engine start measured at 217 s beside other work on 2 cores); without AOT, inductor's
-        # own cache is reused (56 s on the same machine). An operator's own setting wins.
+        # object has no attribute 'finalize_loading'"), so every start compiled the model again;
+        # without AOT, inductor's own cache is reused. An operator's own setting wins.
         self.env = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(VLLM_KEEP_ALIVE_S),
                     "VLLM_USE_AOT_COMPILE": "0", **os.environ,
                     "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
