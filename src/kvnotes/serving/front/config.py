@@ -12,16 +12,19 @@ no tenant is in the shared one. :class:`Keys` looks a presented key up.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from kvnotes.core.errors import InvalidArgumentError
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic.dataclasses import dataclass
+
+from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
 from kvnotes.core.sizes import parse_size
 from kvnotes.serving.front.guard_defaults import default_guard
@@ -64,244 +67,270 @@ def busy_core_share(nice: int) -> float:
     return weight / (_CFS_WEIGHT[0] + weight)
 
 
-@dataclass(frozen=True, slots=True)
+# ---- how a setting is checked ------------------------------------------------------------------
+# One constraint per kind of setting: pydantic checks it when a config is built (and again on
+# dataclasses.replace), and a serve config file's sections reuse the same fields.
+Count = Annotated[int, Field(strict=True, ge=1)]  # strict: True is not a count, nor "2"
+Seconds = Annotated[float, Field(gt=0)]
+
+
+def _setting(info: ValidationInfo) -> str:
+    """The setting a validator checks, as its error names it: ``FrontConfig.api_key``, or a
+    serve config file's ``auth.api_key`` (the section's model is titled by its key)."""
+    return f"{info.config.get('title') if info.config else ''}.{info.field_name}".lstrip(".")
+
+
+def _size(value: object, info: ValidationInfo) -> object:
+    """A size setting's bytes: an int, or a string such as ``256MiB`` (:func:`parse_size`)."""
+    if value is None:
+        return value
+    return parse_size(value, _setting(info))  # type: ignore[arg-type]  # it refuses the rest
+
+
+def _key(value: str | None, info: ValidationInfo) -> str | None:
+    return None if value is None else check_key(value, _setting(info))
+
+
+def _tenant(value: str | None) -> str | None:
+    splice_salt(value)  # the tenant's spelling rule
+    return value
+
+
+def _tau(value: float | None) -> float | None:
+    return None if value is None else check_tau(value)
+
+
+def _loopback(value: str | None) -> str | None:
+    if value is not None:
+        check_loopback_url(value)
+    return value
+
+
+Size = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_size)]
+OptionalSize = Annotated[int | None, Field(strict=True, ge=1), BeforeValidator(_size)]
+Key = Annotated[str | None, AfterValidator(_key)]
+_CONFIG = ConfigDict(extra="forbid")
+
+
+def invalid_setting(err: ValidationError, owner: str) -> KvnotesError:
+    """``err`` as kvnotes' error, each failed setting named (``owner.name``) with what it needs.
+    An error one of the checks raised itself is a :class:`KvnotesError` whose message already
+    names the setting: alone, it is returned as it is (its class kept).
+
+    Example:
+        >>> try:
+        ...     LearnConfig(after=0)
+        ... except InvalidArgumentError as e:
+        ...     print(e)
+        LearnConfig.after: Input should be greater than or equal to 1 (got 0)
+    """
+    errors = err.errors()
+    parts: list[str] = []
+    for e in errors:
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, KvnotesError):
+            if len(errors) == 1:
+                return cause
+            parts.append(str(cause))
+            continue
+        where = ".".join(str(p) for p in e["loc"])
+        got = "" if e["type"] in _NO_INPUT else f" (got {e['input']!r})"
+        parts.append(f"{owner}.{where}: {e['msg']}{got}" if where else f"{owner}: {e['msg']}")
+    return InvalidArgumentError("; ".join(parts))
+
+
+# error types whose input is the whole set of arguments, not the setting's value
+_NO_INPUT = frozenset({"missing", "extra_forbidden", "unexpected_keyword_argument",
+                       "missing_argument", "multiple_argument_values"})
+_T = TypeVar("_T")
+
+
+def _raising_kvnotes_errors(cls: type[_T]) -> type[_T]:
+    """``cls`` whose construction raises :func:`invalid_setting`'s error instead of pydantic's
+    ``ValidationError`` (callers catch kvnotes' family, ``InvalidArgumentError``)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except ValidationError as err:
+            raise invalid_setting(err, cls.__name__) from None
+
+    cls.__init__ = checked_init  # type: ignore[method-assign]
+    return cls
+
+
+@_raising_kvnotes_errors
+@dataclass(frozen=True, slots=True, config=_CONFIG)
 class LearnConfig:
-    """How the front learns the chunks it sees (:mod:`kvnotes.serving.learning`).
+    """How the front learns the chunks it sees (:mod:`kvnotes.serving.learning`): each field's
+    description says what it does (``kvnotes serve``'s config file, ``[learning]``, reads the
+    same fields)."""
 
-    Args:
-        after: the sighting (per tenant) at which a chunk is compiled, in the background.
-        min_tokens: chunks shorter than this are never learned.
-        library_cap: bytes of learned entries the serving folder may hold (least recently
-            used evicted beyond it; the operator's registered skills never are, nor pinned
-            entries, nor entries a running request was planned with). None: no cap.
-        tenant_quota: bytes of learned entries one tenant may hold (the shared tenant
-            included). None: no quota.
-        max_tracked: chunks whose sightings are counted in memory (least recently seen
-            forgotten beyond it).
-        queue_size: compile jobs waiting for the worker (a job beyond it is dropped, counted,
-            and queued again at a later sighting).
-        flush_s: how often, at most, hit counts are written to the registry.
-        max_variants: learned entries kept per skill (its variants: the skill compiled behind
-            each predecessor seen ``after`` times before it, and the chunk learned itself);
-            the least recently used beyond it is evicted (pinned and leased ones are kept).
-        compile_nice: the nice value of the compile thread (Linux sets it per thread, and
-            the threads it starts inherit it). On an idle CPU a compile runs at full speed at
-            any value; on a core that a serving thread keeps busy, the kernel's scheduler
-            gives the compile a share of that core fixed by this value
-            (:func:`busy_core_share`: 3.4% at the default 15), so it costs concurrent requests
-            at most about that share of their CPU and still always finishes. At 19 (1.4%) a
-            compile under saturating load barely progresses; at 0 (50%) it delays concurrent
-            first tokens (measured figures: docs/results/areas/learning.md, "Learning under load").
-        block_size: vLLM's KV block size for a server launched to learn when its
-            ``LaunchConfig.block_size`` is None (:data:`LEARN_BLOCK_SIZE`: short chunks lose
-            less of their spliced share to rounding at small blocks).
-    """
-
-    after: int = 2
-    min_tokens: int = 32
-    library_cap: int | None = None
-    tenant_quota: int | None = None
-    max_tracked: int = 100_000
-    queue_size: int = 64
-    flush_s: float = 5.0
-    max_variants: int = 4
-    compile_nice: int = DEFAULT_COMPILE_NICE
-    block_size: int = LEARN_BLOCK_SIZE
-
-    def __post_init__(self) -> None:
-        for name in ("after", "min_tokens", "max_tracked", "queue_size", "max_variants",
-                     "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"LearnConfig.{name} must be a positive integer, "
-                                           f"got {value!r}")
-        for name in ("library_cap", "tenant_quota"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, parse_size(value, f"LearnConfig.{name}"))
-        if not float(self.flush_s) > 0:
-            raise InvalidArgumentError("LearnConfig.flush_s must be a positive number of "
-                                       "seconds")
-        nice = self.compile_nice
-        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-            raise InvalidArgumentError(f"LearnConfig.compile_nice must be an integer from 0 "
-                                       f"to 19, got {nice!r}")
+    after: Annotated[Count, Field(description=(
+        "The sighting (per tenant) at which a chunk is compiled, in the background"))] = 2
+    min_tokens: Annotated[Count, Field(description=(
+        "Chunks shorter than this many tokens are never learned"))] = 32
+    library_cap: Annotated[OptionalSize, Field(description=(
+        "Bytes of learned entries the serving folder may hold (e.g. 256MiB, 1GB: K/M/G are "
+        "powers of 1000, KiB/MiB/GiB of 1024); least recently used evicted beyond it (never "
+        "the operator's registered skills, pinned entries, or entries a running request was "
+        "planned with). None: no cap"))] = None
+    tenant_quota: Annotated[OptionalSize, Field(description=(
+        "Bytes of learned entries one tenant may hold (the shared tenant included). None: no "
+        "quota"))] = None
+    max_tracked: Annotated[Count, Field(description=(
+        "Chunks whose sightings are counted in memory (least recently seen forgotten beyond "
+        "it)"))] = 100_000
+    queue_size: Annotated[Count, Field(description=(
+        "Compile jobs waiting for the worker (a job beyond it is dropped, counted, and queued "
+        "again at a later sighting)"))] = 64
+    flush_s: Annotated[Seconds, Field(description=(
+        "How often, at most, hit counts are written to the registry (seconds)"))] = 5.0
+    max_variants: Annotated[Count, Field(description=(
+        "Learned entries kept per skill (the skill compiled behind each predecessor seen "
+        "`after` times before it, and the chunk learned itself); the least recently used "
+        "beyond it is evicted (pinned and leased ones are kept)"))] = 4
+    compile_nice: Annotated[int, Field(strict=True, ge=0, le=19, description=(
+        "Nice value of the compile thread. On an idle CPU a compile runs at full speed at "
+        "any value; on a core a serving thread keeps busy, the kernel gives it a share fixed "
+        "by this value (15: 3.4%, 19: 1.4%, 0: half), so it costs concurrent requests at most "
+        "about that share and still finishes (docs/results/areas/learning.md)"))] = (
+        DEFAULT_COMPILE_NICE)
+    block_size: Annotated[Count, Field(description=(
+        "vLLM's KV block size for a server launched to learn when no block size is given "
+        "(short chunks lose less of their spliced share to rounding at small blocks)"))] = (
+        LEARN_BLOCK_SIZE)
 
 
-@dataclass(frozen=True, slots=True)
+@_raising_kvnotes_errors
+@dataclass(frozen=True, slots=True, config=_CONFIG)
 class FrontConfig:
-    """How the front runs.
+    """How the front runs: each field's description says what it does (``kvnotes serve``'s
+    config file reads the same fields, by section). A request's ``kvnotes.repair`` and
+    ``kvnotes.guard`` override ``repair`` and ``guard`` for that request."""
 
-    Args:
-        upstream: the vLLM server's URL (loopback only; None in a ``LaunchConfig``, whose
-            launcher fills in the server it starts).
-        port: the front's port (None: a free one).
-        host: the address it listens on (``0.0.0.0``: every interface; set a key then).
-        repair: the first tokens of each spliced skill recomputed (a request's
-            ``kvnotes.repair`` overrides it: that request recomputes its first ``K`` tokens and
-            no share; 0: a bare splice).
-        repair_share: the share floor: each skill's first ``max(repair, ceil(share * len))``
-            tokens are recomputed, rounded up to the block (``Repair.share``; 0: the fixed
-            count).
-        guard: tau, the first token's top-2 log-prob margin under which the exact answer is
-            sent instead (a request's ``kvnotes.guard`` overrides it; 0: never; None: the
-            served model's calibrated tau, :meth:`guard_tau`).
-        tenant: the tenant of requests that name none, and of ``api_key`` (None: shared).
-        block_size: the server's KV block size (None: read once from its ``/metrics``).
-        model: the served model's name (None: read once from its ``/v1/models``).
-        api_key: the key clients must send (None: no key, unless ``key_file``).
-        key_file: a JSON file of keys and their tenants (see the module docstring).
-        metrics_key: a key for ``/metrics`` alone (a scraper's); with keys on (or this set),
-            ``/metrics`` needs it or ``api_key`` (the operator's), 401 otherwise.
-        upstream_api_key: the key sent to vLLM on every request (None: none; the client's own
-            ``Authorization`` header is passed on only when the front checks no key).
-        timeout: seconds the front waits for vLLM's next bytes (read); 504 past it.
-        request_timeout: seconds one request may take in all, its answer included (a vLLM
-            that trickles its answer byte by byte never trips ``timeout``); past it a 504, or
-            a stream already begun ends with an error event and ``[DONE]``.
-        connect_timeout: seconds to connect to vLLM; 502 when it refuses, 504 past it.
-        discover_timeout: seconds one read of vLLM's ``/metrics`` or ``/v1/models`` may take.
-        max_body_bytes: the largest request body (413 beyond it, checked while reading).
-        body_timeout: seconds a client may take to send its body (408 past it).
-        max_json_depth: the deepest nesting of a body's JSON (400 beyond it).
-        max_concurrent: requests in flight on ``/v1`` (429 beyond it).
-        max_connections: connections plus requests uvicorn serves at once (503 beyond it).
-        max_connections_per_ip: connections one address may hold open (one beyond it is
-            closed at once; None: no cap). Behind a reverse proxy every client has the
-            proxy's address: raise it or set None there.
-        head_timeout: seconds a client may take to send a request's head (its line and
-            headers); a connection whose head is not whole by then is closed.
-        max_drain_bytes: a body refused as too large (413) is read and discarded up to this
-            size first, so the client reads its 413 instead of a reset connection.
-        backlog: the listen backlog (a burst of connections waits, not reset).
-        keep_alive_s: seconds an idle keep-alive connection is held. Longer than the idle
-            expiry of common clients (httpx and the ``openai`` SDK drop idle connections after
-            5 s): a server that closes an idle connection at the same moment a client reuses
-            it makes that request fail ("Server disconnected without sending a response").
-        max_header_bytes: the most of a request head (line and headers) buffered before it is
-            complete (h11's bound: a longer head is refused with 400 as it arrives).
-        upstream_connections: the pool of connections to vLLM.
-        plan_workers: threads that plan requests (each with its own tokenizer copy).
-        max_plans_per_client: plans of one client (its key, or its address without keys)
-            waiting for or on a planning thread at once; its other requests wait behind them
-            (None: ``plan_workers - 1``, at least 1, so one thread is always left to others).
-        plan_timeout: seconds one request's planning may take (413 past it); a plan also
-            stops when its client leaves.
-        part_cache_chars: the characters of prompt parts whose token ids the planner keeps
-            (:class:`~kvnotes.serving.planning.part_tokens.PartTokenCache`, least recently used
-            dropped; about 2 bytes of memory each): a part seen again (each is tokenized
-            alone) is not tokenized again (0: none kept).
-        max_tools: tools in one chat (400 beyond it).
-        max_tool_depth: the deepest nesting of one tool's JSON (400 beyond it).
-        max_messages: messages in one chat (400 beyond it).
-        max_content_parts: content parts in all of one chat's messages (400 beyond it).
-        max_prompt_tokens: tokens of a prompt the front lays out (a chat, a completion text
-            holding a registered skill, token ids; 413 beyond it).
-        learn: learn the chunks requests carry (:class:`LearnConfig`; None: off, only
-            registered skills are spliced). Needs the engine: the launcher's front learns.
-        store: a Redis store a fleet of hosts shares (``redis://HOST:PORT/DB``, ``rediss://``
-            for TLS; None: this host's folder alone): its entries are mirrored into the
-            serving folder in the background, and with ``learn`` sightings, compiles and the
-            library's bounds are the fleet's (:mod:`kvnotes.serving.front.store_link`).
-        store_password_file: a file whose first line is the store's password.
-        mirror_bytes: the entries this host copies from the store, in all (``8GiB``).
-    """
-
-    upstream: str | None = None
-    port: int | None = None
-    host: str = "127.0.0.1"
-    repair: int = DEFAULT_FIRST
-    repair_share: float = DEFAULT_SHARE
-    guard: float | None = None
-    tenant: str | None = None
-    block_size: int | None = None
-    model: str | None = None
-    api_key: str | None = None
-    key_file: Path | None = None
-    metrics_key: str | None = None
-    upstream_api_key: str | None = None
-    timeout: float = 600.0
-    request_timeout: float = 3600.0
-    connect_timeout: float = 5.0
-    discover_timeout: float = 5.0
-    max_body_bytes: int = 8 << 20
-    body_timeout: float = 30.0
-    max_json_depth: int = 64
-    max_concurrent: int = 512
-    max_connections: int = 2048
-    max_connections_per_ip: int | None = 1024
-    head_timeout: float = 10.0
-    max_drain_bytes: int = 16 << 20
-    backlog: int = 2048
-    keep_alive_s: float = 15.0
-    max_header_bytes: int = 16 << 10
-    upstream_connections: int = 512
-    plan_workers: int = 4
-    max_plans_per_client: int | None = None
-    plan_timeout: float = 10.0
-    part_cache_chars: int = PART_CACHE_CHARS
-    max_tools: int = 128
-    max_tool_depth: int = 16
-    max_messages: int = 1024
-    max_content_parts: int = 512
-    max_prompt_tokens: int = 131072
-    learn: LearnConfig | None = None
-    store: str | None = None
-    store_password_file: Path | None = None
-    mirror_bytes: int = DEFAULT_MIRROR_BYTES  # or a size string: "8GiB"
+    upstream: Annotated[str | None, AfterValidator(_loopback), Field(description=(
+        "The vLLM server's URL (loopback only; None in a LaunchConfig, whose launcher fills in "
+        "the server it starts)"))] = None
+    port: Annotated[int | None, Field(description="The front's port (None: a free one)")] = None
+    host: Annotated[str, Field(description=(
+        "The address the front listens on (0.0.0.0: every interface; set a key then)"))] = (
+        "127.0.0.1")
+    repair: Annotated[int, Field(strict=True, description=(
+        "The first tokens of each spliced skill recomputed in context (0: a bare splice)"))] = (
+        DEFAULT_FIRST)
+    repair_share: Annotated[float, Field(description=(
+        "The share floor: each skill's first max(repair, ceil(share * len)) tokens are "
+        "recomputed, rounded up to the block (0: the fixed count)"))] = DEFAULT_SHARE
+    guard: Annotated[float | None, AfterValidator(_tau), Field(description=(
+        "Tau: the first token's top-2 log-prob margin under which the exact answer is sent "
+        "instead (0: never; None: the served model's calibrated tau)"))] = None
+    tenant: Annotated[str | None, AfterValidator(_tenant), Field(description=(
+        "The tenant of requests that name none, and of api_key (None: the shared one)"))] = None
+    block_size: Annotated[int | None, Field(strict=True, ge=1, description=(
+        "The server's KV block size in tokens (None: read once from its /metrics)"))] = None
+    model: Annotated[str | None, Field(description=(
+        "The served model's name (None: read once from its /v1/models)"))] = None
+    api_key: Annotated[Key, Field(description=(
+        "The key clients must send (Authorization: Bearer KEY) on /v1 and /kvnotes (None: no "
+        "key, unless key_file)"))] = None
+    key_file: Annotated[Path | None, Field(description=(
+        'A JSON file {"keys": {"KEY": {"tenant": "NAME"}}}: each key\'s requests are spliced '
+        "in its tenant"))] = None
+    metrics_key: Annotated[Key, Field(description=(
+        "A key for /metrics alone (a scraper's); with keys on (or this set), /metrics needs it "
+        "or api_key"))] = None
+    upstream_api_key: Annotated[str | None, Field(description=(
+        "The key sent to vLLM on every request (None: none; a client's own Authorization "
+        "header is passed on only when the front checks no key)"))] = None
+    timeout: Annotated[Seconds, Field(description=(
+        "Seconds the front waits for vLLM's next bytes (504 past it)"))] = 600.0
+    request_timeout: Annotated[Seconds, Field(description=(
+        "Seconds one request may take in all, its answer included (504 past it, or a stream "
+        "ends with an error event and [DONE])"))] = 3600.0
+    connect_timeout: Annotated[Seconds, Field(description=(
+        "Seconds to connect to vLLM (502 when it refuses, 504 past it)"))] = 5.0
+    discover_timeout: Annotated[Seconds, Field(description=(
+        "Seconds one read of vLLM's /metrics or /v1/models may take"))] = 5.0
+    max_body_bytes: Annotated[Count, Field(description=(
+        "The largest request body (413 beyond it, checked while reading)"))] = 8 << 20
+    body_timeout: Annotated[Seconds, Field(description=(
+        "Seconds a client may take to send its body (408 past it)"))] = 30.0
+    max_json_depth: Annotated[Count, Field(description=(
+        "The deepest nesting of a body's JSON (400 beyond it)"))] = 64
+    max_concurrent: Annotated[Count, Field(description=(
+        "Requests in flight on /v1 (429 beyond it)"))] = 512
+    max_connections: Annotated[Count, Field(description=(
+        "Connections plus requests served at once (503 beyond it)"))] = 2048
+    max_connections_per_ip: Annotated[int | None, Field(strict=True, ge=1, description=(
+        "Connections one address may hold open (one beyond it is closed at once; None: no "
+        "cap). Behind a reverse proxy every client has the proxy's address: raise it or set "
+        "None there"))] = 1024
+    head_timeout: Annotated[Seconds, Field(description=(
+        "Seconds a client may take to send a request's line and headers (the connection is "
+        "closed past it)"))] = 10.0
+    max_drain_bytes: Annotated[Count, Field(description=(
+        "A body refused as too large (413) is read and discarded up to this size first, so "
+        "the client reads its 413 instead of a reset connection"))] = 16 << 20
+    backlog: Annotated[Count, Field(description=(
+        "The listen backlog (a burst of connections waits, not reset)"))] = 2048
+    keep_alive_s: Annotated[Seconds, Field(description=(
+        "Seconds an idle keep-alive connection is held: longer than common clients' idle "
+        "expiry (httpx and the openai SDK: 5 s), so a client never reuses a connection the "
+        "server is closing"))] = 15.0
+    max_header_bytes: Annotated[Count, Field(description=(
+        "The most of a request head buffered before it is complete (400 beyond it)"))] = (
+        16 << 10)
+    upstream_connections: Annotated[Count, Field(description=(
+        "The pool of connections to vLLM"))] = 512
+    plan_workers: Annotated[Count, Field(description=(
+        "Threads that plan requests (each with its own tokenizer copy)"))] = 4
+    max_plans_per_client: Annotated[int | None, Field(strict=True, ge=1, description=(
+        "Plans of one client (its key, or its address without keys) on or waiting for a "
+        "planning thread at once (None: plan_workers - 1, at least 1)"))] = None
+    plan_timeout: Annotated[Seconds, Field(description=(
+        "Seconds one request's planning may take (413 past it)"))] = 10.0
+    part_cache_chars: Annotated[int, Field(strict=True, ge=0, description=(
+        "Characters of prompt parts whose token ids the planner keeps, least recently used "
+        "dropped (about 2 bytes each; 0: none kept)"))] = PART_CACHE_CHARS
+    max_tools: Annotated[Count, Field(description="Tools in one chat (400 beyond it)")] = 128
+    max_tool_depth: Annotated[Count, Field(description=(
+        "The deepest nesting of one tool's JSON (400 beyond it)"))] = 16
+    max_messages: Annotated[Count, Field(description=(
+        "Messages in one chat (400 beyond it)"))] = 1024
+    max_content_parts: Annotated[Count, Field(description=(
+        "Content parts in all of one chat's messages (400 beyond it)"))] = 512
+    max_prompt_tokens: Annotated[Count, Field(description=(
+        "Tokens of a prompt the front lays out (413 beyond it)"))] = 131072
+    learn: Annotated[LearnConfig | None, Field(description=(
+        "Learn the chunks requests carry (None: off, only registered skills are spliced); "
+        "needs the engine: the launcher's front learns"))] = None
+    store: Annotated[str | None, Field(description=(
+        "A Redis store a fleet of hosts shares (redis://HOST:PORT/DB, rediss:// for TLS; the "
+        "password in the URL or in password_file): its entries are mirrored into the serving "
+        "folder in the background, and with learning, sightings, compiles and the library's "
+        "bounds are the fleet's. None: this host's folder alone"))] = None
+    store_password_file: Annotated[Path | None, Field(description=(
+        "A file whose first line is the store's password (kept out of the URL and the "
+        "process list)"))] = None
+    mirror_bytes: Annotated[Size, Field(description=(
+        "The entries this host copies from the store, in all (e.g. 8GiB)"))] = (
+        DEFAULT_MIRROR_BYTES)
 
     def __post_init__(self) -> None:
+        """The checks that read two fields (each field's own are its constraints)."""
         self._check_store()
-        if self.upstream is not None:
-            check_loopback_url(self.upstream)
         self.repair_for(None)  # checks the count and the share
-        if self.guard is not None:
-            check_tau(self.guard)
-        splice_salt(self.tenant)  # checks the spelling
-        if self.block_size is not None and (isinstance(self.block_size, bool)
-                                            or self.block_size < 1):
-            raise InvalidArgumentError(f"block_size {self.block_size!r}: give the server's KV "
-                                       "block size in tokens, or None to read it")
-        for name in ("timeout", "connect_timeout", "discover_timeout", "body_timeout",
-                     "keep_alive_s", "plan_timeout", "request_timeout", "head_timeout"):
-            if not float(getattr(self, name)) > 0:
-                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive number of "
-                                           "seconds")
-        for name in ("max_body_bytes", "max_json_depth", "max_concurrent", "max_connections",
-                     "backlog", "max_header_bytes", "upstream_connections", "plan_workers",
-                     "max_tools", "max_tool_depth", "max_messages",
-                     "max_content_parts", "max_prompt_tokens", "max_drain_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer, "
-                                           f"got {value!r}")
-        for name in ("api_key", "metrics_key"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, check_key(value, f"FrontConfig.{name}"))
-        chars = self.part_cache_chars
-        if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
-            raise InvalidArgumentError(f"FrontConfig.part_cache_chars must be an integer >= 0, "
-                                       f"got {chars!r}")
-        for name in ("max_connections_per_ip", "max_plans_per_client"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise InvalidArgumentError(f"FrontConfig.{name} must be a positive integer "
-                                           f"or None, got {value!r}")
-        if self.key_file is not None:
-            object.__setattr__(self, "key_file", Path(self.key_file))
 
     def _check_store(self) -> None:
-        """A malformed store URL, or a folder where a Redis URL belongs, fails at start; a
-        store that is down does not (the host serves without it until it answers)."""
-        object.__setattr__(self, "mirror_bytes",
-                           parse_size(self.mirror_bytes, "FrontConfig.mirror_bytes"))
-        if self.store_password_file is not None:
-            if self.store is None:
-                raise InvalidArgumentError("FrontConfig.store_password_file is the store's: "
-                                           "set FrontConfig.store (redis://...) too")
-            object.__setattr__(self, "store_password_file", Path(self.store_password_file))
+        """A password file needs a store, and a store is a Redis URL: a malformed URL, or a
+        folder where a Redis URL belongs, fails at start; a store that is down does not (the
+        host serves without it until it answers)."""
+        if self.store_password_file is not None and self.store is None:
+            raise InvalidArgumentError("FrontConfig.store_password_file is the store's: "
+                                       "set FrontConfig.store (redis://...) too")
         if self.store is not None:
             from kvnotes.serving.store.url import parse_store_url
 
