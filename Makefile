@@ -12,12 +12,14 @@ OUT ?= out
 
 .PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned to the CPU wheel on this kind of machine; otherwise pip may pull a CUDA build
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev,serving]"
+	# the benchmark package (kvnotes-bench), beside the product
+	$(PIP) install -q -e benchmarks
 	# BFCL's public function-calling data ships inside this 1.9 MB wheel; reading it needs none
 	# of the package's declared dependencies
 	$(PIP) install -q --no-deps bfcl-eval
@@ -71,7 +73,7 @@ test-large: models-qwen vllm
 	KVNOTES_TEST_LARGE=1 $(PY) -m pytest -q -x -m large --durations=15
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks/kvnotes_bench
 
 # mypy over the packages listed in pyproject.toml's [tool.mypy]
 typecheck: install
@@ -79,11 +81,11 @@ typecheck: install
 
 # Timing benchmarks: run them on a quiet machine (each JSON records the load average).
 bench: models
-	$(PY) -m kvnotes.bench.micro.compose_ttft --out $(OUT)/bench
-	$(PY) -m kvnotes.bench.micro.splice_bandwidth --out $(OUT)/bench
-	$(PY) -m kvnotes.bench.micro.batch_decode --out $(OUT)/bench
-	$(PY) -m kvnotes.bench.micro.front_overhead --out $(OUT)/bench
-	$(PY) -m kvnotes.bench.micro.compile_share --out $(OUT)/bench
+	$(PY) -m kvnotes_bench.micro.compose_ttft --out $(OUT)/bench
+	$(PY) -m kvnotes_bench.micro.splice_bandwidth --out $(OUT)/bench
+	$(PY) -m kvnotes_bench.micro.batch_decode --out $(OUT)/bench
+	$(PY) -m kvnotes_bench.micro.front_overhead --out $(OUT)/bench
+	$(PY) -m kvnotes_bench.micro.compile_share --out $(OUT)/bench
 
 clean:
 	rm -rf $(VENV) $(OUT)

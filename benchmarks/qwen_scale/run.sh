@@ -24,9 +24,9 @@ step() {
 }
 # compose against a perfect prefix hit of the same context, 2k and 4k tokens; then float32 at 2k
 # (the dtype comparison, skipped when float32 is the native dtype)
-step compose-$DTYPE $PY -m kvnotes.bench.micro.compose_ttft --model "$MODEL" --dtype "$DTYPE" \
+step compose-$DTYPE $PY -m kvnotes_bench.micro.compose_ttft --model "$MODEL" --dtype "$DTYPE" \
     --lengths 2048,4096 --reps 3 --out "$OUT/compose-$DTYPE"
-[ "$DTYPE" = float32 ] || step compose-fp32 $PY -m kvnotes.bench.micro.compose_ttft \
+[ "$DTYPE" = float32 ] || step compose-fp32 $PY -m kvnotes_bench.micro.compose_ttft \
     --model "$MODEL" --dtype float32 --lengths 2048 --reps 2 --out "$OUT/compose-fp32"
 # vLLM: p90 TTFT of the default (repaired) policy against prefix caching, c1 and c4, ~1.7k tokens
 step skills $KV serve-bench skills --launch --model "$MODEL" --dtype "$DTYPE" --block-size 32 \

@@ -1,6 +1,6 @@
 """Repair that sizes itself, measured on BFCL's development sets (``live_multiple``, ``multi_turn``).
 
-``kvnotes bench tools``'s own loop and outputs (``run_case``, ``assemble``, ``write_outputs``) on
+``kvnotes-bench tools``'s own loop and outputs (``run_case``, ``assemble``, ``write_outputs``) on
 the cases of a development set with at least ``--min-skills`` skills (a ``multi_turn`` case with
 one manual places it exactly where it was compiled: every strategy equals exact there, so only
 the cases with two manuals or more measure a repair). Besides the bundle ``bench tools`` writes
@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.tools import runner as tools_runner
-from kvnotes.bench.tools.data import load_cases, spread
-from kvnotes.bench.tools.prompt import case_prompt
-from kvnotes.bench.tools.report import write_outputs
-from kvnotes.bench.tools.results import CaseResult, Skipped
-from kvnotes.bench.tools.runner import assemble, run_case
-from kvnotes.bench.tools.strategies import SkillCache, exact_ids, parse_strategies
+from kvnotes_bench.tools import runner as tools_runner
+from kvnotes_bench.tools.data import load_cases, spread
+from kvnotes_bench.tools.prompt import case_prompt
+from kvnotes_bench.tools.report import write_outputs
+from kvnotes.research.tool_runs import CaseResult, Skipped
+from kvnotes_bench.tools.runner import assemble, run_case
+from kvnotes_bench.tools.strategies import SkillCache, exact_ids, parse_strategies
 from kvnotes.cli.options import ModelOptions
 from kvnotes.core.machine import load_average, machine_info
 

@@ -1,6 +1,6 @@
 """Prefix caching's p90 TTFT over each spliced policy's, by skills per prompt: the table and
 plot of docs/results.md's "Phases against the 5x goal", from the
-skills-front-phases-k{K}-smollm2 bundles of `kvnotes serve-bench skills` (airline prompts,
+skills-front-phases-k{K}-smollm2 bundles of `kvnotes-bench serve skills` (airline prompts,
 K skills each, through kvnotes' OpenAI front). Run from the repository root:
 
     python benchmarks/serve_phases/summary.py docs/results/serve-bench/skills-front-phases-k*-smollm2 \
@@ -29,7 +29,7 @@ def read_skills_run(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: cannot be read as JSON ({err})") from err
     if not isinstance(data, dict) or data.get("workload") != "skills":
-        raise ValueError(f"{path}: not a `kvnotes serve-bench skills` result")
+        raise ValueError(f"{path}: not a `kvnotes-bench serve skills` result")
     return data
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.serving.erratum import ErratumBenchConfig
-from kvnotes.bench.serving.runs import run_erratum_rows
+from kvnotes_bench.serving.erratum import ErratumBenchConfig
+from kvnotes_bench.serving.runs import run_erratum_rows
 from kvnotes.serving.launch.launcher import LaunchConfig
 
 OUT = Path("out/serve-bench")

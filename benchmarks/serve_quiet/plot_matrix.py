@@ -5,7 +5,7 @@ root) wrote docs/results/serve-bench/matrix-b32-cdf.png."""
 import json
 from pathlib import Path
 
-from kvnotes.bench.serving.report import plot_ttft_cdf
+from kvnotes_bench.serving.report import plot_ttft_cdf
 
 ROOT = Path("docs/results/serve-bench")
 RUNS = ["matrix-b32-c1", "matrix-b32-c4-1k4k", "matrix-b32-c4-8k", "matrix-b32-c16-1k4k",

@@ -49,7 +49,7 @@ def test_edit_eval_resume_and_shards(tiny_folder, tmp_path):
     """A stopped or smaller run is continued with --resume; a run that would drop measured
     cases from its own results.json is refused, and a missing --resume-from file is named."""
     out = tmp_path / "run"
-    base = ["edit-eval", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
+    base = ["edit", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
             "--per-family", "1", "--out", str(out), "--threads", "1"]
     first = runner.invoke(app, [*base, "--families", "refund"])
     assert first.exit_code == 0, first.output
@@ -73,7 +73,7 @@ def test_edit_eval_resume_and_shards(tiny_folder, tmp_path):
 def test_edit_eval_workers_match_one_process(tiny_folder, tmp_path):
     """--workers 2 gives the one-process run's decisions, says so in the report, and a bad
     count is refused before anything loads."""
-    base = ["edit-eval", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
+    base = ["edit", "--model", str(tiny_folder), "--strategies", "recompute,erratum",
             "--per-family", "1", "--families", "refund,lookup", "--threads", "1"]
     one = runner.invoke(app, [*base, "--out", str(tmp_path / "one")])
     two = runner.invoke(app, [*base, "--out", str(tmp_path / "two"), "--workers", "2"])

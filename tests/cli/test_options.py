@@ -18,9 +18,8 @@ runner = CliRunner()
 COMMANDS = {
     "demo": ["demo", "--model", "m"],
     "compose": ["compose", "--model", "m", "--skill", "x.txt", "--context", "c", "--query", "q"],
-    "edit-eval": ["edit-eval", "--model", "m"],
+    "edit": ["edit", "--model", "m"],
     "trace": ["trace", "--model", "m"],
-    "agent-bench": ["agent-bench", "--model", "m"],
     "agent": ["agent", "--model", "m"],
     "doctor": ["doctor", "--model", "m", "--check"],
     "repro": ["repro", "--models", "m"],
@@ -37,7 +36,7 @@ def test_device_and_dtype_reach_the_loader(name, monkeypatch, tmp_path):
 
     monkeypatch.setattr(models, "load", fake_load)
     args = [*COMMANDS[name], "--device", "cpu", "--dtype", "bfloat16"]
-    if name in ("demo", "edit-eval", "trace", "agent-bench", "repro"):
+    if name in ("demo", "edit", "trace", "repro"):
         args += ["--out", str(tmp_path / "out")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
@@ -45,14 +44,14 @@ def test_device_and_dtype_reach_the_loader(name, monkeypatch, tmp_path):
     assert calls == [("m", "cpu", "bfloat16")]
 
 
-@pytest.mark.parametrize("name", ["demo", "trace", "agent-bench", "doctor", "repro"])
+@pytest.mark.parametrize("name", ["demo", "trace", "doctor", "repro"])
 def test_unavailable_device_fails_before_weights_load(name, monkeypatch, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     monkeypatch.setattr(models, "load_folder",
                         lambda *a, **k: pytest.fail("weights loaded for a bad device"))
     args = [*COMMANDS[name], "--device", "cuda"]
-    if name in ("demo", "trace", "agent-bench", "repro"):
+    if name in ("demo", "trace", "repro"):
         args += ["--out", str(tmp_path / "out")]
     args = [a if a != "m" else "smollm2-135m" for a in args]
     result = runner.invoke(app, args)
@@ -60,7 +59,7 @@ def test_unavailable_device_fails_before_weights_load(name, monkeypatch, tmp_pat
     assert "device 'cuda' is not available on this machine" in result.output
 
 
-@pytest.mark.parametrize("name", ["demo", "edit-eval", "agent", "repro"])
+@pytest.mark.parametrize("name", ["demo", "edit", "agent", "repro"])
 def test_bad_dtype_is_a_usage_error(name, tmp_path):
     args = [a if a != "m" else "smollm2-135m" for a in COMMANDS[name]]
     result = runner.invoke(app, [*args, "--dtype", "int8"])

@@ -566,12 +566,12 @@ CLI_CASES: list[tuple[str, Callable[[Path, Path], list[str]], int, str]] = [
     ("skill-missing", lambda t, m: _compose(str(m), t / "nope.txt"), 2, "no skill file"),
     ("library-is-file", lambda t, m: _compose(str(m), _file(t, "s.txt"), "--library", str(_file(t))), 2, "is a file"),
     ("demo-out-is-file", lambda t, m: ["demo", "--model", str(m), "--out", str(_file(t))], 2, "--out"),
-    ("agent-bench-out-is-file", lambda t, m: ["agent-bench", "--model", str(m), "--out", str(_file(t))], 2, "--out"),
+    ("edit-out-is-file", lambda t, m: ["edit", "--model", str(m), "--out", str(_file(t))], 2, "--out"),
     ("doctor-random-gguf", lambda t, m: ["doctor", "--model", str(_junk_gguf(t))], 2, "not a GGUF file"),
     ("doctor-both-options", lambda t, m: ["doctor", "--model", "x", "--tiny", "llama"], 2, "at most one of"),
     ("unknown-model", lambda t, m: _compose("no-such-model", _file(t, "s.txt")), 2, "unknown model"),
     ("unknown-command", lambda t, m: ["frobnicate"], 2, "No such command"),
-    ("bad-int-option", lambda t, m: ["agent-bench", "--model", "x", "--episodes", "zero"], 2, "--episodes"),
+    ("bad-int-option", lambda t, m: ["agent", "--model", "x", "--episode", "zero"], 2, "--episode"),
 ]
 
 

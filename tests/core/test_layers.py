@@ -1,7 +1,7 @@
 """The package's import graph: one direction of dependency, no cycles, a light connector.
 
 Layers, lowest first: core (errors <- positions/repair <- document/storage <- notebook/cache <-
-runner <- batch/compose <- engine <- models) <- ops <- eval <- serving <- apps <- bench <- cli.
+runner <- batch/compose <- engine <- models) <- ops <- eval <- serving <- apps <- research <- cli.
 The graph is read from the source with ``ast`` (function-level imports included, so a lazy
 import cannot hide an upward dependency or a cycle). ``if TYPE_CHECKING:`` blocks never run: the
 direction and whole-graph checks leave them out, the in-package circle check counts them (no
@@ -53,7 +53,7 @@ CORE_RANKS = {
     "kvnotes.core.tiny": 7,
 }
 LAYER_RANKS = {"kvnotes.core": 10, "kvnotes.ops": 20, "kvnotes.eval": 30, "kvnotes.serving": 35,
-               "kvnotes.apps": 40, "kvnotes.bench": 42, "kvnotes.cli": 50}
+               "kvnotes.apps": 40, "kvnotes.research": 42, "kvnotes.cli": 50}
 FACADE = "kvnotes"  # the package root re-exports the public API: above apps, below cli
 
 

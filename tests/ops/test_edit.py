@@ -203,8 +203,8 @@ def test_report_and_helpers():
 # ---- real models --------------------------------------------------------------------------------
 @pytest.mark.real
 def test_real_model_edits(real_engine):
-    from kvnotes.bench.edit.cases import case_prompt
     from kvnotes.eval.tasks import load_suite
+    from kvnotes.research.edit.cases import case_prompt
 
     case = load_suite(["membership"])[0]
     doc_, query = case_prompt(real_engine, case)

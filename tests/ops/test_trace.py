@@ -9,7 +9,6 @@ import torch
 from conftest import make_tiny_engine
 
 import kvnotes
-from kvnotes.bench.trace.suite import bootstrap_mean, summarize, trace_cases
 from kvnotes.core.document import Document, Field
 from kvnotes.core.errors import KvnotesError
 from kvnotes.core.metrics import normalized_effect
@@ -22,6 +21,7 @@ from kvnotes.ops.trace import (
     splice,
     trace,
 )
+from kvnotes.research.trace.suite import bootstrap_mean, summarize, trace_cases
 
 QUERY = " Question: which colour? Answer:"
 
@@ -189,8 +189,8 @@ def test_report_files(engine, tmp_path):
 
 @pytest.mark.real
 def test_real_model_smoke(gemma3):
-    from kvnotes.bench.trace.suite import case_inputs
     from kvnotes.eval.tasks.recall import capital_recall_cases
+    from kvnotes.research.trace.suite import case_inputs
 
     c = capital_recall_cases()[0]
     doc, query, answers = case_inputs(gemma3, c)

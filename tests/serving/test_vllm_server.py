@@ -20,11 +20,11 @@ import pytest
 from conftest import skill_copy, wait_for_rescan
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.bench.serving.erratum import ErratumBenchConfig, run_benchmark
-from kvnotes.bench.serving.kit import ServerRecord
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.upstream import Client
+from kvnotes_bench.serving.erratum import ErratumBenchConfig, run_benchmark
+from kvnotes_bench.serving.kit import ServerRecord
 
 pytestmark = pytest.mark.vllm
 

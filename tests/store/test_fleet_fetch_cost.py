@@ -3,8 +3,8 @@ timed, its bytes counted."""
 
 from __future__ import annotations
 
-from kvnotes.bench.serving.fleet_parts import fetch_cost
 from kvnotes.serving.store import store_from_url
+from kvnotes_bench.serving.fleet_parts import fetch_cost
 
 
 def test_fetch_cost_reads_every_entry(redis_url, make_entry) -> None:

@@ -1,4 +1,4 @@
-"""``kvnotes bench``: benchmarks on public data; ``bench tools`` is tool-choice fidelity on BFCL."""
+"""``kvnotes-bench tools|tools-report``: tool-choice fidelity on BFCL (public data)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvnotes.cli.app import app, emit_json, folder_option
+from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+from kvnotes_bench.cli.app import app
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when a command runs
-    from kvnotes.bench.tools import ToolsBenchConfig
-    from kvnotes.bench.tools.results import BenchResult, CaseResult
+    from kvnotes.research.tool_runs import BenchResult, CaseResult
+    from kvnotes_bench.tools import ToolsBenchConfig
 
-bench_app = typer.Typer(help="Benchmarks on public data (BFCL v4 tool choice).",
-                        no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+bench_app = app  # the public-data benchmarks are the entry point's own commands
 
 
 @bench_app.command("tools")
@@ -37,7 +36,7 @@ def tools(
                                    "epic:K, anchor, anchor+first:F, anchor+epic:K, pred, "
                                    "pred+epic:K, ape:T, ape:T+epic:K, "
                                    "guard:BASE[@TAU] (default: "
-                                   "kvnotes.bench.tools.DEFAULT_STRATEGIES)"),
+                                   "kvnotes_bench.tools.DEFAULT_STRATEGIES)"),
     greedy: int = typer.Option(0, "--greedy", help="also compare N greedy tokens after the "
                                                    "call opening (16 in the issue; costs a "
                                                    "decode per strategy and case)"),
@@ -67,10 +66,10 @@ def tools(
     as_json: bool = typer.Option(False, "--json", help="print the summaries as JSON"),
 ) -> None:
     """Tool choice after ``{"name": "`` with composed tool skills vs the exact prompt."""
-    from kvnotes.bench.tools import DEFAULT_STRATEGIES, ToolsBenchConfig
-    from kvnotes.bench.tools.data import check_set
-    from kvnotes.bench.tools.report import render
-    from kvnotes.bench.tools.strategies import parse_strategies
+    from kvnotes_bench.tools import DEFAULT_STRATEGIES, ToolsBenchConfig
+    from kvnotes_bench.tools.data import check_set
+    from kvnotes_bench.tools.report import render
+    from kvnotes_bench.tools.strategies import parse_strategies
 
     chosen = tuple(s.strip() for s in strategies.split(",")) if strategies else DEFAULT_STRATEGIES
     check_set(set_name)  # a held-out or unknown set fails before the model loads
@@ -109,8 +108,8 @@ class ToolsCommand:
     def run(self, console: Console) -> tuple[BenchResult, dict[str, Path]]:
         """Run it with a progress bar on ``console``; every measured case is appended to
         ``cases.jsonl`` at once (``bench tools-report`` rebuilds a stopped run from it)."""
-        from kvnotes.bench.tools import run_bench
-        from kvnotes.bench.tools.report import write_outputs
+        from kvnotes_bench.tools import run_bench
+        from kvnotes_bench.tools.report import write_outputs
 
         engine = self.model.load()
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -160,16 +159,16 @@ def tools_report(
                                             "cases.jsonl), e.g. of a stopped run"),
 ) -> None:
     """Rebuild report.md, results.json and identity.png from the cases a run measured."""
-    from kvnotes.bench.tools.report import write_outputs
-    from kvnotes.bench.tools.results import CaseResult
-    from kvnotes.bench.tools.runner import assemble, calibrate_tau
-    from kvnotes.bench.tools.strategies import parse_strategies
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes.research.tool_runs import CaseResult
+    from kvnotes_bench.tools.report import write_outputs
+    from kvnotes_bench.tools.runner import assemble, calibrate_tau
+    from kvnotes_bench.tools.strategies import parse_strategies
 
     run_file, cases_file = folder / "run.json", folder / "cases.jsonl"
     if not run_file.is_file() or not cases_file.is_file():
         raise InvalidArgumentError(f"{folder} has no run.json and cases.jsonl; give the --out "
-                                   "folder of a `kvnotes bench tools` run")
+                                   "folder of a `kvnotes-bench tools` run")
     run = json.loads(run_file.read_text(encoding="utf-8"))
     results = [CaseResult.from_dict(json.loads(line))
                for line in cases_file.read_text(encoding="utf-8").splitlines() if line.strip()]

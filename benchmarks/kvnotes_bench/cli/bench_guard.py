@@ -1,4 +1,4 @@
-"""``kvnotes bench guard`` (the guard's calibration per model) and ``kvnotes bench divergence``
+"""``kvnotes-bench guard`` (the guard's calibration per model) and ``kvnotes-bench divergence``
 (what limits 16-token greedy identity), on the development sets."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import typer
 from rich.console import Console
 
 from kvnotes.cli.app import emit_json, folder_option
-from kvnotes.cli.bench import bench_app
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+from kvnotes_bench.cli.bench import bench_app
 
 if TYPE_CHECKING:
-    from kvnotes.bench.tools.guard_run import GuardBenchResult
+    from kvnotes_bench.tools.guard_run import GuardBenchResult
 
 
 def _settings(device: str, dtype: str) -> dict[str, object]:
@@ -30,9 +30,9 @@ def _settings(device: str, dtype: str) -> dict[str, object]:
 
 
 def _sets(text: str) -> tuple[str, ...]:
-    from kvnotes.bench.tools.data import check_set
-    from kvnotes.bench.tools.guard_measure import GUARD_SETS
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes_bench.tools.data import check_set
+    from kvnotes_bench.tools.guard_measure import GUARD_SETS
 
     names = tuple(s.strip() for s in text.split(",") if s.strip())
     if not names:
@@ -73,8 +73,8 @@ def guard(
     as_json: bool = typer.Option(False, "--json", help="print the default chosen as JSON"),
 ) -> None:
     """The guard's calibration: per tau, fired share, identity with exact, cost; the default."""
-    from kvnotes.bench.serving.prompt_sets import make_requests
-    from kvnotes.bench.tools.guard_run import GuardBenchConfig, run_guard_bench
+    from kvnotes_bench.serving.prompt_sets import make_requests
+    from kvnotes_bench.tools.guard_run import GuardBenchConfig, run_guard_bench
 
     config = GuardBenchConfig(sets=_sets(set_names), cases=cases, strategy=strategy,
                               max_context=max_context, budget=budget,
@@ -101,8 +101,8 @@ def _part(text: str) -> tuple[int, int]:
 
 def _write_guard(result: GuardBenchResult, folder: Path, console: Console, as_json: bool
                  ) -> None:
-    from kvnotes.bench.tools.divergence import plot as divergence_plot
-    from kvnotes.bench.tools.guard_run import markdown, plot
+    from kvnotes_bench.tools.divergence import plot as divergence_plot
+    from kvnotes_bench.tools.guard_run import markdown, plot
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "guard.json").write_text(json.dumps(result.to_dict(), indent=1, default=str)
@@ -131,8 +131,8 @@ def guard_report(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Pool `bench guard` runs (parts, or sets measured apart): curves and default again."""
-    from kvnotes.bench.tools.guard_run import GuardBenchResult
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes_bench.tools.guard_run import GuardBenchResult
 
     data = []
     for path in runs:
@@ -161,7 +161,7 @@ def divergence(
     threads: int | None = typer.Option(None, "--threads"),
 ) -> None:
     """16 greedy tokens composed vs exact: where they part, and which skill's splice did it."""
-    from kvnotes.bench.tools.divergence import (
+    from kvnotes_bench.tools.divergence import (
         DivergenceConfig,
         markdown,
         plot,

@@ -1,20 +1,20 @@
-"""``kvnotes serve-bench erratum|skills|soak|agent``: the serving benchmarks on a real vLLM server.
+"""``kvnotes-bench serve erratum|skills|soak|agent``: the serving benchmarks on a real vLLM server.
 
 The subcommands take the same server options (``--url`` of a running loopback server, or
 ``--launch`` to have kvnotes start one through :mod:`kvnotes.serving.launch.launcher`), gathered in
 :class:`ServerOptions`; each workload's own options become its config dataclass
-(:class:`~kvnotes.bench.serving.erratum.ErratumBenchConfig` here, the others in
-:mod:`~kvnotes.cli.serve_bench_skills`, :mod:`~kvnotes.cli.serve_bench_soak` and
-:mod:`~kvnotes.cli.serve_bench_agent`), which validates them; an option's default is read from
+(:class:`~kvnotes_bench.serving.erratum.ErratumBenchConfig` here, the others in
+:mod:`~kvnotes_bench.cli.serve_bench_skills`, :mod:`~kvnotes_bench.cli.serve_bench_soak` and
+:mod:`~kvnotes_bench.cli.serve_bench_agent`), which validates them; an option's default is read from
 that dataclass (:func:`~kvnotes.cli.options.default_of`), never written twice.
 
 Examples::
 
-    kvnotes serve-bench erratum --launch --matrix --kv-cache-gib 12 --out out/serve-bench/matrix
-    kvnotes serve-bench erratum --url http://127.0.0.1:8000 --context-tokens 8000 --concurrency 1
-    kvnotes serve-bench skills --launch --model smollm2-135m --concurrency 1,4 --dtype float32
-    kvnotes serve-bench soak --duration 180 --clients 8 --corun --out out/serve-bench/soak
-    kvnotes serve-bench agent --model smollm2-135m --library-cap 8MiB --out out/serve-bench/agent
+    kvnotes-bench serve erratum --launch --matrix --kv-cache-gib 12 --out out/serve-bench/matrix
+    kvnotes-bench serve erratum --url http://127.0.0.1:8000 --context-tokens 8000 --concurrency 1
+    kvnotes-bench serve skills --launch --model smollm2-135m --concurrency 1,4 --dtype float32
+    kvnotes-bench serve soak --duration 180 --clients 8 --corun --out out/serve-bench/soak
+    kvnotes-bench serve agent --model smollm2-135m --library-cap 8MiB --out out/serve-bench/agent
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvnotes.bench.serving.erratum import ErratumBenchConfig
-from kvnotes.cli.app import app, emit_json, folder_option
+from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.options import default_of
 from kvnotes.serving.launch.launcher import LaunchConfig
+from kvnotes_bench.cli.app import app
+from kvnotes_bench.serving.erratum import ErratumBenchConfig
 
 if TYPE_CHECKING:  # the runs are imported when a command runs; the configs hold the defaults
-    from kvnotes.bench.serving.runs import Target
+    from kvnotes_bench.serving.runs import Target
 
 Written = tuple[dict[str, Any], dict[str, Path]]  # a result's JSON form and the files written
 
 bench_app = typer.Typer(help="Serving benchmarks on a real vLLM server on this machine: "
                         "TTFT, hit rate, errors, fidelity.", no_args_is_help=True)
-app.add_typer(bench_app, name="serve-bench")
+app.add_typer(bench_app, name="serve")
 
 
 # ---- options both workloads take --------------------------------------------------------------
@@ -111,7 +112,7 @@ class ServerOptions:
     out: Path = Path("out/serve-bench")
 
     def __post_init__(self) -> None:
-        from kvnotes.bench.serving.erratum import validate_block_size
+        from kvnotes_bench.serving.erratum import validate_block_size
 
         if bool(self.url) == bool(self.launch):
             raise typer.BadParameter("pass exactly one of --url URL or --launch")
@@ -123,10 +124,10 @@ class ServerOptions:
         folder_option(self.out, "--out")
 
     def target(self, *, max_model_len: int | None = None) -> Target:
-        """The :class:`~kvnotes.bench.serving.runs.Target` of these options (``max_model_len``
+        """The :class:`~kvnotes_bench.serving.runs.Target` of these options (``max_model_len``
         None: fitted to the workload by the runner)."""
-        from kvnotes.bench.serving.runs import Target
         from kvnotes.serving.launch.launcher import LaunchConfig
+        from kvnotes_bench.serving.runs import Target
 
         if self.url:
             return Target(url=self.url, request_timeout_s=self.request_timeout)
@@ -176,8 +177,8 @@ class ErratumCommand:
 
     def run(self) -> Written:
         """Run it and write the bundle in ``--out``."""
-        from kvnotes.bench.serving.report import write_outputs
-        from kvnotes.bench.serving.runs import run_erratum
+        from kvnotes_bench.serving.report import write_outputs
+        from kvnotes_bench.serving.runs import run_erratum
 
         result = run_erratum(self.bench, self.server.target(max_model_len=self.max_model_len),
                              log=say)
@@ -236,14 +237,14 @@ def erratum(
 
     Long sessions whose one field is edited again and again; each edit sent as an erratum, in
     place, and cold (nothing reused)."""
-    from kvnotes.bench.serving.erratum import (
+    from kvnotes_bench.serving.erratum import (
         MATRIX_CONCURRENCY,
         MATRIX_CONTEXTS,
         MATRIX_OPTIONAL_CONTEXTS,
         MATRIX_REQUESTS_PER_ROW,
     )
-    from kvnotes.bench.serving.report import markdown_table
-    from kvnotes.bench.serving.workload import POLICIES
+    from kvnotes_bench.serving.report import markdown_table
+    from kvnotes_bench.serving.workload import POLICIES
 
     server = ServerOptions(
         url=url, launch=launch, model=model, dtype=dtype, block_size=block_size,

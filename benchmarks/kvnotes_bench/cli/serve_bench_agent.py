@@ -1,9 +1,9 @@
-"""``kvnotes serve-bench agent`` and ``agent-check``: agent traffic through the learning front.
+"""``kvnotes-bench serve agent`` and ``agent-check``: agent traffic through the learning front.
 
 Its options' defaults are the benchmark's configs'
-(:class:`~kvnotes.bench.serving.agent_traffic.AgentBenchConfig`,
-:class:`~kvnotes.bench.serving.agent_traffic_protocol.ProtocolConfig`,
-:class:`~kvnotes.bench.serving.agent_traffic_soak.AgentSoakConfig`), and the server's KV block is
+(:class:`~kvnotes_bench.serving.agent_traffic.AgentBenchConfig`,
+:class:`~kvnotes_bench.serving.agent_traffic_protocol.ProtocolConfig`,
+:class:`~kvnotes_bench.serving.agent_traffic_soak.AgentSoakConfig`), and the server's KV block is
 a learning server's (:class:`~kvnotes.serving.front.config.LearnConfig`), for ``--learn`` and
 ``--no-learn`` alike, so the two runs compare on the same blocks.
 """
@@ -17,12 +17,11 @@ from typing import Annotated, Any
 
 import typer
 
-from kvnotes.bench.serving.agent_traffic import AgentBenchConfig
-from kvnotes.bench.serving.agent_traffic_protocol import ProtocolConfig
-from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
 from kvnotes.cli.app import emit_json
 from kvnotes.cli.options import default_of
-from kvnotes.cli.serve_bench import (
+from kvnotes.core.sizes import format_size
+from kvnotes.serving.front.config import LearnConfig
+from kvnotes_bench.cli.serve_bench import (
     Dtype,
     KvCacheGib,
     Model,
@@ -36,8 +35,9 @@ from kvnotes.cli.serve_bench import (
     say,
     token_counts,
 )
-from kvnotes.core.sizes import format_size
-from kvnotes.serving.front.config import LearnConfig
+from kvnotes_bench.serving.agent_traffic import AgentBenchConfig
+from kvnotes_bench.serving.agent_traffic_protocol import ProtocolConfig
+from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig
 
 
 def _bench(name: str) -> Any:
@@ -129,10 +129,10 @@ def agent(
     content parts, learned on sight and spliced in another order, against splice: false; the
     TTFT of a miss and beside a compile; a capped-library soak checked against the engine."""
     import kvnotes
-    from kvnotes.bench.serving.agent_traffic import run_agent
-    from kvnotes.bench.serving.agent_traffic_report import markdown, write_outputs
     from kvnotes.core.errors import KvnotesError
     from kvnotes.core.sizes import parse_size
+    from kvnotes_bench.serving.agent_traffic import run_agent
+    from kvnotes_bench.serving.agent_traffic_report import markdown, write_outputs
 
     try:
         bench = AgentBenchConfig(
@@ -177,9 +177,9 @@ def agent_check(
 ) -> None:
     """Check a stored agent soak run's answers again against the engine (no server) and
     rewrite its bundle: records, result.json, report and plot."""
-    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
-    from kvnotes.bench.serving.agent_traffic_report import report
     from kvnotes.core.errors import KvnotesError
+    from kvnotes_bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes_bench.serving.agent_traffic_report import report
 
     try:
         result = recheck_bundle(folder, drift_tau=drift_tau, say=say)

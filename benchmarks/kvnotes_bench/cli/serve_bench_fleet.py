@@ -1,14 +1,14 @@
-"""``kvnotes serve-bench fleet``: two kvnotes hosts over one Redis store, what the shared store
+"""``kvnotes-bench serve fleet``: two kvnotes hosts over one Redis store, what the shared store
 gives a fleet and what it costs.
 
 Starts a ``redis-server`` on a free loopback port and two hosts (vLLM with kvnotes' connector,
 the learning OpenAI front on ``--store redis://...``), runs the ``share``, ``cost`` and ``soak``
-parts (:mod:`kvnotes.bench.serving.fleet`) and writes ``result.json``, ``report.md`` and
+parts (:mod:`kvnotes_bench.serving.fleet`) and writes ``result.json``, ``report.md`` and
 ``fleet.png`` in ``--out``.
 
 Example::
 
-    kvnotes serve-bench fleet --model smollm2-135m --out out/serve-bench/fleet
+    kvnotes-bench serve fleet --model smollm2-135m --out out/serve-bench/fleet
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvnotes.cli.app import emit_json, folder_option
-from kvnotes.cli.serve_bench import bench_app
+from kvnotes_bench.cli.serve_bench import bench_app
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when the command runs
-    from kvnotes.bench.serving.fleet import FleetBenchConfig
     from kvnotes.serving.launch.launcher import LaunchConfig
+    from kvnotes_bench.serving.fleet import FleetBenchConfig
 
 
 def _log(line: str) -> None:
@@ -94,11 +94,11 @@ def fleet(
 ) -> None:
     """Two hosts, one Redis store: a tool list learned on one host spliced on the other, what
     the store costs a request, and a soak through both while Redis fails."""
-    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
-    from kvnotes.bench.serving.fleet import FleetBenchConfig, check_fleet_wiring
-    from kvnotes.bench.serving.fleet_soak import parse_faults
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.launch.launcher import LaunchConfig
+    from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig
+    from kvnotes_bench.serving.fleet import FleetBenchConfig, check_fleet_wiring
+    from kvnotes_bench.serving.fleet_soak import parse_faults
 
     folder_option(out, "--out")
     try:
@@ -123,8 +123,8 @@ def _run(bench: FleetBenchConfig, base: LaunchConfig, *, out: Path, request_time
          as_json: bool) -> None:
     """Load the model, run the benchmark and write its bundle in ``out``."""
     import kvnotes
-    from kvnotes.bench.serving.fleet_report import markdown, write_outputs
-    from kvnotes.bench.serving.fleet_run import run_fleet
+    from kvnotes_bench.serving.fleet_report import markdown, write_outputs
+    from kvnotes_bench.serving.fleet_run import run_fleet
 
     engine = kvnotes.load(bench.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -148,9 +148,9 @@ def fleet_check(
 ) -> None:
     """Check a stored fleet soak's answers again against the engine (no server) and rewrite
     its bundle: records, result.json, report and plot."""
-    from kvnotes.bench.serving.fleet_recheck import recheck_fleet
-    from kvnotes.bench.serving.fleet_report import report
     from kvnotes.core.errors import KvnotesError
+    from kvnotes_bench.serving.fleet_recheck import recheck_fleet
+    from kvnotes_bench.serving.fleet_report import report
 
     try:
         result = recheck_fleet(folder, say=_log)

@@ -1,7 +1,7 @@
-"""``kvnotes serve-bench skills``: composed skills vs prefix caching vs cold inside vLLM.
+"""``kvnotes-bench serve skills``: composed skills vs prefix caching vs cold inside vLLM.
 
-Its options' defaults are :class:`~kvnotes.bench.serving.skills_config.SkillsBenchConfig`'s, read
-from it; the server options are :class:`~kvnotes.cli.serve_bench.ServerOptions`'.
+Its options' defaults are :class:`~kvnotes_bench.serving.skills_config.SkillsBenchConfig`'s, read
+from it; the server options are :class:`~kvnotes_bench.cli.serve_bench.ServerOptions`'.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Annotated, Any
 
 import typer
 
-from kvnotes.bench.serving.skills_config import DEFAULT_POLICIES, SkillsBenchConfig
 from kvnotes.cli.app import folder_option
 from kvnotes.cli.options import default_of
-from kvnotes.cli.serve_bench import (
+from kvnotes_bench.cli.serve_bench import (
     AsJson,
     BlockSize,
     Dtype,
@@ -38,6 +37,7 @@ from kvnotes.cli.serve_bench import (
     print_result,
     say,
 )
+from kvnotes_bench.serving.skills_config import DEFAULT_POLICIES, SkillsBenchConfig
 
 
 def _default(name: str) -> Any:
@@ -78,7 +78,7 @@ Prompts = Annotated[str, typer.Option(
     "function description a skill; the decision is the function name answered) or "
     "bfcl-multi_turn (BFCL multi_turn cases: each class's API manual a skill)")]
 Cases = Annotated[int, typer.Option(
-    "--cases", help="--prompts bfcl*: cases spread over the set (as `kvnotes bench tools`)")]
+    "--cases", help="--prompts bfcl*: cases spread over the set (as `kvnotes-bench tools`)")]
 MaxContext = Annotated[int, typer.Option(
     "--max-context", help="--prompts bfcl*: skip (and count) cases longer than this (the "
     "server's --max-model-len is at least this)")]
@@ -125,8 +125,8 @@ class SkillsCommand:
     def run(self) -> Written:
         """Run it and write the bundle in ``--out``."""
         import kvnotes
-        from kvnotes.bench.serving.runs import run_skills
-        from kvnotes.bench.serving.skills_report import write_outputs
+        from kvnotes_bench.serving.runs import run_skills
+        from kvnotes_bench.serving.skills_report import write_outputs
 
         engine = kvnotes.load(self.server.model)
         self.server.out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +172,7 @@ def skills(
     Skills are spliced by kvnotes' connector, bare (compose) or with each skill's first tokens
     computed in context by phased requests (repaired, guarded); fidelity compares each
     spliced policy's answers with the same prompts sent exactly."""
-    from kvnotes.bench.serving.skills_report import markdown
+    from kvnotes_bench.serving.skills_report import markdown
 
     if recheck_engine:
         if url or launch:
@@ -201,8 +201,8 @@ def skills(
 def _recheck_skills(model: str, out: Path, skills_dir: Path | None) -> Written:
     """The engine check of the skills run stored in ``out``, its bundle rewritten."""
     import kvnotes
-    from kvnotes.bench.serving.runs import recheck_engine
-    from kvnotes.bench.serving.skills_report import write_outputs
+    from kvnotes_bench.serving.runs import recheck_engine
+    from kvnotes_bench.serving.skills_report import write_outputs
 
     folder_option(out, "--out")
     data = recheck_engine(out, kvnotes.load(model), skills_dir=skills_dir, log=say)

@@ -1,7 +1,7 @@
-"""``kvnotes serve-bench soak``: the connector under load, every answer checked.
+"""``kvnotes-bench serve soak``: the connector under load, every answer checked.
 
-Its options' defaults are :class:`~kvnotes.bench.serving.soak_workload.SoakConfig`'s (and
-:class:`~kvnotes.bench.serving.corun.CorunConfig`'s), read from them.
+Its options' defaults are :class:`~kvnotes_bench.serving.soak_workload.SoakConfig`'s (and
+:class:`~kvnotes_bench.serving.corun.CorunConfig`'s), read from them.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
-from kvnotes.bench.serving.corun import CorunConfig
-from kvnotes.bench.serving.soak_workload import SoakConfig
 from kvnotes.cli.app import emit_json
 from kvnotes.cli.options import default_of
-from kvnotes.cli.serve_bench import (
+from kvnotes_bench.cli.serve_bench import (
     AsJson,
     Dtype,
     Model,
@@ -30,6 +28,8 @@ from kvnotes.cli.serve_bench import (
     bench_app,
     say,
 )
+from kvnotes_bench.serving.corun import CorunConfig
+from kvnotes_bench.serving.soak_workload import SoakConfig
 
 
 def _soak(name: str) -> Any:
@@ -55,8 +55,8 @@ class SoakCommand:
     def run(self) -> Written:
         """Run it and write the bundle in ``--out``."""
         import kvnotes
-        from kvnotes.bench.serving.soak import run_soak
-        from kvnotes.bench.serving.soak_report import write_outputs
+        from kvnotes_bench.serving.soak import run_soak
+        from kvnotes_bench.serving.soak_report import write_outputs
 
         engine = kvnotes.load(self.server.model)
         self.server.out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,7 @@ def soak(
     """The connector under load: concurrent clients, preemption, skills published, deleted and
     corrupted while requests use them, early disconnects; every answer checked against
     kvnotes' engine."""
-    from kvnotes.bench.serving.soak_report import markdown
+    from kvnotes_bench.serving.soak_report import markdown
 
     server = ServerOptions(launch=True, model=model, dtype=dtype, kv_cache_gib=1,
                            startup_timeout=startup_timeout, vllm_python=vllm_python,
@@ -122,8 +122,8 @@ def soak(
     how = "kvnotes " + " ".join(sys.argv[1:])
     if recheck:
         import kvnotes
-        from kvnotes.bench.serving.soak import recheck as check_again
-        from kvnotes.bench.serving.soak_report import write_outputs
+        from kvnotes_bench.serving.soak import recheck as check_again
+        from kvnotes_bench.serving.soak_report import write_outputs
 
         data = check_again(out, kvnotes.load(model), say=say)
         paths = write_outputs(data, out)

@@ -1,5 +1,5 @@
 """What every workload shares: the machine a run measured and its load
-(:mod:`~kvnotes.bench.kit.machine`), how a failed request is classified and counted
-(:mod:`~kvnotes.bench.kit.failures`) and the number formats of the reports
-(:mod:`~kvnotes.bench.kit.formats`). A bundle (JSON, ``report.md``, chart) is written by
+(:mod:`~kvnotes_bench.kit.machine`), how a failed request is classified and counted
+(:mod:`~kvnotes_bench.kit.failures`) and the number formats of the reports
+(:mod:`~kvnotes_bench.kit.formats`). A bundle (JSON, ``report.md``, chart) is written by
 :func:`kvnotes.eval.reports.write_bundle`."""

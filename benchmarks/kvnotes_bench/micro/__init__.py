@@ -1,4 +1,4 @@
-"""Microbenchmarks, each a module run as ``python -m kvnotes.bench.micro.NAME``: compose TTFT
+"""Microbenchmarks, each a module run as ``python -m kvnotes_bench.micro.NAME``: compose TTFT
 (``compose_ttft``), splice throughput (``splice_bandwidth``), batched decoding (``batch_decode``),
 KL against the repair budget (``compose_repair``), quantized KV (``quant_fidelity``), the vLLM
 splice's cost per token (``splice_cost``), the agent's prompt layouts (``agent_layouts``),

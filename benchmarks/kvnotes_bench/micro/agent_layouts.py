@@ -9,7 +9,7 @@ Each layout's full agent-bench bundle is written under ``--out/<order>/``; the c
 ``agent-layouts.json`` and ``agent-layouts.png`` (margin-error CDF, and FLOP vs latency ratios).
 
 Timing figures need a quiet machine: run it alone. The JSON records threads and load per layout.
-    .venv/bin/python -m kvnotes.bench.micro.agent_layouts --episodes 10 --out out/agent-layouts
+    .venv/bin/python -m kvnotes_bench.micro.agent_layouts --episodes 10 --out out/agent-layouts
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 
 from kvnotes.apps.agent import AgentConfig
 from kvnotes.apps.agent.config import ORDERS
-from kvnotes.bench.agent.run import AgentBenchConfig, run_bench, write_outputs
-from kvnotes.bench.agent.summary import BenchSummary, fast_margin_errors
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, set_threads
 from kvnotes.core.models import load
+from kvnotes.research.agent.run import AgentBenchConfig, run_bench, write_outputs
+from kvnotes.research.agent.summary import BenchSummary, fast_margin_errors
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ erratum appends, so the batch is left-padded). Each side decodes exactly --token
 row (end-of-sequence is not allowed to stop a row early, so both sides do the same work); the
 texts of both sides are compared. Medians over --reps after one warm-up; the JSON records the
 torch threads and the load average. Run on a quiet machine:
-    .venv/bin/python -m kvnotes.bench.micro.batch_decode --out out/bench
+    .venv/bin/python -m kvnotes_bench.micro.batch_decode --out out/bench
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from kvnotes.bench.edit.cases import case_prompt
-from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
-from kvnotes.bench.kit.timing import median_time
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
@@ -31,6 +28,9 @@ from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
 from kvnotes.eval.tasks import load_suite
 from kvnotes.ops.edit import edit
+from kvnotes.research.edit.cases import case_prompt
+from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
+from kvnotes_bench.kit.timing import median_time
 
 
 def case_notebooks(engine: Engine, family: str) -> tuple[list[Notebook], list[int]]:

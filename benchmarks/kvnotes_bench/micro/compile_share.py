@@ -11,7 +11,7 @@ cores). Linux's scheduler gives the compile a share of each contended core fixed
 value (:func:`~kvnotes.serving.front.config.busy_core_share`); the JSON holds each time, the
 share the kernel's weights predict, and the load average before the run. Medians over --reps
 after one warm-up compile. Run on a quiet machine:
-    .venv/bin/python -m kvnotes.bench.micro.compile_share --out docs/results/bench
+    .venv/bin/python -m kvnotes_bench.micro.compile_share --out docs/results/bench
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def main() -> None:
     except InvalidArgumentError as err:
         ap.error(str(err))
     result = run(config,
-                 command="python -m kvnotes.bench.micro.compile_share "
+                 command="python -m kvnotes_bench.micro.compile_share "
                  + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compile_share.json").write_text(json.dumps(result.to_dict(), indent=2))

@@ -16,7 +16,7 @@ under:
 Cases: the demo's four plus fresh ones written for this benchmark (two or three skills, in new
 orders, new customers). Top-1 agreement is reported overall and where the recompute margin
 exceeds 0.1 logit (a flip on a closer near-tie is visible as such). Accuracy only; no timing.
-    .venv/bin/python -m kvnotes.bench.micro.compose_repair --models smollm2-135m gemma3-270m \
+    .venv/bin/python -m kvnotes_bench.micro.compose_repair --models smollm2-135m gemma3-270m \
         --out out/compose-repair
 """
 

@@ -30,7 +30,7 @@ can reach when the forward is compute-bound is ``1 - attention_flop_share``), an
 at the shortest length (what a memory-bound decode step's time grows by). Medians over --reps
 after one warm-up; the JSON records torch threads, the load average and whether the machine was
 busy. Writes JSON and a log-log PNG with fitted slopes. Run on a quiet machine:
-    .venv/bin/python -m kvnotes.bench.micro.compose_ttft --out out/bench
+    .venv/bin/python -m kvnotes_bench.micro.compose_ttft --out out/bench
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from kvnotes.bench.kit.timing import median_time
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
+from kvnotes_bench.kit.timing import median_time
 
 
 def skill_text(engine: Engine, n_tokens: int) -> str:

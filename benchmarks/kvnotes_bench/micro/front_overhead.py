@@ -15,8 +15,8 @@ The skill library is SmolLM2-135M's (compiled once under a temporary folder). Th
 every case's percentiles, the machine record before and after (load average) and the command;
 the PNG plots p50 and p99 overhead per case.
 
-    .venv/bin/python -m kvnotes.bench.micro.front_overhead --out docs/results/front-overhead
-    .venv/bin/python -m kvnotes.bench.micro.front_overhead --front old --old-src ../oldfront/src \\
+    .venv/bin/python -m kvnotes_bench.micro.front_overhead --out docs/results/front-overhead
+    .venv/bin/python -m kvnotes_bench.micro.front_overhead --front old --old-src ../oldfront/src \\
         --out docs/results/front-overhead
 """
 
@@ -39,11 +39,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.micro import overhead_servers
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 from kvnotes.core.machine import load_note, machine_info
 from kvnotes.core.models import load
+from kvnotes_bench.micro import overhead_servers
 
 HEADER = ("You are the support agent of Fjord Air. Answer in one short sentence. Refunds: a "
           "ticket is refunded in full when it is cancelled within 24 hours of booking.\n")

@@ -29,7 +29,7 @@ once per catalog change in a server, and the warm case's cache filled), then ``-
 times; the JSON holds p50 and p90 per case, the machine record before and after (load average,
 threads) and the command; the PNG plots them against the catalog's size.
 
-    .venv/bin/python -m kvnotes.bench.micro.plan_time --out docs/results/plan-time
+    .venv/bin/python -m kvnotes_bench.micro.plan_time --out docs/results/plan-time
 """
 
 from __future__ import annotations

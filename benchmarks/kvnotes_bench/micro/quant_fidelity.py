@@ -12,7 +12,7 @@ skill's notes:
 Reported per variant: logit cosine, KL and top-1 against recompute, the same against the fp32
 composition (isolates what int8 costs), greedy continuation identity, and the file size.
 
-    .venv/bin/python -m kvnotes.bench.micro.quant_fidelity --model smollm2-135m --out out/quant
+    .venv/bin/python -m kvnotes_bench.micro.quant_fidelity --model smollm2-135m --out out/quant
 """
 
 from __future__ import annotations

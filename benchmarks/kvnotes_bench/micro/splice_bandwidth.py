@@ -8,7 +8,7 @@ warm (already touched) buffers; GB/s counts the skill's KV bytes once. The skill
 data of the model's exact shapes (the content does not change the work). Medians over --reps
 after one warm-up; the JSON records threads, load average and whether the machine was busy.
 Run on a quiet machine:
-    .venv/bin/python -m kvnotes.bench.micro.splice_bandwidth --out out/bench
+    .venv/bin/python -m kvnotes_bench.micro.splice_bandwidth --out out/bench
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from kvnotes.bench.kit.timing import median_time
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import LayerKV, Notebook
+from kvnotes_bench.kit.timing import median_time
 
 
 def random_skill(engine: Engine, n: int) -> Notebook:

@@ -21,7 +21,7 @@ The skill is real: SmolLM2-135M's KV of one 4096-token text compiled by kvnotes'
 in a serving library under $KVNOTES_HOME, so a rerun skips the compile); each shorter load is
 its first n tokens (exactly what compiling those n tokens gives: attention is causal).
 
-    .venv/bin/python -m kvnotes.bench.micro.splice_cost --out docs/results/splice-cost
+    .venv/bin/python -m kvnotes_bench.micro.splice_cost --out docs/results/splice-cost
 """
 
 from __future__ import annotations

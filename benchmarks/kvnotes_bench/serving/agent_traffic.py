@@ -1,21 +1,21 @@
-"""``kvnotes serve-bench agent``: what an agent's traffic gets from kvnotes with no registration.
+"""``kvnotes-bench serve agent``: what an agent's traffic gets from kvnotes with no registration.
 
 Agent traffic is sent as an agent framework sends it (the ``openai`` SDK's chat completions,
-:mod:`~kvnotes.bench.serving.agent_traffic_client`) to kvnotes' OpenAI front with learning on
+:mod:`~kvnotes_bench.serving.agent_traffic_client`) to kvnotes' OpenAI front with learning on
 (:func:`learning_launch`): tools as ``tools=``, documents as content parts
-(:mod:`~kvnotes.bench.serving.agent_traffic_requests`). Four parts, each optional:
+(:mod:`~kvnotes_bench.serving.agent_traffic_requests`). Four parts, each optional:
 
 - ``tools``: BFCL ``live_multiple`` development cases through the fidelity protocol
-  (:mod:`~kvnotes.bench.serving.agent_traffic_protocol`): seen twice, learned, then measured in
+  (:mod:`~kvnotes_bench.serving.agent_traffic_protocol`): seen twice, learned, then measured in
   another order against ``splice: false`` (share spliced, tool choice, first token, 16 greedy
   tokens);
 - ``documents``: the same for the airline policy documents sent as content parts;
 - ``overhead``: TTFT of a first-sight request against ``splice: false`` and of a request beside
-  a background compile against one without (:mod:`~kvnotes.bench.serving.agent_traffic_overhead`;
+  a background compile against one without (:mod:`~kvnotes_bench.serving.agent_traffic_overhead`;
   timings: run on an idle machine);
 - ``soak``: a second server whose library is capped below the working set, several clients
   sending random tool subsets, every answer checked against the engine
-  (:mod:`~kvnotes.bench.serving.agent_traffic_soak`).
+  (:mod:`~kvnotes_bench.serving.agent_traffic_soak`).
 
 The result (:class:`AgentResult`) records the date, the command, the machine and its load, the
 torch threads and the launched servers.
@@ -32,18 +32,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord, load_now
-from kvnotes.bench.serving.agent_traffic_overhead import Timing
-from kvnotes.bench.serving.agent_traffic_protocol import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
+from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving.agent_traffic_overhead import Timing
+from kvnotes_bench.serving.agent_traffic_protocol import (
     CaseRecord,
     FidelitySummary,
     ProtocolConfig,
     summarize,
 )
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
-from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord, SoakSummary
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord, SoakSummary
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -194,7 +194,7 @@ class AgentResult:
                 for repair in (None, *self.config.protocol.repairs)]
 
     def soak_summary(self) -> SoakSummary | None:
-        from kvnotes.bench.serving.agent_traffic_soak import summarize as soak_summarize
+        from kvnotes_bench.serving.agent_traffic_soak import summarize as soak_summarize
 
         return soak_summarize(self.soak_records) if self.soak_records else None
 
@@ -255,8 +255,8 @@ def tool_set(config: AgentBenchConfig, tokenizer: Any
              ) -> tuple[list[AgentRequest], list[dict[str, Any]]]:
     """The tools part's requests (BFCL ``live_multiple`` development cases, spread over the
     file) and the cases left out for length."""
-    from kvnotes.bench.serving.agent_traffic_requests import tool_requests
-    from kvnotes.bench.tools.data import load_cases, spread
+    from kvnotes_bench.serving.agent_traffic_requests import tool_requests
+    from kvnotes_bench.tools.data import load_cases, spread
 
     kept: list[AgentRequest] = []
     skipped: list[dict[str, Any]] = []
@@ -272,8 +272,8 @@ def tool_set(config: AgentBenchConfig, tokenizer: Any
 
 def document_set(config: AgentBenchConfig) -> list[AgentRequest]:
     """The documents part's requests (airline policy documents as content parts)."""
-    from kvnotes.bench.serving.agent_traffic_requests import document_requests
-    from kvnotes.bench.serving.prompt_sets import skill_texts
+    from kvnotes_bench.serving.agent_traffic_requests import document_requests
+    from kvnotes_bench.serving.prompt_sets import skill_texts
 
     return document_requests(skill_texts(), config.docs, config.docs_k, config.protocol.seed)
 
@@ -342,7 +342,7 @@ def attach_breakdowns(result: AgentResult, tokenizer: Any) -> None:
     """Each measured answer's :class:`~.agent_traffic_share.ShareBreakdown`: the request
     (rebuilt from the run's config) laid out as the front does, against the plan the answer
     reports. Works on a result read back from its JSON too."""
-    from kvnotes.bench.serving.agent_traffic_share import answer_breakdown, chunk_spans
+    from kvnotes_bench.serving.agent_traffic_share import answer_breakdown, chunk_spans
 
     config = result.config
     tools = tool_set(config, tokenizer)[0] if "tools" in result.cases else []
@@ -362,9 +362,9 @@ def attach_breakdowns(result: AgentResult, tokenizer: Any) -> None:
 async def _main_parts(config: AgentBenchConfig, launch: Launch, tools: Sequence[AgentRequest],
                       result: AgentResult, timeout: float, say: Callable[[str], None],
                       tokenizer: Any) -> None:
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
-    from kvnotes.bench.serving.agent_traffic_overhead import compile_overhead, miss_overhead
-    from kvnotes.bench.serving.agent_traffic_protocol import run_cases
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_overhead import compile_overhead, miss_overhead
+    from kvnotes_bench.serving.agent_traffic_protocol import run_cases
 
     sender = OpenAISender(launch.url, launch.server.served_name, timeout=timeout,
                           tenant=config.tenant)
@@ -400,18 +400,18 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
                request_timeout_s: float, say: Callable[[str], None]) -> None:
     import random
 
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
-    from kvnotes.bench.serving.agent_traffic_requests import tool_pool
-    from kvnotes.bench.serving.agent_traffic_soak import (
+    from kvnotes.serving.launch import launcher
+    from kvnotes.serving.upstream import Client
+    from kvnotes_bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+    from kvnotes_bench.serving.agent_traffic_requests import tool_pool
+    from kvnotes_bench.serving.agent_traffic_soak import (
         EntryKeeper,
         check_records,
         evictions,
         soak_clients,
     )
-    from kvnotes.serving.launch import launcher
-    from kvnotes.serving.upstream import Client
 
     everything = tool_pool(tools)
     pool = random.Random(f"kvnotes-agent-pool:{config.soak.seed}").sample(

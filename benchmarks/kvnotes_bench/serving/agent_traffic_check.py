@@ -20,7 +20,7 @@ engine, greedy, stopping where the server stops (an end-of-sequence token, a sto
   an answer that then differs is ``unchecked``, not ``wrong`` (``foreign`` says how many).
 
 The prompt is rendered independently of the front
-(:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`): from the request and the
+(:func:`~kvnotes_bench.serving.agent_traffic_render.rendered_prompt`): from the request and the
 tokenizer alone, in the layout kvnotes documents for the model (its chat template; the kvnotes
 tool block when the template ignores tools; the default layout without a template), cut at
 each tool, content part and entry the report names, each part tokenized alone after BOS; a
@@ -44,11 +44,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.agent_traffic_client import Answer
-from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
-from kvnotes.bench.serving.agent_traffic_strings import served_strings
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.protocol import ProtocolError, UsageKvnotes
+from kvnotes_bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
+from kvnotes_bench.serving.agent_traffic_strings import served_strings
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine

@@ -1,6 +1,6 @@
 """``serve-bench agent``'s client: the ``openai`` SDK's ``AsyncOpenAI`` against kvnotes' front.
 
-:class:`OpenAISender` sends an :class:`~kvnotes.bench.serving.agent_traffic_requests.AgentRequest`
+:class:`OpenAISender` sends an :class:`~kvnotes_bench.serving.agent_traffic_requests.AgentRequest`
 as a chat completion, greedy (temperature 0), with the first tokens' log-probs (their token
 strings compare two answers token by token), spliced (nothing added: what any client sends) or
 exact (``extra_body={"kvnotes": {"splice": false}}``), whole or streamed (the time to the first
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.serving.protocol import UsageKvnotes
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 STATS_PATH = "/kvnotes/stats"  # the front's counters (kvnotes.serving.front.app)
 _NAME_FIELD = re.compile(r'"name"\s*:\s*"([^"]+)"')

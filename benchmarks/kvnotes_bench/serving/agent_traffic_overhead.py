@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvnotes.bench.kit.machine import load_now
-from kvnotes.bench.serving.agent_traffic_client import Sender
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.serving.agent_traffic_client import Sender
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 OVERHEAD_GOAL = 0.05
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from kvnotes.bench.serving.agent_traffic_client import Answer, LearningSender
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
-from kvnotes.bench.serving.agent_traffic_share import (
+from kvnotes_bench.serving.agent_traffic_client import Answer, LearningSender
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes_bench.serving.agent_traffic_share import (
     PooledBreakdown,
     ShareBreakdown,
     pool,

@@ -1,10 +1,10 @@
-"""The agent soak's check run again on a stored run (no server): ``kvnotes serve-bench
+"""The agent soak's check run again on a stored run (no server): ``kvnotes-bench serve
 agent-check OUT``.
 
 A soak run's output folder holds its ``result.json``, the per-request records
-(:data:`~kvnotes.bench.serving.agent_traffic_records.RECORDS_NAME`) and the entries the library
+(:data:`~kvnotes_bench.serving.agent_traffic_records.RECORDS_NAME`) and the entries the library
 published while it ran (``soak-entries``, read with the fingerprint of ``soak-skills``). The
-check (:mod:`~kvnotes.bench.serving.agent_traffic_check`) is run again over them, as the
+check (:mod:`~kvnotes_bench.serving.agent_traffic_check`) is run again over them, as the
 records say the server answered, and the bundle (records, ``result.json``, report, plot) is
 rewritten with the new verdicts: a change to the check is applied to a measured run without
 serving it again.
@@ -18,21 +18,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.agent_traffic import AgentResult, utc_minute
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.serving.agent_traffic import AgentResult, utc_minute
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
-    from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
-    from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord
     from kvnotes.core.engine import Engine
     from kvnotes.serving.json_types import JsonObject
+    from kvnotes_bench.serving.agent_traffic_check import CheckConfig
+    from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
+    from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord
 
 
 def read_bundle(folder: Path, what: str) -> JsonObject:
     """The ``result.json`` of a stored run in ``folder``; :class:`InvalidArgumentError` naming
     ``what`` it should hold when it or the per-request records are missing."""
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME
+    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME
 
     path = folder / "result.json"
     if not path.is_file() or not (folder / RECORDS_NAME).is_file():
@@ -56,7 +56,7 @@ def load_engine(model: str) -> Engine:
 
 def check_config(soak: AgentSoakConfig, engine: Engine) -> CheckConfig:
     """How a soak's answers are checked: its greedy length and thresholds, ``engine``'s EOS."""
-    from kvnotes.bench.serving.agent_traffic_check import CheckConfig
+    from kvnotes_bench.serving.agent_traffic_check import CheckConfig
 
     return CheckConfig(max_tokens=soak.max_tokens, eos=tuple(sorted(engine.eos_ids)),
                        tie_tau=soak.tie_tau, drift_tau=soak.drift_tau)
@@ -66,7 +66,7 @@ def store_verdicts(folder: Path, soak: dict[str, Any], records: Sequence[SoakRec
                    rows: Sequence[SoakRequestRecord], references: int) -> None:
     """A recheck's outcome kept in a run's bundle: each record's new verdict (by index), the
     references it computed in ``soak``, and the checked rows written to ``folder``'s records."""
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, write_records
 
     soak["references"] = references
     verdicts = {r.index: r.verdict for r in rows}
@@ -81,8 +81,8 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
     """Every answer of the soak run in ``folder`` checked again (``engine``: the run's model,
     None: loaded by its name; ``drift_tau``: the drift rule's threshold, None: the run's own);
     the bundle rewritten; returns the result."""
-    from kvnotes.bench.serving.agent_traffic_report import write_outputs
-    from kvnotes.bench.serving.agent_traffic_soak import recheck
+    from kvnotes_bench.serving.agent_traffic_report import write_outputs
+    from kvnotes_bench.serving.agent_traffic_soak import recheck
 
     result = AgentResult.from_dict(read_bundle(folder, "soak run"))
     engine = engine if engine is not None else load_engine(result.config.model)
@@ -94,7 +94,7 @@ def recheck_bundle(folder: Path, engine: Engine | None = None, *,
     rows, references = recheck(folder, engine, check, say=say)
     store_verdicts(folder, result.soak, result.soak_records, rows, references)
     result.notes.append(f"answers checked again {utc_minute()} UTC from the stored records and "
-                        "kept entries (`kvnotes serve-bench agent-check`)"
+                        "kept entries (`kvnotes-bench serve agent-check`)"
                         + ("" if drift_tau is None else f", drift rule at {drift_tau:g}"))
     write_outputs(result.to_dict(), folder)
     return result

@@ -1,9 +1,9 @@
 """The agent soak's per-request record: one JSON line per request in the run's bundle.
 
 A :class:`SoakRequestRecord` holds what it takes to look at one answer again, or check it again
-without a server (:func:`~kvnotes.bench.serving.agent_traffic_check.check_request` over the
+without a server (:func:`~kvnotes_bench.serving.agent_traffic_check.check_request` over the
 run's kept entries): who sent it (client, tenant, ``splice``), the prompt ids the check rendered
-(:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`: the model's own chat
+(:func:`~kvnotes_bench.serving.agent_traffic_render.rendered_prompt`: the model's own chat
 template) and the count the server reported, the stop strings, the answer's ``usage.kvnotes``
 (the plan and the connector's reports, as JSON), the answer's token strings, per-step margins, text and
 finish reason, and the verdict (matched reference, where it diverged, the expected ids, both
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_client import Answer
 
 RECORDS_NAME = "soak-requests.jsonl"
 

@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.planning.chat_render import (
     CALL_CLOSE,
@@ -39,6 +38,7 @@ from kvnotes.serving.planning.chat_render import (
     TOOL_BLOCK_HEAD,
     TOOL_BLOCK_TAIL,
 )
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 CONTENT_JOIN = "\n"  # how an OpenAI server joins a message's text parts for the template
 ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}

@@ -1,5 +1,5 @@
 """``serve-bench agent``'s report (markdown) and plot, rendered from a typed
-:class:`~kvnotes.bench.serving.agent_traffic.AgentResult` (a stored ``result.json`` is read back
+:class:`~kvnotes_bench.serving.agent_traffic.AgentResult` (a stored ``result.json`` is read back
 with ``AgentResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.kit.formats import fmt_ms, fmt_pct
-from kvnotes.bench.serving.agent_traffic import AgentResult
-from kvnotes.bench.serving.agent_traffic_overhead import OVERHEAD_GOAL
-from kvnotes.bench.serving.agent_traffic_protocol import CHOICE_GOAL, SHARE_GOAL
-from kvnotes.bench.serving.agent_traffic_soak import GAP_TAU
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.formats import fmt_ms, fmt_pct
+from kvnotes_bench.serving.agent_traffic import AgentResult
+from kvnotes_bench.serving.agent_traffic_overhead import OVERHEAD_GOAL
+from kvnotes_bench.serving.agent_traffic_protocol import CHOICE_GOAL, SHARE_GOAL
+from kvnotes_bench.serving.agent_traffic_soak import GAP_TAU
 
 SET_NAMES = {"tools": "BFCL live_multiple (tools=)", "documents": "airline documents (content "
              "parts)"}

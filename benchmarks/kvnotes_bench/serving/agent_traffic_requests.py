@@ -3,13 +3,13 @@
 Two development sets, both turned into plain OpenAI chat bodies (what an agent framework sends,
 no kvnotes registration):
 
-- ``tools``: BFCL ``live_multiple`` development cases (:mod:`kvnotes.bench.tools.data`): a
+- ``tools``: BFCL ``live_multiple`` development cases (:mod:`kvnotes_bench.tools.data`): a
   system and a user message, the case's functions as ``tools=[{"type": "function",
   "function": {name, description, parameters}}]``. BFCL writes its parameter schemas in its own
   type names (``dict``, ``float``, ``tuple``, ...): :func:`json_schema` maps them to JSON
   Schema's, as BFCL's own OpenAI handler does, and dots in a function name become ``_`` (OpenAI
   names allow ``[A-Za-z0-9_-]``).
-- ``documents``: the airline agent's policy documents (:func:`~kvnotes.bench.serving.prompt_sets.skill_texts`)
+- ``documents``: the airline agent's policy documents (:func:`~kvnotes_bench.serving.prompt_sets.skill_texts`)
   sent as a user message's content parts, ``k`` of them in a seeded random subset and order,
   the customer's question as the last part.
 
@@ -181,7 +181,7 @@ class AgentRequest:
 
 
 def tool_requests(cases: Sequence[Any], *, min_tools: int = 2) -> list[AgentRequest]:
-    """BFCL ``live_multiple`` cases (:class:`~kvnotes.bench.tools.data.ToolCase`) as requests;
+    """BFCL ``live_multiple`` cases (:class:`~kvnotes_bench.tools.data.ToolCase`) as requests;
     cases with fewer than ``min_tools`` functions are left out (no other order exists)."""
     out = []
     for case in cases:
@@ -199,11 +199,11 @@ def document_requests(documents: Mapping[str, str], n: int, k: int, seed: int,
                       question: Any = None) -> list[AgentRequest]:
     """``n`` requests of ``k`` documents each (a seeded random subset and order of
     ``documents``), each with its own customer question (``question(rng)``: the airline
-    prompts' :func:`~kvnotes.bench.serving.prompt_sets.user_text` by default)."""
+    prompts' :func:`~kvnotes_bench.serving.prompt_sets.user_text` by default)."""
     if not 2 <= k <= len(documents):
         raise InvalidArgumentError(f"--docs-k {k}: use 2 to {len(documents)} documents")
     if question is None:
-        from kvnotes.bench.serving.prompt_sets import user_text as question
+        from kvnotes_bench.serving.prompt_sets import user_text as question
     rng = random.Random(f"kvnotes-agent-docs:{seed}")
     names = sorted(documents)
     out = []

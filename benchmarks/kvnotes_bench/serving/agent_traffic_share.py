@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvnotes.bench.serving.agent_traffic_client import Answer
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.repair import first_tokens
 from kvnotes.serving.protocol import PlanReport, ProtocolError
+from kvnotes_bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 BUCKETS = ("spliced", "repaired", "aligned", "unmatched", "text")
 

@@ -9,7 +9,7 @@ with a library cap smaller than the working set, so entries are evicted while re
 them. While the clients run, every entry the library publishes is kept (a hard link in
 ``out/soak-entries``: an evicted entry stays readable for the check). After the run (the server
 stopped) every answer is checked against the one engine reference its report describes
-(:mod:`~kvnotes.bench.serving.agent_traffic_check`; the references computed are counted).
+(:mod:`~kvnotes_bench.serving.agent_traffic_check`; the references computed are counted).
 
 Reported: requests served and failed, answers wrong / near tie / unchecked, the hit rate
 (spliced requests over requests sent after one of their tools had been seen ``sightings``
@@ -31,16 +31,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import load_now
-from kvnotes.bench.serving.agent_traffic_client import Answer, Sender
-from kvnotes.bench.serving.agent_traffic_records import SoakRequestRecord
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest, subset_request
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.serving.agent_traffic_client import Answer, Sender
+from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest, subset_request
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig
-    from kvnotes.bench.serving.agent_traffic_render import Rendered
     from kvnotes.core.engine import Engine
+    from kvnotes_bench.serving.agent_traffic_check import AgentOracle, CheckConfig
+    from kvnotes_bench.serving.agent_traffic_render import Rendered
 
 
 # vLLM's float32 CPU kernels and the engine give the same computation's top-2 log-prob margins
@@ -148,7 +148,7 @@ class EntryKeeper:
 
 def evictions(metrics_texts: Sequence[str]) -> float | None:
     """The sum of every ``/metrics`` counter whose name says ``evict`` (None: none exported)."""
-    from kvnotes.bench.serving.metrics import parse_prometheus
+    from kvnotes_bench.serving.metrics import parse_prometheus
 
     total, found = 0.0, False
     for text in metrics_texts:
@@ -213,14 +213,14 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
                   tokenizer: Any, config: CheckConfig, *, tenant: str | None = None,
                   render: Callable[[Any, AgentRequest, Sequence[str]], Rendered] | None = None,
                   say: Callable[[str], None] = lambda s: None) -> list[SoakRequestRecord]:
-    """A verdict for every answered request (:func:`~kvnotes.bench.serving.
+    """A verdict for every answered request (:func:`~kvnotes_bench.serving.
     agent_traffic_check.check_request`), set on its :class:`SoakRecord`; returns the
     per-request records, failed requests included. ``render``: the prompt of a request, cut
     at the texts of the entries its answer's report names
-    (:func:`~kvnotes.bench.serving.agent_traffic_render.rendered_prompt`)."""
-    from kvnotes.bench.serving.agent_traffic_check import check_request, read_usage
-    from kvnotes.bench.serving.agent_traffic_render import rendered_prompt
+    (:func:`~kvnotes_bench.serving.agent_traffic_render.rendered_prompt`)."""
     from kvnotes.serving.protocol import ProtocolError
+    from kvnotes_bench.serving.agent_traffic_check import check_request, read_usage
+    from kvnotes_bench.serving.agent_traffic_render import rendered_prompt
 
     render = render or rendered_prompt
     rows: list[SoakRequestRecord] = []
@@ -319,9 +319,9 @@ def recheck(folder: Path, engine: Engine, config: CheckConfig,
     its ``soak-requests.jsonl`` against the entries it kept (``soak-entries``, read with the
     fingerprint of the library under ``folder/skills``); the records with new verdicts, and
     the references computed for them."""
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records
     from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
+    from kvnotes_bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
+    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, read_records
 
     rows = read_records(folder / RECORDS_NAME)
     manifests = sorted((folder / skills).rglob(MANIFEST_NAME), key=lambda p: len(p.parts))

@@ -13,15 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.bench.kit.failures import classify
 from kvnotes.serving.upstream import Client, check_loopback_url
+from kvnotes_bench.kit.failures import classify
 
 __all__ = ["Client", "StreamResult", "check_loopback_url", "stream_chat"]
 
 @dataclass
 class StreamResult:
     """The outcome of one streamed chat request; ``error_kind`` is one of
-    :data:`~kvnotes.bench.kit.failures.ERROR_KINDS`."""
+    :data:`~kvnotes_bench.kit.failures.ERROR_KINDS`."""
 
     ok: bool
     ttft_s: float | None = None

@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from kvnotes.bench.kit.machine import load_now
-from kvnotes.bench.serving.metrics import percentile
-from kvnotes.bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.serving.metrics import percentile
+from kvnotes_bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 
 CORUN_MODES = ("idle", "spliced", "exact")
 CORUN_TENANT = "corun"
@@ -136,10 +136,10 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
     """Every mode of ``config`` on the server at ``url``, one after the other."""
     from openai import AsyncOpenAI
 
-    from kvnotes.bench.serving.prompt_sets import user_text
     from kvnotes.serving.planning.layout import prompt_ids
     from kvnotes.serving.protocol import SpliceRequest
     from kvnotes.serving.upstream import Client
+    from kvnotes_bench.serving.prompt_sets import user_text
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,
                          max_retries=0)

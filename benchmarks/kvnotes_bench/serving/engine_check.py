@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvnotes.bench.serving.prompt_sets import same_decision
-from kvnotes.bench.serving.skills_config import GUARDED_POLICIES
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
+from kvnotes_bench.serving.prompt_sets import same_decision
+from kvnotes_bench.serving.skills_config import GUARDED_POLICIES
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.prompt_sets import PromptSet
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
+    from kvnotes_bench.serving.prompt_sets import PromptSet
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def engine_answers(engine: Engine, prompts: Sequence[list[str]], skills_dir: Pat
 
 
 class FidelityRow(Protocol):
-    """What the check reads of a fidelity row (``kvnotes.bench.serving.skills_fidelity.Fidelity``)."""
+    """What the check reads of a fidelity row (``kvnotes_bench.serving.skills_fidelity.Fidelity``)."""
 
     policy: str
     concurrency: int

@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench erratum``: erratum vs in-place vs cold on an OpenAI-compatible vLLM server.
+"""``kvnotes-bench serve erratum``: erratum vs in-place vs cold on an OpenAI-compatible vLLM server.
 
 For every context length and concurrency level, fresh sessions are generated (their ids carry a
 run tag, so no run finds another run's prompts in the prefix cache). Each cache-using policy
@@ -20,10 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord, load_now
-from kvnotes.bench.serving import kit
-from kvnotes.bench.serving.client import Client, StreamResult, stream_chat
-from kvnotes.bench.serving.kit import (
+from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
+from kvnotes.ops.decisions import parse_answer
+from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving import kit
+from kvnotes_bench.serving.client import Client, StreamResult, stream_chat
+from kvnotes_bench.serving.kit import (
     P90Ratio,
     PhaseSummary,
     ServerRecord,
@@ -32,8 +34,8 @@ from kvnotes.bench.serving.kit import (
     phase_line,
     summarize,
 )
-from kvnotes.bench.serving.metrics import agreement
-from kvnotes.bench.serving.workload import (
+from kvnotes_bench.serving.metrics import agreement
+from kvnotes_bench.serving.workload import (
     DEFAULT_ERRATA,
     ERRATA_FORMS,
     POLICIES,
@@ -41,8 +43,6 @@ from kvnotes.bench.serving.workload import (
     Session,
     make_sessions,
 )
-from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
-from kvnotes.ops.decisions import parse_answer
 
 if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import LaunchRecord
@@ -253,7 +253,7 @@ class ErratumResult:
     sessions: list[dict[str, Any]]
     requests: list[RequestRecord]
     launch: LaunchRecord | None = None  # set when kvnotes started the server
-    how: str | None = None  # the command that ran it, when it was not `kvnotes serve-bench`
+    how: str | None = None  # the command that ran it, when it was not `kvnotes-bench serve`
 
     def ratios(self) -> list[P90Ratio]:
         """p90 TTFT of in-place and cold over the erratum's, per (context, concurrency)."""

@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench fleet``: two kvnotes hosts over one Redis store, what the shared store
+"""``kvnotes-bench serve fleet``: two kvnotes hosts over one Redis store, what the shared store
 gives a fleet and what it costs.
 
 One ``redis-server`` is started here on a free loopback port
@@ -7,7 +7,7 @@ two hosts are launched (:mod:`kvnotes.serving.launch.launcher`), each a vLLM ser
 kvnotes' connector over its own local folder and the OpenAI front learning on sight
 (``kvnotes serve --learn --store redis://...``) with the same store. Three parts, each optional:
 
-- ``share`` (:mod:`~kvnotes.bench.serving.fleet_parts`): BFCL ``live_multiple`` development tool
+- ``share`` (:mod:`~kvnotes_bench.serving.fleet_parts`): BFCL ``live_multiple`` development tool
   lists seen twice through host A, then host B's first request with the same tools: the share of
   prompt tokens spliced on B, whether its answer is identical to ``splice: false`` on B, the
   compiles of both fronts (goal: >= 50% spliced, identical, one compile per new chunk for the
@@ -17,7 +17,7 @@ kvnotes' connector over its own local folder and the OpenAI front learning on si
   ``--store``), rounds alternating, at each concurrency, once the entries are local (goal:
   within 10%); the fetch cost per MB of the store's entries; a miss's TTFT on host B against
   ``splice: false`` (goal: <= 5% over);
-- ``soak`` (:mod:`~kvnotes.bench.serving.fleet_soak`): clients through both hosts while the
+- ``soak`` (:mod:`~kvnotes_bench.serving.fleet_soak`): clients through both hosts while the
   Redis server is killed and restarted twice and flushed once; every answer checked against the
   engine as the agent soak checks it; failed and wrong answers and the hit rate per window
   between faults (goal: 0 failed, 0 wrong).
@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.agent_traffic_overhead import Timing
-from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord, SoakSummary
-from kvnotes.bench.serving.fleet_parts import FetchCost, ShareCase, TtftRun
-from kvnotes.bench.serving.fleet_soak import DEFAULT_FAULTS, FaultEvent, check_faults
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.agent_traffic_overhead import Timing
+from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord, SoakSummary
+from kvnotes_bench.serving.fleet_parts import FetchCost, ShareCase, TtftRun
+from kvnotes_bench.serving.fleet_soak import DEFAULT_FAULTS, FaultEvent, check_faults
 
 if TYPE_CHECKING:
     from kvnotes.serving.front.config import FrontConfig
@@ -166,7 +166,7 @@ def host_config(base: LaunchConfig, folder: Path, sightings: int, timeout: float
     """One host: ``base`` with the connector over ``folder/skills``, the front learning on
     sight with no guard, on the store at ``store_url`` (None: its folder), its log in
     ``folder``."""
-    from kvnotes.bench.serving.agent_traffic import learning_launch
+    from kvnotes_bench.serving.agent_traffic import learning_launch
 
     config = learning_launch(dataclasses.replace(base, log_path=folder / "server.log"),
                              folder / "skills", after=sightings, timeout=timeout, guard=0.0)
@@ -203,12 +203,12 @@ class FleetResult:
     notes: list[str] = field(default_factory=list)
 
     def soak_summary(self) -> SoakSummary | None:
-        from kvnotes.bench.serving.agent_traffic_soak import summarize
+        from kvnotes_bench.serving.agent_traffic_soak import summarize
 
         return summarize(self.soak_records) if self.soak_records else None
 
     def to_dict(self) -> dict[str, Any]:
-        from kvnotes.bench.serving.fleet_summary import goals, share_summary, soak_windows
+        from kvnotes_bench.serving.fleet_summary import goals, share_summary, soak_windows
 
         summary = self.soak_summary()
         return {"workload": "fleet", "config": self.config.to_dict(), "started": self.started,

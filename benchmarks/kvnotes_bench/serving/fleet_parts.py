@@ -12,7 +12,7 @@ concurrency, p90 per round, through a host on the Redis store and through a host
 folder (:func:`ttft_round`); the fetch cost per MB of the store's entries (:func:`fetch_cost`, a
 ``get`` of each, timed here, beside the mirror's own :class:`~kvnotes.serving.store.MirrorStats`
 as the front reports them, :func:`mirror_counts`); a miss's TTFT against ``splice: false`` is
-:func:`~kvnotes.bench.serving.agent_traffic_overhead.miss_overhead`'s.
+:func:`~kvnotes_bench.serving.agent_traffic_overhead.miss_overhead`'s.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_client import Answer
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
-    from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 SHARE_GOAL = 0.5  # of prompt tokens spliced on host B's first request
 TTFT_GOAL = 0.10  # p90 TTFT through Redis over the folder store's, minus one
@@ -71,9 +71,9 @@ def mirror_counts(url: str) -> dict[str, Any]:
     found = find_mirror(front_stats(url))
     if found is not None:
         return found
-    from kvnotes.bench.serving.metrics import parse_prometheus
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.upstream import Client
+    from kvnotes_bench.serving.metrics import parse_prometheus
 
     try:
         series = parse_prometheus(Client(url, timeout=10.0).metrics_text())

@@ -1,5 +1,5 @@
 """``serve-bench fleet``'s report (markdown) and plot, rendered from a typed
-:class:`~kvnotes.bench.serving.fleet.FleetResult` (a stored ``result.json`` is read back with
+:class:`~kvnotes_bench.serving.fleet.FleetResult` (a stored ``result.json`` is read back with
 ``FleetResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.kit.formats import fmt_ms, fmt_pct
-from kvnotes.bench.serving.fleet import FleetResult
-from kvnotes.bench.serving.fleet_parts import ttft_overhead
-from kvnotes.bench.serving.fleet_summary import goals, share_summary, soak_windows
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.formats import fmt_ms, fmt_pct
+from kvnotes_bench.serving.fleet import FleetResult
+from kvnotes_bench.serving.fleet_parts import ttft_overhead
+from kvnotes_bench.serving.fleet_summary import goals, share_summary, soak_windows
 
 
 def _met(met: bool | None) -> str:

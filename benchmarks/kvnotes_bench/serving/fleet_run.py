@@ -1,5 +1,5 @@
 """``serve-bench fleet``'s run: the Redis server, the two hosts, and each part in turn (see
-:mod:`kvnotes.bench.serving.fleet`).
+:mod:`kvnotes_bench.serving.fleet`).
 
 Layout of ``out``: ``redis/`` (the server's log), ``hosts/a`` and ``hosts/b`` (each host's
 ``server.log`` and ``skills`` folder), ``folder-store/`` (the ``cost`` part's folder-store host,
@@ -18,16 +18,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord, load_now
-from kvnotes.bench.serving.agent_traffic import (
+from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving.agent_traffic import (
     AgentBenchConfig,
     learnable_chunks,
     thread_counts,
     tool_set,
     utc_minute,
 )
-from kvnotes.bench.serving.fleet import HOSTS, FleetBenchConfig, FleetResult, host_config
-from kvnotes.bench.serving.fleet_parts import (
+from kvnotes_bench.serving.fleet import HOSTS, FleetBenchConfig, FleetResult, host_config
+from kvnotes_bench.serving.fleet_parts import (
     HostView,
     ShareSettings,
     TtftRun,
@@ -39,12 +39,12 @@ from kvnotes.bench.serving.fleet_parts import (
 )
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
-    from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
-    from kvnotes.bench.serving.agent_traffic_soak import EntryKeeper, SoakRecord
     from kvnotes.core.engine import Engine
     from kvnotes.serving.launch.launcher import Launch, LaunchConfig
     from kvnotes.serving.store.redis_process import RedisProcess
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+    from kvnotes_bench.serving.agent_traffic_soak import EntryKeeper, SoakRecord
 
 Say = Callable[[str], None]
 SoakTraffic = tuple[list[tuple["SoakRecord", "AgentRequest"]], "EntryKeeper", Any]
@@ -62,7 +62,7 @@ def request_sets(config: FleetBenchConfig, tokenizer: Any
 
 
 def _sender(launch: Launch, timeout: float) -> OpenAISender:
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
 
     return OpenAISender(launch.url, launch.server.served_name, timeout=timeout)
 
@@ -184,7 +184,7 @@ def _cost(config: FleetBenchConfig, launches: Mapping[str, Launch], base: Launch
 async def _timings(config: FleetBenchConfig, redis_host: Launch, folder_host: Launch,
                    requests: Sequence[AgentRequest], result: FleetResult, timeout: float,
                    say: Say) -> None:
-    from kvnotes.bench.serving.agent_traffic_overhead import miss_overhead
+    from kvnotes_bench.serving.agent_traffic_overhead import miss_overhead
 
     senders = {"redis": _sender(redis_host, timeout), "folder": _sender(folder_host, timeout)}
     try:
@@ -208,9 +208,9 @@ async def _timings(config: FleetBenchConfig, redis_host: Launch, folder_host: La
 
 
 def _metrics(launches: Mapping[str, Launch]) -> dict[str, dict[str, float]]:
-    from kvnotes.bench.serving.fleet_soak import store_series
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.upstream import Client
+    from kvnotes_bench.serving.fleet_soak import store_series
 
     out = {}
     for name, launch in launches.items():
@@ -225,10 +225,10 @@ def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch],
                   redis_server: RedisProcess, cases: Sequence[AgentRequest],
                   result: FleetResult, *, out: Path, timeout: float, say: Say
                   ) -> SoakTraffic | None:
-    from kvnotes.bench.serving.agent_traffic_requests import tool_pool
-    from kvnotes.bench.serving.agent_traffic_soak import EntryKeeper
-    from kvnotes.bench.serving.fleet_soak import series_delta
     from kvnotes.serving.library.manifest import ServingManifest
+    from kvnotes_bench.serving.agent_traffic_requests import tool_pool
+    from kvnotes_bench.serving.agent_traffic_soak import EntryKeeper
+    from kvnotes_bench.serving.fleet_soak import series_delta
 
     everything = tool_pool(cases)
     pool = random.Random(f"kvnotes-agent-pool:{config.soak.seed}").sample(
@@ -258,8 +258,8 @@ async def _soak_clients(config: FleetBenchConfig, launches: Mapping[str, Launch]
                         questions: Sequence[str], keeper: EntryKeeper, result: FleetResult,
                         timeout: float, say: Say
                         ) -> tuple[list[tuple[SoakRecord, AgentRequest]], float]:
-    from kvnotes.bench.serving.agent_traffic_soak import soak_clients
-    from kvnotes.bench.serving.fleet_soak import FleetSender, run_faults
+    from kvnotes_bench.serving.agent_traffic_soak import soak_clients
+    from kvnotes_bench.serving.fleet_soak import FleetSender, run_faults
 
     fleet = FleetSender({name: _sender(launch, timeout) for name, launch in launches.items()})
     done, kept = asyncio.Event(), asyncio.Event()
@@ -280,9 +280,9 @@ async def _soak_clients(config: FleetBenchConfig, launches: Mapping[str, Launch]
 
 def _soak_check(config: FleetBenchConfig, traffic: SoakTraffic, engine: Engine,
                 result: FleetResult, *, out: Path, say: Say) -> None:
-    from kvnotes.bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
-    from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, write_records
-    from kvnotes.bench.serving.agent_traffic_soak import check_records
+    from kvnotes_bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
+    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, write_records
+    from kvnotes_bench.serving.agent_traffic_soak import check_records
 
     records, keeper, fingerprint = traffic
     say(f"soak: {len(records)} requests; checking every answer against the engine")

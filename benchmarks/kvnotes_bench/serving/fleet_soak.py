@@ -1,6 +1,6 @@
 """``serve-bench fleet``'s ``soak``: clients through both hosts while the store fails.
 
-The agent soak's clients (:func:`~kvnotes.bench.serving.agent_traffic_soak.soak_clients`:
+The agent soak's clients (:func:`~kvnotes_bench.serving.agent_traffic_soak.soak_clients`:
 random subsets of a pool of BFCL ``live_multiple`` development tools, a fraction sent with
 ``splice: false``) send through :class:`FleetSender`, which routes request ``i`` to host
 ``i % hosts`` (so a tool learned through one host is requested through the other). Meanwhile
@@ -21,15 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import load_now
-from kvnotes.bench.serving.agent_traffic_client import Answer
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.serving.agent_traffic_client import Answer
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_client import OpenAISender
-    from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
-    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord
     from kvnotes.serving.store.redis_process import RedisProcess
+    from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+    from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+    from kvnotes_bench.serving.agent_traffic_soak import SoakRecord
 
 FAULTS = ("kill", "restart", "flush")
 # killed and restarted twice, flushed once, at these fractions of the requests sent
@@ -107,7 +107,7 @@ def host_of(index: int, hosts: Sequence[str]) -> str:
 
 
 class FleetSender:
-    """A :class:`~kvnotes.bench.serving.agent_traffic_client.Sender` over several hosts:
+    """A :class:`~kvnotes_bench.serving.agent_traffic_client.Sender` over several hosts:
     request ``soak-<i>`` goes to host ``i % hosts`` (any other id to the first host)."""
 
     def __init__(self, senders: Mapping[str, OpenAISender]) -> None:
@@ -215,7 +215,7 @@ def windows(records: Sequence[SoakRecord], events: Sequence[FaultEvent]) -> list
 def store_series(metrics_text: str) -> dict[str, float]:
     """A front's ``/metrics`` series that name the store, the fleet or the mirror (faults,
     publishes and adoptions, fetches), summed over labels."""
-    from kvnotes.bench.serving.metrics import parse_prometheus
+    from kvnotes_bench.serving.metrics import parse_prometheus
 
     return {name: value for name, value in parse_prometheus(metrics_text).items()
             if any(w in name for w in ("store", "fleet", "mirror"))

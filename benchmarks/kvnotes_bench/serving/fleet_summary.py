@@ -1,4 +1,4 @@
-"""``serve-bench fleet``'s figures from a :class:`~kvnotes.bench.serving.fleet.FleetResult`
+"""``serve-bench fleet``'s figures from a :class:`~kvnotes_bench.serving.fleet.FleetResult`
 (read through :class:`FleetFigures`, what of it they need): the ``share`` part's summary, the
 soak's windows between faults, and the shared store's goals, each with its value and whether
 it is met (None: not measured)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvnotes.bench.serving.fleet_parts import (
+from kvnotes_bench.serving.fleet_parts import (
     MISS_GOAL,
     SHARE_GOAL,
     TTFT_GOAL,
@@ -17,10 +17,10 @@ from kvnotes.bench.serving.fleet_parts import (
     TtftRun,
     ttft_overhead,
 )
-from kvnotes.bench.serving.fleet_soak import FaultEvent, Window, windows
+from kvnotes_bench.serving.fleet_soak import FaultEvent, Window, windows
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord, SoakSummary
+    from kvnotes_bench.serving.agent_traffic_soak import SoakRecord, SoakSummary
 
 
 class FleetFigures(Protocol):

@@ -1,6 +1,6 @@
 """What the serving workloads share: a measured phase, its summary, ratios between policies and
 the server record (the machine record, failure kinds and number formats are
-:mod:`kvnotes.bench.kit`'s).
+:mod:`kvnotes_bench.kit`'s).
 
 A *phase* is one policy at one concurrency level (and, for the erratum, one context length):
 ``concurrency`` asyncio workers take the phase's items one at a time and send their requests;
@@ -19,18 +19,18 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
-from kvnotes.bench.kit.failures import count_kinds
-from kvnotes.bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
-from kvnotes.bench.kit.machine import load_now
-from kvnotes.bench.serving.metrics import (
+from kvnotes.core.errors import ServingError
+from kvnotes.serving.upstream import Client, info_labels
+from kvnotes_bench.kit.failures import count_kinds
+from kvnotes_bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
+from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
     parse_prometheus,
     percentile,
     ttft_breakdown,
 )
-from kvnotes.core.errors import ServingError
-from kvnotes.serving.upstream import Client, info_labels
 
 __all__ = ["failure_lines", "Outcome", "p90_ratios", "P90Ratio", "phase_line", "PhaseRun",
            "PhaseSummary", "run_phase", "Sent", "ServerRecord", "summarize"]

@@ -4,14 +4,14 @@
   each prompt is the system header, ``k`` of the skills (a random subset in random order) and
   ~100 tokens of a customer's question. No decision is read: fidelity compares tokens.
 - :class:`BfclPrompts` (``--prompts bfcl``): BFCL v4's ``live_multiple`` development cases
-  (read from the installed ``bfcl-eval`` package, as ``kvnotes bench tools`` reads them): each
+  (read from the installed ``bfcl-eval`` package, as ``kvnotes-bench tools`` reads them): each
   candidate function's JSON description is a skill compiled behind the tool header, each prompt
   is a case's header, functions in its order, the question and the call opening
   ``{"name": "``. ``--prompts bfcl-multi_turn``: the ``multi_turn`` development cases the same
   way, each involved class's API manual (a few thousand tokens) one skill. The decision is the
   function name the greedy answer writes (up to its closing quote), compared with the exact
   prompt's and with BFCL's ground truth (a multi_turn case's: its first call). The cases are those
-  ``kvnotes bench tools`` picks (spread over the file, the same context limit), in its two
+  ``kvnotes-bench tools`` picks (spread over the file, the same context limit), in its two
   halves: the guard's tau is chosen on the calibration half.
 
 A prompt is a list of text parts (``ComposeClient``'s layout); :meth:`info` gives a BFCL
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kvnotes.serving.skills import ServingSkills
 
 PROMPT_SETS = ("airline", "bfcl", "bfcl-multi_turn")
-# a BFCL prompt set's name -> the development set of ``kvnotes bench tools`` it sends
+# a BFCL prompt set's name -> the development set of ``kvnotes-bench tools`` it sends
 BFCL_SETS = {"bfcl": "live_multiple", "bfcl-multi_turn": "multi_turn"}
 # what a prompt is asked for: the benchmark's warm-up, the guard's tau, TTFT rows, fidelity
 PURPOSES = ("warmup", "calibration", "ttft", "fidelity")
@@ -194,7 +194,7 @@ class BfclCase:
 
     id: str
     parts: tuple[str, ...]
-    half: str  # "calibrate" | "evaluate" (as ``kvnotes bench tools`` splits them)
+    half: str  # "calibrate" | "evaluate" (as ``kvnotes-bench tools`` splits them)
     answers: tuple[str, ...]
     tokens: int
 
@@ -225,7 +225,7 @@ class BfclPrompts:
 
     def requests(self, n: int, seed: int, purpose: str) -> list[list[str]]:
         """Calibration: the calibration half, in order; fidelity: every case, calibration half
-        first (the cases ``kvnotes bench tools`` measures); warm-up and TTFT rows: ``n`` cases
+        first (the cases ``kvnotes-bench tools`` measures); warm-up and TTFT rows: ``n`` cases
         drawn at random (repeats allowed once every case is used)."""
         _check_purpose(purpose)
         if purpose == "calibration":
@@ -284,11 +284,11 @@ def call_name(text: str) -> str | None:
 
 def bfcl_prompts(tokenizer: Any, *, cases: int = 40, max_context: int = 2048,
                  answer_tokens: int = 16, name: str = "bfcl") -> BfclPrompts:
-    """The cases ``kvnotes bench tools --set S --cases N --max-context M`` runs (the same
+    """The cases ``kvnotes-bench tools --set S --cases N --max-context M`` runs (the same
     spread, the same skip rule and halves), as parts for the server; ``name`` is a key of
     :data:`BFCL_SETS` and picks S."""
-    from kvnotes.bench.tools.data import load_cases, spread
-    from kvnotes.bench.tools.prompt import case_prompt
+    from kvnotes_bench.tools.data import load_cases, spread
+    from kvnotes_bench.tools.prompt import case_prompt
 
     if cases < 1:
         raise InvalidArgumentError(f"--cases must be at least 1, got {cases}")

@@ -1,6 +1,6 @@
 """The erratum benchmark's report: the Markdown tables, the TTFT CDF, and the bundle on disk.
 
-The report renders a typed :class:`~kvnotes.bench.serving.erratum.ErratumResult`; a stored
+The report renders a typed :class:`~kvnotes_bench.serving.erratum.ErratumResult`; a stored
 ``result.json`` is read back with ``ErratumResult.from_dict``, so a saved run can be rendered
 again without rerunning it.
 """
@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
-from kvnotes.bench.serving.erratum import ErratumResult
-from kvnotes.bench.serving.workload import ERRATA_FORMS
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
+from kvnotes_bench.serving.erratum import ErratumResult
+from kvnotes_bench.serving.workload import ERRATA_FORMS
 
 
 def _x(ratio: float | None) -> str:

@@ -3,7 +3,7 @@
 :class:`Target` says where the requests go: ``url`` (a loopback server someone started) or
 ``launch`` (a :class:`~kvnotes.serving.launch.LaunchConfig`: the one launcher starts it, the run
 goes against it, and it is stopped when the run ends). :func:`run_erratum` and
-:func:`run_skills` are what ``kvnotes serve-bench erratum`` / ``skills`` run;
+:func:`run_skills` are what ``kvnotes-bench serve erratum`` / ``skills`` run;
 :func:`run_erratum_rows` measures several erratum configurations on one launched server (the
 benchmark scripts in ``benchmarks/serve_quiet/``).
 """
@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.erratum import ErratumBenchConfig, ErratumResult, run_benchmark
-from kvnotes.bench.serving.report import markdown_table, write_outputs
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch import launcher as launcher
 from kvnotes.serving.upstream import Client
+from kvnotes_bench.serving.erratum import ErratumBenchConfig, ErratumResult, run_benchmark
+from kvnotes_bench.serving.report import markdown_table, write_outputs
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.prompt_sets import PromptSet
-    from kvnotes.bench.serving.skills import SkillsResult
-    from kvnotes.bench.serving.skills_config import SkillsBenchConfig
     from kvnotes.core.engine import Engine
+    from kvnotes_bench.serving.prompt_sets import PromptSet
+    from kvnotes_bench.serving.skills import SkillsResult
+    from kvnotes_bench.serving.skills_config import SkillsBenchConfig
 
 __all__ = ["Target", "erratum_launch", "recheck_engine", "run_erratum", "run_erratum_rows",
            "run_skills"]
@@ -128,9 +128,9 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     fidelity run. ``config.via == "front"`` needs ``launch``: the launched server gets kvnotes'
     OpenAI front, and the measured requests go through it."""
     # the skills workload imports the agent's library: only loaded when it runs
-    from kvnotes.bench.serving.skills import run_skills_benchmark
-    from kvnotes.bench.serving.skills_config import config_prompt_set
     from kvnotes.serving.compose_client import ComposeClient
+    from kvnotes_bench.serving.skills import run_skills_benchmark
+    from kvnotes_bench.serving.skills_config import config_prompt_set
 
     prompts = config_prompt_set(config, engine.tokenizer)
     if target.url is not None:
@@ -159,8 +159,8 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
     prompts.register(launch.skills, anchor=anchor, log=log)
     variants = None
     if config.declares_variants:
-        from kvnotes.bench.serving.skills import declared_pairs
-        from kvnotes.bench.serving.skills_variants import declare_variants
+        from kvnotes_bench.serving.skills import declared_pairs
+        from kvnotes_bench.serving.skills_variants import declare_variants
 
         # the variants the policies' requests will want, compiled before the server starts
         variants = declare_variants(launch.skills, declared_pairs(config, prompts),
@@ -187,7 +187,7 @@ def run_skills(config: SkillsBenchConfig, target: Target, engine: Engine, *,
 
 def skill_names(prompts: PromptSet) -> dict[str, str]:
     """A prompt set's skill names by their text (empty when it names none)."""
-    from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts, skill_texts
+    from kvnotes_bench.serving.prompt_sets import AirlinePrompts, BfclPrompts, skill_texts
 
     if isinstance(prompts, BfclPrompts):
         return {text: name for name, text in prompts.skills.items()}
@@ -201,8 +201,8 @@ def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
                        ) -> SkillsResult:
     """``result`` with the engine's answers to its fidelity prompts beside the server's, when
     the run asked for them (``config.engine_check``) and measured fidelity."""
-    from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes.bench.serving.skills_fidelity import fidelity_prompts
+    from kvnotes_bench.serving.engine_check import check_against_engine, engine_answers
+    from kvnotes_bench.serving.skills_fidelity import fidelity_prompts
 
     config = result.config
     block = result.server.block_size if result.server is not None else None
@@ -228,9 +228,9 @@ def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
     (default ``out/skills``), and the counts added to the JSON form, which is returned."""
     import json
 
-    from kvnotes.bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes.bench.serving.skills_config import config_from_dict, config_prompt_set
-    from kvnotes.bench.serving.skills_fidelity import Fidelity, fidelity_prompts
+    from kvnotes_bench.serving.engine_check import check_against_engine, engine_answers
+    from kvnotes_bench.serving.skills_config import config_from_dict, config_prompt_set
+    from kvnotes_bench.serving.skills_fidelity import Fidelity, fidelity_prompts
 
     path = out / "results.json"
     if not path.is_file():

@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench skills``: composition inside vLLM against prefix caching and cold.
+"""``kvnotes-bench serve skills``: composition inside vLLM against prefix caching and cold.
 
 Each request is a header, registered skills and computed text (:mod:`.prompt_sets`: the airline
 library, ``k`` skills in random order and a customer's question; or BFCL's ``live_multiple``
@@ -19,7 +19,7 @@ decision the function name the answer writes). Policies:
   below ``tau`` the answer comes from an exact request instead;
 - ``variants`` (``via="front"`` only): ``repaired``, with each skill also compiled behind the
   header and the skill that precedes it, for the (predecessor, skill) pairs the policy's
-  requests contain (declared before the run, :mod:`~kvnotes.bench.serving.skills_variants`);
+  requests contain (declared before the run, :mod:`~kvnotes_bench.serving.skills_variants`);
   the front splices the variant that ranks first, and an exactly placed one is not repaired;
 - ``variants-guarded`` (``via="front"`` only): ``variants`` with the guard, in the same tenant
   (so it sees the same declared variants): what the front does by default when its library
@@ -27,11 +27,11 @@ decision the function name the answer writes). Policies:
 
 ``via="vllm"`` sends each policy's requests to vLLM as token ids, planned by
 :class:`~kvnotes.serving.compose_client.ComposeClient`; ``via="front"`` sends the prompt's text
-to kvnotes' OpenAI front (:class:`~kvnotes.bench.serving.skills_clients.FrontClients`), which
+to kvnotes' OpenAI front (:class:`~kvnotes_bench.serving.skills_clients.FrontClients`), which
 finds the skills and plans the same phases and guard itself: what an ordinary OpenAI client
 gets.
 
-Phases run on the shared kit (:mod:`kvnotes.bench.serving.kit`). The reported hit rate counts
+Phases run on the shared kit (:mod:`kvnotes_bench.serving.kit`). The reported hit rate counts
 what the server did not compute: ``cached_tokens / prompt_tokens`` summed over a phase (vLLM's
 ``cached_tokens`` includes connector-supplied tokens; the kit's ``hit_rate`` from /metrics
 counts only its own prefix cache); for the phased policies it is the real request's (its
@@ -41,9 +41,9 @@ a salt (exact prefill or exact prefix hits): the first token, 16 greedy tokens, 
 logprob sets and, where the prompt set reads one, the decision.
 
 This module runs the workload and holds its result; the configuration is
-:mod:`~kvnotes.bench.serving.skills_config`'s, the policies' clients
-:mod:`~kvnotes.bench.serving.skills_clients`', the fidelity pass and the guard's calibration
-:mod:`~kvnotes.bench.serving.skills_fidelity`'s.
+:mod:`~kvnotes_bench.serving.skills_config`'s, the policies' clients
+:mod:`~kvnotes_bench.serving.skills_clients`', the fidelity pass and the guard's calibration
+:mod:`~kvnotes_bench.serving.skills_fidelity`'s.
 """
 
 from __future__ import annotations
@@ -56,10 +56,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.formats import fmt_pct
-from kvnotes.bench.kit.machine import MachineRecord, load_now
-from kvnotes.bench.serving import kit
-from kvnotes.bench.serving.kit import (
+from kvnotes.core.repair import Repair
+from kvnotes.serving.compose_client import ComposeClient, cold_salt
+from kvnotes.serving.upstream import Client
+from kvnotes_bench.kit.formats import fmt_pct
+from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving import kit
+from kvnotes_bench.serving.kit import (
     P90Ratio,
     PhaseSummary,
     ServerRecord,
@@ -68,9 +71,9 @@ from kvnotes.bench.serving.kit import (
     phase_line,
     summarize,
 )
-from kvnotes.bench.serving.prompt_sets import AirlinePrompts, PromptSet
-from kvnotes.bench.serving.skills_clients import Clients, FrontClients, PolicyClients, make_clients
-from kvnotes.bench.serving.skills_config import (
+from kvnotes_bench.serving.prompt_sets import AirlinePrompts, PromptSet
+from kvnotes_bench.serving.skills_clients import Clients, FrontClients, PolicyClients, make_clients
+from kvnotes_bench.serving.skills_config import (
     GUARDED_POLICIES,
     PHASED_POLICIES,
     SPLICED_POLICIES,
@@ -78,21 +81,18 @@ from kvnotes.bench.serving.skills_config import (
     SkillsBenchConfig,
     config_from_dict,
 )
-from kvnotes.bench.serving.skills_fidelity import (
+from kvnotes_bench.serving.skills_fidelity import (
     Calibration,
     Fidelity,
     calibrate_tau,
     fidelity_prompts,
     measure_fidelity,
 )
-from kvnotes.bench.serving.skills_variants import DeclaredVariants, VariantPair, variant_pairs
-from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.upstream import Client
+from kvnotes_bench.serving.skills_variants import DeclaredVariants, VariantPair, variant_pairs
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.engine_check import EngineCheck
     from kvnotes.serving.launch.launcher import LaunchRecord
+    from kvnotes_bench.serving.engine_check import EngineCheck
 
 
 @dataclass
@@ -226,7 +226,7 @@ class SkillsResult:
 
         checks: list[EngineCheck] = []
         if d.get("engine_check"):
-            from kvnotes.bench.serving.engine_check import EngineCheck  # needs torch: only then
+            from kvnotes_bench.serving.engine_check import EngineCheck  # needs torch: only then
 
             checks = [EngineCheck.from_dict(c) for c in d["engine_check"]]
         launch = d.get("launch")

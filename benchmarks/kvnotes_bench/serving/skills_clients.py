@@ -8,20 +8,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvnotes.bench.serving.prompt_sets import AirlinePrompts, PromptSet
-from kvnotes.bench.serving.skills_config import (
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
+from kvnotes.serving.json_types import CompletionBody
+from kvnotes.serving.planning.phases import margin
+from kvnotes_bench.serving.prompt_sets import AirlinePrompts, PromptSet
+from kvnotes_bench.serving.skills_config import (
     DEFAULT_REPAIR_TOKENS,
     GUARDED_POLICIES,
     PHASED_POLICIES,
     SKILL_POLICIES,
     VARIANTS_POLICIES,
 )
-from kvnotes.bench.serving.skills_variants import VARIANTS_TENANT
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import ComposeClient, ComposeResult, cold_salt
-from kvnotes.serving.json_types import CompletionBody
-from kvnotes.serving.planning.phases import margin
+from kvnotes_bench.serving.skills_variants import VARIANTS_TENANT
 
 
 class PolicyClients(Protocol):
@@ -74,7 +74,7 @@ class FrontClients:
     each spliced policy in its own tenant; the front finds the skills, plans the phases and
     runs the guard. ``plain`` talks to vLLM itself (the exact references). ``variants`` is
     ``repaired`` in the tenant the declared variants are published to
-    (:data:`~kvnotes.bench.serving.skills_variants.VARIANTS_TENANT`): its requests see them
+    (:data:`~kvnotes_bench.serving.skills_variants.VARIANTS_TENANT`): its requests see them
     beside the shared header-anchored skills, the other policies' never do.
     ``variants-guarded`` is ``variants`` with the guard (``tau``, as ``guarded``): the front's
     default when its library holds variants. The two variants policies share that tenant, so

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, PromptSet
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.serving.planning.phases import check_tau
+from kvnotes_bench.serving.prompt_sets import PROMPT_SETS, AirlinePrompts, PromptSet
 
 SKILL_POLICIES = ("cold", "prefix", "compose", "repaired", "guarded", "variants",
                   "variants-guarded")
@@ -118,7 +118,7 @@ def config_from_dict(d: Mapping[str, Any]) -> SkillsBenchConfig:
 
 def config_prompt_set(config: SkillsBenchConfig, tokenizer: Any) -> PromptSet:
     """The prompt set a run of ``config`` sends (the same every time for one config)."""
-    from kvnotes.bench.serving.prompt_sets import make_prompt_set
+    from kvnotes_bench.serving.prompt_sets import make_prompt_set
 
     return make_prompt_set(config.prompts, tokenizer, k=config.k, cases=config.cases,
                            max_context=config.max_context, answer_tokens=config.fidelity_tokens)

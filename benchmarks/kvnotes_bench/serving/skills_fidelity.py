@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvnotes.bench.serving.prompt_sets import PromptSet, same_decision
-from kvnotes.bench.serving.skills_clients import Clients, PolicyClients
-from kvnotes.bench.serving.skills_config import DEFAULT_TAU, GUARDED_POLICIES, SkillsBenchConfig
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult
+from kvnotes_bench.serving.prompt_sets import PromptSet, same_decision
+from kvnotes_bench.serving.skills_clients import Clients, PolicyClients
+from kvnotes_bench.serving.skills_config import DEFAULT_TAU, GUARDED_POLICIES, SkillsBenchConfig
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The skills run's report: markdown tables and the TTFT plot, rendered from a typed
-:class:`~kvnotes.bench.serving.skills.SkillsResult` (a stored ``results.json`` is read back
-with :meth:`~kvnotes.bench.serving.skills.SkillsResult.from_dict` first)."""
+:class:`~kvnotes_bench.serving.skills.SkillsResult` (a stored ``results.json`` is read back
+with :meth:`~kvnotes_bench.serving.skills.SkillsResult.from_dict` first)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.formats import fmt_pct, fmt_s
-from kvnotes.bench.serving.skills import SkillsResult
-from kvnotes.bench.serving.skills_config import GUARDED_POLICIES, SKILL_POLICIES
-from kvnotes.bench.serving.skills_fidelity import Fidelity
-from kvnotes.bench.serving.skills_variants import DeclaredVariants, variant_use
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.formats import fmt_pct, fmt_s
+from kvnotes_bench.serving.skills import SkillsResult
+from kvnotes_bench.serving.skills_config import GUARDED_POLICIES, SKILL_POLICIES
+from kvnotes_bench.serving.skills_fidelity import Fidelity
+from kvnotes_bench.serving.skills_variants import DeclaredVariants, variant_use
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.engine_check import EngineCheck
+    from kvnotes_bench.serving.engine_check import EngineCheck
 
 
 def markdown(result: Mapping[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""``kvnotes serve-bench soak``: the connector under a bounded, adversarial load, every answer
+"""``kvnotes-bench serve soak``: the connector under a bounded, adversarial load, every answer
 checked.
 
 One vLLM server with kvnotes' connector and a KV cache small enough that vLLM preempts
@@ -15,14 +15,14 @@ requests; ``clients`` concurrent clients send requests for ``duration_s`` second
 
 A fraction of requests closes its stream after the first chunks (a client disconnecting). After
 the run (the server stopped) every completed answer is checked against kvnotes' engine in this
-process (:mod:`kvnotes.bench.serving.soak_check` says what each answer may equal). The result:
+process (:mod:`kvnotes_bench.serving.soak_check` says what each answer may equal). The result:
 requests, errors by kind, wrong answers, disconnects, vLLM's preemption counter before and
 after, latency percentiles, the skill events with their times, the machine and its load.
 
 This module runs the soak and checks it; what it sends is
-:mod:`~kvnotes.bench.serving.soak_workload`'s, the volatile skills' events
-:mod:`~kvnotes.bench.serving.soak_events`', the records and the result
-:mod:`~kvnotes.bench.serving.soak_result`'s.
+:mod:`~kvnotes_bench.serving.soak_workload`'s, the volatile skills' events
+:mod:`~kvnotes_bench.serving.soak_events`', the records and the result
+:mod:`~kvnotes_bench.serving.soak_result`'s.
 """
 from __future__ import annotations
 
@@ -33,20 +33,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord, load_now
-from kvnotes.bench.serving.soak_check import EngineOracle, allowed, check
-from kvnotes.bench.serving.soak_client import PREEMPTIONS, read_counter, stream_completion
-from kvnotes.bench.serving.soak_events import EventLog, EventRecord, damage_times, run_events
-from kvnotes.bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
-from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name, volatile_text
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving.soak_check import EngineOracle, allowed, check
+from kvnotes_bench.serving.soak_client import PREEMPTIONS, read_counter, stream_completion
+from kvnotes_bench.serving.soak_events import EventLog, EventRecord, damage_times, run_events
+from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
+from kvnotes_bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name, volatile_text
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.corun import CorunConfig
     from kvnotes.core.engine import Engine
     from kvnotes.core.notebook import Notebook
     from kvnotes.serving.launch.launcher import LaunchConfig
     from kvnotes.serving.skills import ServingSkills
+    from kvnotes_bench.serving.corun import CorunConfig
 
 
 async def soak_clients(url: str, model: str, tokenizer: Any, config: SoakConfig,
@@ -149,9 +149,9 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
     import torch
 
     from kvnotes.apps.agent.prompt import HEADER
-    from kvnotes.bench.serving.prompt_sets import register_skills, skill_texts
     from kvnotes.serving.launch import launcher as launcher
     from kvnotes.serving.upstream import Client
+    from kvnotes_bench.serving.prompt_sets import register_skills, skill_texts
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     launch = launcher.prepare(config.launch(base, out / "skills"), engine)
@@ -178,7 +178,7 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
         after = read_counter(metrics.metrics_text(), PREEMPTIONS)
         say(f"soak: {len(records)} requests in {wall:.0f} s; preemptions {before} -> {after}")
         if corun is not None:
-            from kvnotes.bench.serving.corun import run_corun
+            from kvnotes_bench.serving.corun import run_corun
 
             corun_result = asyncio.run(run_corun(launch.url, model, engine.tokenizer, corun,
                                                  HEADER, texts, request_timeout_s=request_timeout_s,
@@ -194,7 +194,7 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
                         launch=launch.record(), corun=corun_result, started=started)
     # the answers, unchecked: `--recheck` can resume here (the report comes with the verdicts)
     write_bundle(out, result.to_dict(), report="The answers are not checked yet: run "
-                 "`kvnotes serve-bench soak --recheck` on this folder.\n",
+                 "`kvnotes-bench serve soak --recheck` on this folder.\n",
                  json_name="result.json", plot_name="latency.png")
     check_records(records, oracle, damage_times(events.events), eos=sorted(engine.eos_ids),
                   tie_tau=config.tie_tau, say=say)
@@ -209,9 +209,9 @@ def recheck(out: Path, engine: Engine, *, say: Callable[[str], None] = print) ->
     import json
 
     from kvnotes.apps.agent.prompt import HEADER
-    from kvnotes.bench.serving.prompt_sets import skill_texts
     from kvnotes.core.notebook import Notebook
     from kvnotes.serving.skills import ServingSkills
+    from kvnotes_bench.serving.prompt_sets import skill_texts
 
     data: dict[str, Any] = json.loads((out / "result.json").read_text("utf-8"))
     cfg = data["config"]

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.bench.kit.failures import classify
-from kvnotes.bench.serving.metrics import parse_prometheus
 from kvnotes.core.errors import ServingError
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.protocol import SpliceRequest
+from kvnotes_bench.kit.failures import classify
+from kvnotes_bench.serving.metrics import parse_prometheus
 
 TOKEN_PREFIX = "token_id:"
 
@@ -30,7 +30,7 @@ class Answer:
 
     ok: bool = False
     error: str | None = None
-    error_kind: str | None = None  # one of kvnotes.bench.kit.failures.ERROR_KINDS
+    error_kind: str | None = None  # one of kvnotes_bench.kit.failures.ERROR_KINDS
     disconnected: bool = False  # the client closed the stream early (on purpose)
     token_ids: list[int] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.serving.soak_check import DAMAGES, SkillEvent
-from kvnotes.bench.serving.soak_workload import volatile_name, volatile_text
+from kvnotes_bench.serving.soak_check import DAMAGES, SkillEvent
+from kvnotes_bench.serving.soak_workload import volatile_name, volatile_text
 
 if TYPE_CHECKING:
     from kvnotes.core.notebook import Notebook

@@ -1,5 +1,5 @@
 """The soak's report (markdown) and its plot (latency over time, skill events marked), both
-rendered from a typed :class:`~kvnotes.bench.serving.soak_result.SoakResult` (a stored
+rendered from a typed :class:`~kvnotes_bench.serving.soak_result.SoakResult` (a stored
 ``result.json`` is read back with ``SoakResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_s
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.soak_check import SHARED_TENANTS
-from kvnotes.bench.serving.soak_result import SoakResult
 from kvnotes.eval.reports import write_bundle
+from kvnotes_bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_s
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.soak_check import SHARED_TENANTS
+from kvnotes_bench.serving.soak_result import SoakResult
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.corun import CorunResult
+    from kvnotes_bench.serving.corun import CorunResult
 
 EVENT_COLOURS = {"publish": "tab:green", "corrupt": "tab:red", "delete": "tab:purple",
                  "retire": "tab:gray"}

@@ -9,16 +9,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.metrics import percentile
-from kvnotes.bench.serving.soak_check import KINDS, Prompt, Verdict
-from kvnotes.bench.serving.soak_client import Answer
-from kvnotes.bench.serving.soak_events import EventRecord
-from kvnotes.bench.serving.soak_workload import RequestSpec, SoakConfig
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.metrics import percentile
+from kvnotes_bench.serving.soak_check import KINDS, Prompt, Verdict
+from kvnotes_bench.serving.soak_client import Answer
+from kvnotes_bench.serving.soak_events import EventRecord
+from kvnotes_bench.serving.soak_workload import RequestSpec, SoakConfig
 
 if TYPE_CHECKING:
-    from kvnotes.bench.serving.corun import CorunResult
     from kvnotes.serving.launch.launcher import LaunchRecord
+    from kvnotes_bench.serving.corun import CorunResult
 
 
 @dataclass
@@ -114,8 +114,8 @@ class SoakResult:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SoakResult:
         """Read back :meth:`to_dict` (a stored ``result.json``), verdicts included."""
-        from kvnotes.bench.serving.corun import CorunResult
         from kvnotes.serving.launch.launcher import LaunchRecord
+        from kvnotes_bench.serving.corun import CorunResult
 
         config: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
                                   for k, v in d["config"].items()}

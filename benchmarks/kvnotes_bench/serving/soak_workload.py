@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvnotes.bench.serving.soak_check import KINDS, SHARED_TENANTS, Prompt, SkillEvent, event_schedule
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes_bench.serving.soak_check import KINDS, SHARED_TENANTS, Prompt, SkillEvent, event_schedule
 
 if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import LaunchConfig
@@ -57,7 +57,7 @@ class SoakConfig:
             live; spliced otherwise).
         disconnect_fraction: requests whose stream the client closes after 1-3 chunks.
         event_interval_s, damage_after_s, retire_after_s, first_event_s: the skill events
-            (:func:`~kvnotes.bench.serving.soak_check.event_schedule`).
+            (:func:`~kvnotes_bench.serving.soak_check.event_schedule`).
         block_size: the server's KV block size (tokens; CPU: a multiple of 32).
         kv_blocks: the server's KV cache in blocks (``--num-gpu-blocks-override``): small, so
             vLLM preempts.
@@ -88,7 +88,7 @@ class SoakConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from kvnotes.bench.serving.prompt_sets import skill_texts
+        from kvnotes_bench.serving.prompt_sets import skill_texts
 
         library = skill_texts()
         unknown = [name for name in self.skills if name not in library]

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from kvnotes.bench.tools.prompt import CALL_OPENING
 from kvnotes.core.jsontext import first_object
+from kvnotes_bench.tools.prompt import CALL_OPENING
 
 _REGISTRY = "bfcl_eval.constants.model_config"
 MODEL_NAME = "kvnotes"

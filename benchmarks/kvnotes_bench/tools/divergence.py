@@ -1,4 +1,4 @@
-"""``kvnotes bench divergence``: what limits 16-token greedy identity with the exact prompt.
+"""``kvnotes-bench divergence``: what limits 16-token greedy identity with the exact prompt.
 
 For each BFCL case the greedy continuation after ``{"name": "`` is decoded from the exact
 notes and from each composed strategy's (``epic:32``, the default repair, and ``pred+epic:32``,
@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-from kvnotes.bench.tools.guard_measure import (
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.notebook import Notebook
+from kvnotes_bench.tools.guard_measure import (
     GREEDY_TOKENS,
     Reading,
     Request,
@@ -35,10 +38,7 @@ from kvnotes.bench.tools.guard_measure import (
     requests,
     skill_ids,
 )
-from kvnotes.bench.tools.strategies import SkillCache, parse_strategy
-from kvnotes.core.engine import Engine
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.notebook import Notebook
+from kvnotes_bench.tools.strategies import SkillCache, parse_strategy
 
 Progress = Callable[[str], None]
 WHERE = ("first token", "rest of the name", "arguments")
@@ -95,7 +95,7 @@ class DivergenceCase:
 
 @dataclass(frozen=True, slots=True)
 class DivergenceConfig:
-    """What ``kvnotes bench divergence`` runs."""
+    """What ``kvnotes-bench divergence`` runs."""
 
     set: str = "live_multiple"
     cases: int = 40

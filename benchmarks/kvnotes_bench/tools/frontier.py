@@ -1,8 +1,8 @@
 """How far composed answers get from the exact prompt's at each cost: the guard swept over a
-strategy's stored margins, read from ``kvnotes bench tools`` bundles (no model is run).
+strategy's stored margins, read from ``kvnotes-bench tools`` bundles (no model is run).
 
 A guard at ``tau`` answers a case exactly when the strategy's decision margin is under ``tau``
-(:func:`~kvnotes.bench.tools.runner.guard_curve`): a fired case's tool choice and greedy
+(:func:`~kvnotes_bench.tools.runner.guard_curve`): a fired case's tool choice and greedy
 continuation are the exact prompt's, and it costs every token after the exact prefix. Sweeping
 ``tau`` over every margin in the run gives the staircase from the strategy alone (``tau = 0``)
 to the exact prompt; where it crosses the identity goals tells how much recompute they cost.
@@ -10,12 +10,12 @@ to the exact prompt; where it crosses the identity goals tells how much recomput
 Two readings of the threshold are reported, because picking it on the very cases it is read on
 flatters it: ``best`` is the smallest ``tau`` that reaches the identity goals on all cases
 (in-sample; whether its recompute is within the budget is reported beside it),
-``calibrated`` the one :func:`~kvnotes.bench.tools.runner.calibrate_tau` picks on the
+``calibrated`` the one :func:`~kvnotes_bench.tools.runner.calibrate_tau` picks on the
 calibration half (every decision identical there), read on the evaluation half only.
 
 Usage::
 
-    python -m kvnotes.bench.tools.frontier docs/results/tools/*-live_multiple-40-anchoring \\
+    python -m kvnotes_bench.tools.frontier docs/results/tools/*-live_multiple-40-anchoring \\
         --base pred+epic:32 --base epic:32 --out docs/results/tools/frontier
 """
 
@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.tools.results import CaseResult
-from kvnotes.bench.tools.runner import calibrate_tau, guard_curve
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
+from kvnotes.research.tool_runs import CaseResult
+from kvnotes_bench.tools.runner import calibrate_tau, guard_curve
 
 CHOICE_GOAL = 0.99  # tool choice identical to the exact prompt's
 GREEDY_GOAL = 0.90  # 16-token greedy continuation identical
@@ -127,15 +127,15 @@ def frontier(cases: Sequence[CaseResult], base: str, *, model: str, set_name: st
 
 
 def read_bundle(folder: Path) -> tuple[str, str, list[CaseResult]]:
-    """A ``kvnotes bench tools`` bundle's model, set and cases."""
+    """A ``kvnotes-bench tools`` bundle's model, set and cases."""
     path = folder / "results.json"
     if not path.is_file():
-        raise InvalidArgumentError(f"{folder}: no results.json (a `kvnotes bench tools` --out)")
+        raise InvalidArgumentError(f"{folder}: no results.json (a `kvnotes-bench tools` --out)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         return data["model"], data["set"], [CaseResult.from_dict(c) for c in data["cases"]]
     except (ValueError, KeyError, TypeError) as err:
-        raise InvalidArgumentError(f"{path}: not a `kvnotes bench tools` result "
+        raise InvalidArgumentError(f"{path}: not a `kvnotes-bench tools` result "
                                    f"({type(err).__name__}: {err})") from err
 
 
@@ -213,7 +213,7 @@ def report(frontiers: Sequence[Frontier]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("bundles", nargs="+", type=Path, help="kvnotes bench tools --out folders")
+    parser.add_argument("bundles", nargs="+", type=Path, help="kvnotes-bench tools --out folders")
     parser.add_argument("--base", action="append", default=None,
                         help="strategy the guard guards (repeatable; default pred+epic:32)")
     parser.add_argument("--out", type=Path, required=True)
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     frontiers = frontiers_of([(folder, *read_bundle(folder)) for folder in args.bundles], bases)
     args.out.mkdir(parents=True, exist_ok=True)
     doc = {"goals": {"choice": CHOICE_GOAL, "greedy": GREEDY_GOAL, "budget": BUDGET},
-           "command": "python -m kvnotes.bench.tools.frontier "
+           "command": "python -m kvnotes_bench.tools.frontier "
                       + " ".join(str(b) for b in args.bundles)
                       + "".join(f" --base {b}" for b in bases) + f" --out {args.out}",
            "frontiers": [f.to_dict() for f in frontiers]}

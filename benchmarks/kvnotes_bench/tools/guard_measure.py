@@ -7,7 +7,7 @@ opening ``{"name": "`` (``live_multiple``, ``multi_turn``: the decision is the f
 the answer writes), or an airline customer's message (the front's airline prompts: no
 decision, tokens compared). :func:`read` builds a strategy's notes and answers;
 :func:`guard_case` turns a composed and an exact reading into the
-:class:`~kvnotes.bench.tools.guard_calib.GuardCase` the calibration reads.
+:class:`~kvnotes_bench.tools.guard_calib.GuardCase` the calibration reads.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.bench.tools.data import load_cases, spread
-from kvnotes.bench.tools.guard_calib import GuardCase
-from kvnotes.bench.tools.prompt import CasePrompt, case_prompt
-from kvnotes.bench.tools.strategies import SkillCache, Strategy, repair_of, variants
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.notebook import Notebook
+from kvnotes_bench.tools.data import load_cases, spread
+from kvnotes_bench.tools.guard_calib import GuardCase
+from kvnotes_bench.tools.prompt import CasePrompt, case_prompt
+from kvnotes_bench.tools.strategies import SkillCache, Strategy, repair_of, variants
 
 GUARD_SETS = ("live_multiple", "multi_turn", "airline")
 GREEDY_TOKENS = 16
@@ -47,7 +47,7 @@ class Request:
 
 
 # ``(n, k, seed)`` -> airline prompts as parts (header, k policies, the customer's message):
-# ``kvnotes.bench.serving.prompt_sets.make_requests``, given by the caller (that package
+# ``kvnotes_bench.serving.prompt_sets.make_requests``, given by the caller (that package
 # imports this one)
 AirlinePrompts = Callable[[int, int, int], list[list[str]]]
 
@@ -64,7 +64,7 @@ def requests(engine: Engine, set_name: str, n: int, *, max_context: int = 2048,
     if set_name == "airline":
         if airline is None:
             raise InvalidArgumentError("the airline set needs its prompt maker: pass "
-                                       "airline=kvnotes.bench.serving.prompt_sets.make_requests")
+                                       "airline=kvnotes_bench.serving.prompt_sets.make_requests")
         out = []
         for i, parts in enumerate(airline(n, k, seed)):
             prompt = CasePrompt(parts[0], tuple(parts[1:-1]), parts[-1], "")

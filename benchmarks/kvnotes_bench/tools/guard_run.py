@@ -1,8 +1,8 @@
-"""``kvnotes bench guard``: the guard's calibration for one model on the development sets.
+"""``kvnotes-bench guard``: the guard's calibration for one model on the development sets.
 
 Each request is read composed (``strategy``, the default repair ``epic:32``) and exact; the
 composed answer's first-token margin, first token, greedy continuation and decision are kept
-per request (:class:`~kvnotes.bench.tools.guard_calib.GuardCase`), and the guard's curve
+per request (:class:`~kvnotes_bench.tools.guard_calib.GuardCase`), and the guard's curve
 (fire rate, identity, cost per ``tau``) and the default it implies are read from them.
 """
 
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.tools.divergence import DivergenceCase, divergence_case
-from kvnotes.bench.tools.divergence import markdown as divergence_markdown
-from kvnotes.bench.tools.guard_calib import (
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.tools.divergence import DivergenceCase, divergence_case
+from kvnotes_bench.tools.divergence import markdown as divergence_markdown
+from kvnotes_bench.tools.guard_calib import (
     FIRE_BUDGET,
     TAUS,
     GuardCase,
@@ -25,7 +27,7 @@ from kvnotes.bench.tools.guard_calib import (
     choose_default,
     curve,
 )
-from kvnotes.bench.tools.guard_measure import (
+from kvnotes_bench.tools.guard_measure import (
     GREEDY_TOKENS,
     AirlinePrompts,
     decode,
@@ -34,16 +36,14 @@ from kvnotes.bench.tools.guard_measure import (
     read,
     requests,
 )
-from kvnotes.bench.tools.strategies import SkillCache, parse_strategy
-from kvnotes.core.engine import Engine
-from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.tools.strategies import SkillCache, parse_strategy
 
 Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
 class GuardBenchConfig:
-    """What ``kvnotes bench guard`` measures: ``cases`` requests of each set in ``sets``,
+    """What ``kvnotes-bench guard`` measures: ``cases`` requests of each set in ``sets``,
     composed by ``strategy``; the default is chosen within ``budget`` fired."""
 
     sets: tuple[str, ...] = ("live_multiple", "airline")
@@ -144,7 +144,7 @@ def run_guard_bench(engine: Engine, config: GuardBenchConfig, *, model: str,
                     progress: Progress | None = None, airline: AirlinePrompts | None = None
                     ) -> GuardBenchResult:
     """The calibration of ``config`` on ``engine`` (see the module doc); ``airline`` makes the
-    airline set's prompts (:data:`~kvnotes.bench.tools.guard_measure.AirlinePrompts`)."""
+    airline set's prompts (:data:`~kvnotes_bench.tools.guard_measure.AirlinePrompts`)."""
     strategy, exact = parse_strategy(config.strategy), parse_strategy("exact")
     others = [parse_strategy(s) for s in config.divergence]
     skills = SkillCache(engine)

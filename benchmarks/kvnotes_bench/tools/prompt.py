@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.bench.tools.data import ToolCase
 from kvnotes.core.chat import chat_frame
+from kvnotes_bench.tools.data import ToolCase
 
 SYSTEM = ("You are an expert in composing functions. You are given a question and a set of "
           "possible functions. Based on the question, call the one function that achieves "

@@ -6,9 +6,9 @@ import json
 import math
 from pathlib import Path
 
-from kvnotes.bench.tools.results import BenchResult, StrategySummary
 from kvnotes.core.machine import load_note
 from kvnotes.eval.reports import write_bundle
+from kvnotes.research.tool_runs import BenchResult, StrategySummary
 
 
 def _pct(n: int, d: int) -> str:

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
-from kvnotes.bench.tools.bfcl_check import check_call
-from kvnotes.bench.tools.choice import NameTrie, choose, name_trie
-from kvnotes.bench.tools.data import ToolCase, load_cases, spread
-from kvnotes.bench.tools.prompt import CasePrompt, case_prompt
-from kvnotes.bench.tools.results import (
+from kvnotes.core.engine import Engine
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.machine import machine_info
+from kvnotes.core.metrics import compare_logits
+from kvnotes.core.notebook import Notebook
+from kvnotes.ops.decisions import Decision, guarded
+from kvnotes.research.tool_runs import (
     BenchResult,
     CaseResult,
     GuardPoint,
@@ -29,7 +31,11 @@ from kvnotes.bench.tools.results import (
     Skipped,
     StrategySummary,
 )
-from kvnotes.bench.tools.strategies import (
+from kvnotes_bench.tools.bfcl_check import check_call
+from kvnotes_bench.tools.choice import NameTrie, choose, name_trie
+from kvnotes_bench.tools.data import ToolCase, load_cases, spread
+from kvnotes_bench.tools.prompt import CasePrompt, case_prompt
+from kvnotes_bench.tools.strategies import (
     DEFAULT_STRATEGIES,
     SkillCache,
     Strategy,
@@ -38,12 +44,6 @@ from kvnotes.bench.tools.strategies import (
     parse_strategies,
     variants,
 )
-from kvnotes.core.engine import Engine
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import machine_info
-from kvnotes.core.metrics import compare_logits
-from kvnotes.core.notebook import Notebook
-from kvnotes.ops.decisions import Decision, guarded
 
 DECISION = ("constrained name decoding after '{\"name\": \"' over the candidates' full names "
             "(first-token scoring where their first tokens differ)")
@@ -52,7 +52,7 @@ Progress = Callable[[int, int, str], None]  # (done, total, case id)
 
 @dataclass(frozen=True, slots=True)
 class ToolsBenchConfig:
-    """What ``kvnotes bench tools`` runs."""
+    """What ``kvnotes-bench tools`` runs."""
 
     set: str = "live_multiple"
     cases: int = 40  # spread over the set's file; 0: all

@@ -7,7 +7,7 @@ Strategy names (``--strategies``), each a :class:`Strategy`:
 - ``first:F`` / ``kvdev:F``: the same with ``repair=F`` of the spliced tokens recomputed in
   context, each skill's first tokens / the tokens whose layer-1 notes deviate most;
 - ``anchor`` / ``anchor+first:F`` / ``anchor+kvdev:F``: skills compiled behind the header and a
-  neutral stand-in tool (:data:`~kvnotes.bench.tools.prompt.STAND_IN`, its notes dropped), so no
+  neutral stand-in tool (:data:`~kvnotes_bench.tools.prompt.STAND_IN`, its notes dropped), so no
   spliced skill is compiled as the first one listed;
 - ``pred`` / ``pred+epic:K``: variants behind the actual predecessor: each skill compiled
   behind the header and the skill that precedes it in the case's order (the first one behind
@@ -53,12 +53,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvnotes.bench.tools.prompt import STAND_IN, CasePrompt, skill_text
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.notebook import LayerKV, Notebook
 from kvnotes.core.repair import Repair
 from kvnotes.ops.store import SkillLibrary
+from kvnotes_bench.tools.prompt import STAND_IN, CasePrompt, skill_text
 
 DEFAULT_STRATEGIES = ("exact", "splice", "first:0.1", "first:0.3", "kvdev:0.1", "anchor",
                       "anchor+first:0.1", "guard:splice", "guard:first:0.1")

@@ -79,14 +79,15 @@ class _Commands(TyperGroup):
             _print_and_exit(err)
 
 
-app = typer.Typer(
-    name="kvnotes",
-    help="Editable, composable KV caches: the notes a language model writes at prefill.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    cls=_Commands,
-)
+def command_app(name: str, help: str) -> typer.Typer:
+    """A root command group whose commands all print errors as :func:`fail` does (the
+    ``kvnotes`` app, and the benchmark package's ``kvnotes-bench``)."""
+    return typer.Typer(name=name, help=help, no_args_is_help=True, add_completion=False,
+                       pretty_exceptions_enable=False, cls=_Commands)
+
+
+app = command_app("kvnotes", "Editable, composable KV caches: the notes a language model "
+                  "writes at prefill.")
 
 
 def fail(err: KvnotesError) -> NoReturn:

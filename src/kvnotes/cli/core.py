@@ -77,7 +77,7 @@ def demo(
 ) -> None:
     """Compile skills once, splice them into several contexts, compare with full recompute."""
     from kvnotes.apps.demo import run_compose_demo, write_report
-    from kvnotes.bench.edit.demo import edit_section
+    from kvnotes.research.edit.demo import edit_section
 
     try:
         folder_option(out, "--out")

@@ -1,4 +1,4 @@
-"""``kvnotes edit-eval``: every edit strategy on the task suite, against recompute."""
+"""``kvnotes edit``: every edit strategy on the task suite, against recompute."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 
 if TYPE_CHECKING:  # the CLI starts fast: the suite is imported when a command runs
-    from kvnotes.bench.edit.results import CaseResult, SuiteResult, SuiteSettings
     from kvnotes.core.engine import Engine
     from kvnotes.eval.tasks import EditCase
+    from kvnotes.research.edit.results import CaseResult, SuiteResult, SuiteSettings
 
 console = Console(stderr=True)
 
 
-@app.command("edit-eval")
+@app.command("edit")
 def edit_eval(
     model: str = typer.Option(..., help="model alias, HF folder or .gguf file"),
     strategies: str | None = typer.Option(
@@ -64,9 +64,9 @@ def edit_eval(
     """Run the edit task suite: decision identity, flips, logit cosine/KL, compute, TTFT."""
     if workers < 1:
         raise typer.BadParameter(f"--workers must be at least 1, got {workers}")
-    from kvnotes.bench.edit.report import strategy_table
-    from kvnotes.bench.edit.results import SuiteSettings
-    from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
+    from kvnotes.research.edit.report import strategy_table
+    from kvnotes.research.edit.results import SuiteSettings
+    from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES, ERRATUM_WORDINGS
 
     chosen = [s.strip() for s in strategies.split(",") if s.strip()] if strategies else list(
         DEFAULT_STRATEGIES)
@@ -92,8 +92,8 @@ def edit_eval(
 
 def _pick_cases(families: str | None, per_family: int, shard: str | None) -> tuple[EditCase, ...]:
     """The suite's cases of ``--families``, ``--per-family`` of each, of ``--shard``."""
-    from kvnotes.bench.edit.cases import spread, take_shard
     from kvnotes.eval.tasks import load_suite
+    from kvnotes.research.edit.cases import spread, take_shard
 
     cases = load_suite([f.strip() for f in families.split(",")] if families else None)
     # round-robin across families either way, so a run stopped early covers every family
@@ -127,9 +127,9 @@ class EditEvalCommand:
 
     def run(self) -> tuple[SuiteResult, dict[str, Path]]:
         """Load the model, evaluate the cases not done yet, and write the bundle."""
-        from kvnotes.bench.edit.report import write_outputs
-        from kvnotes.bench.edit.suite import run_suite
         from kvnotes.core.models import load
+        from kvnotes.research.edit.report import write_outputs
+        from kvnotes.research.edit.suite import run_suite
 
         with console.status(f"loading {self.model.model}"):
             engine = self.model.load()
@@ -155,7 +155,7 @@ class EditEvalCommand:
 
     def _earlier(self, engine: Engine) -> list[CaseResult]:
         """The case results kept from ``resume_from`` (and the target, with ``resume``)."""
-        from kvnotes.bench.edit.checkpoint import load_results
+        from kvnotes.research.edit.checkpoint import load_results
 
         sources = [*self.resume_from, *([self.target] if self.resume else [])]
         done: list[CaseResult] = []

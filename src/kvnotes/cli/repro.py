@@ -1,4 +1,4 @@
-"""``kvnotes repro``: the paper's claims beside our measurements (see :mod:`kvnotes.bench.repro.run`)."""
+"""``kvnotes repro``: the paper's claims beside our measurements (see :mod:`kvnotes.research.repro.run`)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def repro(
 ) -> None:
     """Composition, edit (with and without CoT), trace and agent per model; one report with a
     table per claim of the paper: its figure, ours, and a verdict."""
-    from kvnotes.bench.repro.report import write_report
-    from kvnotes.bench.repro.run import (
+    from kvnotes.research.repro.report import write_report
+    from kvnotes.research.repro.run import (
         DEFAULT_MODELS,
         SIZES,
         STAGES,

@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from kvnotes.bench.trace.sensitivity import (
+from kvnotes.cli.app import app, fail
+from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+from kvnotes.core.errors import KvnotesError
+from kvnotes.ops.trace import TraceOptions
+from kvnotes.research.trace.sensitivity import (
     CaseSensitivity,
     SensitivityResult,
     measure_sensitivity,
     sensitivity_markdown,
     sensitivity_table,
 )
-from kvnotes.bench.trace.suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
-from kvnotes.cli.app import app, fail
-from kvnotes.cli.options import ModelOptions, device_option, dtype_option
-from kvnotes.core.errors import KvnotesError
-from kvnotes.ops.trace import TraceOptions
+from kvnotes.research.trace.suite import CaseTrace, FamilySummary, pick_cases, summarize, trace_cases
 
 if TYPE_CHECKING:
     from kvnotes.eval.tasks import EditCase
@@ -88,7 +88,8 @@ def trace_command(
 @dataclass(frozen=True)
 class SensitivityCommand:
     """What ``trace --sensitivity`` runs: ``per_family`` cases of each family of ``suite``
-    (spread over it), each recomputed for its old and new value (:mod:`kvnotes.bench.trace.sensitivity`)."""
+    (spread over it), each recomputed for its old and new value
+    (:mod:`kvnotes.research.trace.sensitivity`)."""
 
     model: ModelOptions
     suite: tuple[EditCase, ...]
@@ -98,8 +99,8 @@ class SensitivityCommand:
     out: Path
 
     def run(self) -> SensitivityResult:
-        from kvnotes.bench.edit.cases import spread
         from kvnotes.core.machine import load_note, machine_info
+        from kvnotes.research.edit.cases import spread
 
         engine = self.model.load()
         cases = spread(self.suite, self.per_family)

@@ -14,7 +14,7 @@ tokens compared with the exact prompt), with what it measured there.
 
 A model that is not in the table gets the default repair and no guard: its first-token margins
 were never measured, and a guard that fires on most requests costs an exact prefill each time
-(``kvnotes bench guard --model M`` measures one).
+(``kvnotes-bench guard --model M`` measures one).
 """
 
 from __future__ import annotations

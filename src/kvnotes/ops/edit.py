@@ -44,7 +44,7 @@ from kvnotes.core.repair import repair_budget, repair_selector
 
 STRATEGIES = ("recompute", "prefix", "overwrite", "erratum", "repair")
 
-# Erratum wordings; {label}, {Label}, {old}, {new} are filled in. Measured by `kvnotes edit-eval
+# Erratum wordings; {label}, {Label}, {old}, {new} are filled in. Measured by `kvnotes edit
 # --strategies erratum:<name>`; "correction" is the default.
 ERRATUM_TEMPLATES: dict[str, str] = {
     "correction": "Correction: the {label} is {new}, not {old}.",

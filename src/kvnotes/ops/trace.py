@@ -28,7 +28,7 @@ its denominator ``d`` and ``sensitive = |d| >= min_denominator`` (docs/design.md
 :func:`summarize` keeps insensitive cases out of the aggregates and counts them.
 
 One generic patch loop (:func:`splice`, :func:`patched_metric`) with thin named analyses over
-it, in the TransformerLens manner; the case-suite runner lives in :mod:`kvnotes.bench.trace.suite`.
+it, in the TransformerLens manner; the case-suite runner lives in :mod:`kvnotes.research.trace.suite`.
 """
 
 from __future__ import annotations

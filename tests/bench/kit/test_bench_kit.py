@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvnotes.bench.kit.failures import Failure, classify, count_kinds
-from kvnotes.bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
-from kvnotes.bench.kit.machine import MachineRecord
+from kvnotes_bench.kit.failures import Failure, classify, count_kinds
+from kvnotes_bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
+from kvnotes_bench.kit.machine import MachineRecord
 
 
 def test_failures_are_classified_by_their_classes_names():

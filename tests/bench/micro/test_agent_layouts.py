@@ -9,14 +9,14 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.agent.summary import BenchSummary
-from kvnotes.bench.micro.agent_layouts import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.research.agent.summary import BenchSummary
+from kvnotes_bench.micro.agent_layouts import (
     AgentLayoutsConfig,
     AgentLayoutsResult,
     plot,
     run,
 )
-from kvnotes.core.errors import InvalidArgumentError
 
 STORED = (Path(__file__).resolve().parents[3] / "docs" / "results" / "agent-layouts"
           / "agent-layouts.json")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.batch_decode import BatchDecodeConfig, BatchDecodeResult, plot, run
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.batch_decode import BatchDecodeConfig, BatchDecodeResult, plot, run
 
 STORED = Path(__file__).resolve().parents[3] / "docs" / "results" / "bench" / "batch_decode.json"
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.compile_share import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.compile_share import (
     CompileShareConfig,
     CompileShareResult,
     markdown,
@@ -17,7 +18,6 @@ from kvnotes.bench.micro.compile_share import (
     run,
     tool_list,
 )
-from kvnotes.core.errors import InvalidArgumentError
 
 STORED = Path(__file__).resolve().parents[3] / "docs" / "results" / "bench" / "compile_share.json"
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.compose_repair import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.compose_repair import (
     BUDGETS,
     FRESH,
     ComposeRepairConfig,
@@ -17,7 +18,6 @@ from kvnotes.bench.micro.compose_repair import (
     run,
     table,
 )
-from kvnotes.core.errors import InvalidArgumentError
 
 
 def test_a_run_compares_every_condition_against_recompute(tokenizer, tmp_path):

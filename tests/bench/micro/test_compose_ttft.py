@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.compose_ttft import ComposeTtftConfig, ComposeTtftResult, plot, run
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.compose_ttft import ComposeTtftConfig, ComposeTtftResult, plot, run
 
 STORED = Path(__file__).resolve().parents[3] / "docs" / "results" / "bench" / "compose_ttft.json"
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvnotes.bench.micro import overhead_servers
-from kvnotes.bench.micro.front_overhead import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro import overhead_servers
+from kvnotes_bench.micro.front_overhead import (
     SRC,
     FrontOverheadConfig,
     FrontOverheadResult,
@@ -19,7 +20,6 @@ from kvnotes.bench.micro.front_overhead import (
     plot,
     summary,
 )
-from kvnotes.core.errors import InvalidArgumentError
 
 STORED = sorted((Path(__file__).resolve().parents[3] / "docs" / "results" / "front-overhead")
                 .glob("*.json"))

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from kvnotes.bench.micro import plan_time
 from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.planning.front_plan import catalog_view
 from kvnotes.serving.planning.request import read_request
+from kvnotes_bench.micro import plan_time
 
 
 def test_a_tiny_run_writes_its_json_and_plot(tmp_path):

@@ -8,7 +8,9 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.quant_fidelity import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.metrics import LogitComparison
+from kvnotes_bench.micro.quant_fidelity import (
     CONTEXTS,
     QUERY,
     SKILLS,
@@ -16,8 +18,6 @@ from kvnotes.bench.micro.quant_fidelity import (
     QuantRun,
     run,
 )
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.metrics import LogitComparison
 
 
 def test_a_run_compares_every_variant_in_every_context(tokenizer):

@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.splice_bandwidth import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.splice_bandwidth import (
     SpliceBandwidthConfig,
     SpliceBandwidthResult,
     plot,
     run,
 )
-from kvnotes.core.errors import InvalidArgumentError
 
 
 def test_a_run_times_the_splice_against_a_copy_of_the_same_bytes(tokenizer, tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import make_tiny_engine
 
-from kvnotes.bench.micro.splice_cost import SpliceCostConfig, SpliceCostResult, plot, run
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.micro.splice_cost import SpliceCostConfig, SpliceCostResult, plot, run
 
 STORED = (Path(__file__).resolve().parents[3] / "docs" / "results" / "splice-cost"
           / "splice_cost.json")

@@ -12,56 +12,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.agent_traffic import (
-    AgentBenchConfig,
-    AgentResult,
-    learning_launch,
-)
-from kvnotes.bench.serving.agent_traffic_check import (
-    CheckConfig,
-    KeptEntries,
-    Reference,
-    verdict,
-)
-from kvnotes.bench.serving.agent_traffic_client import (
-    Answer,
-    OpenAISender,
-    answer_of,
-    extra_body,
-    tool_choice,
-)
-from kvnotes.bench.serving.agent_traffic_overhead import compile_overhead, miss_overhead
-from kvnotes.bench.serving.agent_traffic_protocol import (
-    CaseRecord,
-    ProtocolConfig,
-    run_case,
-    run_cases,
-    summarize,
-)
-from kvnotes.bench.serving.agent_traffic_records import RECORDS_NAME, read_records, write_records
-from kvnotes.bench.serving.agent_traffic_render import Rendered
-from kvnotes.bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
-from kvnotes.bench.serving.agent_traffic_requests import (
-    AgentRequest,
-    document_requests,
-    json_schema,
-    openai_tool,
-    permutation,
-    subset_request,
-    tool_pool,
-    tool_requests,
-)
-from kvnotes.bench.serving.agent_traffic_soak import (
-    AgentSoakConfig,
-    EntryKeeper,
-    SoakRecord,
-    check_records,
-    evictions,
-    soak_clients,
-)
-from kvnotes.bench.serving.agent_traffic_soak import summarize as soak_summarize
-from kvnotes.bench.tools.data import SkillDoc, ToolCase
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch.launcher import LaunchConfig
 from kvnotes.serving.library.splice import SpliceRange
@@ -72,6 +22,56 @@ from kvnotes.serving.protocol import (
     SpliceReport,
     UsageKvnotes,
 )
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.agent_traffic import (
+    AgentBenchConfig,
+    AgentResult,
+    learning_launch,
+)
+from kvnotes_bench.serving.agent_traffic_check import (
+    CheckConfig,
+    KeptEntries,
+    Reference,
+    verdict,
+)
+from kvnotes_bench.serving.agent_traffic_client import (
+    Answer,
+    OpenAISender,
+    answer_of,
+    extra_body,
+    tool_choice,
+)
+from kvnotes_bench.serving.agent_traffic_overhead import compile_overhead, miss_overhead
+from kvnotes_bench.serving.agent_traffic_protocol import (
+    CaseRecord,
+    ProtocolConfig,
+    run_case,
+    run_cases,
+    summarize,
+)
+from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, read_records, write_records
+from kvnotes_bench.serving.agent_traffic_render import Rendered
+from kvnotes_bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
+from kvnotes_bench.serving.agent_traffic_requests import (
+    AgentRequest,
+    document_requests,
+    json_schema,
+    openai_tool,
+    permutation,
+    subset_request,
+    tool_pool,
+    tool_requests,
+)
+from kvnotes_bench.serving.agent_traffic_soak import (
+    AgentSoakConfig,
+    EntryKeeper,
+    SoakRecord,
+    check_records,
+    evictions,
+    soak_clients,
+)
+from kvnotes_bench.serving.agent_traffic_soak import summarize as soak_summarize
+from kvnotes_bench.tools.data import SkillDoc, ToolCase
 
 FN = {"name": "shop.order", "description": "Order food.", "parameters": {
     "type": "dict", "required": ["item"], "properties": {
@@ -510,11 +510,11 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
     docs = document_requests({"a": "A", "b": "B", "c": "C"}, 2, 2, seed=0,
                              question=lambda rng: "q")
     result = AgentResult(config=AgentBenchConfig(), machine=MachineRecord.now(),
-                         started="2026-12-03 04:00", command="kvnotes serve-bench agent",
+                         started="2026-12-03 04:00", command="kvnotes-bench serve agent",
                          threads={"torch": 2, "python": 1})
     result.cases["tools"] = asyncio.run(run_cases(sender, reqs, FAST))
     result.cases["documents"] = asyncio.run(run_cases(sender, docs, FAST))
-    from kvnotes.bench.serving.agent_traffic_share import breakdown
+    from kvnotes_bench.serving.agent_traffic_share import breakdown
 
     result.cases["tools"][0].breakdown = breakdown(
         plan_report([[10, 64, 100]]), 120, [(10, 100)], 100)
@@ -542,7 +542,7 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
 
 
 def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
-    from kvnotes.bench.serving.agent_traffic_share import BUCKETS, answer_breakdown, breakdown
+    from kvnotes_bench.serving.agent_traffic_share import BUCKETS, answer_breakdown, breakdown
 
     # BOS spliced; chunk [10, 100) repaired to 32, aligned to 64; chunk [101, 140) wholly
     # recomputed (its region reaches its end); chunk [141, 190) unmatched
@@ -588,24 +588,24 @@ def test_learning_launch_turns_the_front_on_over_the_skill_folder(tmp_path) -> N
 
 
 def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
-    from kvnotes.cli.app import app
+    from kvnotes_bench.cli import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["serve-bench", "agent", "--parts", "tools,bogus",
+    result = runner.invoke(app, ["serve", "agent", "--parts", "tools,bogus",
                                  "--model", "no-such-model"])
     assert result.exit_code == 2 and "bogus" in result.output
-    result = runner.invoke(app, ["serve-bench", "agent", "--library-cap", "lots"])
+    result = runner.invoke(app, ["serve", "agent", "--library-cap", "lots"])
     assert result.exit_code == 2 and "lots" in result.output
-    result = runner.invoke(app, ["serve-bench", "agent", "--repair-variants", "16,x"])
+    result = runner.invoke(app, ["serve", "agent", "--repair-variants", "16,x"])
     assert result.exit_code == 2 and "16,x" in result.output
-    result = runner.invoke(app, ["serve-bench", "agent", "--drift-tau", "-1"])
+    result = runner.invoke(app, ["serve", "agent", "--drift-tau", "-1"])
     assert result.exit_code == 2 and "drift" in result.output
 
 
 def test_agent_check_refuses_a_folder_without_a_soak_run(tmp_path) -> None:
-    from kvnotes.cli.app import app
+    from kvnotes_bench.cli import app
 
-    result = CliRunner().invoke(app, ["serve-bench", "agent-check", str(tmp_path)])
+    result = CliRunner().invoke(app, ["serve", "agent-check", str(tmp_path)])
     assert result.exit_code == 2 and "no soak run" in result.output
 
 

@@ -10,16 +10,6 @@ import copy
 import pytest
 from conftest import make_tiny_engine
 
-from kvnotes.bench.serving.agent_traffic_check import (
-    AgentOracle,
-    KeptEntries,
-    Reference,
-    served_strings,
-    verdict,
-)
-from kvnotes.bench.serving.agent_traffic_client import Answer
-from kvnotes.bench.serving.agent_traffic_render import NotRendered, rendered_prompt
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes.core.repair import Repair
 from kvnotes.serving.library.piece_store import PieceStore
 from kvnotes.serving.planning.front_plan import FrontPlan, plan_request
@@ -28,6 +18,16 @@ from kvnotes.serving.planning.request import read_request
 from kvnotes.serving.protocol import SpliceReport, SpliceRequest, UsageKvnotes
 from kvnotes.serving.skills import ServingSkills
 from kvnotes.serving.vllm.plans import SplicePlanner
+from kvnotes_bench.serving.agent_traffic_check import (
+    AgentOracle,
+    KeptEntries,
+    Reference,
+    served_strings,
+    verdict,
+)
+from kvnotes_bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_render import NotRendered, rendered_prompt
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 HEADER = "You are the airline's support agent. Follow the policies.\n"
 BAGGAGE = "Baggage: one checked bag of 23 kg is included on every international fare.\n"
@@ -240,7 +240,7 @@ def test_prefix_cache_tokens_another_request_made_are_counted(published, tokeniz
     (every request of the salt computes it alike)."""
     from dataclasses import replace
 
-    from kvnotes.bench.serving.agent_traffic_check import reported_sources
+    from kvnotes_bench.serving.agent_traffic_check import reported_sources
 
     fp = front_plan(published, tokenizer, 8)
     usage = served(published, fp)
@@ -267,7 +267,7 @@ def test_a_foreign_hit_is_taken_from_the_earliest_request_that_shares_it(publish
     no such request, from the plan's layout."""
     from dataclasses import replace
 
-    from kvnotes.bench.serving.agent_traffic_check import Source, clip, foreign_end
+    from kvnotes_bench.serving.agent_traffic_check import Source, clip, foreign_end
 
     fp = front_plan(published, tokenizer, 8)
     usage = served(published, fp)
@@ -297,16 +297,16 @@ def test_a_stored_run_is_checked_again_from_its_records_and_kept_entries(tokeniz
     import json
     import shutil
 
-    from kvnotes.bench.kit.machine import MachineRecord
-    from kvnotes.bench.serving.agent_traffic import AgentBenchConfig, AgentResult
-    from kvnotes.bench.serving.agent_traffic_recheck import recheck_bundle
-    from kvnotes.bench.serving.agent_traffic_records import (
+    from kvnotes_bench.kit.machine import MachineRecord
+    from kvnotes_bench.serving.agent_traffic import AgentBenchConfig, AgentResult
+    from kvnotes_bench.serving.agent_traffic_recheck import recheck_bundle
+    from kvnotes_bench.serving.agent_traffic_records import (
         RECORDS_NAME,
         SoakRequestRecord,
         read_records,
         write_records,
     )
-    from kvnotes.bench.serving.agent_traffic_soak import SoakRecord
+    from kvnotes_bench.serving.agent_traffic_soak import SoakRecord
 
     engine = make_tiny_engine("llama", tokenizer)
     lib = ServingSkills(tmp_path / "soak-skills", engine)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.bench.serving import agent_traffic_report, skills_report, soak_report
-from kvnotes.bench.serving import report as erratum_report
+from kvnotes_bench.serving import agent_traffic_report, skills_report, soak_report
+from kvnotes_bench.serving import report as erratum_report
 
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results" / "serve-bench"
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvnotes.bench.serving.engine_check import (
+from kvnotes.ops.store import SkillLibrary
+from kvnotes_bench.serving.engine_check import (
     EngineAnswer,
     check_against_engine,
     engine_answers,
     guarded_answers,
 )
-from kvnotes.bench.serving.prompt_sets import AirlinePrompts, BfclPrompts
-from kvnotes.bench.serving.skills_fidelity import Fidelity
-from kvnotes.bench.serving.skills_report import markdown
-from kvnotes.ops.store import SkillLibrary
+from kvnotes_bench.serving.prompt_sets import AirlinePrompts, BfclPrompts
+from kvnotes_bench.serving.skills_fidelity import Fidelity
+from kvnotes_bench.serving.skills_report import markdown
 
 HEADER = "System: you answer customers of an airline.\n"
 SKILLS = ("\nREFUNDS: unworn items within 30 days get their money back in full.",
@@ -111,13 +111,13 @@ def test_variants_guarded_is_the_engines_variants_answer_unless_the_guard_fires(
 def test_recheck_engine_reads_a_stored_run_and_its_skill_folder(fake_server, tokenizer,
                                                                  tiny_llama, tmp_path):
     from kvnotes.apps.agent.prompt import HEADER as AIRLINE_HEADER
-    from kvnotes.bench.serving.prompt_sets import skill_texts
-    from kvnotes.bench.serving.runs import recheck_engine
-    from kvnotes.bench.serving.skills import run_skills_benchmark
-    from kvnotes.bench.serving.skills_config import SkillsBenchConfig
-    from kvnotes.bench.serving.skills_report import write_outputs
     from kvnotes.core.errors import InvalidArgumentError
     from kvnotes.serving.compose_client import ComposeClient
+    from kvnotes_bench.serving.prompt_sets import skill_texts
+    from kvnotes_bench.serving.runs import recheck_engine
+    from kvnotes_bench.serving.skills import run_skills_benchmark
+    from kvnotes_bench.serving.skills_config import SkillsBenchConfig
+    from kvnotes_bench.serving.skills_report import write_outputs
 
     url, _ = fake_server
     config = SkillsBenchConfig(requests=1, concurrency=(1,), fidelity_samples=2, warmup=0,

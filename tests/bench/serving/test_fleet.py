@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving import fleet_parts
-from kvnotes.bench.serving.agent_traffic_client import Answer
-from kvnotes.bench.serving.agent_traffic_overhead import Timing
-from kvnotes.bench.serving.agent_traffic_requests import AgentRequest
-from kvnotes.bench.serving.agent_traffic_soak import SoakRecord
-from kvnotes.bench.serving.fleet import FleetBenchConfig, FleetResult, with_store
-from kvnotes.bench.serving.fleet_parts import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.store.redis_process import REDIS_SERVER, RedisProcess
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving import fleet_parts
+from kvnotes_bench.serving.agent_traffic_client import Answer
+from kvnotes_bench.serving.agent_traffic_overhead import Timing
+from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes_bench.serving.agent_traffic_soak import SoakRecord
+from kvnotes_bench.serving.fleet import FleetBenchConfig, FleetResult, with_store
+from kvnotes_bench.serving.fleet_parts import (
     FetchCost,
     HostView,
     ShareCase,
@@ -31,8 +33,8 @@ from kvnotes.bench.serving.fleet_parts import (
     ttft_overhead,
     ttft_round,
 )
-from kvnotes.bench.serving.fleet_report import markdown, write_outputs
-from kvnotes.bench.serving.fleet_soak import (
+from kvnotes_bench.serving.fleet_report import markdown, write_outputs
+from kvnotes_bench.serving.fleet_soak import (
     FaultEvent,
     FleetSender,
     parse_faults,
@@ -41,9 +43,7 @@ from kvnotes.bench.serving.fleet_soak import (
     store_series,
     windows,
 )
-from kvnotes.bench.serving.fleet_summary import goals
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving.store.redis_process import REDIS_SERVER, RedisProcess
+from kvnotes_bench.serving.fleet_summary import goals
 
 
 def _tool(name: str) -> dict:
@@ -274,7 +274,7 @@ def test_run_faults_kills_restarts_and_flushes_a_real_server(tmp_path) -> None:
 def _result() -> FleetResult:
     result = FleetResult(config=FleetBenchConfig(cases=2), machine=MachineRecord.now(),
                          started="2026-12-06 23:00", finished="2026-12-06 23:30",
-                         command="kvnotes serve-bench fleet", threads={"torch": 2},
+                         command="kvnotes-bench serve fleet", threads={"torch": 2},
                          redis={"version": "7.0.15", "port": 6390})
     for i in range(2):
         result.share.append(ShareCase(f"case-{i}", 3, 3, True, 1.0, True, 2.0,
@@ -320,9 +320,9 @@ def test_report_and_plot_from_a_synthetic_result(tmp_path: Path) -> None:
 
 # ---- the hosts and the command ------------------------------------------------------------------
 def test_host_config_puts_each_host_on_its_folder_and_the_store(tmp_path) -> None:
-    from kvnotes.bench.serving.fleet import STORE_FIELDS, host_config
     from kvnotes.serving.front.config import FrontConfig, LearnConfig
     from kvnotes.serving.launch.launcher import LaunchConfig
+    from kvnotes_bench.serving.fleet import STORE_FIELDS, host_config
 
     base = LaunchConfig(model="smollm2-135m", block_size=32)
     folder = host_config(base, tmp_path / "c", 3, 30.0, None)
@@ -345,12 +345,12 @@ def test_host_config_puts_each_host_on_its_folder_and_the_store(tmp_path) -> Non
 def test_the_command_refuses_bad_options_before_loading_a_model() -> None:
     from typer.testing import CliRunner
 
-    from kvnotes.cli.app import app
+    from kvnotes_bench.cli import app
 
     runner = CliRunner()
     for args, said in ((["--parts", "share,bogus"], "bogus"),
                        (["--faults", "kill@0.2,flush@0.3"], "restart it first"),
                        (["--faults", "explode@0.5"], "explode"),
                        (["--concurrency", "1,x"], "1,x")):
-        result = runner.invoke(app, ["serve-bench", "fleet", "--model", "no-such-model", *args])
+        result = runner.invoke(app, ["serve", "fleet", "--model", "no-such-model", *args])
         assert result.exit_code == 2 and said in result.output, result.output

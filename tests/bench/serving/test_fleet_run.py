@@ -9,13 +9,13 @@ import json
 import pytest
 from _fake_fleet import FakeHost, Fleet
 
-from kvnotes.bench.serving import fleet_run
-from kvnotes.bench.serving.agent_traffic_soak import AgentSoakConfig
-from kvnotes.bench.serving.fleet import FleetBenchConfig
-from kvnotes.bench.serving.fleet_report import write_outputs
 from kvnotes.serving.launch import launcher
 from kvnotes.serving.launch.launcher import LaunchConfig
 from kvnotes.serving.store.redis_process import REDIS_SERVER
+from kvnotes_bench.serving import fleet_run
+from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig
+from kvnotes_bench.serving.fleet import FleetBenchConfig
+from kvnotes_bench.serving.fleet_report import write_outputs
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
@@ -42,7 +42,7 @@ def test_run_fleet_over_fake_hosts(tmp_path, monkeypatch, tiny_llama) -> None:
     lines: list[str] = []
     result = fleet_run.run_fleet(config, LaunchConfig(model="smollm2-135m", block_size=32),
                                  tiny_llama, out=tmp_path, request_timeout_s=30.0,
-                                 command="kvnotes serve-bench fleet", say=lines.append)
+                                 command="kvnotes-bench serve fleet", say=lines.append)
     a, b, folder = launched
     assert a.config.front.store == b.config.front.store == result.redis["url"]
     assert folder.config.front.store is None and a.folder != b.folder
@@ -74,7 +74,7 @@ def test_run_fleet_over_fake_hosts(tmp_path, monkeypatch, tiny_llama) -> None:
     assert {r.verdict["status"] for r in result.soak_records} <= {"wrong", "near_tie"}
     # checked again from the stored bundle (no server): the same verdicts; the fake's token
     # counts are not the rendered prompts', so no reference is computed
-    from kvnotes.bench.serving.fleet_recheck import recheck_fleet
+    from kvnotes_bench.serving.fleet_recheck import recheck_fleet
 
     again = recheck_fleet(tmp_path, tiny_llama, say=lines.append)
     assert [r.verdict for r in again.soak_records] == [r.verdict for r in result.soak_records]

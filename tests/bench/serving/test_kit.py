@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvnotes.bench.kit.failures import count_kinds
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving import kit
-from kvnotes.bench.serving.kit import PhaseSummary, p90_ratios, run_phase, summarize
+from kvnotes_bench.kit.failures import count_kinds
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving import kit
+from kvnotes_bench.serving.kit import PhaseSummary, p90_ratios, run_phase, summarize
 
 
 @dataclass

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.bench.serving.erratum import ErratumBenchConfig
-from kvnotes.bench.serving.runs import Target, erratum_launch, run_erratum_rows
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch.launcher import LaunchConfig
+from kvnotes_bench.serving.erratum import ErratumBenchConfig
+from kvnotes_bench.serving.runs import Target, erratum_launch, run_erratum_rows
 
 ROOT = Path(__file__).parents[3]
 RESULTS = ROOT / "docs" / "results" / "serve-bench"

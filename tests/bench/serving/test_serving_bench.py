@@ -12,14 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.bench.serving.client import Client, check_loopback_url
-from kvnotes.bench.serving.erratum import (
+from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
+from kvnotes.ops.decisions import parse_answer
+from kvnotes.ops.edit import erratum_text
+from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
+from kvnotes.serving.upstream import info_labels
+from kvnotes_bench.serving.client import Client, check_loopback_url
+from kvnotes_bench.serving.erratum import (
     ErratumBenchConfig,
     matrix_config,
     run_benchmark,
     validate_block_size,
 )
-from kvnotes.bench.serving.metrics import (
+from kvnotes_bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
     agreement,
@@ -27,8 +32,8 @@ from kvnotes.bench.serving.metrics import (
     percentile,
     ttft_breakdown,
 )
-from kvnotes.bench.serving.report import report_markdown, write_outputs
-from kvnotes.bench.serving.workload import (
+from kvnotes_bench.serving.report import report_markdown, write_outputs
+from kvnotes_bench.serving.workload import (
     ANSWERS,
     MAX_EDITS,
     REASK,
@@ -37,11 +42,6 @@ from kvnotes.bench.serving.workload import (
     make_sessions,
     whitespace_tokens,
 )
-from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
-from kvnotes.ops.decisions import parse_answer
-from kvnotes.ops.edit import erratum_text
-from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
-from kvnotes.serving.upstream import info_labels
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -178,7 +178,7 @@ def test_parse_prometheus_sums_label_sets():
 
 
 def test_metrics_parsed_by_prometheus_client(monkeypatch):
-    import kvnotes.bench.serving.metrics as metrics_mod
+    import kvnotes_bench.serving.metrics as metrics_mod
 
     assert not hasattr(metrics_mod, "_SAMPLE")  # the hand-written parser is gone
     calls = []
@@ -290,7 +290,7 @@ def test_context_longer_than_the_server_allows(fake_server):
 
 
 def test_context_limit_checked_on_the_measured_prompts(fake_server, monkeypatch):
-    import kvnotes.bench.serving.erratum as bench
+    import kvnotes_bench.serving.erratum as bench
 
     url, state = fake_server
     monkeypatch.setattr(bench.secrets, "token_hex", lambda n: "abcdef")  # same sessions
@@ -541,8 +541,8 @@ def test_async_concurrency_is_honoured(fake_server, conc):
 def test_bench_uses_async_openai_not_threads():
     import inspect
 
-    import kvnotes.bench.serving.client as client
-    import kvnotes.bench.serving.erratum as bench
+    import kvnotes_bench.serving.client as client
+    import kvnotes_bench.serving.erratum as bench
 
     src = inspect.getsource(bench) + inspect.getsource(client)
     for gone in ("threading", "http.client", "queue.Queue"):
@@ -625,10 +625,10 @@ def test_block_size_recorded_from_server_metrics(tmp_path):
 def test_launch_passes_and_records_block_size(tmp_path, fake_launch):
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
     out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--launch", "--block-size", "64",
+    res = CliRunner().invoke(app, ["serve", "erratum", "--launch", "--block-size", "64",
                                    "--dtype", "float32", "--context-tokens", "200", "--sessions",
                                    "1", "--edits", "1", "--concurrency", "1", "--policies",
                                    "erratum", "--out", str(out)])
@@ -647,11 +647,11 @@ def test_launch_passes_and_records_block_size(tmp_path, fake_launch):
 def test_cli_block_size_errors():
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--launch", "--block-size", "48"])
+    res = CliRunner().invoke(app, ["serve", "erratum", "--launch", "--block-size", "48"])
     assert res.exit_code == 2 and "multiple of 32" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://127.0.0.1:1",
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", "http://127.0.0.1:1",
                                    "--block-size", "64"])
     assert res.exit_code == 2 and "read from its /metrics" in res.output
 
@@ -661,7 +661,7 @@ def test_loopback_guard_before_any_client(monkeypatch):
     import openai
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
     made = []
 
@@ -677,7 +677,7 @@ def test_loopback_guard_before_any_client(monkeypatch):
     monkeypatch.setattr(httpx2.AsyncClient, "__init__", record("httpx2.AsyncClient"))
     with pytest.raises(ServingError, match="only loopback servers"):
         Client("http://10.1.2.3:8000")
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://10.1.2.3:8000",
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", "http://10.1.2.3:8000",
                                    "--context-tokens", "100", "--concurrency", "1"])
     assert res.exit_code == 1 and "only loopback servers are allowed" in res.output
     assert made == []
@@ -709,12 +709,12 @@ def test_optional_context_runs_only_when_the_model_allows(fake_server):
 def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
     url, state = fake_server
     state.spt = 0.0
     out = tmp_path / "m"
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--matrix", "--context-tokens",
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", url, "--matrix", "--context-tokens",
                                    "150", "--concurrency", "4", "--policies", "erratum",
                                    "--edits", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -724,7 +724,7 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
     assert data["config"]["question"] == "decision" and data["config"]["max_tokens"] == 8
     # --question status: room for a restated question before the status, unless told
     for extra, tokens in (([], 24), (["--max-tokens", "5", "--errata", "append"], 5)):
-        res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--context-tokens", "150",
+        res = CliRunner().invoke(app, ["serve", "erratum", "--url", url, "--context-tokens", "150",
                                        "--concurrency", "1", "--policies", "erratum", "--edits",
                                        "1", "--sessions", "1", "--question", "status",
                                        "--out", str(out), *extra])
@@ -733,11 +733,11 @@ def test_cli_matrix_on_fake_server(fake_server, tmp_path):
         assert data["config"]["question"] == "status" and data["config"]["max_tokens"] == tokens
         assert data["config"]["errata"] == ("append" if extra else "follow-up-latest")
         assert data["summaries"][0]["accuracy"] == 1.0
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--question", "mood"])
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", url, "--question", "mood"])
     assert res.exit_code == 2 and "unknown question 'mood'" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--errata", "merge"])
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", url, "--errata", "merge"])
     assert res.exit_code == 2 and "unknown errata form 'merge'" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", url, "--max-tokens", "0"])
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", url, "--max-tokens", "0"])
     assert res.exit_code == 2 and "--max-tokens must be at least 1, got 0" in res.output
 
 
@@ -752,11 +752,11 @@ def test_time_budget_skips_requests(fake_server):
 def test_cli_rejects_url_and_launch_together():
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", "http://127.0.0.1:1", "--launch"])
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", "http://127.0.0.1:1", "--launch"])
     assert res.exit_code != 0
-    res = CliRunner().invoke(app, ["serve-bench", "erratum", "--url", f"http://127.0.0.1:{_closed_port()}",
+    res = CliRunner().invoke(app, ["serve", "erratum", "--url", f"http://127.0.0.1:{_closed_port()}",
                                    "--context-tokens", "100", "--sessions", "1", "--edits", "1",
                                    "--concurrency", "1"])
     # a server that cannot be reached is a runtime failure (exit 1), not a usage error (2)

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kvnotes.apps.agent.prompt import HEADER
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.kit import PhaseSummary
-from kvnotes.bench.serving.prompt_sets import (
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.repair import Repair
+from kvnotes.serving.compose_client import ComposeClient, ComposeResult
+from kvnotes.serving.planning.layout import prompt_ids
+from kvnotes.serving.protocol import PlanReport, RepairPolicy, UsageKvnotes
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.kit import PhaseSummary
+from kvnotes_bench.serving.prompt_sets import (
     AirlinePrompts,
     bfcl_prompts,
     call_name,
@@ -17,16 +22,11 @@ from kvnotes.bench.serving.prompt_sets import (
     make_requests,
     skill_texts,
 )
-from kvnotes.bench.serving.skills import SkillsResult, run_skills_benchmark
-from kvnotes.bench.serving.skills_clients import FrontClients, make_clients
-from kvnotes.bench.serving.skills_config import SkillsBenchConfig
-from kvnotes.bench.serving.skills_fidelity import Fidelity, HalfCounts, measure_fidelity
-from kvnotes.bench.serving.skills_report import fidelity_lines, markdown, report, write_outputs
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.core.repair import Repair
-from kvnotes.serving.compose_client import ComposeClient, ComposeResult
-from kvnotes.serving.planning.layout import prompt_ids
-from kvnotes.serving.protocol import PlanReport, RepairPolicy, UsageKvnotes
+from kvnotes_bench.serving.skills import SkillsResult, run_skills_benchmark
+from kvnotes_bench.serving.skills_clients import FrontClients, make_clients
+from kvnotes_bench.serving.skills_config import SkillsBenchConfig
+from kvnotes_bench.serving.skills_fidelity import Fidelity, HalfCounts, measure_fidelity
+from kvnotes_bench.serving.skills_report import fidelity_lines, markdown, report, write_outputs
 
 
 def test_requests_pick_k_distinct_skills_in_random_order():
@@ -141,8 +141,8 @@ def test_skills_benchmark_on_fake_server(fake_server, tokenizer, tmp_path):
     data["config"]["repair"] = 96
     assert "`Repair(first=96)` aligned" in markdown(data)
     assert data["started"][:2] == "20" and data["finished"] >= data["started"]
-    data["command"] = "kvnotes serve-bench skills --launch"
-    assert (f"Run {data['started']} to {data['finished']} UTC: `kvnotes serve-bench skills "
+    data["command"] = "kvnotes-bench serve skills --launch"
+    assert (f"Run {data['started']} to {data['finished']} UTC: `kvnotes-bench serve skills "
             "--launch`.") in markdown(data)
     phased_clients = make_clients(client, ("repaired",), 128, repair_tokens=96)
     assert phased_clients.repair == Repair(first=96) and phased_clients.repaired is not None
@@ -151,17 +151,17 @@ def test_skills_benchmark_on_fake_server(fake_server, tokenizer, tmp_path):
 def test_cli_skills_options_checked_before_any_server():
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
-    res = CliRunner().invoke(app, ["serve-bench", "skills", "--url", "http://127.0.0.1:1"])
+    res = CliRunner().invoke(app, ["serve", "skills", "--url", "http://127.0.0.1:1"])
     assert res.exit_code == 2 and "--url needs --skills DIR" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--k", "0"])
+    res = CliRunner().invoke(app, ["serve", "skills", "--launch", "--k", "0"])
     assert res.exit_code == 2 and "--k must be between 1 and" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies", "warm"])
+    res = CliRunner().invoke(app, ["serve", "skills", "--launch", "--policies", "warm"])
     assert res.exit_code == 2 and "unknown policy 'warm'" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--guard-tau", "-1"])
+    res = CliRunner().invoke(app, ["serve", "skills", "--launch", "--guard-tau", "-1"])
     assert res.exit_code == 2 and "margin >= 0" in res.output
-    res = CliRunner().invoke(app, ["serve-bench", "--workload", "skills"])
+    res = CliRunner().invoke(app, ["serve", "--workload", "skills"])
     assert res.exit_code == 2  # one subcommand per workload
 
 
@@ -182,8 +182,8 @@ def test_library_index_places_pieces_where_register_skills_compiles_them(tokeniz
 
 
 def test_bfcl_prompts_are_the_tools_bench_cases_in_its_halves(tokenizer):
-    from kvnotes.bench.tools.data import load_cases, spread
-    from kvnotes.bench.tools.prompt import CALL_OPENING, case_prompt
+    from kvnotes_bench.tools.data import load_cases, spread
+    from kvnotes_bench.tools.prompt import CALL_OPENING, case_prompt
 
     ps = bfcl_prompts(tokenizer, cases=12, max_context=2048)
     picked = spread(load_cases("live_multiple"), 12)
@@ -220,7 +220,7 @@ def test_bfcl_prompts_are_the_tools_bench_cases_in_its_halves(tokenizer):
 
 
 def test_bfcl_multi_turn_prompts_make_each_class_manual_a_skill(tokenizer):
-    from kvnotes.bench.tools.data import load_cases, spread
+    from kvnotes_bench.tools.data import load_cases, spread
 
     ps = bfcl_prompts(tokenizer, cases=4, max_context=8192, name="bfcl-multi_turn")
     assert ps.name == "bfcl-multi_turn" and ps.set_name == "multi_turn" and ps.decides
@@ -285,7 +285,7 @@ class _Scripted:
 
 
 def test_fidelity_reads_decisions_and_right_tools(tokenizer):
-    from kvnotes.bench.serving.prompt_sets import BfclCase, BfclPrompts
+    from kvnotes_bench.serving.prompt_sets import BfclCase, BfclPrompts
 
     ps = BfclPrompts(cases=[BfclCase("c1", ("h", "s", "q1"), "calibrate", ("alpha",), 9),
                             BfclCase("c2", ("h", "s", "q2"), "evaluate", ("beta",), 9)],

@@ -9,29 +9,6 @@ import dataclasses
 import pytest
 from conftest import make_tiny_engine
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.engine_check import engine_answers
-from kvnotes.bench.serving.kit import PhaseSummary
-from kvnotes.bench.serving.prompt_sets import BfclCase, BfclPrompts
-from kvnotes.bench.serving.runs import skill_names
-from kvnotes.bench.serving.skills import (
-    Record,
-    SkillsResult,
-    declared_pairs,
-    phase_prompts,
-    policy_prompts,
-)
-from kvnotes.bench.serving.skills_clients import Clients, FrontClients
-from kvnotes.bench.serving.skills_config import SkillsBenchConfig
-from kvnotes.bench.serving.skills_fidelity import _fidelity, _fidelity_case
-from kvnotes.bench.serving.skills_report import markdown, report
-from kvnotes.bench.serving.skills_variants import (
-    VARIANTS_TENANT,
-    DeclaredVariants,
-    declare_variants,
-    variant_pairs,
-    variant_use,
-)
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeResult
@@ -40,6 +17,29 @@ from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import read_request
 from kvnotes.serving.protocol import PlanEntry, PlanReport, RepairPolicy, UsageKvnotes
 from kvnotes.serving.skills import ServingSkills
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.engine_check import engine_answers
+from kvnotes_bench.serving.kit import PhaseSummary
+from kvnotes_bench.serving.prompt_sets import BfclCase, BfclPrompts
+from kvnotes_bench.serving.runs import skill_names
+from kvnotes_bench.serving.skills import (
+    Record,
+    SkillsResult,
+    declared_pairs,
+    phase_prompts,
+    policy_prompts,
+)
+from kvnotes_bench.serving.skills_clients import Clients, FrontClients
+from kvnotes_bench.serving.skills_config import SkillsBenchConfig
+from kvnotes_bench.serving.skills_fidelity import _fidelity, _fidelity_case
+from kvnotes_bench.serving.skills_report import markdown, report
+from kvnotes_bench.serving.skills_variants import (
+    VARIANTS_TENANT,
+    DeclaredVariants,
+    declare_variants,
+    variant_pairs,
+    variant_use,
+)
 
 HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"
 REFUNDS = ("\nREFUNDS: a ticket is refunded in full when it is cancelled within 24 hours of "
@@ -180,10 +180,10 @@ def test_recompute_shares_variant_hits_and_the_report():
 def test_cli_refuses_the_variants_policies_without_the_front():
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app
+    from kvnotes_bench.cli import app
 
     for policies in ("repaired,variants", "variants-guarded"):
-        res = CliRunner().invoke(app, ["serve-bench", "skills", "--launch", "--policies",
+        res = CliRunner().invoke(app, ["serve", "skills", "--launch", "--policies",
                                        policies])
         assert res.exit_code == 2 and "--via front" in res.output
 

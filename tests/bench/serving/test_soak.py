@@ -9,9 +9,11 @@ import random
 
 import pytest
 
-from kvnotes.bench.kit.machine import MachineRecord
-from kvnotes.bench.serving.corun import CorunConfig, inter_token_gaps
-from kvnotes.bench.serving.soak_check import (
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.serving.protocol import SpliceRequest
+from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.serving.corun import CorunConfig, inter_token_gaps
+from kvnotes_bench.serving.soak_check import (
     SHARED_TENANTS,
     EngineOracle,
     Prompt,
@@ -22,13 +24,11 @@ from kvnotes.bench.serving.soak_check import (
     event_schedule,
     trimmed,
 )
-from kvnotes.bench.serving.soak_client import Answer, stream_completion, token_id
-from kvnotes.bench.serving.soak_events import EventRecord, damage_file, damage_times
-from kvnotes.bench.serving.soak_report import markdown, report
-from kvnotes.bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
-from kvnotes.bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.serving.protocol import SpliceRequest
+from kvnotes_bench.serving.soak_client import Answer, stream_completion, token_id
+from kvnotes_bench.serving.soak_events import EventRecord, damage_file, damage_times
+from kvnotes_bench.serving.soak_report import markdown, report
+from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
+from kvnotes_bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name
 
 PROMPT = Prompt(("refunds", "volatile-0"), "\n\nCustomer: hi\nAgent:", 4, volatile_at=1)
 
@@ -255,7 +255,7 @@ def test_report_lists_the_figures_and_the_wrong_answers():
                         records=[rec], events=[EventRecord("publish", 0, 5.0, 5.1, 5.3)],
                         wall_s=10.0, preemptions_before=0.0, preemptions_after=2.0,
                         server_log={"spliced": 3}, references=1, threads=2,
-                        how="kvnotes serve-bench soak", started="2026-01-01T00:00:00Z")
+                        how="kvnotes-bench serve soak", started="2026-01-01T00:00:00Z")
     text = markdown(result.to_dict())
     assert text == report(result) == report(SoakResult.from_dict(result.to_dict()))
     assert "| wrong answers | 1 |" in text

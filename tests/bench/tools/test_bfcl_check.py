@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvnotes.bench.tools.bfcl_check import CallCheck, check_call, parse_call
-from kvnotes.bench.tools.data import load_cases, spread
-from kvnotes.bench.tools.prompt import CALL_OPENING
+from kvnotes_bench.tools.bfcl_check import CallCheck, check_call, parse_call
+from kvnotes_bench.tools.data import load_cases, spread
+from kvnotes_bench.tools.prompt import CALL_OPENING
 
 WEATHER = [{"name": "get_weather", "description": "Weather in a city.",
             "parameters": {"type": "dict", "properties": {
@@ -80,11 +80,11 @@ def test_odd_texts_are_unparsable_not_errors(junk):
 def test_the_bench_checks_each_strategys_call_where_asked(tiny_llama):
     """``call_tokens`` decodes the longer answer for the checker and keeps the greedy identity
     over the first ``greedy_tokens``; the summary counts checked, parsed and valid calls."""
-    from kvnotes.bench.tools.data import SkillDoc, ToolCase
-    from kvnotes.bench.tools.prompt import case_prompt
-    from kvnotes.bench.tools.results import StrategySummary
-    from kvnotes.bench.tools.runner import run_case
-    from kvnotes.bench.tools.strategies import SkillCache, parse_strategies
+    from kvnotes.research.tool_runs import StrategySummary
+    from kvnotes_bench.tools.data import SkillDoc, ToolCase
+    from kvnotes_bench.tools.prompt import case_prompt
+    from kvnotes_bench.tools.runner import run_case
+    from kvnotes_bench.tools.strategies import SkillCache, parse_strategies
 
     docs = [dict(WEATHER[0]), {**WEATHER[0], "name": "get_time"}]
     case = ToolCase("live_multiple_x", "live_multiple",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvnotes.bench.tools.frontier import frontier, main, point, sweep_taus
-from kvnotes.bench.tools.results import CaseResult, Outcome
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.research.tool_runs import CaseResult, Outcome
+from kvnotes_bench.tools.frontier import frontier, main, point, sweep_taus
 
 
 def _outcome(strategy: str, *, same: bool, margin: float, greedy: bool | None) -> Outcome:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvnotes.bench.tools.guard_calib import GuardCase, choose_default, curve, row
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.tools.guard_calib import GuardCase, choose_default, curve, row
 
 
 def case(margin: float, *, same: bool = True, first: bool = True, choice: bool | None = None,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvnotes.bench.tools.divergence import (
+from kvnotes_bench.tools.divergence import (
     DivergenceCase,
     SkillOracle,
     StrategyRead,
@@ -16,7 +16,7 @@ from kvnotes.bench.tools.divergence import (
     summarize_oracle,
     where_of,
 )
-from kvnotes.bench.tools.guard_measure import (
+from kvnotes_bench.tools.guard_measure import (
     Request,
     decode,
     first_divergence,
@@ -25,8 +25,8 @@ from kvnotes.bench.tools.guard_measure import (
     read,
     skill_ids,
 )
-from kvnotes.bench.tools.prompt import CasePrompt
-from kvnotes.bench.tools.strategies import SkillCache, parse_strategy
+from kvnotes_bench.tools.prompt import CasePrompt
+from kvnotes_bench.tools.strategies import SkillCache, parse_strategy
 
 PROMPT = CasePrompt("You pick a tool.", ("\nweather: the forecast of a city for a day",
                                          "\nflights: search flights between two airports"),
@@ -100,8 +100,8 @@ def test_summaries_count_identity_given_the_first_token_and_restoring_places():
 
 @pytest.mark.parametrize("bad", ["exact", "guard:epic:32"])
 def test_divergence_takes_composed_strategies(bad):
-    from kvnotes.bench.tools.divergence import DivergenceConfig
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes_bench.tools.divergence import DivergenceConfig
 
     with pytest.raises(InvalidArgumentError):
         DivergenceConfig(strategies=(bad,))
@@ -110,8 +110,8 @@ def test_divergence_takes_composed_strategies(bad):
 def test_a_guard_run_with_divergence_pools_from_its_json(tiny_llama, monkeypatch):
     import json
 
-    from kvnotes.bench.tools import guard_run
-    from kvnotes.bench.tools.guard_run import GuardBenchConfig, GuardBenchResult
+    from kvnotes_bench.tools import guard_run
+    from kvnotes_bench.tools.guard_run import GuardBenchConfig, GuardBenchResult
 
     reqs = [Request(f"r{i}", "live_multiple", PROMPT, True) for i in range(3)]
     monkeypatch.setattr(guard_run, "requests", lambda engine, s, n, **kw: reqs)
@@ -128,9 +128,9 @@ def test_a_guard_run_with_divergence_pools_from_its_json(tiny_llama, monkeypatch
 
 
 def test_airline_requests_come_from_the_prompt_maker_given(tiny_llama):
-    from kvnotes.bench.serving.prompt_sets import make_requests
-    from kvnotes.bench.tools.guard_measure import requests
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes_bench.serving.prompt_sets import make_requests
+    from kvnotes_bench.tools.guard_measure import requests
 
     found = requests(tiny_llama, "airline", 3, k=2, airline=make_requests)
     assert [r.id for r in found] == ["airline-0", "airline-1", "airline-2"]
@@ -147,14 +147,15 @@ def test_airline_requests_come_from_the_prompt_maker_given(tiny_llama):
 def test_bench_guard_refuses_a_held_out_set_and_a_bad_part_before_loading(monkeypatch):
     from typer.testing import CliRunner
 
-    from kvnotes.cli import app, options
+    from kvnotes.cli import options
+    from kvnotes_bench.cli import app
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr(options, "load_engine", no_load)
-    held = CliRunner().invoke(app, ["bench", "guard", "--model", "m", "--set",
+    held = CliRunner().invoke(app, ["guard", "--model", "m", "--set",
                                     "live_multiple,simple"])
     assert held.exit_code == 2 and "held out" in held.output
-    part = CliRunner().invoke(app, ["bench", "guard", "--model", "m", "--part", "2/2"])
+    part = CliRunner().invoke(app, ["guard", "--model", "m", "--part", "2/2"])
     assert part.exit_code == 2 and "--part 2/2" in part.output

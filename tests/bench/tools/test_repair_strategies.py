@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvnotes.bench.tools.strategies import parse_strategies, parse_strategy, repair_of
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
+from kvnotes_bench.tools.strategies import parse_strategies, parse_strategy, repair_of
 
 
 @pytest.mark.parametrize("spec,repair", [

@@ -11,13 +11,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvnotes.bench.tools import HeldOutDataError, ToolsBenchConfig, load_cases, run_bench
-from kvnotes.bench.tools.choice import choose, name_trie
-from kvnotes.bench.tools.data import category_file, first_call_name, spread
-from kvnotes.bench.tools.prompt import SKILL_OPENING, STAND_IN, case_prompt, skill_text
-from kvnotes.bench.tools.results import CaseResult, Outcome
-from kvnotes.bench.tools.runner import calibrate_tau, guard_curve, run_case
-from kvnotes.bench.tools.strategies import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import DEFAULT_REPAIR, prefix_digest
+from kvnotes.research.tool_runs import CaseResult, Outcome
+from kvnotes_bench.cli import app
+from kvnotes_bench.tools import HeldOutDataError, ToolsBenchConfig, load_cases, run_bench
+from kvnotes_bench.tools.choice import choose, name_trie
+from kvnotes_bench.tools.data import category_file, first_call_name, spread
+from kvnotes_bench.tools.prompt import SKILL_OPENING, STAND_IN, case_prompt, skill_text
+from kvnotes_bench.tools.runner import calibrate_tau, guard_curve, run_case
+from kvnotes_bench.tools.strategies import (
     SkillCache,
     Variant,
     build,
@@ -27,9 +30,6 @@ from kvnotes.bench.tools.strategies import (
     spliced_temperature,
     variants,
 )
-from kvnotes.cli import app
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.repair import DEFAULT_REPAIR, prefix_digest
 
 HELD_OUT = ("multiple", "parallel_multiple", "simple_python", "simple_java", "live_simple",
             "live_parallel", "live_parallel_multiple", "irrelevance", "live_irrelevance")
@@ -392,7 +392,7 @@ def test_cli_records_the_skill_opening_and_the_library(tiny_folder: Path, bfcl_r
     assert f"| {rows['pred+epic:2']['variants']} / {rows['pred+epic:2']['distinct_skills']} |" \
         in report
     (out / "results.json").unlink()
-    res = CliRunner().invoke(app, ["bench", "tools-report", str(out)])
+    res = CliRunner().invoke(app, ["tools-report", str(out)])
     assert res.exit_code == 0, res.output
     again = json.loads((out / "results.json").read_text())
     assert again["summaries"] == data["summaries"]
@@ -457,14 +457,14 @@ def test_cli_runs_end_to_end(tiny_folder: Path, bfcl_root: Path, tmp_path: Path)
     assert not math.isnan(data["summaries"][0]["compute_fraction"])
     # a stopped run's folder (cases.jsonl + run.json) rebuilds the same summaries
     (out / "results.json").unlink()
-    res = CliRunner().invoke(app, ["bench", "tools-report", str(out)])
+    res = CliRunner().invoke(app, ["tools-report", str(out)])
     assert res.exit_code == 0, res.output
     again = json.loads((out / "results.json").read_text())
     assert again["summaries"] == data["summaries"] and again["taus"] == data["taus"]
 
 
 def test_cli_refuses_a_held_out_set_in_one_line(bfcl_root: Path) -> None:
-    res = CliRunner().invoke(app, ["bench", "tools", "--model", "smollm2-135m", "--set",
+    res = CliRunner().invoke(app, ["tools", "--model", "smollm2-135m", "--set",
                                    "irrelevance", "--data", str(bfcl_root)])
     assert res.exit_code == 2
     assert "held out" in res.output
@@ -487,8 +487,8 @@ def test_real_smollm2_cases(smollm2) -> None:
 @pytest.mark.parametrize("field, value", [("cases", -1), ("greedy_tokens", -2), ("max_context", 0),
                                           ("guard_target", 0.0), ("cases", True)])
 def test_bench_config_refuses_bad_settings(field, value):
-    from kvnotes.bench.tools import ToolsBenchConfig
     from kvnotes.core.errors import InvalidArgumentError
+    from kvnotes_bench.tools import ToolsBenchConfig
 
     with pytest.raises(InvalidArgumentError, match=field):
         ToolsBenchConfig(**{field: value})

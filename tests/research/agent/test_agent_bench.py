@@ -16,14 +16,14 @@ from kvnotes.apps.agent import (
     scripted_episodes,
 )
 from kvnotes.apps.agent.runtime import TurnResult
-from kvnotes.bench.agent.report import report_markdown
-from kvnotes.bench.agent.run import AgentBenchConfig, run_bench, write_outputs
-from kvnotes.bench.agent.summary import BenchSummary, TurnRecord
 from kvnotes.core.errors import (
     InvalidArgumentError,
     KvnotesError,
 )
 from kvnotes.ops.decisions import Decision, Guard
+from kvnotes.research.agent.report import report_markdown
+from kvnotes.research.agent.run import AgentBenchConfig, run_bench, write_outputs
+from kvnotes.research.agent.summary import BenchSummary, TurnRecord
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def _record(fast, fast_margin, choice, margin, fired, seconds=0.0, guard_flops=0
 
 
 def test_margin_errors_and_the_guard_sweep_read_off_records():
-    from kvnotes.bench.agent.summary import fast_margin_errors, guard_sweep, margin_error_stats
+    from kvnotes.research.agent.summary import fast_margin_errors, guard_sweep, margin_error_stats
 
     records = [_record("a", 2.0, "a", 2.0, False),              # exact notes: no error
                _record("a", 0.6, "a", 0.9, True, 3.0, 30.0),    # a fire that changed nothing
@@ -127,11 +127,11 @@ def test_margin_errors_and_the_guard_sweep_read_off_records():
 
 
 def test_agent_bench_command_prints_the_arithmetic(engine, skill_root, tmp_path, monkeypatch):
-    from kvnotes.cli import app
     from kvnotes.core import models
+    from kvnotes_bench.cli import app
 
     monkeypatch.setattr(models, "load", lambda model, **device_dtype: engine)
-    result = CliRunner().invoke(app, ["agent-bench", "--model", "tiny", "--episodes", "1",
+    result = CliRunner().invoke(app, ["agent", "--model", "tiny", "--episodes", "1",
                                       "--turns", "2", "--no-stale", "--order", "appended",
                                       "--skills-dir", str(skill_root), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

@@ -8,16 +8,16 @@ from functools import partial
 
 import pytest
 
-from kvnotes.bench.edit.cases import spread, take_shard
-from kvnotes.bench.edit.checkpoint import load_results
-from kvnotes.bench.edit.evaluate import compare_strategies, evaluate_case
-from kvnotes.bench.edit.report import report_markdown, rewrite_report, write_outputs
-from kvnotes.bench.edit.results import CaseResult, SuiteResult, SuiteSettings
-from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
-from kvnotes.bench.edit.suite import run_suite
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError, WorkerError
 from kvnotes.core.models import load
 from kvnotes.eval.tasks import load_suite
+from kvnotes.research.edit.cases import spread, take_shard
+from kvnotes.research.edit.checkpoint import load_results
+from kvnotes.research.edit.evaluate import compare_strategies, evaluate_case
+from kvnotes.research.edit.report import report_markdown, rewrite_report, write_outputs
+from kvnotes.research.edit.results import CaseResult, SuiteResult, SuiteSettings
+from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
+from kvnotes.research.edit.suite import run_suite
 
 
 def test_parse_strategy_specs():

@@ -8,7 +8,9 @@ import re
 import pytest
 
 from kvnotes.apps.demo import CompiledSkill, ComposeCase, ComposeDemoResult
-from kvnotes.bench.agent.summary import (
+from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.eval.fidelity import FidelityReport
+from kvnotes.research.agent.summary import (
     BenchSettings,
     BenchSummary,
     ComputeStats,
@@ -18,9 +20,9 @@ from kvnotes.bench.agent.summary import (
     SkillStats,
     TokenStats,
 )
-from kvnotes.bench.edit.results import ExpectedMatches, StrategySummary, SuiteResult
-from kvnotes.bench.repro import run as repro
-from kvnotes.bench.repro.claims import (
+from kvnotes.research.edit.results import ExpectedMatches, StrategySummary, SuiteResult
+from kvnotes.research.repro import run as repro
+from kvnotes.research.repro.claims import (
     FAILS,
     HOLDS,
     INCONCLUSIVE,
@@ -32,13 +34,11 @@ from kvnotes.bench.repro.claims import (
     judge,
     load_claims,
 )
-from kvnotes.bench.repro.report import write_report
-from kvnotes.bench.repro.run import run_repro
-from kvnotes.bench.tools.results import StrategySummary as ToolsSummary
-from kvnotes.bench.tools.results import stored_runs
-from kvnotes.bench.trace.suite import CaseOutcome, Estimate, FamilySummary, TraceSuiteResult
-from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
-from kvnotes.eval.fidelity import FidelityReport
+from kvnotes.research.repro.report import write_report
+from kvnotes.research.repro.run import run_repro
+from kvnotes.research.tool_runs import StrategySummary as ToolsSummary
+from kvnotes.research.tool_runs import stored_runs
+from kvnotes.research.trace.suite import CaseOutcome, Estimate, FamilySummary, TraceSuiteResult
 
 
 def claim(cid: str) -> Claim:

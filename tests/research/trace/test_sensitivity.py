@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from kvnotes.bench.trace.sensitivity import (
+from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.eval.tasks import load_suite
+from kvnotes.research.trace.sensitivity import (
     CaseSensitivity,
     SensitivityResult,
     measure_sensitivity,
     sensitivity_table,
     summarize,
 )
-from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.eval.tasks import load_suite
 
 
 def case(cid: str, family: str, old: str, new: str, delta: float,

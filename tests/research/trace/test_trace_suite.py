@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 
-from kvnotes.bench.trace.suite import (
+from kvnotes.eval.tasks import load_suite
+from kvnotes.research.trace.suite import (
     CaseOutcome,
     Estimate,
     FamilySummary,
     TraceSuiteResult,
     pick_cases,
 )
-from kvnotes.eval.tasks import load_suite
 
 
 def summary(family: str, field: Estimate) -> FamilySummary:

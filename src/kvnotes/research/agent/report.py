@@ -1,12 +1,12 @@
 """agent-bench's report: ``report.md`` and the latency chart, drawn from a
-:class:`~kvnotes.bench.agent.summary.BenchSummary`."""
+:class:`~kvnotes.research.agent.summary.BenchSummary`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.agent.summary import BenchSettings, BenchSummary
+from kvnotes.research.agent.summary import BenchSettings, BenchSummary
 
 
 def _machine_line(machine: dict[str, Any] | None) -> str:

@@ -2,7 +2,7 @@
 
 Per turn, both agents (and the stale-record ablation) take the same request and events,
 interleaved so that they run under the same machine load. Reported
-(:class:`~kvnotes.bench.agent.summary.BenchSummary`): decision identity overall and per turn, the
+(:class:`~kvnotes.research.agent.summary.BenchSummary`): decision identity overall and per turn, the
 flips with their cases, latency per turn and in total, the latency ratio, and tokens computed
 by each agent.
 
@@ -30,13 +30,13 @@ from kvnotes.apps.agent.config import AgentConfig
 from kvnotes.apps.agent.episodes import Episode, scripted_episode, scripted_episodes
 from kvnotes.apps.agent.runtime import Agent, KvnotesAgent, RecomputeAgent, TurnResult
 from kvnotes.apps.agent.skills import SkillBook
-from kvnotes.bench.agent.report import plot_latency, report_markdown
-from kvnotes.bench.agent.summary import BenchSettings, BenchSummary, SkillStats, TurnRecord, summarize
 from kvnotes.core import validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import ArgumentTypeError
 from kvnotes.core.machine import machine_info
 from kvnotes.eval.reports import write_bundle
+from kvnotes.research.agent.report import plot_latency, report_markdown
+from kvnotes.research.agent.summary import BenchSettings, BenchSummary, SkillStats, TurnRecord, summarize
 
 WARM_UP_EPISODE = 10_000  # an episode no run measures
 

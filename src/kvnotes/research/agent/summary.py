@@ -240,7 +240,7 @@ class BenchSummary:
 
     ``settings``, ``compute`` and ``fast_margin_error`` are None only when read
     (:meth:`from_dict`) from a stored summary that does not hold them; :func:`run_bench
-    <kvnotes.bench.agent.run.run_bench>` always fills them in.
+    <kvnotes.research.agent.run.run_bench>` always fills them in.
     """
 
     settings: BenchSettings | None

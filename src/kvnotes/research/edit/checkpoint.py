@@ -1,6 +1,6 @@
 """Resuming: the case results of an earlier ``results.json`` (a finished run or a checkpoint).
 
-Checkpoints are written by :func:`~kvnotes.bench.edit.report.write_outputs` after every
+Checkpoints are written by :func:`~kvnotes.research.edit.report.write_outputs` after every
 case (one atomic bundle); this module reads them back, refusing results measured differently.
 """
 
@@ -10,15 +10,15 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvnotes.bench.edit.results import CaseResult, SuiteResult, SuiteSettings
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.research.edit.results import CaseResult, SuiteResult, SuiteSettings
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
 
 
 def load_results(path: str | Path, engine: Engine, settings: SuiteSettings) -> list[CaseResult]:
-    """The case results in ``path``, for :func:`~kvnotes.bench.edit.suite.run_suite`'s
+    """The case results in ``path``, for :func:`~kvnotes.research.edit.suite.run_suite`'s
     ``done``. A missing file gives nothing to resume; a file that cannot be read or was written
     with other settings (model, CoT, budget, strategies) raises, so results measured
     differently are never mixed into one table."""

@@ -12,8 +12,8 @@ if TYPE_CHECKING:
 
 def edit_section(engine: Engine, console: Console | None = None, case_id: str = "refund-000") -> list[str]:
     """Run every edit strategy on one bundled case; print a table; return markdown lines."""
-    from kvnotes.bench.edit.evaluate import compare_strategies
     from kvnotes.eval.tasks import load_suite
+    from kvnotes.research.edit.evaluate import compare_strategies
 
     case = next(c for c in load_suite(["refund"]) if c.case_id == case_id)
     rows = compare_strategies(engine, case)

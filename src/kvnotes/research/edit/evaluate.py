@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.edit.cases import case_prompt
-from kvnotes.bench.edit.results import CaseResult, StrategyRow, SuiteSettings, margin
-from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
 from kvnotes.core.metrics import compare_logits
 from kvnotes.ops.decisions import decide, decide_batch
 from kvnotes.ops.edit import EditReport, edit
+from kvnotes.research.edit.cases import case_prompt
+from kvnotes.research.edit.results import CaseResult, StrategyRow, SuiteSettings, margin
+from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.bench.edit.evaluate import evaluate_case
-from kvnotes.bench.edit.results import CaseResult, SuiteSettings
 from kvnotes.core.errors import InvalidArgumentError, WorkerError
+from kvnotes.research.edit.evaluate import evaluate_case
+from kvnotes.research.edit.results import CaseResult, SuiteSettings
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine

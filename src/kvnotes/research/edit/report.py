@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvnotes.bench.edit.results import MIN_FIELD_EFFECT, PerStrategy, SuiteResult
 from kvnotes.eval.reports import write_bundle
+from kvnotes.research.edit.results import MIN_FIELD_EFFECT, PerStrategy, SuiteResult
 
 CHART = "edit.png"
 
@@ -56,7 +56,7 @@ def write_outputs(result: SuiteResult, out: str | Path) -> dict[str, Path]:
 
 
 def report_markdown(result: SuiteResult) -> str:
-    """The markdown report of a :func:`~kvnotes.bench.edit.suite.run_suite` result."""
+    """The markdown report of a :func:`~kvnotes.research.edit.suite.run_suite` result."""
     expected = result.recompute_matches_expected
     n = result.n_cases
     lines = [

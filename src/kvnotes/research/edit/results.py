@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from kvnotes.bench.edit.strategies import parse_strategy
+from kvnotes.research.edit.strategies import parse_strategy
 
 # logits: below this the field barely moves the decision (docs/design.md, Conventions)
 MIN_FIELD_EFFECT = 1.0

@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from kvnotes.bench.edit.evaluate import evaluate_case
-from kvnotes.bench.edit.pool import Loader, WorkerSettings, evaluate_in_workers
-from kvnotes.bench.edit.results import CaseResult, SuiteResult, SuiteSettings
-from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import physical_cores
+from kvnotes.research.edit.evaluate import evaluate_case
+from kvnotes.research.edit.pool import Loader, WorkerSettings, evaluate_in_workers
+from kvnotes.research.edit.results import CaseResult, SuiteResult, SuiteSettings
+from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -32,7 +32,7 @@ def run_suite(engine: Engine, cases: Iterable[EditCase],
 
     ``checkpoint`` is called with the result so far after every case but the last (to write
     partial results during long runs). ``done``: results of an earlier run with the same
-    settings (:func:`~kvnotes.bench.edit.checkpoint.load_results`); cases found there are
+    settings (:func:`~kvnotes.research.edit.checkpoint.load_results`); cases found there are
     taken as they are instead of run again (``seconds`` is then this run's wall time only, and
     ``n_resumed`` counts the cases taken).
 

@@ -1,7 +1,7 @@
 """The paper's claims (``apps/data/paper_claims.json``, each with its source) and the verdicts.
 
 :func:`judge` is a pure function of a claim's figure and our typed stage results
-(:class:`StageResults`, as :mod:`kvnotes.bench.repro.run` measures them): ``holds``, ``does not
+(:class:`StageResults`, as :mod:`kvnotes.research.repro.run` measures them): ``holds``, ``does not
 hold``, ``inconclusive`` (a CI that spans the paper's figure), ``not measurable`` (the field does
 not move the decision on this model, so there is no denominator) or ``not run``. Timing claims
 measured on a busy machine say so.
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.apps.demo import ComposeDemoResult
-from kvnotes.bench.agent.summary import BenchSummary
-from kvnotes.bench.edit.results import SuiteResult
-from kvnotes.bench.tools.results import StoredRun, StrategySummary
-from kvnotes.bench.trace.suite import CaseOutcome, TraceSuiteResult, bootstrap_mean
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.research.agent.summary import BenchSummary
+from kvnotes.research.edit.results import SuiteResult
+from kvnotes.research.tool_runs import StoredRun, StrategySummary
+from kvnotes.research.trace.suite import CaseOutcome, TraceSuiteResult, bootstrap_mean
 
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 NOT_MEASURABLE, NOT_RUN = "not measurable", "not run"
@@ -114,7 +114,7 @@ class StageResults:
     edit_cot: SuiteResult | None = None
     trace: TraceSuiteResult | None = None
     agent: BenchSummary | None = None
-    tools: tuple[StoredRun, ...] = ()  # stored `kvnotes bench tools` runs of this model
+    tools: tuple[StoredRun, ...] = ()  # stored `kvnotes-bench tools` runs of this model
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +297,7 @@ def _judge_agent_speedup(fig: dict[str, Any], stages: StageResults) -> Verdict:
     return Verdict(ours, FAILS, f"below {fig['value']}x")
 
 
-# kvnotes' own claim, checked on public data by `kvnotes bench tools` (its runs take hours on
+# kvnotes' own claim, checked on public data by `kvnotes-bench tools` (its runs take hours on
 # a CPU, so the verdict reads their stored results instead of running them)
 TOOLS_CLAIM = Claim(
     id="tools_indistinguishable",
@@ -309,7 +309,7 @@ TOOLS_CLAIM = Claim(
             "unit": "share of cases whose tool choice equals the exact prompt's"},
     scale="SmolLM2-135M and Gemma-3-270M on BFCL v4 live_multiple and multi_turn",
     source="kvnotes (docs/bench/tools.md)",
-    check="read from the stored `kvnotes bench tools` results (docs/results/tools/*/"
+    check="read from the stored `kvnotes-bench tools` results (docs/results/tools/*/"
           "results.json), per development set the run with the most cases: holds when some "
           "composed strategy (guard fires counted as full recomputes) is identical to the exact "
           "prompt in >= 99% of cases at <= 15% of the spliced tokens recomputed with accuracy "
@@ -334,7 +334,7 @@ def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
         if best is None or (run.cases, run.date) > (best.cases, best.date):
             by_set[run.set] = run
     if not by_set:
-        return Verdict("-", NOT_RUN, "no stored `kvnotes bench tools` results for this model "
+        return Verdict("-", NOT_RUN, "no stored `kvnotes-bench tools` results for this model "
                                      "under docs/results/tools (docs/bench/tools.md)")
     parts, misses = [], []
     for name, run in sorted(by_set.items()):
@@ -362,7 +362,7 @@ def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
 
 
 def _judge_vllm(fig: dict[str, Any], stages: StageResults) -> Verdict:
-    return Verdict("-", NOT_RUN, "needs a vLLM server: run `kvnotes serve-bench` (see "
+    return Verdict("-", NOT_RUN, "needs a vLLM server: run `kvnotes-bench serve` (see "
                                  "docs/bench/skills.md)")
 
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvnotes.bench.edit.report import strategy_table
-from kvnotes.bench.repro.claims import (
+from kvnotes.eval.reports import write_bundle
+from kvnotes.research.edit.report import strategy_table
+from kvnotes.research.repro.claims import (
     TOOLS_CLAIM,
     Claim,
     Claims,
@@ -18,13 +19,12 @@ from kvnotes.bench.repro.claims import (
     judge,
     load_claims,
 )
-from kvnotes.bench.repro.run import ReproRun, StageRecord
-from kvnotes.bench.tools.results import stored_runs
-from kvnotes.eval.reports import write_bundle
+from kvnotes.research.repro.run import ReproRun, StageRecord
+from kvnotes.research.tool_runs import stored_runs
 
 PerModel = dict[str, dict[str, StageRecord]]
 
-# where a source checkout keeps the `kvnotes bench tools` results the tool claim reads
+# where a source checkout keeps the `kvnotes-bench tools` results the tool claim reads
 TOOLS_RESULTS = Path(__file__).resolve().parents[4] / "docs" / "results" / "tools"
 
 
@@ -42,7 +42,7 @@ class ClaimVerdicts:
 def stage_results(stages: dict[str, StageRecord], model: str | None = None,
                   tools_results: Path | None = None) -> StageResults:
     """One model's records as the typed results the verdicts read, with ``model``'s stored
-    `kvnotes bench tools` runs under ``tools_results`` when both are given."""
+    `kvnotes-bench tools` runs under ``tools_results`` when both are given."""
     tools = tuple(stored_runs(tools_results, model)) if model and tools_results else ()
     results: dict[str, Any] = {stage: record.result for stage, record in stages.items()}
     return StageResults(**results, tools=tools)

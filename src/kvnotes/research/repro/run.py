@@ -4,15 +4,15 @@ For each model, five stages run in order, each reusing a suite that already exis
 
 - ``compose``: composition fidelity of the demo's skills and contexts (:mod:`kvnotes.apps.demo`);
 - ``edit`` and ``edit_cot``: the edit suite, every strategy, without and with chain of thought
-  (:mod:`kvnotes.bench.edit`);
-- ``trace``: field-vs-notes causal patching with bootstrap CIs (:mod:`kvnotes.bench.trace.suite`);
-- ``agent``: the kvnotes agent against the recompute agent (:mod:`kvnotes.bench.agent.run`).
+  (:mod:`kvnotes.research.edit`);
+- ``trace``: field-vs-notes causal patching with bootstrap CIs (:mod:`kvnotes.research.trace.suite`);
+- ``agent``: the kvnotes agent against the recompute agent (:mod:`kvnotes.research.agent.run`).
 
 Each stage gives a typed result; it is written to ``OUT/<model>/<stage>.json`` at once (as a
 :class:`StageRecord`), so an interrupted run resumes where it stopped (a stage file written with
 other settings, or unreadable, is run again). :func:`run_repro` returns the records
-(:class:`ReproRun`); :mod:`kvnotes.bench.repro.report` judges them against the paper's figures
-(:mod:`kvnotes.bench.repro.claims`) and writes the report. Timings carry the load average they ran under.
+(:class:`ReproRun`); :mod:`kvnotes.research.repro.report` judges them against the paper's figures
+(:mod:`kvnotes.research.repro.claims`) and writes the report. Timings carry the load average they ran under.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.apps.demo import ComposeDemoResult
-from kvnotes.bench.agent.summary import BenchSummary
-from kvnotes.bench.edit.results import SuiteResult
-from kvnotes.bench.trace.suite import TraceSuiteResult
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.machine import machine_info
+from kvnotes.research.agent.summary import BenchSummary
+from kvnotes.research.edit.results import SuiteResult
+from kvnotes.research.trace.suite import TraceSuiteResult
 
 STAGES: tuple[str, ...] = ("compose", "edit", "edit_cot", "trace", "agent")
 DEFAULT_MODELS: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
@@ -239,10 +239,10 @@ def _stage_compose(engine: Any, sizes: Sizes, tick: Tick) -> ComposeDemoResult:
 
 def _edit(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice, *,
           cot: bool) -> SuiteResult:
-    from kvnotes.bench.edit.cases import spread
-    from kvnotes.bench.edit.results import SuiteSettings
-    from kvnotes.bench.edit.strategies import DEFAULT_STRATEGIES
-    from kvnotes.bench.edit.suite import run_suite
+    from kvnotes.research.edit.cases import spread
+    from kvnotes.research.edit.results import SuiteSettings
+    from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES
+    from kvnotes.research.edit.suite import run_suite
 
     per_family = sizes.cot_per_family if cot else sizes.edit_per_family
     chosen = (sizes.cot_strategies if cot else sizes.edit_strategies) or DEFAULT_STRATEGIES
@@ -253,8 +253,8 @@ def _edit(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice, *,
 
 
 def _stage_trace(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice) -> TraceSuiteResult:
-    from kvnotes.bench.trace.suite import pick_cases, summarize, trace_cases
     from kvnotes.ops.trace import TraceOptions
+    from kvnotes.research.trace.suite import pick_cases, summarize, trace_cases
 
     suite = choice.cases()
     picked = pick_cases(engine, suite, sizes.trace_cases).cases
@@ -274,7 +274,7 @@ def _stage_trace(engine: Any, sizes: Sizes, tick: Tick, choice: CaseChoice) -> T
 
 
 def _stage_agent(engine: Any, sizes: Sizes, tick: Tick, *, skill_root: Path) -> BenchSummary:
-    from kvnotes.bench.agent.run import AgentBenchConfig, run_bench
+    from kvnotes.research.agent.run import AgentBenchConfig, run_bench
 
     done = [0]
 
@@ -317,7 +317,7 @@ def run_repro(models: Sequence[str], out: str | Path, *, device: str = "cpu",
     ``load(model, device=..., dtype=...)`` makes an engine (default :func:`kvnotes.load`); it
     is only called for a model with a stage left to run. ``report_only`` runs nothing: only
     the finished stages are returned. Write the report with
-    :func:`kvnotes.bench.repro.report.write_report`.
+    :func:`kvnotes.research.repro.report.write_report`.
     """
     unknown = [s for s in stages if s not in STAGES]
     if unknown:

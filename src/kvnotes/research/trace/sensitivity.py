@@ -4,11 +4,11 @@ A normalized patching effect or a recovery rate has a denominator only when the 
 decision, so before tracing or editing a model this measures, per case, both prompts the suites
 use, exactly recomputed for the old and for the new value:
 
-- the **edit prompt** (:func:`kvnotes.bench.edit.cases.case_prompt`): the decision the edit
+- the **edit prompt** (:func:`kvnotes.research.edit.cases.case_prompt`): the decision the edit
   suite reads (:func:`kvnotes.ops.decisions.decide`); ``changed`` when it differs between old
   and new, and ``delta`` = the change of m = logit(new answer's first token) - logit(old
   answer's first token), new minus old;
-- the **trace prompt** (:func:`kvnotes.bench.trace.suite.case_inputs`): the trace's
+- the **trace prompt** (:func:`kvnotes.research.trace.suite.case_inputs`): the trace's
   denominator ``d = m_new - m_old``; ``trace_sensitive`` when ``|d| >= min_denominator``.
 
 Old and new answers are the task author's (``expected_old`` / ``expected_new``). Two prefills
@@ -116,10 +116,10 @@ def _margin(scores: dict[str, float], new: str, old: str) -> float:
 def case_sensitivity(engine: Engine, case: EditCase, *, trace_prompt: bool = True
                      ) -> CaseSensitivity:
     """Recompute the case for its old and its new value at the edit (and trace) prompt."""
-    from kvnotes.bench.edit.cases import case_prompt
-    from kvnotes.bench.trace.suite import case_inputs
     from kvnotes.ops.decisions import decide
     from kvnotes.ops.trace import answer_token_ids
+    from kvnotes.research.edit.cases import case_prompt
+    from kvnotes.research.trace.suite import case_inputs
 
     if case.expected_old is None or case.expected_new is None:
         raise InvalidArgumentError(f"{case.case_id}: sensitivity needs expected_old and "

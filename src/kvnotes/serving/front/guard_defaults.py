@@ -56,7 +56,7 @@ def default_guard(model: str) -> tuple[float, str]:
     found = defaults_table.model_defaults(model)
     if found is None:
         why = defaults_table.uncalibrated_reason(model) or (
-            f"no calibrated guard for {model} (kvnotes bench guard --model {model} measures "
+            f"no calibrated guard for {model} (kvnotes-bench guard --model {model} measures "
             "one)")
         return 0.0, f"off: {why}; --guard X sets it"
     if found.guard == 0:

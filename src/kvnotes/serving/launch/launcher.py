@@ -8,7 +8,7 @@ checked to be splicable exactly, and the serving manifest written); without it, 
 with prefix caching. With ``LaunchConfig.front`` set too, the OpenAI front
 (:mod:`kvnotes.serving.front.app`) runs in front of it: vLLM listens on a free loopback port, the
 front on ``front.port``, and :attr:`Launch.url` is the front's (it listens before vLLM starts
-and stops before vLLM does). ``kvnotes serve``, ``kvnotes serve-bench`` and the benchmark scripts all
+and stops before vLLM does). ``kvnotes serve``, ``kvnotes-bench serve`` and the benchmark scripts all
 start their servers here.
 
 Example:

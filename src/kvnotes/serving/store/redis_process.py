@@ -1,6 +1,6 @@
 """A ``redis-server`` process of our own: started on a free loopback port, stopped by its pid.
 
-The store's tests and ``kvnotes serve-bench fleet`` need a real Redis they can kill, restart
+The store's tests and ``kvnotes-bench serve fleet`` need a real Redis they can kill, restart
 and flush. :class:`RedisProcess` starts one with no persistence (``--save ""``, no append-only
 file: a restart comes back empty, as a crashed cache does), bound to 127.0.0.1, its log in its
 folder, and waits until it answers ``PING``; :meth:`RedisProcess.stop` kills it with SIGKILL

@@ -1,0 +1,8 @@
+"""The ``kvnotes-bench`` entry point: the measurement commands, apart from the product's CLI."""
+
+from __future__ import annotations
+
+from kvnotes.cli.app import command_app
+
+app = command_app("kvnotes-bench", "kvnotes' benchmarks: tool choice on BFCL, the guard's "
+                  "calibration, the serving workloads on a real vLLM server, the agent bench.")
