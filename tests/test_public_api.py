@@ -29,7 +29,7 @@ def test_trace_is_callable_repeatedly_and_after_importing_suite_and_cli(tokenize
 
     first = run()
     assert run() == first  # a second call: the function, not a module, and deterministic
-    for module in ("kvnotes.bench.trace.suite", "kvnotes.cli", "kvnotes.cli.trace"):
+    for module in ("kvnotes.research.trace.suite", "kvnotes.cli", "kvnotes.cli.trace"):
         importlib.import_module(module)
         assert callable(kvnotes.trace), f"importing {module} replaced kvnotes.trace"
         assert run() == first

@@ -76,7 +76,7 @@ def test_auto_resolves_from_the_table_and_an_explicit_value_wins(table):
     tau, why = resolve_guard("auto", "near-tie-model")
     assert tau == 0.0 and "off" in why and "most requests" in why
     tau, why = resolve_guard("auto", "unmeasured")
-    assert tau == 0.0 and "kvnotes bench guard --model unmeasured" in why
+    assert tau == 0.0 and "kvnotes-bench guard --model unmeasured" in why
     assert resolve_guard("0", "calibrated-model")[0] == 0.0
     assert resolve_guard("1.5", "near-tie-model")[0] == 1.5
 
