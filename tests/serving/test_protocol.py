@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from kvnotes.core.errors import KvnotesError
 from kvnotes.core.repair import Repair
@@ -101,7 +102,7 @@ def test_the_repair_policy_is_fields_not_a_tag():
     ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16]], "keys": ["a", "b"]}},
      "kvnotes splice request: 2 keys for 1 ranges (give one entry key per range, or none)"),
     ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16]], "keys": [7]}},
-     "kvnotes splice request: keys[0]: expected a string, got 7"),
+     "kvnotes splice request: keys[0]: input should be a valid string, got 7"),
     ({PARAMS_KEY: {"v": 1, "ranges": [[0, 0, 16], [8, 8, 20]]}},
      "kvnotes splice request: range [8, 8, 20] overlaps the one before it ([0, 0, 16])"),
     ({PARAMS_KEY: {"v": 1, "ranges": [[0, 5, 3]]}},
@@ -125,8 +126,9 @@ def test_a_splice_request_this_version_cannot_read_is_refused(params, message):
                                  "start, end, key], got [16, 48, 90]"),
     ({"failed": [[90, 64]]}, "kvnotes splice report: failed[0]: [start, end] with start <= "
                              "end, got [90, 64]"),
-    ({"local_hit": -1}, "kvnotes splice report: local_hit: expected an integer >= 0, got -1"),
-    ({"supplied": 42}, "kvnotes splice report: supplied is 42, the report's ranges give 16"),
+    ({"local_hit": -1}, "kvnotes splice report: local_hit: input should be greater than or equal to 0, "
+                        "got -1"),
+    ({"supplied": 42}, "kvnotes splice report: supplied is 42, its other fields give 16"),
 ])
 def test_a_report_this_version_cannot_read_is_refused(change, message):
     with pytest.raises(ProtocolError) as err:
@@ -138,18 +140,77 @@ def test_a_report_this_version_cannot_read_is_refused(change, message):
     ({"v": 2}, "usage.kvnotes: version 2; this kvnotes reads version 1"),
     ({"tag": "f32a16"}, "usage.kvnotes: unknown field 'tag' (fields: v, spliced_tokens, "
                         "phases, guard_fired, plan, exact, phase_reports, report)"),
-    ({"guard_fired": 1}, "usage.kvnotes: guard_fired: expected true or false, got 1"),
+    ({"guard_fired": 1}, "usage.kvnotes: guard_fired: input should be a valid boolean, got 1"),
     ({"plan": {**PLAN.to_dict(), "repair": "f32a16"}},
-     "kvnotes repair policy: expected a JSON object, got str"),
+     "usage.kvnotes: plan.repair: expected a JSON object, got str"),
     ({"plan": {**PLAN.to_dict(), "repair": {"first": 32, "align": 16, "share": 2}}},
-     "kvnotes repair policy: share: expected a number in [0, 1], got 2"),
+     "usage.kvnotes: plan.repair.share: input should be less than or equal to 1, got 2"),
     ({"plan": {**PLAN.to_dict(), "spliced_tokens": 1}},
-     "kvnotes plan: spliced_tokens is 1, its ranges and regions give 58"),
+     "usage.kvnotes: plan: spliced_tokens is 1, its other fields give 58"),
 ])
 def test_a_usage_this_version_cannot_read_is_refused(change, message):
     with pytest.raises(ProtocolError) as err:
         UsageKvnotes.from_dict({**USAGE.to_dict(), **change})
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("read, value, message", [
+    # a boolean is not an integer, nor a number
+    (SpliceReport.from_dict, {"v": 1, "prompt_tokens": True},
+     "kvnotes splice report: prompt_tokens: input should be a valid integer, got True"),
+    (PlanEntry.from_dict, {"name": "h", "key": "h", "start": 0, "end": False, "repaired": 0},
+     "kvnotes plan entry: end: input should be a valid integer, got False"),
+    (RepairPolicy.from_dict, {"first": 0, "align": 16, "share": True},
+     "kvnotes repair policy: share: input should be a valid number, got True"),
+    # nor is a float or a numeric string
+    (RepairPolicy.from_dict, {"first": 8.0, "align": 16},
+     "kvnotes repair policy: first: input should be a valid integer, got 8.0"),
+    (UsageKvnotes.from_dict, {"v": 1, "phases": "2"},
+     "usage.kvnotes: phases: input should be a valid integer, got '2'"),
+    # counts are not negative, a block size and an alignment are at least 1
+    (PlanEntry.from_dict, {"name": "h", "key": "h", "start": -1, "end": 4, "repaired": 0},
+     "kvnotes plan entry: start: input should be greater than or equal to 0, got -1"),
+    (RepairPolicy.from_dict, {"first": 0, "align": 0},
+     "kvnotes repair policy: align: input should be greater than or equal to 1, got 0"),
+    (RepairPolicy.from_dict, {"first": 0, "align": 1, "share": -0.5},
+     "kvnotes repair policy: share: input should be greater than or equal to 0, got -0.5"),
+    # unknown and missing fields, nested ones named by their path
+    (RepairPolicy.from_dict, {"first": 0, "align": 1, "budget": 4},
+     "kvnotes repair policy: unknown field 'budget' (fields: first, align, share, skip_exact)"),
+    (UsageKvnotes.from_dict, {"v": 1, "phase_reports": [None, {"v": 1, "prompt_tokens": 3,
+                                                              "hit": 0}]},
+     "usage.kvnotes: phase_reports[1]: unknown field 'hit' (fields: v, prompt_tokens, "
+     "local_hit, loaded, failed, refused, entries, supplied, computed)"),
+    (UsageKvnotes.from_dict, {"v": 1, "report": {"v": 1}},
+     "usage.kvnotes: report: missing field 'prompt_tokens'"),
+    (UsageKvnotes.from_dict, {"v": 1, "report": {"v": 2, "prompt_tokens": 3}},
+     "usage.kvnotes: report: version 2; this kvnotes reads version 1"),
+    (SpliceReport.from_dict, {"v": 1, "prompt_tokens": 3, "loaded": [[0, 0, 2, 7]]},
+     "kvnotes splice report: loaded[0]: expected [piece_start, start, end, key], got "
+     "[0, 0, 2, 7]"),
+    (SpliceReport.from_dict, "report", "kvnotes splice report: expected a JSON object, got str"),
+])
+def test_values_are_read_strictly(read, value, message):
+    with pytest.raises(ProtocolError) as err:
+        read(value)
+    assert str(err.value) == message
+
+
+def test_a_message_is_checked_when_built():
+    with pytest.raises(ValidationError, match="keys without ranges"):
+        SpliceRequest(None, ("k",))
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        SpliceReport(10, -1)
+    with pytest.raises(ValidationError, match="valid boolean"):
+        UsageKvnotes(guard_fired=1)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="start <= end"):
+        PlanReport(10, 16, RepairPolicy(0, 16), "s", (), ((8, 4),))
+    assert RepairPolicy(0, 16, 1).share == 1.0  # an integer share is a number
+
+
+def test_messages_are_frozen():
+    with pytest.raises(AttributeError):
+        REPORT.local_hit = 0  # type: ignore[misc]
 
 
 def test_outcomes_keep_their_label_strings():

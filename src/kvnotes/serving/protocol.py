@@ -11,10 +11,12 @@ client is told, as typed, versioned messages.
   :class:`RepairPolicy` as fields), the phases, the guard, the connector's reports;
 - :class:`Outcome`: how the front answered a request (its log line, its metrics label).
 
-Each message is a frozen dataclass; ``to_params``/``to_dict`` give its JSON form and
-``from_params``/``from_dict`` read one back, refusing (:class:`ProtocolError`) another version,
-an unknown field or a malformed value, so neither side acts on what it cannot vouch for. Pure:
-no vLLM, no HTTP.
+Each message is a frozen pydantic dataclass, validated when built (a malformed one raises
+pydantic's ``ValidationError``); ``to_params``/``to_dict`` give its JSON form and
+``from_params``/``from_dict`` read one back, refusing (:class:`ProtocolError`, naming the
+message and the field) another version, an unknown field or a malformed value (a boolean is
+not an integer, a count is not negative), so neither side acts on what it cannot vouch for.
+Pure: no vLLM, no HTTP.
 
 Example:
     >>> req = SpliceRequest((SpliceRange(0, 0, 40), SpliceRange(40, 72, 140)), ("a", "b"))
@@ -31,10 +33,30 @@ Example:
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Mapping
 from enum import StrEnum
+from typing import Annotated, Any, ClassVar, Self, cast
+
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PlainSerializer,
+    PlainValidator,
+    SerializerFunctionWrapHandler,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass as message
+from pydantic_core import ErrorDetails
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
@@ -46,6 +68,7 @@ from kvnotes.serving.library.splice import SpliceRange
 PROTOCOL_VERSION = 1
 # The one key of vLLM's ``kv_transfer_params`` that kvnotes writes and reads, both ways.
 PARAMS_KEY = "kvnotes"
+_CLOSED = ConfigDict(extra="forbid")  # an unknown field is refused, never dropped
 
 
 class ProtocolError(InvalidArgumentError):
@@ -69,74 +92,151 @@ class Outcome(StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
-# ---- reading JSON values strictly -----------------------------------------------------------
-def _fields(what: str, value: object, known: Sequence[str], required: Sequence[str] = ()
-            ) -> Mapping[str, object]:
-    if not isinstance(value, Mapping):
-        raise ProtocolError(f"{what}: expected a JSON object, got {type(value).__name__}")
-    for name in value:
-        if name not in known:
-            raise ProtocolError(f"{what}: unknown field {name!r} (fields: {', '.join(known)})")
-    for name in required:
-        if name not in value:
-            raise ProtocolError(f"{what}: missing field {name!r}")
-    if "v" in known and value.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"{what}: version {value.get('v')!r}; this kvnotes reads version "
-                            f"{PROTOCOL_VERSION}")
-    return value
+# ---- the values' wire types -----------------------------------------------------------------
+Count = Annotated[StrictInt, Field(ge=0)]
+Positive = Annotated[StrictInt, Field(ge=1)]
+Share = Annotated[float, Strict(), Field(ge=0.0, le=1.0)]  # an integer is a number too
 
 
-def _int(what: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ProtocolError(f"{what}: expected an integer >= {low}, got {value!r}")
-    return int(value)
+def _ordered(span: tuple[int, int]) -> tuple[int, int]:
+    if span[1] < span[0]:
+        raise ValueError(f"[start, end] with start <= end, got {list(span)}")
+    return span
 
 
-def _float(what: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not 0.0 <= float(value) <= 1.0:
-        raise ProtocolError(f"{what}: expected a number in [0, 1], got {value!r}")
-    return float(value)
+def _splice_range(value: object) -> SpliceRange:
+    return value if isinstance(value, SpliceRange) else SpliceRange.from_value(value)
 
 
-def _bool(what: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ProtocolError(f"{what}: expected true or false, got {value!r}")
-    return value
+# token spans ``[start, end]``, and splice ranges as their lists (SpliceRange's own rule)
+Span = Annotated[tuple[Count, Count], AfterValidator(_ordered)]
+Range = Annotated[SpliceRange, PlainValidator(_splice_range),
+                  PlainSerializer(SpliceRange.to_list)]
 
 
-def _str(what: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError(f"{what}: expected a string, got {value!r}")
-    return value
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadedRange:
+    """Prompt tokens ``[start, end)`` the connector wrote from entry ``key``, placed at
+    ``piece_start`` (the entry's first token's position in the prompt); its JSON form is
+    ``[piece_start, start, end, key]``."""
+
+    piece_start: int
+    start: int
+    end: int
+    key: str
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_list(self) -> list[JsonValue]:
+        return [self.piece_start, self.start, self.end, self.key]
+
+    @classmethod
+    def from_value(cls, value: object) -> LoadedRange:
+        if isinstance(value, LoadedRange):
+            return value
+        if not isinstance(value, (list, tuple)) or len(value) != 4 \
+                or not isinstance(value[3], str):
+            raise ValueError(f"expected [piece_start, start, end, key], got {value!r}")
+        r = SpliceRange.from_value(value[:3])
+        return cls(r.piece_start, r.start, r.end, value[3])
 
 
-def _list(what: str, value: object) -> list[object]:
-    if not isinstance(value, (list, tuple)):
-        raise ProtocolError(f"{what}: expected a list, got {type(value).__name__}")
-    return list(value)
+Loaded = Annotated[LoadedRange, PlainValidator(LoadedRange.from_value),
+                   PlainSerializer(LoadedRange.to_list, return_type=Any)]
 
 
-def _span(what: str, value: object) -> tuple[int, int]:
-    items = _list(what, value)
-    if len(items) != 2:
-        raise ProtocolError(f"{what}: expected [start, end], got {value!r}")
-    start, end = _int(what, items[0]), _int(what, items[1])
-    if end < start:
-        raise ProtocolError(f"{what}: [start, end] with start <= end, got {value!r}")
-    return start, end
+# ---- reading and writing a message ----------------------------------------------------------
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
 
 
-def _range(what: str, value: object) -> SpliceRange:
-    try:
-        return SpliceRange.from_value(value)
-    except InvalidArgumentError as err:
-        raise ProtocolError(f"{what}: {err}") from None
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    """The message's validator and serializer (built on first use: building one is slow)."""
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+def _where(loc: tuple[int | str, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One pydantic error as the field it is about and what is wrong with it."""
+    loc, kind, got = error["loc"], error["type"], error.get("input")
+    if kind == "missing":
+        loc, text = loc[:-1], f"missing field {loc[-1]!r}"
+    elif kind == "value_error":  # our own rules (version, fields, ranges): their message
+        text = str(error.get("ctx", {}).get("error", error["msg"]))
+    elif kind in ("tuple_type", "list_type"):
+        text = f"expected a list, got {type(got).__name__}"
+    elif kind == "dataclass_type":
+        text = f"expected a JSON object, got {type(got).__name__}"
+    else:
+        text = f"{error['msg'][:1].lower()}{error['msg'][1:]}, got {got!r}"
+    return f"{_where(loc)}: {text}" if loc else text
+
+
+def _json(value: object) -> JsonValue:
+    """A derived property's JSON form (they are integers and tuples of strings)."""
+    return cast(JsonValue, list(value) if isinstance(value, tuple) else value)
+
+
+@message(frozen=True, config=_CLOSED)
+class _Message:
+    """A message's JSON form is ``_WIRE``, in that order: ``v`` the version, the fields, and
+    properties derived from them (written for the reader's convenience; on reading, they must
+    agree with the fields)."""
+
+    _WHAT: ClassVar[str]
+    _WIRE: ClassVar[tuple[str, ...]]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _from_wire(cls, data: object, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        if not isinstance(data, Mapping):  # an instance, a constructor's arguments, or refused
+            return handler(data)
+        unknown = [name for name in data if name not in cls._WIRE]
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r} (fields: {', '.join(cls._WIRE)})")
+        if "v" in cls._WIRE and data.get("v") != PROTOCOL_VERSION:
+            raise ValueError("missing field 'v'" if "v" not in data else
+                             f"version {data['v']!r}; this kvnotes reads version "
+                             f"{PROTOCOL_VERSION}")
+        own = {f.name for f in dataclasses.fields(cls)}
+        msg = handler({name: value for name, value in data.items() if name in own})
+        for name in (n for n in cls._WIRE if n in data and n not in own and n != "v"):
+            if data[name] != _json(getattr(msg, name)):
+                raise ValueError(f"{name} is {data[name]!r}, its other fields give "
+                                 f"{_json(getattr(msg, name))!r}")
+        return msg
+
+    @model_serializer(mode="wrap", return_type=Any)  # (JsonObject is recursive: no schema)
+    def _to_wire(self, handler: SerializerFunctionWrapHandler) -> JsonObject:
+        own = handler(self)
+        return self._trim({name: own[name] if name in own else
+                           PROTOCOL_VERSION if name == "v" else _json(getattr(self, name))
+                           for name in self._WIRE})
+
+    def _trim(self, body: JsonObject) -> JsonObject:
+        return body
+
+    def to_dict(self) -> JsonObject:
+        return cast(JsonObject, _adapter(type(self)).dump_python(self, mode="json"))
+
+    @classmethod
+    def from_dict(cls, value: object) -> Self:
+        """A message from its JSON form; :class:`ProtocolError` for one this version does not
+        read."""
+        try:
+            return cast(Self, _adapter(cls).validate_python(value))
+        except ValidationError as err:
+            raise ProtocolError(f"{cls._WHAT}: {_problem(err.errors()[0])}") from None
 
 
 # ---- front -> connector ---------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class SpliceRequest:
+@message(frozen=True, config=_CLOSED)
+class SpliceRequest(_Message):
     """The ranges a request asks the connector to supply, in prompt order, and the entry of
     each (``keys``: one per range, or () to let the connector pick by its own rule); the
     ``tenant`` whose entries it may use (None: the shared ones only) and the repair plan's
@@ -151,45 +251,41 @@ class SpliceRequest:
     trusted); a message it cannot read is refused whole: the request is served exactly.
     """
 
-    ranges: tuple[SpliceRange, ...] | None
-    keys: tuple[str, ...] = ()
-    tenant: str | None = None
-    tag: str | None = None
-    version: int = PROTOCOL_VERSION
+    ranges: tuple[Range, ...] | None = None
+    keys: tuple[StrictStr, ...] = ()
+    tenant: StrictStr | None = None
+    tag: StrictStr | None = None
 
-    _WHAT = "kvnotes splice request"
+    _WHAT: ClassVar[str] = "kvnotes splice request"
+    _WIRE: ClassVar[tuple[str, ...]] = ("v", "ranges", "keys", "tenant", "tag")
 
     @classmethod
     def leading(cls, tenant: str | None = None, tag: str | None = None) -> SpliceRequest:
         """Splice the prompt's leading run of the entries the connector holds for ``tenant``."""
         return cls(None, (), tenant, tag)
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
         if self.ranges is None:
             if self.keys:
-                raise ProtocolError(f"{self._WHAT}: keys without ranges (keys name the entry "
-                                    "of each range)")
-            return
+                raise ValueError("keys without ranges (keys name the entry of each range)")
+            return self
         if self.keys and len(self.keys) != len(self.ranges):
-            raise ProtocolError(f"{self._WHAT}: {len(self.keys)} keys for {len(self.ranges)} "
-                                "ranges (give one entry key per range, or none)")
+            raise ValueError(f"{len(self.keys)} keys for {len(self.ranges)} ranges (give one "
+                             "entry key per range, or none)")
         for a, b in zip(self.ranges, self.ranges[1:], strict=False):
             if b.piece_start < a.end:
-                raise ProtocolError(f"{self._WHAT}: range {b.to_list()} overlaps the one "
-                                    f"before it ({a.to_list()})")
+                raise ValueError(f"range {b.to_list()} overlaps the one before it "
+                                 f"({a.to_list()})")
+        return self
+
+    def _trim(self, body: JsonObject) -> JsonObject:
+        # absent, not null: no ranges asks for the leading run, and [] for none at all
+        return {k: v for k, v in body.items() if v is not None and (k != "keys" or v)}
 
     def to_params(self) -> JsonObject:
         """The request's ``kv_transfer_params``."""
-        body: JsonObject = {"v": self.version}
-        if self.ranges is not None:
-            body["ranges"] = [list(r.to_list()) for r in self.ranges]
-        if self.keys:
-            body["keys"] = list(self.keys)
-        if self.tenant is not None:
-            body["tenant"] = self.tenant
-        if self.tag is not None:
-            body["tag"] = self.tag
-        return {PARAMS_KEY: body}
+        return {PARAMS_KEY: self.to_dict()}
 
     @classmethod
     def from_params(cls, params: object) -> SpliceRequest | None:
@@ -200,48 +296,12 @@ class SpliceRequest:
         if not isinstance(params, Mapping):
             raise ProtocolError(f"kv_transfer_params: expected a JSON object, got "
                                 f"{type(params).__name__}")
-        if PARAMS_KEY not in params:
-            return None
-        body = _fields(cls._WHAT, params[PARAMS_KEY], ("v", "ranges", "keys", "tenant", "tag"),
-                       ("v",))
-        ranges = None if "ranges" not in body else tuple(
-            _range(f"{cls._WHAT}: ranges[{i}]", r)
-            for i, r in enumerate(_list(f"{cls._WHAT}: ranges", body["ranges"])))
-        keys = tuple(_str(f"{cls._WHAT}: keys[{i}]", k)
-                     for i, k in enumerate(_list(f"{cls._WHAT}: keys", body.get("keys", []))))
-        tenant, tag = (None if body.get(name) is None else _str(f"{cls._WHAT}: {name}", body[name])
-                       for name in ("tenant", "tag"))
-        return cls(ranges, keys, tenant, tag)
+        return None if PARAMS_KEY not in params else cls.from_dict(params[PARAMS_KEY])
 
 
 # ---- connector -> front ---------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class LoadedRange:
-    """Prompt tokens ``[start, end)`` the connector wrote from entry ``key``, placed at
-    ``piece_start`` (the entry's first token's position in the prompt)."""
-
-    piece_start: int
-    start: int
-    end: int
-    key: str
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def to_list(self) -> list[JsonValue]:
-        return [self.piece_start, self.start, self.end, self.key]
-
-    @classmethod
-    def from_value(cls, what: str, value: object) -> LoadedRange:
-        items = _list(what, value)
-        if len(items) != 4:
-            raise ProtocolError(f"{what}: expected [piece_start, start, end, key], got {value!r}")
-        r = _range(what, items[:3])
-        return cls(r.piece_start, r.start, r.end, _str(what, items[3]))
-
-
-@dataclass(frozen=True, slots=True)
-class SpliceReport:
+@message(frozen=True, config=_CLOSED)
+class SpliceReport(_Message):
     """What the connector did for one vLLM request (every admission of it together).
 
     - ``prompt_tokens``: the prompt's length;
@@ -253,16 +313,19 @@ class SpliceReport:
       plan): vLLM recomputes from the first failed block on;
     - ``refused``: why the request's :class:`SpliceRequest` was refused (it was then served
       with nothing supplied), None when it was read.
+
+    Its JSON form adds ``entries``, ``supplied`` and ``computed``.
     """
 
-    prompt_tokens: int
-    local_hit: int = 0
-    loaded: tuple[LoadedRange, ...] = ()
-    failed: tuple[tuple[int, int], ...] = ()
-    refused: str | None = None
-    version: int = PROTOCOL_VERSION
+    prompt_tokens: Count
+    local_hit: Count = 0
+    loaded: tuple[Loaded, ...] = ()
+    failed: tuple[Span, ...] = ()
+    refused: StrictStr | None = None
 
-    _WHAT = "kvnotes splice report"
+    _WHAT: ClassVar[str] = "kvnotes splice report"
+    _WIRE: ClassVar[tuple[str, ...]] = ("v", "prompt_tokens", "local_hit", "loaded", "failed",
+                                        "refused", "entries", "supplied", "computed")
 
     @property
     def entries(self) -> tuple[str, ...]:
@@ -287,43 +350,9 @@ class SpliceReport:
         supplied)."""
         return max(0, self.prompt_tokens - self.local_hit - self.supplied)
 
-    def to_dict(self) -> JsonObject:
-        return {"v": self.version, "prompt_tokens": self.prompt_tokens,
-                "local_hit": self.local_hit, "loaded": [r.to_list() for r in self.loaded],
-                "failed": [list(s) for s in self.failed], "refused": self.refused,
-                "entries": list(self.entries), "supplied": self.supplied,
-                "computed": self.computed}
-
     def to_params(self) -> JsonObject:
         """The ``kv_transfer_params`` the connector returns from ``request_finished``."""
         return {PARAMS_KEY: self.to_dict()}
-
-    @classmethod
-    def from_dict(cls, value: object) -> SpliceReport:
-        """A report from its JSON form; :class:`ProtocolError` for one this version does not
-        read (the derived ``entries``, ``supplied``, ``computed`` must agree with the rest)."""
-        w = cls._WHAT
-        d = _fields(w, value, ("v", "prompt_tokens", "local_hit", "loaded", "failed", "refused",
-                               "entries", "supplied", "computed"), ("v", "prompt_tokens"))
-        refused = d.get("refused")
-        report = cls(
-            prompt_tokens=_int(f"{w}: prompt_tokens", d["prompt_tokens"]),
-            local_hit=_int(f"{w}: local_hit", d.get("local_hit", 0)),
-            loaded=tuple(LoadedRange.from_value(f"{w}: loaded[{i}]", r)
-                         for i, r in enumerate(_list(f"{w}: loaded", d.get("loaded", [])))),
-            failed=tuple(_span(f"{w}: failed[{i}]", s)
-                         for i, s in enumerate(_list(f"{w}: failed", d.get("failed", [])))),
-            refused=None if refused is None else _str(f"{w}: refused", refused))
-        for name in ("entries", "supplied", "computed"):
-            if name in d:
-                want = getattr(report, name)
-                got = d[name]
-                if name == "entries" and isinstance(got, list):
-                    got = tuple(got)
-                if got != want:
-                    raise ProtocolError(f"{w}: {name} is {d[name]!r}, the report's ranges give "
-                                        f"{list(want) if name == 'entries' else want!r}")
-        return report
 
     @classmethod
     def from_params(cls, params: object) -> SpliceReport | None:
@@ -334,8 +363,8 @@ class SpliceReport:
 
 
 # ---- front -> client ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class RepairPolicy:
+@message(frozen=True, config=_CLOSED)
+class RepairPolicy(_Message):
     """The repair rule a plan ran (:class:`~kvnotes.core.repair.Repair` as a server runs it):
     each spliced piece's first ``max(first, ceil(share * len))`` tokens recomputed in context,
     regions ending on multiples of ``align``; ``skip_exact``: pieces whose notes are already a
@@ -346,10 +375,13 @@ class RepairPolicy:
         {'first': 32, 'align': 16, 'share': 0.1, 'skip_exact': True}
     """
 
-    first: int
-    align: int
-    share: float = 0.0
-    skip_exact: bool = True
+    first: Count
+    align: Positive
+    share: Share = 0.0
+    skip_exact: StrictBool = True
+
+    _WHAT: ClassVar[str] = "kvnotes repair policy"
+    _WIRE: ClassVar[tuple[str, ...]] = ("first", "align", "share", "skip_exact")
 
     @classmethod
     def of(cls, repair: Repair) -> RepairPolicy:
@@ -362,59 +394,44 @@ class RepairPolicy:
         return Repair(first=self.first, align=self.align, share=self.share,
                       skip_exact=self.skip_exact)
 
-    def to_dict(self) -> JsonObject:
-        return {"first": self.first, "align": self.align, "share": self.share,
-                "skip_exact": self.skip_exact}
 
-    @classmethod
-    def from_dict(cls, value: object) -> RepairPolicy:
-        w = "kvnotes repair policy"
-        d = _fields(w, value, ("first", "align", "share", "skip_exact"), ("first", "align"))
-        return cls(_int(f"{w}: first", d["first"]), _int(f"{w}: align", d["align"], 1),
-                   _float(f"{w}: share", d.get("share", 0.0)),
-                   _bool(f"{w}: skip_exact", d.get("skip_exact", True)))
-
-
-@dataclass(frozen=True, slots=True)
-class PlanEntry:
+@message(frozen=True, config=_CLOSED)
+class PlanEntry(_Message):
     """One spliced piece of a plan: its skill ``name``, the entry's ``key``, its prompt tokens
     ``[start, end)`` and how many of them the plan recomputes (0: spliced as it is)."""
 
-    name: str
-    key: str
-    start: int
-    end: int
-    repaired: int
+    name: StrictStr
+    key: StrictStr
+    start: Count
+    end: Count
+    repaired: Count
 
-    def to_dict(self) -> JsonObject:
-        return {"name": self.name, "key": self.key, "start": self.start, "end": self.end,
-                "repaired": self.repaired}
-
-    @classmethod
-    def from_dict(cls, what: str, value: object) -> PlanEntry:
-        d = _fields(what, value, ("name", "key", "start", "end", "repaired"),
-                    ("name", "key", "start", "end", "repaired"))
-        return cls(_str(f"{what}: name", d["name"]), _str(f"{what}: key", d["key"]),
-                   _int(f"{what}: start", d["start"]), _int(f"{what}: end", d["end"]),
-                   _int(f"{what}: repaired", d["repaired"]))
+    _WHAT: ClassVar[str] = "kvnotes plan entry"
+    _WIRE: ClassVar[tuple[str, ...]] = ("name", "key", "start", "end", "repaired")
 
 
-@dataclass(frozen=True, slots=True)
-class PlanReport:
+@message(frozen=True, config=_CLOSED)
+class PlanReport(_Message):
     """A request's phase plan as the client is told it: the prompt's length, the server's
     block size, the repair, the salt, the ranges asked of the connector, the regions vLLM
-    recomputes, the phases' ends, the skills and their entries, the exactly placed skills."""
+    recomputes, the phases' ends, the skills and their entries, the exactly placed skills.
+    Its JSON form adds ``spliced_tokens`` and ``repaired_tokens``."""
 
-    prompt_len: int
-    block_size: int
+    prompt_len: Count
+    block_size: Positive
     repair: RepairPolicy
-    salt: str
-    ranges: tuple[SpliceRange, ...]
-    regions: tuple[tuple[int, int], ...]
-    phase_ends: tuple[int, ...]
-    skills: tuple[str, ...] = ()
+    salt: StrictStr
+    ranges: tuple[Range, ...]
+    regions: tuple[Span, ...] = ()
+    phase_ends: tuple[Count, ...] = ()
+    skills: tuple[StrictStr, ...] = ()
     entries: tuple[PlanEntry, ...] = ()
-    exactly_placed: tuple[str, ...] = ()
+    exactly_placed: tuple[StrictStr, ...] = ()
+
+    _WHAT: ClassVar[str] = "kvnotes plan"
+    _WIRE: ClassVar[tuple[str, ...]] = (
+        "prompt_len", "block_size", "repair", "salt", "ranges", "regions", "phase_ends",
+        "spliced_tokens", "repaired_tokens", "skills", "entries", "exactly_placed")
 
     @property
     def spliced_tokens(self) -> int:
@@ -424,49 +441,9 @@ class PlanReport:
     def repaired_tokens(self) -> int:
         return sum(b - a for a, b in self.regions)
 
-    def to_dict(self) -> JsonObject:
-        return {"prompt_len": self.prompt_len, "block_size": self.block_size,
-                "repair": self.repair.to_dict(), "salt": self.salt,
-                "ranges": [list(r.to_list()) for r in self.ranges],
-                "regions": [list(r) for r in self.regions],
-                "phase_ends": list(self.phase_ends), "spliced_tokens": self.spliced_tokens,
-                "repaired_tokens": self.repaired_tokens, "skills": list(self.skills),
-                "entries": [e.to_dict() for e in self.entries],
-                "exactly_placed": list(self.exactly_placed)}
 
-    @classmethod
-    def from_dict(cls, value: object) -> PlanReport:
-        w = "kvnotes plan"
-        d = _fields(w, value, ("prompt_len", "block_size", "repair", "salt", "ranges", "regions",
-                               "phase_ends", "spliced_tokens", "repaired_tokens", "skills",
-                               "entries", "exactly_placed"),
-                    ("prompt_len", "block_size", "repair", "salt", "ranges"))
-        plan = cls(
-            prompt_len=_int(f"{w}: prompt_len", d["prompt_len"]),
-            block_size=_int(f"{w}: block_size", d["block_size"], 1),
-            repair=RepairPolicy.from_dict(d["repair"]), salt=_str(f"{w}: salt", d["salt"]),
-            ranges=tuple(_range(f"{w}: ranges[{i}]", r)
-                         for i, r in enumerate(_list(f"{w}: ranges", d["ranges"]))),
-            regions=tuple(_span(f"{w}: regions[{i}]", r)
-                          for i, r in enumerate(_list(f"{w}: regions", d.get("regions", [])))),
-            phase_ends=tuple(_int(f"{w}: phase_ends", e)
-                             for e in _list(f"{w}: phase_ends", d.get("phase_ends", []))),
-            skills=tuple(_str(f"{w}: skills", s) for s in _list(f"{w}: skills",
-                                                                d.get("skills", []))),
-            entries=tuple(PlanEntry.from_dict(f"{w}: entries[{i}]", e)
-                          for i, e in enumerate(_list(f"{w}: entries", d.get("entries", [])))),
-            exactly_placed=tuple(_str(f"{w}: exactly_placed", s)
-                                 for s in _list(f"{w}: exactly_placed",
-                                                d.get("exactly_placed", []))))
-        for name in ("spliced_tokens", "repaired_tokens"):
-            if name in d and d[name] != getattr(plan, name):
-                raise ProtocolError(f"{w}: {name} is {d[name]!r}, its ranges and regions give "
-                                    f"{getattr(plan, name)}")
-        return plan
-
-
-@dataclass(frozen=True, slots=True)
-class UsageKvnotes:
+@message(frozen=True, config=_CLOSED)
+class UsageKvnotes(_Message):
     """The ``usage.kvnotes`` object of the front's answer.
 
     - ``spliced_tokens``: tokens the plan asks the connector to supply (0: none planned);
@@ -478,44 +455,17 @@ class UsageKvnotes:
       answer, or the guard fired: the answer is the exact request's).
     """
 
-    spliced_tokens: int = 0
-    phases: int = 0
-    guard_fired: bool = False
+    spliced_tokens: Count = 0
+    phases: Count = 0
+    guard_fired: StrictBool = False
     plan: PlanReport | None = None
-    exact: str | None = None
+    exact: StrictStr | None = None
     phase_reports: tuple[SpliceReport | None, ...] = ()
     report: SpliceReport | None = None
-    version: int = PROTOCOL_VERSION
 
-    _WHAT = "usage.kvnotes"
-
-    def to_dict(self) -> JsonObject:
-        return {"v": self.version, "spliced_tokens": self.spliced_tokens, "phases": self.phases,
-                "guard_fired": self.guard_fired,
-                "plan": None if self.plan is None else self.plan.to_dict(),
-                "exact": self.exact,
-                "phase_reports": [None if r is None else r.to_dict()
-                                  for r in self.phase_reports],
-                "report": None if self.report is None else self.report.to_dict()}
-
-    @classmethod
-    def from_dict(cls, value: object) -> UsageKvnotes:
-        """The client's reading of ``usage.kvnotes``; :class:`ProtocolError` for an object
-        this version does not read."""
-        w = cls._WHAT
-        d = _fields(w, value, ("v", "spliced_tokens", "phases", "guard_fired", "plan", "exact",
-                               "phase_reports", "report"), ("v",))
-        exact = d.get("exact")
-        return cls(
-            spliced_tokens=_int(f"{w}: spliced_tokens", d.get("spliced_tokens", 0)),
-            phases=_int(f"{w}: phases", d.get("phases", 0)),
-            guard_fired=_bool(f"{w}: guard_fired", d.get("guard_fired", False)),
-            plan=None if d.get("plan") is None else PlanReport.from_dict(d["plan"]),
-            exact=None if exact is None else _str(f"{w}: exact", exact),
-            phase_reports=tuple(None if r is None else SpliceReport.from_dict(r)
-                                for r in _list(f"{w}: phase_reports",
-                                               d.get("phase_reports", []))),
-            report=None if d.get("report") is None else SpliceReport.from_dict(d["report"]))
+    _WHAT: ClassVar[str] = "usage.kvnotes"
+    _WIRE: ClassVar[tuple[str, ...]] = ("v", "spliced_tokens", "phases", "guard_fired", "plan",
+                                        "exact", "phase_reports", "report")
 
     @property
     def reports(self) -> tuple[SpliceReport, ...]:
@@ -525,7 +475,7 @@ class UsageKvnotes:
         return tuple(r for r in reports if r is not None) if None not in reports else ()
 
 
-@dataclass
+@dataclasses.dataclass
 class UsageBuilder:
     """A ``usage.kvnotes`` filled in while one request runs (the front's side)."""
 
@@ -533,7 +483,7 @@ class UsageBuilder:
     plan: PlanReport | None = None
     exact: str | None = None
     guard_fired: bool = False
-    phase_reports: list[SpliceReport | None] = field(default_factory=list)
+    phase_reports: list[SpliceReport | None] = dataclasses.field(default_factory=list)
     phases: int = 0
     report: SpliceReport | None = None
 
