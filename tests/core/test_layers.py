@@ -191,6 +191,28 @@ def test_no_module_imports_its_own_package_init():
     assert not bad, "\n".join(bad)
 
 
+def test_no_module_imports_names_from_a_package_it_is_inside():
+    """``from kvnotes.cli import skills`` inside ``kvnotes.cli.skills_store`` reads the package
+    while its ``__init__`` may still be running (it imports skills_store): a circle through the
+    package, whichever name is taken. A module imports its siblings by their full name."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = module_name(path)
+        if path.name == "__init__.py":
+            continue  # a package's own __init__ imports its children to register or re-export them
+        ancestors = {".".join(me.split(".")[:i]) for i in range(2, len(me.split(".")))}
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in ancestors:
+                bad.append(f"{me}:{node.lineno} imports from {node.module}, a package it is in")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_cycles_not_even_through_type_hints():
+    g = {m: {d for d, _ in deps if d != m} for m, deps in graph(type_checking=True).items()}
+    cycles = cycles_of(g)
+    assert not cycles, "import cycles (type-only edges included):\n" + "\n".join(cycles)
+
+
 def test_no_cycles():
     # a package imports its own submodules to re-export them; a cycle needs an edge back
     g = {m: {d for d, _ in deps if d != m} for m, deps in graph().items()}

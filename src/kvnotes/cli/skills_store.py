@@ -17,12 +17,10 @@ from pathlib import Path
 
 import typer
 
-from kvnotes.cli import skills as _folder
+from kvnotes.cli.skills import folder_forget, folder_list, folder_pin, skills_app
 from kvnotes.cli.store_options import open_store, store_option, store_password_file_option
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.store import EntryInfo, Store
-
-skills_app = _folder.skills_app
 
 
 def _row(info: EntryInfo) -> str:
@@ -68,7 +66,7 @@ def skills_list(
     if store is None:
         if tenant is not None:
             raise InvalidArgumentError("--tenant lists a --store URL")
-        _folder.folder_list(model=model, skills=_need(skills))
+        folder_list(model=model, skills=_need(skills))
         return
     st = open_store(store, store_password_file)
     try:
@@ -95,7 +93,7 @@ def skills_pin(
 ) -> None:
     """Keep a learned chunk: a pinned entry is never evicted (by the cap or a quota)."""
     if store is None:
-        _folder.folder_pin(key=key, skills=_need(skills), unpin=unpin)
+        folder_pin(key=key, skills=_need(skills), unpin=unpin)
         return
     st = open_store(store, store_password_file)
     try:
@@ -118,7 +116,7 @@ def skills_forget(
     deleted at its mirror's next poll; a request already planned with it recomputes those
     tokens)."""
     if store is None:
-        _folder.folder_forget(key=key, skills=_need(skills))
+        folder_forget(key=key, skills=_need(skills))
         return
     st = open_store(store, store_password_file)
     try:

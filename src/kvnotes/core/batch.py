@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvnotes.core import validate
+import kvnotes.core.validate as validate
 from kvnotes.core.cache import build_padded_cache
 from kvnotes.core.errors import EmptyInputError, InvalidArgumentError
 from kvnotes.core.notebook import Notebook

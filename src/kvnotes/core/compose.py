@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvnotes.core import validate
+import kvnotes.core.validate as validate
 from kvnotes.core.document import Document
 from kvnotes.core.errors import EmptyInputError, InvalidArgumentError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvnotes.core import validate
+import kvnotes.core.validate as validate
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
 
 

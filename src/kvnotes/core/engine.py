@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kvnotes.core import batch as batch_ops
-from kvnotes.core import compose as compose_ops
-from kvnotes.core import validate
+import kvnotes.core.batch as batch_ops
+import kvnotes.core.compose as compose_ops
+import kvnotes.core.validate as validate
 from kvnotes.core.document import Document, document_meta
 from kvnotes.core.errors import EmptyInputError
 from kvnotes.core.model_defaults import ModelDefaults, model_defaults

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvnotes.core import files, split_gguf, validate
+import kvnotes.core.files as files
+import kvnotes.core.split_gguf as split_gguf
+import kvnotes.core.validate as validate
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import UnknownModelError
 

@@ -28,7 +28,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from kvnotes.core import files, validate
+import kvnotes.core.files as files
+import kvnotes.core.validate as validate
 from kvnotes.core.errors import (
     ArgumentTypeError,
     EmptyInputError,

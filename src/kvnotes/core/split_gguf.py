@@ -26,7 +26,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from kvnotes.core import files
+import kvnotes.core.files as files
 from kvnotes.core.errors import UnknownModelError
 
 _BLOCK = 8 << 20

@@ -23,7 +23,7 @@ from typing import cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kvnotes.serving import json_types as jt
+import kvnotes.serving.json_types as jt
 
 
 class _Open(BaseModel):
