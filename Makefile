@@ -84,7 +84,6 @@ bench: models
 	$(PY) -m kvnotes_bench.micro.compose_ttft --out $(OUT)/bench
 	$(PY) -m kvnotes_bench.micro.splice_bandwidth --out $(OUT)/bench
 	$(PY) -m kvnotes_bench.micro.batch_decode --out $(OUT)/bench
-	$(PY) -m kvnotes_bench.micro.front_overhead --out $(OUT)/bench
 	$(PY) -m kvnotes_bench.micro.compile_share --out $(OUT)/bench
 
 clean:

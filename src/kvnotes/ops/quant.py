@@ -16,7 +16,7 @@ rounding error grows by at most sqrt(2) and the second adds half a new step:
     |R(d) x - shifted(quantize(x))| <= (sqrt(2) * s_old + s_new) / 2  (``SHIFT_STEPS`` * max s)
 
 The int8 files are about a quarter of the fp32 ones. The fidelity cost for composition is
-measured in ``kvnotes_bench.micro.quant_fidelity``.
+measured by a driver kept in git (``bench/micro/quant_fidelity.py`` at commit f2531be).
 
 Example:
     >>> import os, tempfile
