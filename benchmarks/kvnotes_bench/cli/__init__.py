@@ -9,6 +9,7 @@ from kvnotes_bench.cli import serve_bench_agent as _serve_bench_agent  # noqa: F
 from kvnotes_bench.cli import serve_bench_fleet as _fleet  # noqa: F401  (serve fleet, fleet-check)
 from kvnotes_bench.cli import serve_bench_skills as _serve_bench_skills  # noqa: F401  (serve skills)
 from kvnotes_bench.cli import serve_bench_soak as _serve_bench_soak  # noqa: F401  (serve soak)
+from kvnotes_bench.cli import shape as _shape  # noqa: F401  (shape)
 from kvnotes_bench.cli.app import app
 
 __all__ = ["app"]
