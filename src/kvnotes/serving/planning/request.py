@@ -27,9 +27,21 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Annotated, Any, Final, cast
 
-from kvnotes.core.errors import KvnotesError
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+)
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from kvnotes.serving.json_types import RequestBody, SamplingFields
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.chat_render import (
@@ -188,7 +200,12 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-@dataclass(frozen=True, slots=True)
+def _tenant(tenant: str) -> str:
+    splice_salt(tenant)  # the tenant's spelling rule (InvalidArgumentError: a ValueError)
+    return tenant
+
+
+@pydantic_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class FrontOptions:
     """Per-request options (``extra_body={"kvnotes": {...}}``); None: the front's default.
 
@@ -199,10 +216,13 @@ class FrontOptions:
       answer comes from an exact request (0: never).
     """
 
-    splice: bool = True
-    tenant: str | None = None
-    repair: int | None = None
-    guard: float | None = None
+    splice: StrictBool = True
+    tenant: Annotated[StrictStr, AfterValidator(_tenant)] | None = None
+    repair: Annotated[StrictInt, Field(ge=0)] | None = None  # a token count
+    guard: Annotated[float, Strict(), Field(ge=0.0, allow_inf_nan=False)] | None = None
+
+
+_OPTIONS = TypeAdapter(FrontOptions)
 
 
 def read_options(raw: object) -> FrontOptions:
@@ -215,33 +235,31 @@ def read_options(raw: object) -> FrontOptions:
         ... except BadRequest as err:
         ...     print(err.param, "|", err)
         kvnotes.tenat | unknown kvnotes option 'tenat': use splice, tenant, repair, guard
+        >>> try:
+        ...     read_options({"repair": True})
+        ... except BadRequest as err:
+        ...     print(err.param, "|", err)
+        kvnotes.repair | kvnotes.repair: input should be a valid integer, got True
     """
     if raw is None:
         return FrontOptions()
     if not isinstance(raw, Mapping):
         raise BadRequest(OPTIONS_KEY, f"{OPTIONS_KEY} must be an object of "
                          f"{', '.join(OPTION_NAMES)}")
-    unknown = sorted(str(k) for k in set(raw) - set(OPTION_NAMES))
-    if unknown:
-        raise BadRequest(f"{OPTIONS_KEY}.{unknown[0]}"[:80], f"unknown {OPTIONS_KEY} option "
-                         f"{_short(unknown[0])}: use {', '.join(OPTION_NAMES)}")
-    splice, tenant = raw.get("splice", True), raw.get("tenant")
-    repair, guard = raw.get("repair"), raw.get("guard")
-    if not isinstance(splice, bool):
-        raise BadRequest(f"{OPTIONS_KEY}.splice", f"{OPTIONS_KEY}.splice must be true or false, "
-                         f"got {_short(splice)}")
-    if tenant is not None:
-        try:
-            splice_salt(tenant)  # the tenant's spelling rule
-        except KvnotesError as err:
-            raise BadRequest(f"{OPTIONS_KEY}.tenant", str(err)) from err
-    if repair is not None and (not _is_type(repair, _INT) or repair < 0):
-        raise BadRequest(f"{OPTIONS_KEY}.repair", f"{OPTIONS_KEY}.repair must be a token count "
-                         f">= 0, got {_short(repair)}")
-    if guard is not None and (not _is_type(guard, _REAL) or float(guard) < 0):
-        raise BadRequest(f"{OPTIONS_KEY}.guard", f"{OPTIONS_KEY}.guard must be a log-prob margin "
-                         f">= 0, got {_short(guard)}")
-    return FrontOptions(splice, tenant, repair, None if guard is None else float(guard))
+    try:
+        return _OPTIONS.validate_python(raw)
+    except ValidationError as err:
+        error = err.errors()[0]
+        name = str(error["loc"][0]) if error["loc"] else ""
+        param = f"{OPTIONS_KEY}.{name}"[:80]
+        if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            message = f"unknown {OPTIONS_KEY} option {_short(name)}: use {', '.join(OPTION_NAMES)}"
+        elif error["type"] == "value_error":  # the tenant's spelling: its own message
+            message = str(error.get("ctx", {}).get("error", error["msg"]))
+        else:
+            message = (f"{param}: {error['msg'][:1].lower()}{error['msg'][1:]}, got "
+                       f"{_short(error.get('input'))}")
+        raise BadRequest(param, message) from None
 
 
 @dataclass
