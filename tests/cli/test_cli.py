@@ -117,3 +117,88 @@ def test_trace_sensitivity_writes_counts_without_tracing(tiny_folder, tmp_path):
         "routing-s0", "routing-s8"]
     assert "load average" in (out / "sensitivity.md").read_text()
     assert not (out / "cases.jsonl").exists()
+
+
+# ---- kvnotes serve ----------------------------------------------------------------------------
+def _serve_command():
+    import typer
+
+    return typer.main.get_command(app).commands["serve"]
+
+
+def test_serve_takes_at_most_15_parameters():
+    """MODEL and the options, --config included (not --help, not the vLLM flags after --)."""
+    from kvnotes.serving.config_file import FLAGS
+
+    params = [p for p in _serve_command().params if p.name not in ("help", "vllm_args")]
+    assert len(params) <= 15, [p.name for p in params]
+    options = {o for p in params for o in getattr(p, "opts", ()) if o.startswith("--")}
+    assert options == {*FLAGS.values(), "--config"}
+
+
+def _launched(monkeypatch, *args: str):
+    """The LaunchConfig ``kvnotes serve ARGS`` would start (nothing loaded, nothing started)."""
+    import kvnotes
+    from kvnotes.serving.launch import launcher
+
+    seen = []
+
+    def fake_prepare(config, engine=None):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(kvnotes, "load", lambda model: None)
+    monkeypatch.setattr(launcher, "prepare", fake_prepare)
+    result = runner.invoke(app, ["serve", *args])
+    assert seen, result.output
+    return seen.pop()
+
+
+def test_serve_options_override_the_config_file(tmp_path, monkeypatch):
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model: tiny\nskills: {tmp_path / 'file-skills'}\nport: 8000\n"
+                      "guard: 0.5\nlimits: {max_tools: 7}\nlearning: {enabled: true, after: 5}\n"
+                      "vllm_args: [--seed, '1']\n")
+    launch = _launched(monkeypatch, "--config", str(config))
+    assert (launch.model, launch.skills, launch.extra_args) == ("tiny", tmp_path / "file-skills",
+                                                                ("--seed", "1"))
+    assert launch.front is not None and launch.front.learn is not None
+    assert (launch.front.port, launch.front.guard, launch.front.max_tools) == (8000, 0.5, 7)
+    launch = _launched(monkeypatch, "other", "--config", str(config), "--port", "9000",
+                       "--guard", "0", "--skills", str(tmp_path / "cli-skills"), "--",
+                       "--seed", "2")
+    assert (launch.model, launch.skills, launch.extra_args) == ("other", tmp_path / "cli-skills",
+                                                                ("--seed", "2"))
+    assert launch.front is not None and launch.front.learn is not None
+    assert (launch.front.port, launch.front.guard, launch.front.max_tools) == (9000, 0.0, 7)
+    assert launch.front.learn.after == 5  # what the command line did not give: the file's
+
+
+def test_serve_refuses_a_bad_file_before_loading_the_model(tmp_path, monkeypatch):
+    import kvnotes
+
+    monkeypatch.setattr(kvnotes, "load", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("the model was loaded before the settings were checked")))
+    config = tmp_path / "serve.toml"
+    config.write_text('skills = "s"\n[limits]\nmax_concurrent = 0\n')
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2 and "limits.max_concurrent" in result.output, result.output
+    config.write_text('skills = "s"\n[learning]\nlearn_after = 3\n')
+    result = runner.invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "unknown setting 'learning.learn_after'" in result.output
+    assert str(config) in "".join(result.output.split())
+    result = runner.invoke(app, ["serve", "--skills", "s", "--learn-after", "3"])
+    assert result.exit_code == 2 and "--learn-after" in result.output  # moved to the file
+    result = runner.invoke(app, ["serve", "--port", "8000"])
+    assert result.exit_code == 2 and "give --skills DIR" in result.output
+
+
+def test_serve_help_says_where_each_moved_option_went():
+    from kvnotes.cli.serve import MOVED
+
+    result = runner.invoke(app, ["serve", "--help"], terminal_width=400)
+    text = " ".join(result.output.split())
+    assert result.exit_code == 0
+    for flag, key in MOVED.items():
+        assert f"{flag} -> {key}" in text

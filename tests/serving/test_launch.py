@@ -87,7 +87,12 @@ def test_serve_refuses_a_fraction_before_loading_the_model(tmp_path, monkeypatch
     result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "skills"),
                                       "--kv-cache-gib", "0.1"])
     assert result.exit_code == 2, result.output
-    assert "kv_cache_gib 0.1" in result.output and "--kv-cache-gib 1" in result.output
+    assert "--kv-cache-gib" in result.output and "valid integer" in result.output
+    config = tmp_path / "serve.toml"
+    config.write_text(f'skills = "{tmp_path / "skills"}"\nkv_cache_gib = 0.5\n')
+    result = CliRunner().invoke(app, ["serve", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "kv_cache_gib 0.5" in result.output and "--kv-cache-gib 1" in result.output
 
 
 # ---- the command line ----------------------------------------------------------------------------
@@ -274,7 +279,7 @@ def test_a_learning_front_gets_a_learner_over_the_launched_skills(engine, export
     assert plain.front is not None and plain.front.service.learner is None
 
 
-def test_serve_passes_the_learning_flags_to_the_front(tmp_path, monkeypatch):
+def test_serve_passes_the_learning_settings_to_the_front(tmp_path, monkeypatch):
     seen: list[LaunchConfig] = []
 
     def fake_prepare(config, engine=None):
@@ -283,13 +288,16 @@ def test_serve_passes_the_learning_flags_to_the_front(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kvnotes, "load", lambda model: None)
     monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
+    config = tmp_path / "serve.toml"
+    config.write_text('[learning]\nafter = 3\nmin_tokens = 16\nlibrary_cap = "256MiB"\n'
+                      'tenant_quota = "1GB"\n')
     CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--learn",
-                             "--learn-after", "3", "--learn-min-tokens", "16",
-                             "--library-cap", "256MiB", "--tenant-quota", "1GB"])
-    config = seen.pop()
-    assert config.front is not None
-    assert config.front.learn == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
+                             "--config", str(config)])
+    launch = seen.pop()
+    assert launch.front is not None
+    assert launch.front.learn == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
                                              tenant_quota=10**9)
+    assert launch.block_size == LearnConfig().block_size  # a learning server's blocks
     CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s")])
     assert seen.pop().front.learn is None  # off: the front as without learning
 
