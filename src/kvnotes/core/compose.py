@@ -10,7 +10,7 @@ that plan (:func:`execute_piece_repair`, which the agent's turn builder runs too
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,11 +28,13 @@ from kvnotes.core.repair import (
     repair_selector,
 )
 from kvnotes.core.repair_plan import Part as LayoutPart
-from kvnotes.core.repair_plan import Piece, PieceRepair, Text, plan_repair
+from kvnotes.core.repair_plan import Piece, PieceRepair, RepairPlan, Text, plan_repair
 from kvnotes.core.runner import ModelRunner
 from kvnotes.core.variants import VariantSource
 
 Part = str | Document | Notebook
+# a part read: a compiled notebook to splice, or text's ids and spans to prefill
+_Piece = Notebook | tuple[list[int], list[Span]]
 
 ANCHORS = ("auto", "bos", "none")
 
@@ -254,7 +256,25 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
     if not parts:
         raise EmptyInputError("compose needs at least one part")
     plan = as_repair(repair)  # a Repair checks itself: a bad one fails before any model work
-    pieces: list[Notebook | tuple[list[int], list[Span]]] = []
+    pieces = _read_parts(engine, parts)
+    bos = [] if engine.bos_id is None else [engine.bos_id]
+    swapped = (_swap_variants(pieces, library, bos, start) if library is not None and variants
+               else [])
+    layout: list[LayoutPart] = [Text(1, tuple(bos))] if bos else []
+    layout += [layout_part(p) for p in pieces]
+    todo = plan_repair(layout, plan, start=start)
+    # one allocation of the final size: no buffer grows (and copies) while composing
+    nb = engine.empty(start, capacity=sum(p.length for p in layout))
+    nb, tally = _splice_and_repair(engine, nb, bos, pieces, todo, start=start, layer=layer)
+    stats = _compose_stats(todo, tally, len(nb), len(bos),
+                           swapped if library is not None else None)
+    return nb.with_meta(compose=stats)
+
+
+def _read_parts(engine: ModelRunner, parts: Sequence[Part]) -> list[_Piece]:
+    """Each part as a piece: a notebook checked to splice here, or text and documents
+    tokenized on their own (a document's non-field spans named after the part)."""
+    pieces: list[_Piece] = []
     for i, part in enumerate(parts):
         if isinstance(part, Notebook):
             part.check_same_model(engine.fingerprint, what="splice a skill into")
@@ -269,61 +289,79 @@ def compose(engine: ModelRunner, parts: Sequence[Part], *, start: int = 0,
             pieces.append((ids, spans))
         else:
             raise TypeError(f"compose parts are str, Document or Notebook, got {type(part)}")
-    bos = [] if engine.bos_id is None else [engine.bos_id]
-    swapped = (_swap_variants(pieces, library, bos, start) if library is not None and variants
-               else [])
-    layout: list[LayoutPart] = [Text(1, tuple(bos))] if bos else []
-    layout += [layout_part(p) for p in pieces]
-    todo = plan_repair(layout, plan, start=start)
-    by_index = todo.by_index()
-    total = sum(p.length for p in layout)
-    # one allocation of the final size: no buffer grows (and copies) while composing
-    nb = engine.empty(start, capacity=total)
-    reused = computed = 0
-    select_tokens = 0.0
-    grown: dict[int, AdaptiveRepair] = {}
+    return pieces
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What composing ran, by kind: tokens ``reused`` (spliced and kept), ``computed`` (text
+    prefilled), ``select_tokens`` (selection passes, in token-equivalents) and, with the
+    adaptive rule, what it did to each repaired part (``grown``, by layout index)."""
+
+    reused: int = 0
+    computed: int = 0
+    select_tokens: float = 0.0
+    grown: dict[int, AdaptiveRepair] = field(default_factory=dict)
+
+
+def _splice_and_repair(engine: ModelRunner, nb: Notebook, bos: list[int],
+                       pieces: Sequence[_Piece], todo: RepairPlan, *, start: int,
+                       layer: int) -> tuple[Notebook, _Tally]:
+    """``nb`` (compose's empty notebook) with ``bos`` and then every piece written in order:
+    text prefilled, skills spliced and, where ``todo`` plans it, repaired right after their
+    splice (so later parts attend to repaired notes); and the tally of what that ran."""
+    plan, by_index, tally = todo.repair, todo.by_index(), _Tally()
     if bos:
         nb = engine.forward(nb, bos, spans=[Span("bos", "text", 0, 1)]).notebook
-        computed += 1
+        tally.computed += 1
     for i, piece in enumerate(pieces, start=len(bos)):
         if not isinstance(piece, Notebook):
             nb = engine.forward(nb, piece[0], spans=piece[1]).notebook
-            computed += len(piece[0])
+            tally.computed += len(piece[0])
             continue
         nb = nb.splice(piece)  # re-rotated straight into nb's storage
         todo_piece = by_index.get(i)
         if todo_piece is None:  # exactly placed (its notes are a prefill's), or not from ids
-            reused += len(piece)
+            tally.reused += len(piece)
             continue
         if plan.adapt is not None:
-            nb, grown[i] = execute_adaptive_repair(engine, nb, todo_piece, plan, start=start,
-                                                   in_place=True)
-            reused += len(piece) - grown[i].piece.repaired
+            nb, tally.grown[i] = execute_adaptive_repair(engine, nb, todo_piece, plan,
+                                                         start=start, in_place=True)
+            tally.reused += len(piece) - tally.grown[i].piece.repaired
             continue
         nb, cost = execute_piece_repair(engine, nb, todo_piece, select=plan.select, layer=layer,
                                         in_place=True)  # nb's storage is compose's own
-        select_tokens += cost
-        reused += len(piece) - todo_piece.repaired
+        tally.select_tokens += cost
+        tally.reused += len(piece) - todo_piece.repaired
+    return nb, tally
+
+
+def _compose_stats(todo: RepairPlan, tally: _Tally, length: int, n_bos: int,
+                   swapped: list[int] | None) -> dict[str, object]:
+    """``nb.meta["compose"]`` (the keys :func:`compose` lists) for a notebook of ``length``
+    tokens composed by ``todo`` with ``n_bos`` BOS tokens first; ``swapped``: the parts a
+    library's variant replaced, None when no library was given."""
+    plan, grown = todo.repair, tally.grown
     done = [grown[p.index].piece if p.index in grown else p for p in todo.pieces]
     repaired = sum(p.repaired for p in done)
-    fraction = (computed + repaired + select_tokens) / max(1, len(nb))
+    fraction = (tally.computed + repaired + tally.select_tokens) / max(1, length)
     stats: dict[str, object] = {
-        "reused": reused, "computed": computed, "repaired": repaired,
-        "select": plan.select, "select_tokens": select_tokens,
+        "reused": tally.reused, "computed": tally.computed, "repaired": repaired,
+        "select": plan.select, "select_tokens": tally.select_tokens,
         "compute_fraction": fraction,
         "regions": [list(p.region) for p in done if p.first_end > p.start],
-        "exact": [i - len(bos) for i in todo.exact], "repair": plan.tag(),
-        **({"variants": swapped} if library is not None else {})}
+        "exact": [i - n_bos for i in todo.exact], "repair": plan.tag(),
+        **({"variants": swapped} if swapped is not None else {})}
     if plan.adapt is not None:
         stats["adapt"] = {"planned": todo.repaired,
                           "extra_tokens": repaired - todo.repaired,
                           "extra_forwards": sum(g.forwards - 1 for g in grown.values()),
                           "changes": [list(g.changes) for g in grown.values()]}
-    return nb.with_meta(compose=stats)
+    return stats
 
 
-def _swap_variants(pieces: list[Notebook | tuple[list[int], list[Span]]],
-                   library: VariantSource, bos: list[int], start: int) -> list[int]:
+def _swap_variants(pieces: list[_Piece], library: VariantSource, bos: list[int],
+                   start: int) -> list[int]:
     """Replace, in place, each skill of ``pieces`` by ``library``'s variant that ranks first
     behind the ids before it; the indices of the parts replaced."""
     ids = list(bos)
@@ -344,7 +382,7 @@ def _swap_variants(pieces: list[Notebook | tuple[list[int], list[Span]]],
     return swapped
 
 
-def layout_part(piece: Notebook | tuple[list[int], list[Span]]) -> LayoutPart:
+def layout_part(piece: _Piece) -> LayoutPart:
     """One compose part as a layout part: text (its ids) or a spliced notebook (its ids, its
     origin, whether its positions are consecutive, and the prefix compile recorded)."""
     if not isinstance(piece, Notebook):

@@ -308,19 +308,50 @@ def trace(engine: Engine, doc: Document, *, field: str, new_value: str,
     sensitive = abs(m_new - m_old) >= opts.min_denominator
     detail = sensitive or opts.detail_when_insensitive
 
-    field_tokens, notes_tokens = (span.start, span.end), (span.end, n)
-    positions = _bins(span.end, n, opts.position_bins) if detail else []
-    groups = opts.grid_layer_groups
-    grid_layers = _bins(0, L, groups) if detail and opts.grid_bins else []
-    grid_positions = _bins(span.end, n, opts.grid_bins) if detail and opts.grid_bins else []
+    sites = _site_plan(L, n, (span.start, span.end), opts, detail=detail)
+    effects: dict[str, DirectionEffects | None] = {d: None for d in DIRECTIONS}
+    for direction in opts.directions:
+        effects[direction] = _direction_effects(
+            engine, direction, old_nb, new_nb, sites, query_ids, metric, m_old, m_new,
+            batch_size=opts.batch_size)
+    return TraceResult(
+        field_name=field, old_value=old_value, new_value=new_value,
+        answers=(str(answers[0]), str(answers[1])), answer_ids=answer_ids,
+        m_old=m_old, m_new=m_new, sensitive=sensitive,
+        field_span=(span.start, span.end), n_tokens=n, positions=sites.positions,
+        grid_layers=sites.grid_layers, grid_positions=sites.grid_positions,
+        denoising=effects["denoising"], noising=effects["noising"],
+        top_old=engine.decode([int(old_logits.argmax())]),
+        top_new=engine.decode([int(new_logits.argmax())]),
+    )
 
-    field_sites = _sites(L, n, field_tokens)
-    everything = torch.ones(L, n, dtype=torch.bool)
+
+@dataclass(frozen=True, slots=True)
+class _SitePlan:
+    """The site sets one trace patches, by effect (in the order they run), and the ranges its
+    per-position effects and grid cover (as :class:`TraceResult` reports them)."""
+
+    groups: dict[str, list[torch.Tensor]]
+    positions: list[tuple[int, int]]
+    grid_layers: list[tuple[int, int]]
+    grid_positions: list[tuple[int, int]]
+
+
+def _site_plan(L: int, n: int, field_tokens: tuple[int, int], opts: TraceOptions, *,
+               detail: bool) -> _SitePlan:
+    """Every site set ``opts`` asks for over ``L`` layers and ``n`` tokens, the field at tokens
+    ``field_tokens`` (``[start, end)``); without ``detail`` only the headline ones (field,
+    notes, full)."""
+    notes_tokens = (field_tokens[1], n)
+    positions = _bins(field_tokens[1], n, opts.position_bins) if detail else []
+    grid = detail and opts.grid_bins > 0
+    grid_layers = _bins(0, L, opts.grid_layer_groups) if grid else []
+    grid_positions = _bins(field_tokens[1], n, opts.grid_bins) if grid else []
     by_layer = detail and opts.by_layer
-    plan: dict[str, list[torch.Tensor]] = {
-        "field": [field_sites],
+    groups: dict[str, list[torch.Tensor]] = {
+        "field": [_sites(L, n, field_tokens)],
         "notes": [_sites(L, n, notes_tokens)],
-        "full": [everything],
+        "full": [torch.ones(L, n, dtype=torch.bool)],
         "field_by_layer": [_sites(L, n, field_tokens, (l, l + 1)) for l in range(L)]
         if by_layer else [],
         "notes_by_layer": [_sites(L, n, notes_tokens, (l, l + 1)) for l in range(L)]
@@ -329,32 +360,28 @@ def trace(engine: Engine, doc: Document, *, field: str, new_value: str,
         "grid": [_sites(L, n, cols, rows) for rows in grid_layers
                  for cols in [field_tokens, *grid_positions]],
     }
-    flat = [s for group in plan.values() for s in group]
-    effects: dict[str, DirectionEffects | None] = {d: None for d in DIRECTIONS}
-    for direction in opts.directions:
-        base, source = (old_nb, new_nb) if direction == "denoising" else (new_nb, old_nb)
-        ms = iter(patch_metrics(engine, base, source, flat, query_ids, metric,
-                                batch_size=opts.batch_size))
-        sign = 1.0 if direction == "denoising" else -1.0
-        offset = 0.0 if direction == "denoising" else 1.0
-        values = {k: [offset + sign * normalized_effect(next(ms), m_old, m_new) for _ in group]
-                  for k, group in plan.items()}
-        cols = len(grid_positions) + 1
-        effects[direction] = DirectionEffects(
-            field=values["field"][0], notes=values["notes"][0], full=values["full"][0],
-            field_by_layer=values["field_by_layer"], notes_by_layer=values["notes_by_layer"],
-            notes_by_position=values["notes_by_position"],
-            grid=[values["grid"][r * cols:(r + 1) * cols] for r in range(len(grid_layers))],
-        )
-    return TraceResult(
-        field_name=field, old_value=old_value, new_value=new_value,
-        answers=(str(answers[0]), str(answers[1])), answer_ids=answer_ids,
-        m_old=m_old, m_new=m_new, sensitive=sensitive,
-        field_span=(span.start, span.end), n_tokens=n, positions=positions,
-        grid_layers=grid_layers, grid_positions=grid_positions,
-        denoising=effects["denoising"], noising=effects["noising"],
-        top_old=engine.decode([int(old_logits.argmax())]),
-        top_new=engine.decode([int(new_logits.argmax())]),
+    return _SitePlan(groups, positions, grid_layers, grid_positions)
+
+
+def _direction_effects(engine: Engine, direction: str, old_nb: Notebook, new_nb: Notebook,
+                       sites: _SitePlan, query_ids: Sequence[int], metric: Metric,
+                       m_old: float, m_new: float, *, batch_size: int) -> DirectionEffects:
+    """The normalized effect of every site set of ``sites`` patched in ``direction``
+    (denoising: new into old; noising: old into new), all hybrids in one patch loop."""
+    base, source = (old_nb, new_nb) if direction == "denoising" else (new_nb, old_nb)
+    flat = [s for group in sites.groups.values() for s in group]
+    ms = iter(patch_metrics(engine, base, source, flat, query_ids, metric,
+                            batch_size=batch_size))
+    sign = 1.0 if direction == "denoising" else -1.0
+    offset = 0.0 if direction == "denoising" else 1.0
+    values = {k: [offset + sign * normalized_effect(next(ms), m_old, m_new) for _ in group]
+              for k, group in sites.groups.items()}
+    cols = len(sites.grid_positions) + 1
+    return DirectionEffects(
+        field=values["field"][0], notes=values["notes"][0], full=values["full"][0],
+        field_by_layer=values["field_by_layer"], notes_by_layer=values["notes_by_layer"],
+        notes_by_position=values["notes_by_position"],
+        grid=[values["grid"][r * cols:(r + 1) * cols] for r in range(len(sites.grid_layers))],
     )
 
 

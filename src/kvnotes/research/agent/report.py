@@ -33,8 +33,6 @@ def _settings_line(settings: BenchSettings | None) -> str:
     return f" Episodes {shown}; {agent}."
 
 
-
-
 def plot_latency(result: BenchSummary, path: Path) -> None:
     import matplotlib
 
@@ -62,7 +60,6 @@ def plot_latency(result: BenchSummary, path: Path) -> None:
 
 def report_markdown(result: BenchSummary) -> str:
     """The markdown of ``report.md``."""
-    lat, tok = result.latency, result.tokens
     lines = [
         f"# agent-bench: {result.model}", "",
         f"{result.episodes} scripted episodes x {result.turns_per_episode} turns = "
@@ -70,6 +67,24 @@ def report_markdown(result: BenchSummary) -> str:
         + _machine_line(result.machine) + _settings_line(result.settings),
         "", "## Summary", "",
         "| figure | value |", "| --- | --- |",
+        *_summary_rows(result), *_guard_rows(result), *_compute_rows(result),
+        *_agreement_rows(result),
+        *_per_turn_table(result), *_guard_sweep_table(result),
+        "", "![latency per turn](latency.png)", "",
+        *_flips_section(result),
+        "", "Latency: time from a request (with its pending state changes) to the decision"
+        " (and tool call when on), measured per turn with both agents interleaved. Skill "
+        "compilation happens once per model, before the episodes, and is not in any turn; "
+        "each agent takes one untimed warm-up turn before the first episode.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _summary_rows(result: BenchSummary) -> list[str]:
+    """The summary table's rows every run has: identity, latency, tokens, margin, skills."""
+    lat, tok = result.latency, result.tokens
+    return [
         f"| decision identity with recompute | {result.identity:.1%} "
         f"({result.decisions - result.flip_count}/{result.decisions}) |",
         f"| flips | {result.flip_count} |",
@@ -85,27 +100,44 @@ def report_markdown(result: BenchSummary) -> str:
         f"{result.skills.library_hits} ({result.skills.prepare_s:.1f} s, "
         "not in any turn) |",
     ]
+
+
+def _guard_rows(result: BenchSummary) -> list[str]:
+    """The decision guard's summary rows (none when the guard was off)."""
     g = result.guard
-    if g is not None:
-        lines += [
-            f"| decision guard (tau = {g.tau}) fired | {g.fired} of {g.decisions} "
-            f"({g.fired_rate:.1%}); changed the decision {g.changed} times |",
-            f"| guard cost (in the kvnotes latency) | {g.tokens} tokens recomputed, "
-            f"{g.seconds:.2f} s |",
-            f"| decisions the fast (unguarded) choice would have flipped | "
-            f"{g.would_flip_without} |",
-        ]
+    if g is None:
+        return []
+    return [
+        f"| decision guard (tau = {g.tau}) fired | {g.fired} of {g.decisions} "
+        f"({g.fired_rate:.1%}); changed the decision {g.changed} times |",
+        f"| guard cost (in the kvnotes latency) | {g.tokens} tokens recomputed, "
+        f"{g.seconds:.2f} s |",
+        f"| decisions the fast (unguarded) choice would have flipped | "
+        f"{g.would_flip_without} |",
+    ]
+
+
+def _compute_rows(result: BenchSummary) -> list[str]:
+    """The arithmetic summary rows (none without FLOP counts)."""
     comp = result.compute
-    if comp is not None and comp.kvnotes_flops:
-        fast = (f" (fast path, without the guard's recomputes: {comp.fast_flop_ratio:.1f}x "
-                f"FLOPs, {comp.fast_latency_ratio:.1f}x latency)" if comp.guard_flops else "")
-        lines += [
-            f"| arithmetic, recompute / kvnotes (the latency ratio a compute-bound machine "
-            f"allows) | {comp.recompute_flops / 1e12:.1f} / {comp.kvnotes_flops / 1e12:.1f}"
-            f" TFLOP: {comp.flop_ratio:.1f}x{fast} |",
-            f"| latency ratio / FLOP ratio (how much of the arithmetic saving the latency "
-            f"keeps) | {comp.kept:.2f} |",
-        ]
+    if comp is None or not comp.kvnotes_flops:
+        return []
+    fast = (f" (fast path, without the guard's recomputes: {comp.fast_flop_ratio:.1f}x "
+            f"FLOPs, {comp.fast_latency_ratio:.1f}x latency)" if comp.guard_flops else "")
+    return [
+        f"| arithmetic, recompute / kvnotes (the latency ratio a compute-bound machine "
+        f"allows) | {comp.recompute_flops / 1e12:.1f} / {comp.kvnotes_flops / 1e12:.1f}"
+        f" TFLOP: {comp.flop_ratio:.1f}x{fast} |",
+        f"| latency ratio / FLOP ratio (how much of the arithmetic saving the latency "
+        f"keeps) | {comp.kept:.2f} |",
+    ]
+
+
+def _agreement_rows(result: BenchSummary) -> list[str]:
+    """The summary rows measured only on some runs, of how close the kvnotes agent stays to
+    recompute: the fast decision's margin error, identity after state changes (with the stale
+    ablation) and tool-call validity."""
+    lines: list[str] = []
     err = result.fast_margin_error
     if err is not None:
         lines.append(f"| fast decision's margin error vs recompute (log-prob): median / p90 / max"
@@ -125,10 +157,15 @@ def report_markdown(result: BenchSummary) -> str:
         lines.append(f"| tool calls: valid kvnotes / recompute / identical raw, of "
                      f"{t.turns_with_a_call} | {t.kvnotes_valid} / {t.recompute_valid}"
                      f" / {t.identical_raw} |")
-    lines += ["", "## Per turn", "",
-              "| turn | n | identity | recompute s | kvnotes s | ratio | FLOP ratio | "
-              "recompute tokens | kvnotes tokens |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    return lines
+
+
+def _per_turn_table(result: BenchSummary) -> list[str]:
+    """The "Per turn" section: one row per turn index over every episode."""
+    lines = ["", "## Per turn", "",
+             "| turn | n | identity | recompute s | kvnotes s | ratio | FLOP ratio | "
+             "recompute tokens | kvnotes tokens |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in result.per_turn:
         flop = p.flop_ratio
         lines.append(f"| {p.turn + 1} | {p.n} | {p.identity:.1%} | "
@@ -136,29 +173,35 @@ def report_markdown(result: BenchSummary) -> str:
                      f"{p.ratio:.1f}x | {'-' if flop != flop else f'{flop:.1f}x'} | "
                      f"{p.recompute_tokens_computed:.0f} | "
                      f"{p.kvnotes_tokens_computed:.0f} |")
-    if result.guard_sweep:
-        lines += ["", "## Lower guard thresholds, read off this run", "",
-                  "An estimate, not a run: a fire whose fast margin is at or above tau is dropped"
-                  " with its time and FLOPs; after it the notes would have stayed inexact, so "
-                  "later turns could differ.", "",
-                  "| tau | fired | flips it would miss | latency ratio | FLOP ratio |",
-                  "| --- | --- | --- | --- | --- |"]
-        for row in result.guard_sweep:
-            lines.append(f"| {row.tau} | {row.fired} | {row.missed_flips} | "
-                         f"{row.latency_ratio:.1f}x | {row.flop_ratio:.1f}x |")
-    lines += ["", "![latency per turn](latency.png)", "", "## Flips", ""]
+    return lines
+
+
+def _guard_sweep_table(result: BenchSummary) -> list[str]:
+    """The lower guard thresholds section (none without a sweep)."""
+    if not result.guard_sweep:
+        return []
+    lines = ["", "## Lower guard thresholds, read off this run", "",
+             "An estimate, not a run: a fire whose fast margin is at or above tau is dropped"
+             " with its time and FLOPs; after it the notes would have stayed inexact, so "
+             "later turns could differ.", "",
+             "| tau | fired | flips it would miss | latency ratio | FLOP ratio |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in result.guard_sweep:
+        lines.append(f"| {row.tau} | {row.fired} | {row.missed_flips} | "
+                     f"{row.latency_ratio:.1f}x | {row.flop_ratio:.1f}x |")
+    return lines
+
+
+def _flips_section(result: BenchSummary) -> list[str]:
+    """The "Flips" section: every decision that differs from the recompute agent's."""
+    lines = ["## Flips", ""]
     if not result.flips:
         lines.append("None: every decision matched the recompute agent.")
-    else:
-        lines += ["| episode | turn | request | kvnotes | recompute | recompute margin | "
-                  "state changes so far |", "| --- | --- | --- | --- | --- | --- | --- |"]
-        for f in result.flips:
-            events = ", ".join(f"{a}={b}" for a, b in f.events_so_far) or "none"
-            lines.append(f"| {f.episode} | {f.turn + 1} | {f.kind} | {f.kvnotes} | "
-                         f"{f.recompute} | {f.recompute_margin:.3f} | {events} |")
-    lines += ["", "Latency: time from a request (with its pending state changes) to the decision"
-              " (and tool call when on), measured per turn with both agents interleaved. Skill "
-              "compilation happens once per model, before the episodes, and is not in any turn; "
-              "each agent takes one untimed warm-up turn before the first episode.",
-              ""]
-    return "\n".join(lines)
+        return lines
+    lines += ["| episode | turn | request | kvnotes | recompute | recompute margin | "
+              "state changes so far |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for f in result.flips:
+        events = ", ".join(f"{a}={b}" for a, b in f.events_so_far) or "none"
+        lines.append(f"| {f.episode} | {f.turn + 1} | {f.kind} | {f.kvnotes} | "
+                     f"{f.recompute} | {f.recompute_margin:.3f} | {events} |")
+    return lines
