@@ -103,12 +103,17 @@ def test_serve_learning_flags():
     assert plain.launch_config(plain.front_config()).block_size is None
     given = ServeOptions(skills=Path("x"), learn=True, block_size=128)
     assert given.launch_config(given.front_config()).block_size == 128
-    result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--learn-compile-nice",
-                                 "20"])
-    assert result.exit_code == 2 and "--learn-compile-nice" in result.output
     with pytest.raises(InvalidArgumentError, match="add --learn"):
         _learning(library_cap="1GiB")
-    result = runner.invoke(app, ["serve", "--skills", "x", "--library-cap", "1GiB"])
+
+
+def test_serve_learning_settings_from_the_config_file(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text("[learning]\nenabled = true\ncompile_nice = 20\n")
+    result = runner.invoke(app, ["serve", "--skills", "x", "--config", str(config)])
+    assert result.exit_code == 2 and "learning.compile_nice" in result.output
+    config.write_text("[learning]\nlibrary_cap = \"1GiB\"\n")
+    result = runner.invoke(app, ["serve", "--skills", "x", "--config", str(config)])
     assert result.exit_code == 2 and "add --learn" in result.output
     result = runner.invoke(app, ["serve", "--skills", "x", "--learn", "--no-front"])
     assert result.exit_code == 2 and "drop --no-front" in result.output

@@ -58,9 +58,10 @@ def test_serve_passes_the_store_to_the_front(tmp_path, monkeypatch):
     (tmp_path / "pw").write_text("s3cret\n")
     monkeypatch.setattr(kvnotes, "load", lambda model: None)
     monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[store]\npassword_file = "{tmp_path / "pw"}"\n')
     CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), "--learn", "--store",
-                             "redis://127.0.0.1:6379/2", "--store-password-file",
-                             str(tmp_path / "pw")])
+                             "redis://127.0.0.1:6379/2", "--config", str(config)])
     front = seen.pop().front
     assert front is not None and front.learn is not None
     assert (front.store, front.store_password_file) == ("redis://127.0.0.1:6379/2",

@@ -146,8 +146,10 @@ def test_variant_counts_stay_bounded():
 
 def test_serve_takes_a_metrics_key_and_refuses_it_without_the_front(tmp_path):
     runner = CliRunner()
+    config = tmp_path / "serve.toml"
+    config.write_text('[auth]\nmetrics_key = "sk-scrape"\n')
     result = runner.invoke(app, ["serve", "--skills", str(tmp_path), "--no-front",
-                                 "--metrics-key", "sk-scrape"])
-    assert result.exit_code == 2 and "--metrics-key are the" in " ".join(result.output.split())
+                                 "--config", str(config)])
+    assert result.exit_code == 2 and "auth.metrics_key are the" in " ".join(result.output.split())
     result = runner.invoke(app, ["serve", "--skills", str(tmp_path), "--api-key", " sk-op"])
     assert result.exit_code == 2 and "blanks around it" in result.output

@@ -91,7 +91,7 @@ def _served(tmp_path, monkeypatch, *flags: str) -> tuple[launch_mod.LaunchConfig
 
     monkeypatch.setattr(kvnotes, "load", lambda model: None)
     monkeypatch.setattr(launch_mod, "prepare", fake_prepare)
-    result = CliRunner().invoke(app, ["serve", "--model", "calibrated-model", "--skills",
+    result = CliRunner().invoke(app, ["serve", "calibrated-model", "--skills",
                                       str(tmp_path / "s"), *flags])
     assert seen, result.output
     return seen.pop(), result.output

@@ -106,9 +106,10 @@ def check_features(served: ServedModel) -> None:
 
 # vLLM flags the launcher sets itself (each from its own option of `kvnotes serve`)
 LAUNCHER_FLAGS = {
-    "--model": "--model", "--served-model-name": "--model", "--host": "--host",
-    "--port": "--port", "--kv-transfer-config": "--skills", "--dtype": "--dtype",
-    "--max-model-len": "--max-model-len", "--block-size": "--block-size",
+    "--model": "MODEL argument", "--served-model-name": "MODEL argument", "--host": "--host option",
+    "--port": "--port option", "--kv-transfer-config": "--skills option",
+    "--dtype": "--dtype option", "--max-model-len": "--max-model-len option",
+    "--block-size": "block_size setting (--config FILE)",
     "--no-enable-prefix-caching": "(prefix caching must stay on)",
 }
 _NO_DRAFT_KV = ("ngram", "suffix")  # speculation methods without draft-model KV
@@ -138,7 +139,7 @@ def check_vllm_args(args: Iterable[str]) -> None:
         values[name] = value if eq else nxt
         if name in LAUNCHER_FLAGS:
             raise ServingError(f"vLLM flag {name} is set by `kvnotes serve` itself: use its "
-                               f"{LAUNCHER_FLAGS[name]} option instead of passing it after --")
+                               f"{LAUNCHER_FLAGS[name]} instead of passing it after --")
     speculative = values.get("--speculative-config")
     method = None
     if speculative is not None:
