@@ -2,12 +2,14 @@
 ``src/kvnotes`` (every subpackage, walked, so a new one is covered too), and no function of
 ``serving/`` whose signature passes JSON as an untyped dict (``dict[str, Any]``, a bare ``dict``
 or ``Mapping``: :mod:`kvnotes.serving.json_types` has the JSON types). Read with ``ast``, so the
-offenders are listed with their length or annotation."""
+offenders are listed with their length or annotation. No two modules under ``serving/`` share a
+file name, so a module's name alone says which one is meant."""
 
 from __future__ import annotations
 
 import ast
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +131,26 @@ def test_the_untyped_dict_check_finds_offenders(tmp_path: Path) -> None:
         "pkg/json.py:7 A.f: dict[str, Any]", "pkg/json.py:7 A.f: Mapping | None",
         "pkg/json.py:7 A.f: dict", "pkg/json.py:10 g: 'typing.Mapping[str, typing.Any]'",
         "pkg/json.py:10 g: tuple[Dict[str, Any], int]"]
+
+
+def shared_file_names(folder: Path) -> dict[str, list[str]]:
+    """The module file names (``__init__.py`` aside) found in more than one folder under
+    ``folder``, each with the paths that hold it."""
+    holders: defaultdict[str, list[str]] = defaultdict(list)
+    for path in sorted(folder.rglob("*.py")):
+        if path.name != "__init__.py":
+            holders[path.name].append(path.relative_to(folder).as_posix())
+    return {name: paths for name, paths in holders.items() if len(paths) > 1}
+
+
+def test_no_two_serving_modules_share_a_file_name() -> None:
+    shared = shared_file_names(PACKAGE / TYPED_FOLDER)
+    assert not shared, ("modules under serving/ with the same file name (name each for what it "
+                        "holds):\n" + "\n".join(f"{n}: {p}" for n, p in shared.items()))
+
+
+def test_the_shared_name_check_finds_offenders(tmp_path: Path) -> None:
+    for rel in ("a/bounds.py", "b/bounds.py", "a/__init__.py", "b/__init__.py", "c.py"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text("", "utf-8")
+    assert shared_file_names(tmp_path) == {"bounds.py": ["a/bounds.py", "b/bounds.py"]}

@@ -120,7 +120,7 @@ def test_serve_learning_settings_from_the_config_file(tmp_path):
 
 
 def test_list_shows_a_learned_variant_with_what_it_is_behind(served, tiny_folder):
-    from kvnotes.serving.planning.variants import VariantCandidate
+    from kvnotes.serving.planning.variant_demand import VariantCandidate
 
     root, lib, _, _ = served
     learner = Learner(LearnConfig(after=1, min_tokens=4), lib)

@@ -24,7 +24,7 @@ from kvnotes.serving.library.eviction import cap_order
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.match import SkillCatalog
-from kvnotes.serving.planning.variants import VariantHits
+from kvnotes.serving.planning.variant_demand import VariantHits
 
 
 def keys_file(tmp_path: Path, keys: dict[str, dict]) -> Path:

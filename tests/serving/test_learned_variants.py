@@ -23,7 +23,7 @@ from kvnotes.serving.library.manifest import read_entry
 from kvnotes.serving.library.registry import LearnedRegistry, registry_path
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.phases import sent_spans
-from kvnotes.serving.planning.variants import VariantCandidate, VariantHits, variant_candidates
+from kvnotes.serving.planning.variant_demand import VariantCandidate, VariantHits, variant_candidates
 from kvnotes.serving.skills import ServingSkills
 
 MEALS = ("\nMEALS: a hot meal is served on flights longer than three hours; special meals "
@@ -227,7 +227,7 @@ def test_the_front_learns_a_variant_and_reports_its_hits(fake, lib, tokenizer):
 def test_the_common_prefix_by_bisection_is_the_tokenwise_one():
     import random
 
-    from kvnotes.serving.planning.variants import _common_prefix
+    from kvnotes.serving.planning.variant_demand import _common_prefix
 
     rng = random.Random(0)
     for _ in range(500):

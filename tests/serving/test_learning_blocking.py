@@ -16,7 +16,7 @@ from _learning_fakes import FakeSkills, seen, stored
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.registry import LearnedRegistry
-from kvnotes.serving.planning.variants import VariantCandidate
+from kvnotes.serving.planning.variant_demand import VariantCandidate
 
 BOUND_S = 5.0  # far above an in-memory call; far below the 60 s the held work waits
 

@@ -1,4 +1,4 @@
-"""The learned library's bounds (:mod:`kvnotes.serving.learning.bounds`,
+"""The learned library's bounds (:mod:`kvnotes.serving.learning.learned_bounds`,
 :mod:`kvnotes.serving.library.eviction`): victims chosen in memory, costing what they evict; no
 compile scans the registry or the folder; the index follows the registry lazily (another
 process's writes, files deleted by hand)."""

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kvnotes.core.errors import KvnotesError
 from kvnotes.core.repair import Repair
-from kvnotes.serving.front.metrics import OUTCOMES
+from kvnotes.serving.front.prometheus import OUTCOMES
 from kvnotes.serving.library.splice import SpliceRange
 from kvnotes.serving.protocol import (
     PARAMS_KEY,

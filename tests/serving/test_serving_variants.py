@@ -12,12 +12,12 @@ from kvnotes.core.document import encode
 from kvnotes.core.errors import UnknownNameError
 from kvnotes.core.repair import Repair, repaired_end
 from kvnotes.serving.library.piece_store import PieceStore
+from kvnotes.serving.library.skill_variants import skill_variants
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo, check_ranges, preferred
-from kvnotes.serving.library.variants import skill_variants
 from kvnotes.serving.planning.front_plan import split_pieces
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.phases import PartSpan, plan_phases, sent_spans
-from kvnotes.serving.planning.variants import VariantHits, variant_candidates
+from kvnotes.serving.planning.variant_demand import VariantHits, variant_candidates
 from kvnotes.serving.skills import ServingSkills
 
 HEADER = "You are the support agent of Fjord Air. Answer in one short sentence.\n"

@@ -22,7 +22,7 @@ from conftest import skill_copy, wait_for_rescan
 from kvnotes.apps.agent.prompt import HEADER
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.upstream import Client
+from kvnotes.serving.vllm_endpoints import Client
 from kvnotes_bench.serving.erratum import ErratumBenchConfig, run_benchmark
 from kvnotes_bench.serving.kit import ServerRecord
 

@@ -401,7 +401,7 @@ def _soak_part(config: AgentBenchConfig, base: LaunchConfig, engine: Engine,
     import random
 
     from kvnotes.serving.launch import launcher
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.agent_traffic_check import AgentOracle, CheckConfig, KeptEntries
     from kvnotes_bench.serving.agent_traffic_client import OpenAISender
     from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, write_records

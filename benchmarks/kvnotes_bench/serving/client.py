@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvnotes.serving.upstream import Client, check_loopback_url
+from kvnotes.serving.vllm_endpoints import Client, check_loopback_url
 from kvnotes_bench.kit.failures import classify
 
 __all__ = ["Client", "StreamResult", "check_loopback_url", "stream_chat"]

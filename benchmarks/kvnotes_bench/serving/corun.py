@@ -138,7 +138,7 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
 
     from kvnotes.serving.planning.layout import prompt_ids
     from kvnotes.serving.protocol import SpliceRequest
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.prompt_sets import user_text
 
     client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,

@@ -42,7 +42,7 @@ MIRROR_KEYS = ("fetched", "fetched_bytes", "fetch_s")  # MirrorStats, as a front
 def front_stats(url: str) -> dict[str, Any] | None:
     """A front's ``/kvnotes/stats`` (None: it did not answer)."""
     from kvnotes.core.errors import KvnotesError
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
 
     try:
         data = Client(url, timeout=10.0).get_json("/kvnotes/stats")
@@ -72,7 +72,7 @@ def mirror_counts(url: str) -> dict[str, Any]:
     if found is not None:
         return found
     from kvnotes.core.errors import KvnotesError
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.metrics import parse_prometheus
 
     try:

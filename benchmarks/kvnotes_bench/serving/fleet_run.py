@@ -209,7 +209,7 @@ async def _timings(config: FleetBenchConfig, redis_host: Launch, folder_host: La
 
 def _metrics(launches: Mapping[str, Launch]) -> dict[str, dict[str, float]]:
     from kvnotes.core.errors import KvnotesError
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.fleet_soak import store_series
 
     out = {}

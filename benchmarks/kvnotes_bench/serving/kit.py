@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from kvnotes.core.errors import ServingError
-from kvnotes.serving.upstream import Client, info_labels
+from kvnotes.serving.vllm_endpoints import Client, info_labels
 from kvnotes_bench.kit.failures import count_kinds
 from kvnotes_bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
 from kvnotes_bench.kit.machine import load_now

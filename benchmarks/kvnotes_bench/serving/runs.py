@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch import launcher as launcher
-from kvnotes.serving.upstream import Client
+from kvnotes.serving.vllm_endpoints import Client
 from kvnotes_bench.serving.erratum import ErratumBenchConfig, ErratumResult, run_benchmark
 from kvnotes_bench.serving.report import markdown_table, write_outputs
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
-from kvnotes.serving.upstream import Client
+from kvnotes.serving.vllm_endpoints import Client
 from kvnotes_bench.kit.formats import fmt_pct
 from kvnotes_bench.kit.machine import MachineRecord, load_now
 from kvnotes_bench.serving import kit

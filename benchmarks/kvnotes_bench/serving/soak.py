@@ -150,7 +150,7 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
 
     from kvnotes.apps.agent.prompt import HEADER
     from kvnotes.serving.launch import launcher as launcher
-    from kvnotes.serving.upstream import Client
+    from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.prompt_sets import register_skills, skill_texts
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -12,7 +12,7 @@
   request and turning it into vLLM request bodies. Tested without a server.
 - ``front/``: the OpenAI-compatible front that plans ordinary requests.
 - ``launch/``: the one way a server is started (:class:`LaunchConfig`, :func:`prepare`): the
-  vLLM child process and the vLLM-ready model export; :mod:`~kvnotes.serving.upstream` is the
+  vLLM child process and the vLLM-ready model export; :mod:`~kvnotes.serving.vllm_endpoints` is the
   loopback client of vLLM's own endpoints (health, metrics, models).
 - :mod:`~kvnotes.serving.skills` (compiling and publishing skills with kvnotes' engine) and
   :mod:`~kvnotes.serving.compose_client` (a client that sends composed, phased requests).

@@ -42,7 +42,7 @@ from kvnotes.serving.planning.phases import (
     plan_phases,
 )
 from kvnotes.serving.protocol import PlanReport, SpliceRequest, UsageKvnotes
-from kvnotes.serving.upstream import check_loopback_url
+from kvnotes.serving.vllm_endpoints import check_loopback_url
 
 # body keys the openai client does not know: sent through extra_body
 _EXTRA_KEYS = ("cache_salt", "kv_transfer_params", "kvnotes")  # not the SDK's own fields

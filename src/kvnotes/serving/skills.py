@@ -42,13 +42,13 @@ from kvnotes.serving.library.manifest import (
     read_entry,
     splice_salt,
 )
-from kvnotes.serving.library.splice import PieceInfo
-from kvnotes.serving.library.variants import (
+from kvnotes.serving.library.skill_variants import (
     DEFAULT_MAX_VARIANTS,
     SkillVariants,
     cap_variants,
     skill_variants,
 )
+from kvnotes.serving.library.splice import PieceInfo
 from kvnotes.serving.library.weights import weight_files, weights_digest
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in

@@ -16,7 +16,7 @@ from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameE
 from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
 from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
-from kvnotes.serving.upstream import info_labels
+from kvnotes.serving.vllm_endpoints import info_labels
 from kvnotes_bench.serving.client import Client, check_loopback_url
 from kvnotes_bench.serving.erratum import (
     ErratumBenchConfig,

@@ -15,7 +15,7 @@ here. Routes:
   answer comes back in the client's format with ``usage.kvnotes``
   (:mod:`~kvnotes.serving.front.format`);
 - ``GET /v1/models`` and ``GET /health``: vLLM's, passed on;
-- ``GET /metrics``: the front's Prometheus metrics (:mod:`~kvnotes.serving.front.metrics`);
+- ``GET /metrics``: the front's Prometheus metrics (:mod:`~kvnotes.serving.front.prometheus`);
 - ``GET /kvnotes/stats``: the front's counters; any other route is a 404.
 
 Per request, ``extra_body={"kvnotes": {...}}``
@@ -82,7 +82,7 @@ from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, sse
 from kvnotes.serving.front.limits import check_bounds
 from kvnotes.serving.front.service import FrontService
-from kvnotes.serving.front.upstream import HEALTH, MODELS
+from kvnotes.serving.front.vllm_client import HEALTH, MODELS
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.protocol import Outcome
 

@@ -31,7 +31,7 @@ from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.part_tokens import DEFAULT_CHARS as PART_CACHE_CHARS
 from kvnotes.serving.planning.phases import check_tau
-from kvnotes.serving.upstream import check_loopback_url
+from kvnotes.serving.vllm_endpoints import check_loopback_url
 
 DEFAULT_MIRROR_BYTES = 8 << 30  # a host's copies of a shared store's entries
 API_KEY_ENV = "KVNOTES_API_KEY"

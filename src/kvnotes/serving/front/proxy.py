@@ -24,8 +24,8 @@ from kvnotes.serving.front.body import no_constant
 from kvnotes.serving.front.call import JSON, Call, Reply, json_reply
 from kvnotes.serving.front.errors import ApiError, error_body, header_value
 from kvnotes.serving.front.format import DONE, InvalidEvent, Shaper, first_top_logprobs, parse_sse_line, sse
-from kvnotes.serving.front.metrics import FrontMetrics
-from kvnotes.serving.front.upstream import COMPLETIONS, ROUTES, Upstream
+from kvnotes.serving.front.prometheus import FrontMetrics
+from kvnotes.serving.front.vllm_client import COMPLETIONS, ROUTES, Upstream
 from kvnotes.serving.json_types import (
     Completion,
     CompletionChunk,

@@ -19,7 +19,7 @@ Learning (a :class:`~kvnotes.serving.learning.Learner`, with ``--learn``): every
 chunks are counted (:meth:`FrontService.observe`, in memory: compiles run on the learner's own
 thread), and a spliced request holds a lease on the entries it was planned with until it ends.
 A planned request's (predecessor, skill) pairs that a variant would splice better
-(:func:`~kvnotes.serving.planning.variants.variant_candidates`) are counted too
+(:func:`~kvnotes.serving.planning.variant_demand.variant_candidates`) are counted too
 (:meth:`Learner.observe_variants`), and learned the same way.
 
 Every spliced request's entries are counted in :attr:`FrontService.variant_hits` (spliced,
@@ -49,10 +49,10 @@ from kvnotes.serving.front.call import JSON, Call, Reply
 from kvnotes.serving.front.config import FrontConfig, Keys, key_digest
 from kvnotes.serving.front.errors import ApiError, header_value
 from kvnotes.serving.front.limits import DeadlineTokenizer, PlanDeadline, PlanStopped, PlanTurns
-from kvnotes.serving.front.metrics import FrontMetrics
+from kvnotes.serving.front.prometheus import FrontMetrics
 from kvnotes.serving.front.proxy import Proxy
 from kvnotes.serving.front.store_link import link_for
-from kvnotes.serving.front.upstream import HEALTH, MODELS, Upstream
+from kvnotes.serving.front.vllm_client import HEALTH, MODELS, Upstream
 from kvnotes.serving.json_types import JsonObject, RequestBody
 from kvnotes.serving.library.manifest import SPLICE_SALT
 from kvnotes.serving.planning.chunks import SeenChunk
@@ -67,7 +67,7 @@ from kvnotes.serving.planning.request import (
     read_options,
     read_request,
 )
-from kvnotes.serving.planning.variants import VariantHits, variant_candidates
+from kvnotes.serving.planning.variant_demand import VariantHits, variant_candidates
 from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.serving.upstream import Client
+from kvnotes.serving.vllm_endpoints import Client
 
 VLLM_PYTHON_ENV = "KVNOTES_VLLM_PYTHON"
 VLLM_KEEP_ALIVE_S = 30

@@ -4,12 +4,11 @@
   chunk (or a variant of a skill) is due; the counter is an interface (:class:`SightingCounter`).
 - :mod:`~kvnotes.serving.learning.compiles`: compiling a due job and the background worker; who
   compiles is an interface too (:class:`CompileLease`).
-- :mod:`~kvnotes.serving.learning.bounds`: the learned entries in memory, the leases requests
-  hold, and the choice of victims (byte cap, per-tenant quotas, variants per skill, pins).
+- :mod:`~kvnotes.serving.learning.learned_bounds`: the learned entries in memory, the leases
+  requests hold, and the choice of victims (byte cap, per-tenant quotas, variants per skill, pins).
 - :mod:`~kvnotes.serving.learning.learner`: :class:`Learner`, what the front calls.
 """
 
-from kvnotes.serving.learning.bounds import Bounds, LearnedIndex, Limits
 from kvnotes.serving.learning.compiles import (
     CompileLease,
     Compiler,
@@ -17,6 +16,7 @@ from kvnotes.serving.learning.compiles import (
     LocalCompileLeases,
     lower_priority,
 )
+from kvnotes.serving.learning.learned_bounds import Bounds, LearnedIndex, Limits
 from kvnotes.serving.learning.learner import Learner, LearnerStats, LearnSettings
 from kvnotes.serving.learning.sightings import (
     Job,

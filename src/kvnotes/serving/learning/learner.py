@@ -6,7 +6,7 @@ have spliced better with a variant to :meth:`Learner.observe_variants`; both onl
 (:mod:`~kvnotes.serving.learning.sightings`). At the ``LearnConfig.after``-th sighting the job
 is queued for the compile worker (:mod:`~kvnotes.serving.learning.compiles`), which publishes
 the entry, records it in the :class:`~kvnotes.serving.library.registry.LearnedRegistry` and
-enforces the bounds (:mod:`~kvnotes.serving.learning.bounds`). Until then requests are planned
+enforces the bounds (:mod:`~kvnotes.serving.learning.learned_bounds`). Until then requests are planned
 without it (computed exactly).
 
 What never happens on a request's path: a compile, a file read, write or delete, a registry
@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from kvnotes.serving.learning.bounds import Bounds, LearnedIndex, Limits
 from kvnotes.serving.learning.compiles import (
     Compiled,
     CompileLease,
@@ -44,11 +43,12 @@ from kvnotes.serving.learning.compiles import (
     CompileWorker,
     LocalCompileLeases,
 )
+from kvnotes.serving.learning.learned_bounds import Bounds, LearnedIndex, Limits
 from kvnotes.serving.learning.sightings import Job, SightingCounter, Sightings
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry, forget
 from kvnotes.serving.planning.chunks import SeenChunk
-from kvnotes.serving.planning.variants import VariantCandidate
+from kvnotes.serving.planning.variant_demand import VariantCandidate
 
 if TYPE_CHECKING:
     from kvnotes.serving.skills import ServingSkills

@@ -1,7 +1,7 @@
 """Counting sightings: which chunks a tenant's requests carry often enough to be worth compiling.
 
 A request's chunks (:class:`~kvnotes.serving.planning.chunks.SeenChunk`) and its variant
-candidates (:class:`~kvnotes.serving.planning.variants.VariantCandidate`) become :class:`Job`
+candidates (:class:`~kvnotes.serving.planning.variant_demand.VariantCandidate`) become :class:`Job`
 s, one per distinct identity per request (:func:`chunk_id`, :func:`variant_id`: the tenant and
 the token ids, so tenants count apart). :class:`Sightings` counts each job through a
 :class:`SightingCounter` and says when one is due: at its ``after``-th sighting, unless it is
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvnotes.serving.planning.chunks import SeenChunk
-from kvnotes.serving.planning.variants import VariantCandidate
+from kvnotes.serving.planning.variant_demand import VariantCandidate
 
 
 def chunk_id(tenant: str | None, token_ids: Sequence[int]) -> bytes:

@@ -65,7 +65,7 @@ def split_ids(ids: Sequence[int], index: PieceIndex) -> list[list[int]]:
 class FrontPlan:
     """A request's prompt as sent (``ids``), its layout, its phase plan, and its parts (each
     with the entry chosen for it: which variant of a skill was spliced, what
-    :class:`~kvnotes.serving.planning.variants.VariantHits` counts)."""
+    :class:`~kvnotes.serving.planning.variant_demand.VariantHits` counts)."""
 
     ids: list[int]
     spans: list[PartSpan]

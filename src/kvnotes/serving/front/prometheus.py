@@ -23,7 +23,7 @@ from kvnotes.serving.planning.request import REASONS
 from kvnotes.serving.protocol import Outcome
 
 if TYPE_CHECKING:
-    from kvnotes.serving.planning.variants import VariantHits
+    from kvnotes.serving.planning.variant_demand import VariantHits
 
 OUTCOMES = tuple(o.value for o in Outcome)
 ROUTES = ("completion", "chat")

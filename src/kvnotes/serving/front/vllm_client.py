@@ -20,7 +20,7 @@ from kvnotes.serving.front.config import FrontConfig
 from kvnotes.serving.front.errors import ApiError
 from kvnotes.serving.json_types import RequestBody, UpstreamBody
 from kvnotes.serving.planning.request import Unplannable
-from kvnotes.serving.upstream import CACHE_CONFIG, info_labels
+from kvnotes.serving.vllm_endpoints import CACHE_CONFIG, info_labels
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
