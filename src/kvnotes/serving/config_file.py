@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
@@ -278,10 +279,12 @@ class ServeConfig(BaseModel):
         if self.no_front:
             return None
         store = {STORE[key]: value for key, value in self.store.model_dump().items()}
-        repair = {} if self.repair is None else _front_repair(server_repair_spelled(self.repair))
         front = FrontConfig(port=self.port, host=self.host, guard=parse_guard(self.guard),
                             learn=self.learn_config(), **self.limits.model_dump(),
-                            **self.auth.model_dump(), **store, **repair)
+                            **self.auth.model_dump(), **store)
+        if self.repair is not None:  # else the front's own default repair
+            plan = server_repair_spelled(self.repair)
+            front = replace(front, repair=plan.first, repair_share=plan.share)
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
         return front
 
@@ -295,8 +298,6 @@ class ServeConfig(BaseModel):
             extra_args=self.vllm_args)
 
 
-def _front_repair(plan: Repair) -> dict[str, Any]:
-    return {"repair": plan.first, "repair_share": plan.share}
 
 
 def server_repair_spelled(spec: str) -> Repair:
@@ -312,7 +313,12 @@ def server_repair_spelled(spec: str) -> Repair:
 
 
 # ---- reading the file and the command line -----------------------------------------------------
-def read_config_file(path: Path) -> dict[str, Any]:
+# Settings as read, before ServeConfig validates them: tables of values of any type (a file's
+# strings and numbers, the command line's paths), nested by section.
+RawSettings: TypeAlias = dict[str, object]
+
+
+def read_config_file(path: Path) -> RawSettings:
     """The settings a TOML (``.toml``) or YAML (``.yaml``, ``.yml``) file holds, as tables."""
     if not path.is_file():
         raise InvalidArgumentError(f"--config: no file at {path}")
@@ -332,7 +338,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_serve_config(path: Path | None = None, *, given: Mapping[str, Any] | None = None,
+def load_serve_config(path: Path | None = None, *, given: Mapping[str, object] | None = None,
                       env: Mapping[str, str] | None = None) -> ServeConfig:
     """The settings of ``path`` (None: none), overridden by :data:`ENV`'s variables set in
     ``env`` (default ``os.environ``), overridden by ``given`` (dotted keys: what the command
@@ -358,7 +364,7 @@ def load_serve_config(path: Path | None = None, *, given: Mapping[str, Any] | No
         raise _config_error(err, path, origin) from None
 
 
-def _set(data: dict[str, Any], key: str, value: Any, path: Path | None) -> None:
+def _set(data: RawSettings, key: str, value: object, path: Path | None) -> None:
     """``data[a][b] = value`` for ``key`` ``a.b``."""
     *sections, name = key.split(".")
     for section in sections:
