@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError, WorkerError
+from kvnotes.core.records import Json
 from kvnotes.research.edit.evaluate import evaluate_case
 from kvnotes.research.edit.results import CaseResult, SuiteSettings
 
@@ -41,7 +42,7 @@ class _Outcome:
     """One message from a worker: a finished case, or an error (``case_id`` None: loading)."""
 
     case_id: str | None
-    result: dict[str, Any] | None = None  # CaseResult.to_dict(): plain data crosses processes
+    result: Json | None = None  # CaseResult.to_dict(): plain data crosses processes
     error: str = ""
 
 

@@ -2,16 +2,20 @@
 
 :class:`StrategyRow` (one strategy on one case) <- :class:`CaseResult` (one case) <-
 :class:`SuiteResult` (a run: settings, :class:`StrategySummary` per strategy and per family,
-every case). ``to_dict`` writes the keys of ``results.json``; ``from_dict`` reads them back.
+every case), frozen pydantic dataclasses: ``to_dict`` writes the keys of ``results.json`` and
+``from_dict`` reads them back (:class:`~kvnotes.core.records.JsonRecord`).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
+from pydantic import model_validator
+from pydantic.dataclasses import dataclass as record
+
+from kvnotes.core.records import Json, JsonRecord
 from kvnotes.research.edit.strategies import parse_strategy
 
 # logits: below this the field barely moves the decision (docs/design.md, Conventions)
@@ -42,8 +46,8 @@ class SuiteSettings:
         return self.budget if self.cot else None
 
 
-@dataclass(frozen=True, slots=True)
-class StrategyRow:
+@record(frozen=True, slots=True)
+class StrategyRow(JsonRecord):
     """One strategy on one case, measured against recompute of the new value."""
 
     strategy: str  # the spec, e.g. "repair:attention:32"
@@ -67,16 +71,9 @@ class StrategyRow:
     ttft_ratio: float  # (edit + question) / (recompute + question), wall clock
     text: str  # the CoT text ("" without CoT)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StrategyRow:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
-
-
-@dataclass(frozen=True, slots=True)
-class CaseResult:
+@record(frozen=True, slots=True)
+class CaseResult(JsonRecord):
     """One case: the reference decisions for the old and new value and one row per strategy."""
 
     case_id: str
@@ -100,34 +97,20 @@ class CaseResult:
     def row(self, strategy: str) -> StrategyRow | None:
         return next((r for r in self.rows if r.strategy == strategy), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(answer_logits_old=list(self.answer_logits_old),
-                 answer_logits_new=list(self.answer_logits_new), answers=list(self.answers),
-                 rows=[r.to_dict() for r in self.rows])
-        return d
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CaseResult:
-        """Read back :meth:`to_dict` (a ``results.json`` case; older files may lack answers,
-        which are then taken from the bundled suite)."""
-        answers = d.get("answers") or _suite_answers().get(d["case_id"], [])
-        options: dict[str, Any] = {f.name: d.get(f.name) for f in fields(cls)}
-        return cls(**{**options,
-                      "answer_logits_old": tuple(d["answer_logits_old"]),
-                      "answer_logits_new": tuple(d["answer_logits_new"]),
-                      "answers": tuple(answers),
-                      "rows": tuple(StrategyRow.from_dict(r) for r in d["rows"])})
+    def _older_files(cls, data: object) -> object:
+        """Older ``results.json`` cases lack answers: they are the bundled suite's."""
+        if isinstance(data, dict) and not data.get("answers"):
+            return {**data, "answers": _suite_answers().get(data["case_id"], [])}
+        return data
 
 
-@dataclass(frozen=True, slots=True)
-class StrategySummary:
+@record(frozen=True, slots=True)
+class StrategySummary(JsonRecord):
     """One strategy over a set of cases (all of a run's, or one family's)."""
 
     n: int
-    n_field_moved: int  # cases where the field moves the margin by >= MIN_FIELD_EFFECT
-    intended_new: float | None  # decision equal to the task author's answer for the new value
-    effect_median: float | None  # normalized effect over the n_field_moved cases
     identity: float  # decision equal to recompute(new), over all cases
     flips: int
     n_sensitive: int
@@ -138,30 +121,23 @@ class StrategySummary:
     kl_median: float
     top1_agree: float
     compute_fraction: float
-    select_fraction: float
     ttft_ratio_median: float
+    select_fraction: float = 0.0  # absent from older files
+    # absent from older files
+    n_field_moved: int = 0  # cases where the field moves the margin by >= MIN_FIELD_EFFECT
+    intended_new: float | None = None  # decision equal to the task author's answer for the new
+    effect_median: float | None = None  # normalized effect over the n_field_moved cases
 
     @property
     def recovered(self) -> int:
         """Sensitive cases whose decision equals recompute(new)'s."""
         return round((self.recovery or 0) * self.n_sensitive)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StrategySummary:
-        optional = {"n_field_moved": 0, "intended_new": None, "effect_median": None,
-                    "select_fraction": 0.0}
-        options: dict[str, Any] = {f.name: d.get(f.name, optional.get(f.name))
-                                   if f.name in optional else d[f.name] for f in fields(cls)}
-        return cls(**options)
-
 
 PerStrategy = dict[str, StrategySummary]
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ExpectedMatches:
     """Cases where recompute's decision equals the task author's intended answer."""
 
@@ -169,25 +145,28 @@ class ExpectedMatches:
     new: int
 
 
-@dataclass(frozen=True, slots=True)
-class SuiteResult:
+@record(frozen=True, slots=True)
+class SuiteResult(JsonRecord):
     """A run of the suite (or a checkpoint of one): settings, aggregates and every case."""
 
     model: str
     cot: bool
     budget: int | None  # None without CoT
-    cot_batched: bool
     strategies: tuple[str, ...]
     n_cases: int
-    n_planned: int  # cases the run was asked for (n_cases < n_planned: a partial result)
-    n_resumed: int  # cases taken from an earlier run instead of run again
     n_sensitive: int
     recompute_matches_expected: ExpectedMatches
     seconds: float  # this run's wall time (resumed cases not included)
     per_strategy: PerStrategy
     per_family: dict[str, PerStrategy]
-    cases: tuple[CaseResult, ...]
-    workers: int = 1  # worker processes (> 1: timings are not quiet-machine figures)
+    # below: absent from older files or from a summary without its cases
+    cases: tuple[CaseResult, ...] = ()
+    # cases the run was asked for (n_cases < n_planned: a partial result)
+    n_planned: int = field(kw_only=True)
+    n_resumed: int = field(default=0, kw_only=True)  # cases taken from an earlier run
+    cot_batched: bool = field(default=False, kw_only=True)
+    # worker processes (> 1: timings are not quiet-machine figures)
+    workers: int = field(default=1, kw_only=True)
 
     @classmethod
     def of(cls, model: str, settings: SuiteSettings, cases: Sequence[CaseResult], *,
@@ -210,44 +189,23 @@ class SuiteResult:
         per_strategy, per_family = aggregates(self.cases, self.strategies)
         return replace(self, per_strategy=per_strategy, per_family=per_family)
 
-    def to_dict(self, *, cases: bool = True) -> dict[str, Any]:
-        """The ``results.json`` keys (``cases=False``: the summary without the cases)."""
-        d: dict[str, Any] = {
-            "model": self.model, "cot": self.cot, "budget": self.budget,
-            "cot_batched": self.cot_batched, "strategies": list(self.strategies),
-            "n_cases": self.n_cases, "n_planned": self.n_planned, "n_resumed": self.n_resumed,
-            "n_sensitive": self.n_sensitive,
-            "recompute_matches_expected": {"old": self.recompute_matches_expected.old,
-                                           "new": self.recompute_matches_expected.new},
-            "seconds": self.seconds,
-            "per_strategy": {s: a.to_dict() for s, a in self.per_strategy.items()},
-            "per_family": {f: {s: a.to_dict() for s, a in agg.items()}
-                           for f, agg in self.per_family.items()},
-        }
-        if cases:
-            d["cases"] = [r.to_dict() for r in self.cases]
-        if self.workers > 1:
-            d["workers"] = self.workers
-        return d
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SuiteResult:
-        """Read back :meth:`to_dict` (a ``results.json``, a checkpoint or a repro stage)."""
-        expected = d["recompute_matches_expected"]
+    def _older_files(cls, data: object) -> object:
+        """Files from before ``n_planned`` was recorded planned every case they hold."""
+        if isinstance(data, dict) and "n_planned" not in data:
+            return {**data, "n_planned": data["n_cases"]}
+        return data
 
-        def per(agg: dict[str, Any]) -> PerStrategy:
-            return {s: StrategySummary.from_dict(a) for s, a in agg.items()}
-
-        return cls(
-            model=d["model"], cot=bool(d["cot"]), budget=d["budget"],
-            cot_batched=bool(d.get("cot_batched", False)), strategies=tuple(d["strategies"]),
-            n_cases=d["n_cases"], n_planned=d.get("n_planned", d["n_cases"]),
-            n_resumed=d.get("n_resumed", 0), n_sensitive=d["n_sensitive"],
-            recompute_matches_expected=ExpectedMatches(old=expected["old"], new=expected["new"]),
-            seconds=d["seconds"], per_strategy=per(d["per_strategy"]),
-            per_family={f: per(agg) for f, agg in d["per_family"].items()},
-            cases=tuple(CaseResult.from_dict(c) for c in d.get("cases", ())),
-            workers=d.get("workers", 1))
+    def to_dict(self, *, cases: bool = True) -> Json:
+        """The ``results.json`` keys (``cases=False``: the summary without the cases; workers
+        only when more than one)."""
+        d = JsonRecord.to_dict(self)
+        if not cases:
+            del d["cases"]
+        if self.workers <= 1:
+            del d["workers"]
+        return d
 
 
 def aggregates(results: Sequence[CaseResult], strategies: Sequence[str]

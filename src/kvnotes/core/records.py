@@ -1,0 +1,41 @@
+"""The JSON edge of the typed results: pydantic reads and writes them.
+
+Result types are frozen pydantic dataclasses (positional construction, ``dataclasses.replace``
+and validation on read); :class:`JsonRecord` gives each the two names its callers use, so no
+type writes its own field-by-field conversion.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import JsonValue, TypeAdapter
+
+Json = dict[str, JsonValue]
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+
+
+def adapter(cls: type) -> TypeAdapter[Any]:
+    """One cached adapter per type (building one compiles its schema)."""
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+class JsonRecord:
+    """``to_dict()`` / ``from_dict()`` for a pydantic dataclass, through pydantic."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> Json:
+        """The JSON object (NaN stays a float: ``json.dumps`` writes it as before)."""
+        out: Json = adapter(type(self)).dump_python(self, mode="json", by_alias=True)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> Self:
+        """Read back :meth:`to_dict` (unknown keys ignored, types checked)."""
+        out: Self = adapter(cls).validate_python(data)
+        return out
