@@ -121,9 +121,9 @@ def test_bfcl_cases_through_the_front_are_planned_as_the_phased_client_plans_the
     """Public tool descriptions the benchmark publishes: the front finds every function of the
     case in the text prompt and answers as ComposeClient does with the same repair; the
     benchmark's fidelity reads the same decision from both."""
-    from kvnotes.bench.serving.prompt_sets import BfclPrompts, bfcl_prompts
-    from kvnotes.bench.serving.skills_clients import FrontClients
-    from kvnotes.bench.serving.skills_fidelity import measure_fidelity
+    from kvnotes_bench.serving.prompt_sets import BfclPrompts, bfcl_prompts
+    from kvnotes_bench.serving.skills_clients import FrontClients
+    from kvnotes_bench.serving.skills_fidelity import measure_fidelity
 
     launch = served
     name = launch.server.served_name
