@@ -32,6 +32,8 @@ FAULT_REASONS = (
     "readonly",  # a replica answered (a failover in progress)
     "loading",  # the server is loading its data set after a restart
     "auth",  # the password or user was refused
+    "tls",  # the TLS handshake failed (rediss:// to a server without TLS, a bad certificate)
+    "policy",  # the server's maxmemory-policy can evict the store's bookkeeping: refused
     "checksum",  # a value whose checksum failed (dropped, read as a miss)
     "partial",  # an entry with a chunk missing (evicted or expired; dropped, a miss)
     "malformed",  # an entry's info that is not one (dropped, a miss)
@@ -164,6 +166,18 @@ class Store(Protocol):
 
     def release_lease(self, name: str) -> bool:
         """Give back a lease this store object holds; False when it had expired or is not ours."""
+        ...
+
+    def acquire_leases(self, names: Sequence[str], ttl_s: float) -> builtins.list[bool]:
+        """:meth:`acquire_lease` for each of ``names`` in one call (one round trip to a
+        server), in order. A take whose answer was lost (a timeout) is given back by this
+        store's next lease call, so that no lease is held by a holder that believes it holds
+        nothing."""
+        ...
+
+    def settle_leases(self) -> int:
+        """Give back now the leases whose take or give-back got no answer (see
+        :meth:`acquire_leases`); how many were pending."""
         ...
 
     def close(self) -> None:

@@ -254,6 +254,12 @@ class FolderStore:
     def release_lease(self, name: str) -> bool:
         return self._coord.release(name)
 
+    def acquire_leases(self, names: Sequence[str], ttl_s: float) -> builtins.list[bool]:
+        return [self._coord.acquire(name, ttl_s) for name in names]
+
+    def settle_leases(self) -> int:
+        return 0  # in this process: every answer arrives
+
     def close(self) -> None:
         with self._lock:
             for reg in self._registries.values():
