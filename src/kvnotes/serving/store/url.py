@@ -8,7 +8,7 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
@@ -40,16 +40,38 @@ class StoreUrl:
         return self.scheme in ("redis", "rediss")
 
 
+def mask(url: str) -> str:
+    """``url`` with everything between its scheme and its last ``@`` masked: a password is
+    never shown, even one whose unescaped ``#``, ``/`` or ``?`` hides it from a URL parser.
+
+    Example:
+        >>> mask("redis://:p#ss/w?rd@cache:6379/0")
+        'redis://***@cache:6379/0'
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
 def _fail(url: str, why: str) -> InvalidArgumentError:
-    shown = urlsplit(url)._replace(netloc="...").geturl() if "@" in url else url
-    return InvalidArgumentError(f"--store {shown}: {why}; give a folder, "
+    return InvalidArgumentError(f"--store {mask(url)}: {why}; give a folder, "
                                 "redis://HOST:PORT/DB or rediss://HOST:PORT/DB (TLS), the "
                                 "password in the URL (redis://:PASSWORD@HOST:PORT/DB) or in "
                                 "--store-password-file")
 
 
+def _port(url: str, port: int | None) -> int:
+    if port is None:
+        return 6379
+    if port == 0:
+        raise _fail(url, "port 0 is no server's port (give 1 to 65535, or none for 6379)")
+    return port
+
+
 def parse_store_url(url: str) -> StoreUrl:
-    """Parse a ``--store`` value; :class:`InvalidArgumentError` naming what is wrong."""
+    """Parse a ``--store`` value; :class:`InvalidArgumentError` naming what is wrong (with the
+    URL's password masked: :func:`mask`)."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidArgumentError("--store: give a folder or a redis:// URL")
     if "://" not in url:
@@ -63,8 +85,16 @@ def parse_store_url(url: str) -> StoreUrl:
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise _fail(url, "a file:// URL names a local folder (file:///path/to/skills)")
         return StoreUrl("file", url, url, path=unquote(parts.path))
+    if "@" in parts.path + parts.query + parts.fragment:
+        raise _fail(url, "the password or user holds a '/', '?' or '#': percent-encode it "
+                    "(%2F, %3F, %23) or put the password in --store-password-file")
+    if parts.query:
+        raise _fail(url, f"URL options ('?{parts.query}') are not read: the database is the "
+                    "path (/DB) and the timeouts are kvnotes' own")
+    if parts.fragment:
+        raise _fail(url, "a URL fragment ('#...') means nothing here")
     try:
-        port = parts.port or 6379
+        port = _port(url, parts.port)
     except ValueError as err:
         raise _fail(url, f"the port is not a number from 1 to 65535 ({err})") from err
     if not parts.hostname:
@@ -72,8 +102,6 @@ def parse_store_url(url: str) -> StoreUrl:
     db_text = parts.path.lstrip("/")
     if not (db_text == "" or (db_text.isdigit() and int(db_text) < 1 << 16)):
         raise _fail(url, f"the database {db_text!r} is not a number (redis://HOST:PORT/0)")
-    if parts.fragment:
-        raise _fail(url, "a URL fragment ('#...') means nothing here")
     password = unquote(parts.password) if parts.password is not None else None
     user = f"{parts.username}:" if parts.username else ":"
     auth = f"{user}***@" if password is not None else ""
@@ -96,6 +124,27 @@ def read_password_file(path: str | os.PathLike[str]) -> str:
     return password
 
 
+def check_store(url: str, password_file: str | os.PathLike[str] | None = None) -> StoreUrl:
+    """Everything about ``--store`` and ``--store-password-file`` that can be checked without
+    reaching the server (call it before loading a model): the URL, a password file only for a
+    Redis store, not a password both in the URL and in a file, the file readable. Returns the
+    URL with the password in effect.
+
+    Raises:
+        InvalidArgumentError: any of those (the URL's password masked).
+        UnknownNameError: another scheme.
+    """
+    parsed = parse_store_url(url)
+    if password_file is None:
+        return parsed
+    if not parsed.is_redis:
+        raise InvalidArgumentError("--store-password-file is for a redis:// store, not a "
+                                   f"folder ({parsed.path})")
+    if parsed.password is not None:
+        raise _fail(url, "a password both in the URL and in --store-password-file")
+    return replace(parsed, password=read_password_file(password_file))
+
+
 def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None, *,
                    settings: RedisSettings | None = None) -> Store:
     """The store a ``--store`` value names: a :class:`FolderStore` for a folder (or
@@ -103,29 +152,20 @@ def store_from_url(url: str, password_file: str | os.PathLike[str] | None = None
     server yet: a store that is down is found out (and counted) at its first use.
 
     Raises:
-        InvalidArgumentError: a malformed URL, a password both in the URL and in a file, or a
-            password file for a folder.
+        InvalidArgumentError: what :func:`check_store` refuses.
         UnknownNameError: another scheme.
 
     ``settings``: a Redis store's timeouts and retries (default :class:`RedisSettings`'s).
     """
-    parsed = parse_store_url(url)
+    parsed = check_store(url, password_file)
     if not parsed.is_redis:
-        if password_file is not None:
-            raise InvalidArgumentError("--store-password-file is for a redis:// store, not a "
-                                       f"folder ({parsed.path})")
         from kvnotes.serving.store.folder import FolderStore
 
         return FolderStore(parsed.path)
-    password = parsed.password
-    if password_file is not None:
-        if password is not None:
-            raise _fail(url, "a password both in the URL and in --store-password-file")
-        password = read_password_file(password_file)
     try:
         from kvnotes.serving.store.redis_store import RedisStore
     except ImportError as err:  # redis-py is in the `serving` extra
         raise InvalidArgumentError("--store redis://...: the redis package is not installed "
                                    "(pip install 'kvnotes[serving]')") from err
-    return RedisStore.connect(parsed.url, password=password, display=parsed.display,
+    return RedisStore.connect(parsed.url, password=parsed.password, display=parsed.display,
                               settings=settings)
