@@ -27,7 +27,7 @@ from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes_bench.kit.machine import load_now
-from kvnotes_bench.serving.metrics import percentile
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 
 CORUN_MODES = ("idle", "spliced", "exact")

@@ -75,10 +75,12 @@ def _cost(result: FleetResult) -> list[str]:
         return []
     lines = ["## cost", ""]
     if result.ttft:
-        lines += ["| concurrency | store | median p90 TTFT | rounds | failed | share spliced |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| concurrency | store | median p90 TTFT | 95% CI | rounds | failed | "
+                  "share spliced |", "|---|---|---|---|---|---|---|"]
         for r in result.ttft:
-            lines.append(f"| {r.concurrency} | {r.store} | {fmt_ms(r.median_p90_s)} | "
+            ci = r.median_p90_ci_s
+            span = "-" if ci is None else f"{fmt_ms(ci[0])} - {fmt_ms(ci[1])}"
+            lines.append(f"| {r.concurrency} | {r.store} | {fmt_ms(r.median_p90_s)} | {span} | "
                          f"{len(r.p90s)} | {r.failed} | {fmt_pct(r.share)} |")
         lines += [""] + [f"- c{c}: Redis over folder {fmt_pct(ttft_overhead(result.ttft, c))}"
                          for c in sorted({r.concurrency for r in result.ttft})] + [""]

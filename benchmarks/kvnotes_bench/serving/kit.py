@@ -24,11 +24,11 @@ from kvnotes.serving.vllm_endpoints import Client, info_labels
 from kvnotes_bench.kit.failures import count_kinds
 from kvnotes_bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.metrics import (
     HISTOGRAMS,
     PrefixCacheCounters,
     parse_prometheus,
-    percentile,
     ttft_breakdown,
 )
 

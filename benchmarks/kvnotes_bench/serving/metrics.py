@@ -8,8 +8,7 @@ token went (:func:`ttft_breakdown`).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -132,18 +131,6 @@ def ttft_breakdown(before: Mapping[str, float], after: Mapping[str, float], *,
             "first_step_s": first_step, "frontend_s": frontend,
             "computed_tokens": mean["computed_tokens"], "prompt_tokens": mean["prompt_tokens"],
             "n": h["prefill_s"]["n"]}
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100), linearly interpolated as numpy does; None if empty."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must lie in [0, 100], got {q}")
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def agreement(a: Mapping[K, str | None], b: Mapping[K, str | None]) -> tuple[int, int]:

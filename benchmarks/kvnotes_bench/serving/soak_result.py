@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvnotes_bench.kit.machine import MachineRecord
-from kvnotes_bench.serving.metrics import percentile
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.soak_check import KINDS, Prompt, Verdict
 from kvnotes_bench.serving.soak_client import Answer
 from kvnotes_bench.serving.soak_events import EventRecord

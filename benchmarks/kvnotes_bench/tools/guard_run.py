@@ -16,6 +16,7 @@ from typing import Any
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.tools.divergence import DivergenceCase, divergence_case
 from kvnotes_bench.tools.divergence import markdown as divergence_markdown
 from kvnotes_bench.tools.guard_calib import (
@@ -130,10 +131,8 @@ class GuardBenchResult:
 def margin_summary(cases: Sequence[GuardCase]) -> dict[str, float | int]:
     """Quantiles of the composed first-token margins, and of the exact prompt's."""
     def q(values: list[float], p: float) -> float:
-        values = sorted(v for v in values if not math.isnan(v))
-        if not values:
-            return math.nan
-        return values[min(len(values) - 1, int(p * len(values)))]
+        found = percentile(values, 100 * p)
+        return math.nan if found is None else found
     comp, ex = [c.margin for c in cases], [c.exact_margin for c in cases]
     return {"n": len(cases), "composed_p10": q(comp, 0.1), "composed_p50": q(comp, 0.5),
             "exact_p10": q(ex, 0.1), "exact_p50": q(ex, 0.5),

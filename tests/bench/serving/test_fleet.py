@@ -14,6 +14,7 @@ import pytest
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.store.redis_process import REDIS_SERVER, RedisProcess
 from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving import fleet_parts
 from kvnotes_bench.serving.agent_traffic_client import Answer
 from kvnotes_bench.serving.agent_traffic_overhead import Timing
@@ -27,7 +28,6 @@ from kvnotes_bench.serving.fleet_parts import (
     ShareSettings,
     TtftRun,
     find_mirror,
-    p90,
     same_answer,
     share_case,
     ttft_overhead,
@@ -171,7 +171,11 @@ def test_ttft_round_and_overhead() -> None:
     folder = TtftRun("folder", 2, p90s=[0.1, 0.1, 0.3])
     assert ttft_overhead([run, folder], 2) == pytest.approx(1.0)
     assert ttft_overhead([run], 2) is None
-    assert p90([5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0]) == 9.0 and p90([]) is None
+    # a round's p90 is kit.stats' linear percentile: the nearest rank the fleet used before
+    # (the published cost-0.9.0 run) gave 9.0 for these ten values
+    assert percentile([5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, 9.0, 10.0], 90) == pytest.approx(9.1)
+    lo, hi = folder.median_p90_ci_s or (0.0, 0.0)
+    assert 0.1 <= lo <= folder.median_p90_s <= hi <= 0.3 and run.median_p90_ci_s is None
 
 
 def test_answers_and_mirror_counters() -> None:

@@ -17,6 +17,7 @@ from kvnotes.ops.decisions import parse_answer
 from kvnotes.ops.edit import erratum_text
 from kvnotes.serving.launch.process import VLLMServer, find_vllm_python
 from kvnotes.serving.vllm_endpoints import info_labels
+from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.client import Client, check_loopback_url
 from kvnotes_bench.serving.erratum import (
     ErratumBenchConfig,
@@ -29,7 +30,6 @@ from kvnotes_bench.serving.metrics import (
     PrefixCacheCounters,
     agreement,
     parse_prometheus,
-    percentile,
     ttft_breakdown,
 )
 from kvnotes_bench.serving.report import report_markdown, write_outputs
