@@ -11,9 +11,13 @@ folders, where the connector and the front's catalog find it; a host whose sight
 due that another host compiled takes the store's copy instead of compiling it again
 (:meth:`Publisher.adopt`).
 
-The request path (sightings and taking a lease) reaches the store through a :class:`StoreGate`:
-each call bounded by the store's socket timeout (a store made with
-:func:`request_path_settings`: tens of milliseconds, no retries), and after a fault the store is
+The request path reaches the store through a :class:`StoreGate` in two calls at most: a
+request's sightings (one MULTI/EXEC) and, when some of its jobs came due, all their compile leases
+(one script, :meth:`StoreCompileLeases.take_all`). Each call is bounded by the store's socket
+timeout (a store made with :func:`request_path_settings`: tens of milliseconds, no retries); a
+lease whose take timed out is given back by the store's next lease call or the learner's chores
+(it may have been applied: nobody would compile that chunk until it expired), and after a fault
+the store is
 left alone for ``retry_s`` seconds: sightings are counted in this process meanwhile and nothing
 is compiled (a compile needs the fleet's lease). Requests never wait for the store beyond one
 timeout and are planned with the entries already local, which were checked when written.
@@ -191,16 +195,30 @@ class StoreCompileLeases:
         return f"compile:{self.model}:{ident.hex()}"
 
     def take(self, ident: bytes) -> bool:
-        name = self._name(ident)
-        ok, got = self.gate.call("acquire_lease", lambda s: s.acquire_lease(name, self.ttl_s))
-        if not ok:
-            self.gate.stats.add("skipped_compiles")
-        return bool(ok and got)
+        return self.take_all([ident])[0]
+
+    def take_all(self, idents: Sequence[bytes]) -> list[bool]:
+        """Take each of ``idents``' leases in one store call (a request's due jobs: one round
+        trip); an ident repeated in ``idents`` is taken once."""
+        unique = list(dict.fromkeys(idents))
+        names = [self._name(ident) for ident in unique]
+        ok, got = self.gate.call("acquire_leases",
+                                 lambda s: s.acquire_leases(names, self.ttl_s))
+        if not ok or got is None or len(got) != len(unique):
+            self.gate.stats.add("skipped_compiles", len(unique))
+            return [False] * len(idents)
+        taken = dict(zip(unique, got, strict=True))
+        return [taken.pop(ident, False) for ident in idents]
 
     def give_back(self, ident: bytes) -> None:
         name = self._name(ident)
-        # a lease not given back (the store down meanwhile) expires on its own
+        # a lease not given back (the store down meanwhile) is given back by the store's next
+        # lease call, or expires on its own
         self.gate.call("release_lease", lambda s: s.release_lease(name))
+
+    def settle(self) -> None:
+        """Give back the leases whose take or give-back got no answer (a timeout)."""
+        self.gate.call("settle_leases", lambda s: s.settle_leases())
 
 
 class Publisher:
@@ -344,17 +362,32 @@ class FleetLearner(Learner):
         self.fleet_stats = FleetStats()
         self.gate = StoreGate(store if request_store is None else request_store, s.retry_s,
                               self.fleet_stats)
+        self.fleet_leases = StoreCompileLeases(self.gate, model, s.lease_s)
         super().__init__(config, skills, registry,
                          sightings=StoreSightings(self.gate, model,
                                                   LocalSightings(config.max_tracked),
                                                   s.sighting_ttl_s),
-                         compile_leases=StoreCompileLeases(self.gate, model, s.lease_s))
+                         compile_leases=self.fleet_leases)
         self.store, self.mirror, self.model = store, mirror, model
         self.publisher = Publisher(store, skills.folder, self.registry, self.fleet_stats,
                                    mirror=mirror, unpublished=s.unpublished)
         self.compiler = FleetCompiler(skills, self.registry, self.publisher)
         self._evicted_at = 0.0
         self._epoch: str | None = None
+
+    def _sighted(self, jobs: list[Job]) -> None:
+        """:meth:`Learner._sighted` with the leases of all of a request's due jobs taken in one
+        store call: the request path's second and last round trip (the first counts its
+        sightings)."""
+        due = [job for job, is_due in zip(jobs, self.sightings.due_all(jobs, self.bounds.holds),
+                                          strict=True) if is_due]
+        if not due:
+            return
+        for job, taken in zip(due, self.fleet_leases.take_all([j.ident for j in due]),
+                              strict=True):
+            if taken and not self.worker.submit(job):
+                self.fleet_leases.give_back(job.ident)
+                self._count("dropped")  # counted on: the next sighting queues it again
 
     def lease(self, keys: Iterable[str], *, used: Iterable[str] | None = None,
               exact: Iterable[str] = ()) -> tuple[str, ...]:
@@ -368,6 +401,7 @@ class FleetLearner(Learner):
         fleet's bounds (at most every ``evict_s``)."""
         super().upkeep()
         with self._chores:
+            self.fleet_leases.settle()
             self.check_epoch()
             self.publisher.retry()
             if time.monotonic() - self._evicted_at >= self.fleet_settings.evict_s:
