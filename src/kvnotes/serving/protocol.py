@@ -3,12 +3,15 @@ client is told, as typed, versioned messages.
 
 - :class:`SpliceRequest`: the ranges (and the entry of each) a request asks the connector to
   supply, sent in vLLM's ``kv_transfer_params`` under :data:`PARAMS_KEY`;
+- :class:`SaveRequest`: a chunk to compile by the server's own prefill: the token range of a
+  request whose KV the connector saves as an entry, under :data:`SAVE_KEY`;
 - :class:`SpliceReport`: what the connector did for one vLLM request (ranges loaded and from
   which entries, tokens vLLM's prefix cache held, supplied, computed; loads that failed),
   returned by its ``request_finished`` (vLLM puts it in the completion's ``kv_transfer_params``,
   non-streamed answers only);
-- :class:`UsageKvnotes`: the ``usage.kvnotes`` object of the front's answer: the plan (its
-  :class:`RepairPolicy` as fields), the phases, the guard, the connector's reports;
+- :class:`UsageKvnotes`: the ``usage.kvnotes`` object of the front's answer: the plan's wire
+  view (:class:`WirePlan`, its repair as fields), the phases, the guard, the connector's
+  reports;
 - :class:`Outcome`: how the front answered a request (its log line, its metrics label).
 
 Each message is a frozen pydantic dataclass, validated when built (a malformed one raises
@@ -68,6 +71,9 @@ from kvnotes.serving.library.splice import SpliceRange
 PROTOCOL_VERSION = 1
 # The one key of vLLM's ``kv_transfer_params`` that kvnotes writes and reads, both ways.
 PARAMS_KEY = "kvnotes"
+# The key of a compile request's save instruction (:class:`SaveRequest`): apart from
+# PARAMS_KEY, so a reader of splice requests never meets one.
+SAVE_KEY = "kvnotes_save"
 _CLOSED = ConfigDict(extra="forbid")  # an unknown field is refused, never dropped
 
 
@@ -299,6 +305,56 @@ class SpliceRequest(_Message):
         return None if PARAMS_KEY not in params else cls.from_dict(params[PARAMS_KEY])
 
 
+_ENTRY_KEY = r"[0-9a-f]{32}"  # an entry's content address (ops.store.skill_key): a file stem
+EntryKey = Annotated[StrictStr, Field(pattern=_ENTRY_KEY)]
+
+
+@message(frozen=True, config=_CLOSED)
+class SaveRequest(_Message):
+    """Asks the connector to save a request's KV for prompt tokens ``[start, end)`` as the
+    entry ``key`` (the chunk's content address, computed by the front), named ``name`` and
+    owned by ``tenant`` (None: the operator's, shared): the chunk compiled by the server's own
+    prefill, behind the prompt's tokens before ``start`` (its anchor). Sent in
+    ``kv_transfer_params`` under :data:`SAVE_KEY`, on a request of its own (``max_tokens`` 1,
+    never answered to a client) that carries no splice request: its KV is a prefill's.
+
+    The connector reads the KV from the request's blocks once the forward that computes token
+    ``end - 1`` has run (tokens that were prefix-cache hits included) and writes the entry
+    whole or not at all; a request aborted or failed before then leaves none.
+
+    Example:
+        >>> SaveRequest("0" * 32, 3, 10, "tool-ab12").to_params()["kvnotes_save"]["end"]
+        10
+    """
+
+    key: EntryKey
+    start: Count
+    end: Positive
+    name: StrictStr = "skill"
+    tenant: StrictStr | None = None
+
+    _WHAT: ClassVar[str] = "kvnotes save request"
+    _WIRE: ClassVar[tuple[str, ...]] = ("v", "key", "start", "end", "name", "tenant")
+
+    @model_validator(mode="after")
+    def _range(self) -> Self:
+        if self.end <= self.start:
+            raise ValueError(f"[start, end) = [{self.start}, {self.end}) holds no token")
+        return self
+
+    def to_params(self) -> JsonObject:
+        """The compile request's ``kv_transfer_params``."""
+        return {SAVE_KEY: self.to_dict()}
+
+    @classmethod
+    def from_params(cls, params: object) -> SaveRequest | None:
+        """The save request in ``kv_transfer_params`` (None: it carries none);
+        :class:`ProtocolError` for one this version does not read."""
+        if not isinstance(params, Mapping) or SAVE_KEY not in params:
+            return None
+        return cls.from_dict(params[SAVE_KEY])
+
+
 # ---- connector -> front ---------------------------------------------------------------------
 @message(frozen=True, config=_CLOSED)
 class SpliceReport(_Message):
@@ -364,35 +420,55 @@ class SpliceReport(_Message):
 
 # ---- front -> client ------------------------------------------------------------------------
 @message(frozen=True, config=_CLOSED)
-class RepairPolicy(_Message):
-    """The repair rule a plan ran (:class:`~kvnotes.core.repair.Repair` as a server runs it):
-    each spliced piece's first ``max(first, ceil(share * len))`` tokens recomputed in context,
-    regions ending on multiples of ``align``; ``skip_exact``: pieces whose notes are already a
-    prefill's (the exact chain) are not repaired.
-
-    Example:
-        >>> RepairPolicy.of(Repair(first=32, align=16, share=0.1)).to_dict()
-        {'first': 32, 'align': 16, 'share': 0.1, 'skip_exact': True}
-    """
+class _RepairFields(_Message):
+    """The JSON form of a server's :class:`~kvnotes.core.repair.Repair` (the schema
+    :func:`repair_from_dict` reads; no one holds one)."""
 
     first: Count
     align: Positive
     share: Share = 0.0
     skip_exact: StrictBool = True
 
-    _WHAT: ClassVar[str] = "kvnotes repair policy"
+    _WHAT: ClassVar[str] = "kvnotes repair"
     _WIRE: ClassVar[tuple[str, ...]] = ("first", "align", "share", "skip_exact")
 
-    @classmethod
-    def of(cls, repair: Repair) -> RepairPolicy:
-        if repair.budget or repair.adapt is not None:
-            raise ProtocolError(f"repair {repair.tag()}: a budget or the adaptive rule is not a "
-                                "server's repair (first, align, share, skip_exact)")
-        return cls(repair.first, repair.align, float(repair.share), repair.skip_exact)
 
-    def repair(self) -> Repair:
-        return Repair(first=self.first, align=self.align, share=self.share,
-                      skip_exact=self.skip_exact)
+def repair_to_dict(repair: Repair) -> JsonObject:
+    """A server's repair as the wire writes it: its first tokens, alignment, share floor and
+    ``skip_exact``; a budget or the adaptive rule (engine only) is refused.
+
+    Example:
+        >>> repair_to_dict(Repair(first=32, align=16, share=0.1))
+        {'first': 32, 'align': 16, 'share': 0.1, 'skip_exact': True}
+    """
+    if repair.budget or repair.adapt is not None:
+        raise ProtocolError(f"repair {repair.tag()}: a budget or the adaptive rule is not a "
+                            "server's repair (first, align, share, skip_exact)")
+    return {"first": repair.first, "align": repair.align, "share": float(repair.share),
+            "skip_exact": repair.skip_exact}
+
+
+def repair_from_dict(value: object) -> Repair:
+    """A server's repair read from its JSON form (:func:`repair_to_dict`'s), strictly:
+    :class:`ProtocolError` names the field it cannot read."""
+    return _wire_repair(_RepairFields.from_dict(value))
+
+
+def _wire_repair(value: object) -> Repair:
+    """A plan's ``repair`` field: a Repair as it is (a server's only), or read from JSON
+    through :class:`_RepairFields`, whose errors keep their field (``plan.repair.share``)."""
+    if isinstance(value, Repair):
+        repair_to_dict(value)
+        return value
+    fields = value if isinstance(value, _RepairFields) else \
+        _adapter(_RepairFields).validate_python(value)
+    return Repair(first=fields.first, align=fields.align, share=fields.share,
+                  skip_exact=fields.skip_exact)
+
+
+# a server's Repair on the wire: its JSON form is repair_to_dict's
+WireRepair = Annotated[Repair, PlainValidator(_wire_repair),
+                       PlainSerializer(repair_to_dict, return_type=Any)]
 
 
 @message(frozen=True, config=_CLOSED)
@@ -411,15 +487,19 @@ class PlanEntry(_Message):
 
 
 @message(frozen=True, config=_CLOSED)
-class PlanReport(_Message):
-    """A request's phase plan as the client is told it: the prompt's length, the server's
-    block size, the repair, the salt, the ranges asked of the connector, the regions vLLM
-    recomputes, the phases' ends, the skills and their entries, the exactly placed skills.
-    Its JSON form adds ``spliced_tokens`` and ``repaired_tokens``."""
+class WirePlan(_Message):
+    """The wire view of a request's plan (``usage.kvnotes.plan``), built only by
+    :meth:`PhasePlan.wire <kvnotes.serving.planning.phases.PhasePlan.wire>` and read back by
+    clients: the prompt's length, the server's block size, the repair, the salt, the ranges
+    asked of the connector, the regions vLLM recomputes, the phases' ends, the skills and
+    their entries, the exactly placed skills. It leaves out what only the requests to vLLM
+    carry (the tenant, each range's key) and adds what the front matched (skills, entries),
+    so a client can read it but not send it. Its JSON form adds ``spliced_tokens`` and
+    ``repaired_tokens``."""
 
     prompt_len: Count
     block_size: Positive
-    repair: RepairPolicy
+    repair: WireRepair
     salt: StrictStr
     ranges: tuple[Range, ...]
     regions: tuple[Span, ...] = ()
@@ -458,7 +538,7 @@ class UsageKvnotes(_Message):
     spliced_tokens: Count = 0
     phases: Count = 0
     guard_fired: StrictBool = False
-    plan: PlanReport | None = None
+    plan: WirePlan | None = None
     exact: StrictStr | None = None
     phase_reports: tuple[SpliceReport | None, ...] = ()
     report: SpliceReport | None = None
@@ -480,7 +560,7 @@ class UsageBuilder:
     """A ``usage.kvnotes`` filled in while one request runs (the front's side)."""
 
     spliced_tokens: int = 0
-    plan: PlanReport | None = None
+    plan: WirePlan | None = None
     exact: str | None = None
     guard_fired: bool = False
     phase_reports: list[SpliceReport | None] = dataclasses.field(default_factory=list)

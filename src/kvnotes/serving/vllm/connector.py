@@ -38,6 +38,14 @@ backend's). A piece deleted, damaged or replaced since it was planned fails its 
 go to ``get_block_ids_with_load_errors`` and vLLM recomputes them (policy ``"recompute"``; with
 vLLM's default ``"fail"`` the request fails instead, so the connector warns at start).
 
+Compiling (:mod:`kvnotes.serving.vllm.saves`, :mod:`kvnotes.serving.vllm.kv_saver`): a
+request carrying a :class:`~kvnotes.serving.protocol.SaveRequest` (under ``kvnotes_save``) is
+an ordinary prefill that is supplied nothing; its blocks are followed until the step whose
+forward computes its range, and after that forward (``wait_for_save``, once every layer's
+attention ran: ``save_kv_layer``) the worker reads the range's KV from the blocks, prefix-cache
+hits included, and writes it as an entry of the folder, whole or not at all. A request that ends
+before that step saves nothing; a save that cannot be written is logged and counted, no file.
+
 Refused at server start, each with the setting to change (:mod:`kvnotes.serving.vllm.checks`):
 a model other than the skills' (shape, or RoPE tables differing from vLLM's rotary embedding),
 speculative decoding with draft layers, LoRA, MLA, decode/prefill context parallelism,
@@ -72,8 +80,10 @@ from kvnotes.serving.vllm.checks import (
     check_served,
     check_weights,
 )
+from kvnotes.serving.vllm.kv_saver import KvSaver
 from kvnotes.serving.vllm.kv_writer import KvWriter, WorkerShare, rank_heads
 from kvnotes.serving.vllm.plans import LoadSpec, SplicePlanner
+from kvnotes.serving.vllm.saves import SaveSpec, SaveTracker, save_request
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +100,7 @@ log = logging.getLogger("vllm.kvnotes")  # a child of vLLM's logger: its handler
 @dataclass
 class KvnotesConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
 
 
 def splice_tenant(salt: str | None, message: SpliceRequest) -> tuple[str | None, str | None]:
@@ -183,11 +194,15 @@ class KvnotesConnector(KVConnectorBase_V1):
         self.store: PieceStore | None = None
         self.planner: SplicePlanner | None = None
         self.writer: KvWriter | None = None
+        self.saver: KvSaver | None = None
+        self.saves: SaveTracker | None = None
         self._layers: list[tuple[int, str]] = []
         self._failed_blocks: set[int] = set()
+        self._forwarded: set[str] = set()  # layers whose attention ran in this step
         if self.scheduler:
             self.store = PieceStore(self.folder, max_entry_bytes=self.max_entry_bytes)
             self.planner = SplicePlanner(block_size=self.block_size)
+            self.saves = SaveTracker(block_size=self.block_size)
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
             if policy != "recompute":
                 log.warning("kvnotes connector: kv_load_failure_policy is %r: a skill deleted "
@@ -201,6 +216,8 @@ class KvnotesConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.planner is not None and self.store is not None
+        if self._compile_request(request):
+            return 0, False  # a compile is a prefill: nothing is supplied to it
         message, refused = splice_request(request)
         if (message is None and refused is None) or getattr(request, "mm_features", None):
             # no splice request: computed exactly, whatever its salt; multimodal prompts:
@@ -224,15 +241,34 @@ class KvnotesConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.planner is not None
         # every request this step schedules, new, resumed or running, is a key here
-        return KvnotesConnectorMetadata(self.planner.take(scheduler_output.num_scheduled_tokens))
+        saves = [] if self.saves is None else self.saves.take(scheduler_output)
+        return KvnotesConnectorMetadata(self.planner.take(scheduler_output.num_scheduled_tokens),
+                                        saves)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.planner is not None:
             self.planner.failed(getattr(connector_output, "invalid_block_ids", None) or ())
 
+    def _compile_request(self, request: Request) -> bool:
+        """True for a compile request (a save request in its ``kv_transfer_params``): it is
+        followed until its range is computed. One that cannot be read is served as it is and
+        saves nothing."""
+        assert self.saves is not None
+        message, refused = save_request(request)
+        if refused is not None:
+            log.warning("kvnotes: request %s: its save request was refused (%s); nothing is "
+                        "saved", request.request_id, refused)
+            return True
+        if message is None:
+            return False
+        self.saves.track(request.request_id, message, list(request.prompt_token_ids or []))
+        return True
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, JsonObject | None]:
         """Nothing is held past the request; its report goes back in ``kv_transfer_params``."""
+        if self.saves is not None:
+            self.saves.finished(request.request_id)
         report = None if self.planner is None else self.planner.finished(request.request_id)
         return False, None if report is None else report.to_params()
 
@@ -257,6 +293,9 @@ class KvnotesConnector(KVConnectorBase_V1):
                             layers=tuple(i for i, _ in self._layers))
         self.writer = KvWriter(self.folder, self.manifest, share, max_bytes=self.max_bytes,
                                max_entry_bytes=self.max_entry_bytes)
+        self.saver = KvSaver(self.folder, self.manifest, heads=heads,
+                             head_dim=self.manifest.head_dim, block_size=self.block_size,
+                             dtype=kv_caches[self._layers[0][1]].dtype)
         log.info("kvnotes connector (worker, tp rank %d of %d): layers %d..%d, KV heads %d..%d "
                  "on %s in %s; RoPE tables checked against %d rotary embeddings", rank, size,
                  share.layers[0], share.layers[-1], heads.start, heads.stop - 1, device,
@@ -279,10 +318,28 @@ class KvnotesConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return  # skills are compiled by kvnotes, not captured from the server
+        # called after each layer's attention: a save needs every layer's to have run
+        self._forwarded.add(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        """After the forward: save the compile requests whose range it completed, from their
+        blocks; none when the forward did not reach every layer (it failed mid-way)."""
+        forwarded, self._forwarded = self._forwarded, set()
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvnotesConnectorMetadata) or not meta.saves:
+            return
+        if self.saver is None:
+            log.warning("kvnotes: %d compile requests not saved: this worker holds no "
+                        "attention layer", len(meta.saves))
+            return
+        missing = [name for _, name in self._layers if name not in forwarded]
+        if missing:
+            self.saver.failed += len(meta.saves)
+            log.warning("kvnotes: compile requests %s not saved: the forward did not run "
+                        "layer %s", [s.req_id for s in meta.saves], missing[0])
+            return
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        self.saver.save(meta.saves, [(i, ctx[name]) for i, name in self._layers])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
