@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from kvnotes.serving.learning.compiles import (
     Compiled,
@@ -51,11 +51,28 @@ from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.variant_demand import VariantCandidate
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.front")
 
 SWEEP_BATCH = 256  # entries whose files one chore checks
+
+
+class ChunkCompiler(Protocol):
+    """Turns a job into an entry: :class:`~kvnotes.serving.learning.compiles.Compiler` (the
+    engine, in this process) or :class:`~kvnotes.serving.learning.compiles.VllmCompiler`
+    (the running server's prefill, saved by its connector)."""
+
+    def compile(self, job: Job) -> Compiled: ...
+
+
+class SkillsFolder(Protocol):
+    """Where entries are published (a :class:`~kvnotes.serving.skills.ServingSkills` is one)."""
+
+    @property
+    def folder(self) -> Path: ...
 
 
 class LearnSettings(Protocol):
@@ -107,18 +124,22 @@ class Learner:
 
     Args:
         config: the thresholds and bounds (a ``LearnConfig``).
-        skills: the serving folder to publish to (it holds the engine that compiles).
+        skills: the serving folder to publish to (a ``ServingSkills``, whose engine compiles
+            unless ``compiler`` is given; with ``compiler`` any object with its ``folder``).
         registry: the folder's learned-entry registry (default: opened in ``skills.folder``).
         sightings: where sightings are counted (default: in this process).
         compile_leases: who compiles a job (default: in this process).
+        compiler: what compiles a job (default: ``skills``' engine, in this process; a
+            ``VllmCompiler`` asks the running server, and this process holds no model).
 
     :meth:`start` starts the worker thread, :meth:`stop` stops it.
     """
 
-    def __init__(self, config: LearnSettings, skills: ServingSkills,
+    def __init__(self, config: LearnSettings, skills: ServingSkills | SkillsFolder,
                  registry: LearnedRegistry | None = None, *,
                  sightings: SightingCounter | None = None,
-                 compile_leases: CompileLease | None = None) -> None:
+                 compile_leases: CompileLease | None = None,
+                 compiler: ChunkCompiler | None = None) -> None:
         self.config = config
         self.skills = skills
         self.registry = LearnedRegistry(skills.folder) if registry is None else registry
@@ -131,7 +152,8 @@ class Learner:
                                    sightings)
         self.compile_leases: CompileLease = (LocalCompileLeases() if compile_leases is None
                                               else compile_leases)
-        self.compiler = Compiler(skills, self.registry)
+        self.compiler: ChunkCompiler = (compiler if compiler is not None
+                                        else Compiler(_engine_skills(skills), self.registry))
         self.worker = CompileWorker(self._do, self.upkeep, discard=self._discard,
                                     queue_size=config.queue_size, tick_s=config.flush_s,
                                     nice=config.compile_nice)
@@ -340,3 +362,9 @@ class Learner:
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self.stats, name, getattr(self.stats, name) + n)
+
+
+
+def _engine_skills(skills: ServingSkills | SkillsFolder) -> ServingSkills:
+    """``skills`` as the engine's compiler uses it (its ``add``, ``path_for``, ``engine``)."""
+    return cast("ServingSkills", skills)
