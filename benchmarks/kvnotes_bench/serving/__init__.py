@@ -3,8 +3,10 @@
 - :mod:`~kvnotes_bench.serving.kit`: what the workloads share on a server (a measured phase,
   its summary, p90 ratios, the server record; the machine record, failure kinds and formats are
   :mod:`kvnotes_bench.kit`'s);
-- :mod:`~kvnotes_bench.serving.metrics`: vLLM's ``/metrics`` and summary statistics;
-- :mod:`~kvnotes_bench.serving.client`: the streaming measurement client;
+- :mod:`~kvnotes_bench.serving.metrics`: vLLM's ``/metrics`` (percentiles are
+  :mod:`kvnotes_bench.kit.stats`');
+- :mod:`~kvnotes_bench.serving.client`: the one HTTP client every workload sends through
+  (``openai.AsyncOpenAI``, streamed and timed);
 - :mod:`~kvnotes_bench.serving.workload`, :mod:`~kvnotes_bench.serving.erratum`,
   :mod:`~kvnotes_bench.serving.report`: the erratum workload, its runner and its report;
 - :mod:`~kvnotes_bench.serving.skills`, :mod:`~kvnotes_bench.serving.skills_report`: the skills

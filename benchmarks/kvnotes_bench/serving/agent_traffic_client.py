@@ -1,4 +1,5 @@
-"""``serve-bench agent``'s client: the ``openai`` SDK's ``AsyncOpenAI`` against kvnotes' front.
+"""``serve-bench agent``'s sender: chat completions through the workloads' client
+(:mod:`kvnotes_bench.serving.client`) to kvnotes' front.
 
 :class:`OpenAISender` sends an :class:`~kvnotes_bench.serving.agent_traffic_requests.AgentRequest`
 as a chat completion, greedy (temperature 0), with the first tokens' log-probs (their token
@@ -18,7 +19,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Protocol
 
 from kvnotes.serving.protocol import UsageKvnotes
+from kvnotes_bench.kit.failures import classify
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
+from kvnotes_bench.serving.client import get_json, open_client, stream
 
 STATS_PATH = "/kvnotes/stats"  # the front's counters (kvnotes.serving.front.app)
 _NAME_FIELD = re.compile(r'"name"\s*:\s*"([^"]+)"')
@@ -38,6 +41,7 @@ class Answer:
 
     ok: bool
     error: str | None = None
+    error_kind: str | None = None  # one of kvnotes_bench.kit.failures.ERROR_KINDS
     text: str = ""
     tokens: list[str] = field(default_factory=list)
     margins: list[float | None] = field(default_factory=list)
@@ -183,7 +187,8 @@ def extra_body(splice: bool, tenant: str | None, repair: int | None = None
 
 
 class OpenAISender:
-    """:class:`Sender` over ``AsyncOpenAI`` (one client, its own connection pool).
+    """:class:`Sender` over the workloads' client (:func:`~kvnotes_bench.serving.client.
+    open_client`: one ``AsyncOpenAI``, its own connection pool).
 
     Args:
         url: the front's URL (``http://127.0.0.1:PORT``).
@@ -195,12 +200,8 @@ class OpenAISender:
 
     def __init__(self, url: str, model: str, *, timeout: float = 600.0,
                  tenant: str | None = None, api_key: str = "kvnotes") -> None:
-        from openai import AsyncOpenAI
-
         self.model, self.tenant, self.url = model, tenant, url.rstrip("/")
-        self.timeout, self.api_key = timeout, api_key
-        self.client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key,
-                                  timeout=timeout, max_retries=0)
+        self.client = open_client(url, timeout=timeout, api_key=api_key)
 
     def _args(self, request: AgentRequest, splice: bool, max_tokens: int,
               repair: int | None = None) -> dict[str, Any]:
@@ -217,69 +218,40 @@ class OpenAISender:
 
     async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int,
                    repair: int | None = None) -> Answer:
-        import openai
-
         t0 = time.perf_counter()
         try:
             resp = await self.client.chat.completions.create(
                 **self._args(request, splice, max_tokens, repair))
-        except openai.OpenAIError as err:
-            return Answer(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
+        except Exception as err:  # noqa: BLE001 -- every server failure is an outcome
+            failure = classify(err)
+            return Answer(ok=False, error=failure.message, error_kind=failure.kind)
         answer = answer_of(resp.model_dump(), request.candidates)
         answer.total_s = time.perf_counter() - t0
         return answer
 
     async def stream(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
-        import openai
-
-        t0 = time.perf_counter()
-        ttft = None
-        text: list[str] = []
-        tokens: list[str] = []
-        margins: list[float | None] = []
-        tool = None
-        usage: dict[str, Any] = {}
-        try:
-            stream = await self.client.chat.completions.create(
+        reader = _DeltaReader()
+        seen = await stream(
+            lambda: self.client.chat.completions.create(
                 **self._args(request, splice, max_tokens), stream=True,
-                stream_options={"include_usage": True})
-            async for chunk in stream:
-                data = chunk.model_dump()
-                if data.get("usage"):
-                    usage = data["usage"]
-                for choice in data.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    if ttft is None and (delta.get("content") or delta.get("tool_calls")):
-                        ttft = time.perf_counter() - t0
-                    text.append(delta.get("content") or "")
-                    for call in delta.get("tool_calls") or []:
-                        tool = tool or ((call or {}).get("function") or {}).get("name")
-                    tokens += _tokens(choice.get("logprobs"))
-                    margins += _margins(choice.get("logprobs"))
-        except openai.OpenAIError as err:
-            return Answer(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}",
-                          ttft_s=ttft)
-        info = usage.get("kvnotes") if isinstance(usage.get("kvnotes"), dict) else None
-        joined = "".join(text)
-        return Answer(ok=True, text=joined, tokens=tokens, margins=margins,
-                      tool=tool or tool_choice(joined, request.candidates),
-                      prompt_tokens=usage.get("prompt_tokens"),
+                stream_options={"include_usage": True}),
+            reader)
+        if seen.failure is not None:
+            return Answer(ok=False, error=seen.failure.message, error_kind=seen.failure.kind,
+                          ttft_s=seen.ttft_s)
+        info = reader.usage.get("kvnotes")
+        info = info if isinstance(info, dict) else None
+        joined = "".join(reader.text)
+        return Answer(ok=True, text=joined, tokens=reader.tokens, margins=reader.margins,
+                      tool=reader.tool or tool_choice(joined, request.candidates),
+                      prompt_tokens=reader.usage.get("prompt_tokens"),
                       spliced_tokens=int((info or {}).get("spliced_tokens") or 0), kvnotes=info,
-                      ttft_s=ttft, total_s=time.perf_counter() - t0)
+                      ttft_s=seen.ttft_s, total_s=seen.total_s)
 
     async def learner(self) -> dict[str, int] | None:
         """The front's learner counters, from ``GET /kvnotes/stats`` (sent with the key the
         requests use: a front with ``--api-key`` checks it there too)."""
-        import httpx2
-
-        try:
-            async with httpx2.AsyncClient(trust_env=False, timeout=self.timeout) as http:
-                resp = await http.get(self.url + STATS_PATH,
-                                      headers={"Authorization": f"Bearer {self.api_key}"})
-                resp.raise_for_status()
-                stats = resp.json()
-        except (httpx2.HTTPError, ValueError):
-            return None
+        stats = await get_json(self.client, self.url + STATS_PATH)
         counters = stats.get("learner") if isinstance(stats, dict) else None
         if not isinstance(counters, dict):
             return None
@@ -287,3 +259,29 @@ class OpenAISender:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+@dataclass
+class _DeltaReader:
+    """Folds streamed chat chunks: text, tool name, token strings and margins, usage."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    margins: list[float | None] = field(default_factory=list)
+    tool: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, chunk: Any, _t: float) -> bool:
+        """True when ``chunk`` carried content or a tool call (the first token's time)."""
+        data = chunk.model_dump()
+        self.usage = data.get("usage") or self.usage
+        carried = False
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            carried = carried or bool(delta.get("content") or delta.get("tool_calls"))
+            self.text.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or []:
+                self.tool = self.tool or ((call or {}).get("function") or {}).get("name")
+            self.tokens += _tokens(choice.get("logprobs"))
+            self.margins += _margins(choice.get("logprobs"))
+        return carried

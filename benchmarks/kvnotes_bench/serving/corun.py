@@ -28,6 +28,7 @@ from typing import Any
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes_bench.kit.machine import load_now
 from kvnotes_bench.kit.stats import percentile
+from kvnotes_bench.serving.client import open_client
 from kvnotes_bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
 
 CORUN_MODES = ("idle", "spliced", "exact")
@@ -134,15 +135,12 @@ async def run_corun(url: str, model: str, tokenizer: Any, config: CorunConfig, h
                     texts: Mapping[str, str], *, request_timeout_s: float,
                     say: Callable[[str], None] = print) -> CorunResult:
     """Every mode of ``config`` on the server at ``url``, one after the other."""
-    from openai import AsyncOpenAI
-
     from kvnotes.serving.planning.layout import prompt_ids
     from kvnotes.serving.protocol import SpliceRequest
     from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.prompt_sets import user_text
 
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,
-                         max_retries=0)
+    client = open_client(url, timeout=request_timeout_s)
     metrics = Client(url)
     names = sorted(texts)
     results: list[ModeResult] = []

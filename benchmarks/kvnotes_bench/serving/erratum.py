@@ -24,7 +24,7 @@ from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameE
 from kvnotes.ops.decisions import parse_answer
 from kvnotes_bench.kit.machine import MachineRecord, load_now
 from kvnotes_bench.serving import kit
-from kvnotes_bench.serving.client import Client, StreamResult, stream_chat
+from kvnotes_bench.serving.client import Client, StreamResult, open_client, stream_chat
 from kvnotes_bench.serving.kit import (
     P90Ratio,
     PhaseSummary,
@@ -322,7 +322,7 @@ def run_phase(client: Client, sessions: Sequence[Session], policy: str, *, confi
                                                                    list[RequestRecord]]:
     """Warm-up (cache-using policies), then the measured edit streams of one policy: one worker
     per concurrent stream, each sending one session's edits in order."""
-    api = client.async_openai(timeout=config.request_timeout_s)
+    api = open_client(client.url, timeout=config.request_timeout_s)
 
     async def send(prompt: str) -> StreamResult:
         salt = secrets.token_hex(16) if policy == "cold" else None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.serving.client import open_client
 from kvnotes_bench.serving.soak_check import EngineOracle, allowed, check
 from kvnotes_bench.serving.soak_client import PREEMPTIONS, read_counter, stream_completion
 from kvnotes_bench.serving.soak_events import EventLog, EventRecord, damage_times, run_events
@@ -58,15 +59,12 @@ async def soak_clients(url: str, model: str, tokenizer: Any, config: SoakConfig,
     """The clients and the event task for ``config.duration_s``; the records with their ids."""
     import copy
 
-    from openai import AsyncOpenAI
-
     from kvnotes.serving.planning.layout import prompt_ids
 
     # the event task compiles skills in a thread with the engine's tokenizer; a fast
     # tokenizer refuses two threads at once, so the clients tokenize with their own copy
     tokenizer = copy.deepcopy(tokenizer)
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="kvnotes", timeout=request_timeout_s,
-                         max_retries=0)
+    client = open_client(url, timeout=request_timeout_s)
     records: list[tuple[SoakRecord, list[int]]] = []
     t0 = time.monotonic()
     end = t0 + config.duration_s

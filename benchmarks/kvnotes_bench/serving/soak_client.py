@@ -3,13 +3,12 @@ and per-chunk arrival times out, failures classified, and an early close on dema
 
 The prompt goes as token ids (kvnotes' per-part layout, :func:`~kvnotes.serving.compose_client.
 prompt_ids`); the answer comes back as token ids too (vLLM's ``return_tokens_as_token_ids``), so
-it is compared with the engine's greedy ids without detokenizing. Talks to vLLM through
-``openai.AsyncOpenAI``.
+it is compared with the engine's greedy ids without detokenizing. Sent through the workloads'
+client (:mod:`kvnotes_bench.serving.client`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +16,8 @@ from typing import Any
 from kvnotes.core.errors import ServingError
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.protocol import SpliceRequest
-from kvnotes_bench.kit.failures import classify
+from kvnotes_bench.kit.failures import Failure
+from kvnotes_bench.serving.client import CUT_SHORT, stream
 from kvnotes_bench.serving.metrics import parse_prometheus
 
 TOKEN_PREFIX = "token_id:"
@@ -69,8 +69,6 @@ def _read_chunk(ans: Answer, chunk: Any, t: float) -> int:
         details = getattr(chunk.usage, "prompt_tokens_details", None)
         ans.cached_tokens = getattr(details, "cached_tokens", None) if details else None
     if n:
-        if ans.ttft_s is None:
-            ans.ttft_s = t
         ans.chunk_s.append(t)
         ans.chunk_tokens.append(n)
     return n
@@ -79,11 +77,13 @@ def _read_chunk(ans: Answer, chunk: Any, t: float) -> int:
 async def stream_completion(client: Any, model: str, ids: Sequence[int], *, max_tokens: int,
                             splice: SpliceRequest | None = None, close_after: int | None = None,
                             ignore_eos: bool = False, top: int = 2) -> Answer:
-    """Greedy completion of ``ids`` on ``client`` (an ``openai.AsyncOpenAI``), streamed.
+    """Greedy completion of ``ids`` on ``client`` (:func:`~kvnotes_bench.serving.client.
+    open_client`), streamed.
 
     ``close_after``: close the stream after that many token-carrying chunks (a client that
     disconnects mid-answer; the answer is then ``disconnected``, not ``ok``). A stream that ends
-    without a finish reason is a ``stream`` error.
+    without a finish reason was cut short (a ``connection`` failure, as the erratum counts it);
+    one that finishes with no tokens is a ``stream`` failure.
     """
     ans = Answer()
     extra: dict[str, Any] = {"return_tokens_as_token_ids": True}
@@ -92,27 +92,21 @@ async def stream_completion(client: Any, model: str, ids: Sequence[int], *, max_
         extra["kv_transfer_params"] = splice.to_params()
     if ignore_eos:
         extra["ignore_eos"] = True
-    t0 = time.perf_counter()
-    try:
-        stream = await client.completions.create(
+    seen = await stream(
+        lambda: client.completions.create(
             model=model, prompt=list(map(int, ids)), max_tokens=max_tokens, temperature=0.0,
             stream=True, stream_options={"include_usage": True}, logprobs=top,
-            extra_body=extra)
-        chunks = 0
-        async for chunk in stream:
-            chunks += _read_chunk(ans, chunk, time.perf_counter() - t0) > 0
-            if close_after is not None and chunks >= close_after and not ans.finish_reason:
-                await stream.close()
-                ans.disconnected = True
-                break
-        ans.total_s = time.perf_counter() - t0
-        if not ans.disconnected:
-            ans.ok = ans.finish_reason is not None and bool(ans.token_ids)
-            if not ans.ok:
-                ans.error, ans.error_kind = "the stream ended without a finished answer", "stream"
-    except Exception as err:  # noqa: BLE001 -- every failure is a counted outcome, not a crash
-        ans.total_s = time.perf_counter() - t0
-        failure = classify(err)
+            extra_body=extra),
+        lambda chunk, t: _read_chunk(ans, chunk, t) > 0,
+        close_when=lambda n: close_after is not None and n >= close_after
+        and not ans.finish_reason)
+    ans.ttft_s, ans.total_s, ans.disconnected = seen.ttft_s, seen.total_s, seen.closed_early
+    failure = seen.failure
+    if failure is None and not ans.disconnected:
+        failure = (CUT_SHORT if ans.finish_reason is None else None if ans.token_ids
+                   else Failure("stream", "the answer finished with no tokens"))
+        ans.ok = failure is None
+    if failure is not None:
         ans.error, ans.error_kind = failure.message, failure.kind
     return ans
 

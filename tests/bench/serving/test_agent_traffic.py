@@ -13,14 +13,14 @@ import pytest
 from typer.testing import CliRunner
 
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import Repair
 from kvnotes.serving.launch.launcher import LaunchConfig
 from kvnotes.serving.library.splice import SpliceRange
 from kvnotes.serving.protocol import (
     LoadedRange,
-    PlanReport,
-    RepairPolicy,
     SpliceReport,
     UsageKvnotes,
+    WirePlan,
 )
 from kvnotes_bench.kit.machine import MachineRecord
 from kvnotes_bench.serving.agent_traffic import (
@@ -497,10 +497,10 @@ def test_the_drift_rule_compares_paths_up_to_a_near_tie_on_either_side() -> None
     assert verdict(got, [early], Tok(), eos=[], tie_tau=0.05, drift_tau=0.1).status == "wrong"
 
 
-def plan_report(ranges, regions=(), first=32, align=64, share=0.0) -> PlanReport:
+def plan_report(ranges, regions=(), first=32, align=64, share=0.0) -> WirePlan:
     """A plan as ``usage.kvnotes.plan`` carries it."""
-    return PlanReport(200, align, RepairPolicy(first, align, share), "s",
-                      tuple(SpliceRange(*r) for r in ranges), tuple(map(tuple, regions)), ())
+    return WirePlan(200, align, Repair(first=first, align=align, share=share), "s",
+                    tuple(SpliceRange(*r) for r in ranges), tuple(map(tuple, regions)), ())
 
 
 # ---- the result, its report and the command -------------------------------------------------
@@ -580,9 +580,9 @@ def test_learning_launch_turns_the_front_on_over_the_skill_folder(tmp_path) -> N
     on = learning_launch(base, tmp_path / "skills", cap_bytes=1 << 20, after=3)
     assert on.front is not None and on.front.learn is not None
     assert (on.front.learn.after, on.front.learn.library_cap) == (3, 1 << 20)
-    assert (on.front.repair, on.front.repair_share) == (32, 0.1)  # the front's default
+    assert on.front.repair == Repair(first=32, share=0.1)  # the front's default
     k = learning_launch(base, tmp_path / "skills", repair="16@0.05")
-    assert k.front is not None and (k.front.repair, k.front.repair_share) == (16, 0.05)
+    assert k.front is not None and k.front.repair == Repair(first=16, share=0.05)
     with pytest.raises(InvalidArgumentError):
         AgentBenchConfig(repair="16~0.2")
 
@@ -713,7 +713,8 @@ def test_the_sdk_client_reports_a_refused_request_as_failed(fake_server) -> None
             await sender.close()
 
     a = asyncio.run(go())
-    assert not a.ok and a.error is not None and "NotFound" in a.error
+    # classified as every workload's failures are (kit.failures), no longer the SDK's class name
+    assert not a.ok and a.error_kind == "http_4xx" and "HTTP 404" in (a.error or "")
 
 
 class FakeEntries:

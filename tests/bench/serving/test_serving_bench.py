@@ -583,21 +583,16 @@ def test_server_errors_counted_per_phase(fake_server, tmp_path):
     assert "warm-ups failed 1" in report
 
 
-def test_server_gone_mid_run_is_counted_not_raised(fake_server):
+def test_server_gone_mid_run_is_counted_not_raised(fake_server, monkeypatch):
+    import kvnotes_bench.serving.client as client_module
+    import kvnotes_bench.serving.erratum as erratum
+
     url, state = fake_server
-    client = Client(url)
-    models = client.models()
-
-    class Vanishing(Client):
-        """The server answers the set-up calls, then is gone for the requests."""
-
-        def models(self):
-            return models
-
-        def async_openai(self, *, timeout=None):
-            return Client(f"http://127.0.0.1:{_closed_port()}").async_openai(timeout=timeout)
-
-    result = _bench(Vanishing(url), _small())
+    gone = f"http://127.0.0.1:{_closed_port()}"
+    # the server answers the set-up calls, then is gone for the requests
+    monkeypatch.setattr(erratum, "open_client",
+                        lambda _url, *, timeout: client_module.open_client(gone, timeout=timeout))
+    result = _bench(Client(url), _small())
     (row,) = result["summaries"]
     assert row["ok"] == 0 and row["errors"] == {"connection": 2}
     assert row["warmup_errors"] == {"connection": 1}
