@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kvnotes.cli import app
 from kvnotes.core import models
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import Repair
 
 runner = CliRunner()
 
@@ -164,7 +165,7 @@ def test_a_toml_and_a_yaml_file_give_the_same_serve_config(tmp_path):
     front = toml.front_config()
     assert front is not None and front.learn is not None
     assert (front.max_tools, front.timeout, front.tenant, front.guard) == (64, 120.0, "acme", 0.5)
-    assert (front.repair, front.repair_share, front.mirror_bytes) == (32, 0.1, 2 << 30)
+    assert (front.repair, front.mirror_bytes) == (Repair(first=32, share=0.1), 2 << 30)
     assert (front.learn.after, front.learn.library_cap) == (3, 256 << 20)
     launch = toml.launch_config(front)
     assert (launch.kv_cache_gib, launch.extra_args, str(launch.skills)) == (3, ("--seed", "1"),

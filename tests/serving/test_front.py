@@ -33,7 +33,6 @@ from kvnotes.serving.planning.phases import part_spans, plan_phases, server_repa
 from kvnotes.serving.planning.request import read_request, render_chat
 from kvnotes.serving.protocol import (
     LoadedRange,
-    RepairPolicy,
     SpliceReport,
     SpliceRequest,
     UsageKvnotes,
@@ -117,8 +116,8 @@ def test_usage_kvnotes_is_typed_and_carries_the_connectors_reports(front, fake, 
     got = client.completions.create(model=MODEL, prompt="".join(texts), max_tokens=3)
     usage = UsageKvnotes.from_dict(kvnotes_usage(got.usage))
     sent = fake.posted()
-    assert usage.plan is not None and usage.plan.repair == RepairPolicy.of(
-        server_repair(SERVER_REPAIR, BLOCK))
+    assert usage.plan is not None and usage.plan.repair == server_repair(
+        SERVER_REPAIR, BLOCK)
     assert kvnotes_usage(got.usage)["plan"]["repair"] == {
         "first": SERVER_REPAIR.first, "align": BLOCK, "share": SERVER_REPAIR.share,
         "skip_exact": True}

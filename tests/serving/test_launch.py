@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import kvnotes
 from kvnotes.cli import app
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.repair import Repair
 from kvnotes.serving.front.app import STATS_PATH, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.launch import launcher as launch_mod
@@ -186,7 +187,7 @@ def test_front_runs_in_front_of_the_launched_server(engine, exported, tmp_path):
     front = launch.front
     assert front is not None and config.port is None  # vLLM on a free port
     assert front.service.upstream == launch.server.url
-    assert front.config.block_size == 32 and front.config.repair == 16
+    assert front.config.block_size == 32 and front.config.repair == Repair(first=16)
     assert front.service.catalog.folder == launch.skills.folder
     events: list[str] = []
     launch.server = _StubServer(events)  # type: ignore[assignment]
@@ -214,7 +215,7 @@ def test_serve_without_front_keeps_vllm_on_the_port(tmp_path, monkeypatch):
         config = seen.pop()
         assert config.port == port
         assert (config.front.port if config.front else None) == front
-        assert config.front is None or config.front.repair == 8
+        assert config.front is None or config.front.repair == Repair(first=8)
 
 
 def test_serve_passes_vllm_flags_after_the_double_dash(tmp_path, monkeypatch):

@@ -17,20 +17,21 @@ from kvnotes.serving.protocol import (
     LoadedRange,
     Outcome,
     PlanEntry,
-    PlanReport,
     ProtocolError,
-    RepairPolicy,
     SpliceReport,
     SpliceRequest,
     UsageKvnotes,
+    WirePlan,
+    repair_from_dict,
+    repair_to_dict,
 )
 
 REQUEST = SpliceRequest((SpliceRange(0, 0, 16), SpliceRange(16, 48, 90)), ("h", "k"))
 REPORT = SpliceReport(100, 48, (LoadedRange(16, 48, 90, "k"),), ((64, 90),))
-PLAN = PlanReport(100, 16, RepairPolicy(32, 16, 0.1, True), "kvnotes-splice+f32a16s0.1",
-                  REQUEST.ranges, ((16, 48),), (48,), ("header", "refunds"),
-                  (PlanEntry("header", "h", 0, 16, 0), PlanEntry("refunds", "k", 16, 90, 32)),
-                  ("header",))
+PLAN = WirePlan(100, 16, Repair(first=32, align=16, share=0.1), "kvnotes-splice+f32a16s0.1",
+                REQUEST.ranges, ((16, 48),), (48,), ("header", "refunds"),
+                (PlanEntry("header", "h", 0, 16, 0), PlanEntry("refunds", "k", 16, 90, 32)),
+                ("header",))
 USAGE = UsageKvnotes(58, 1, False, PLAN, None, (None,), REPORT)
 
 
@@ -44,7 +45,7 @@ def test_every_message_round_trips_through_json():
     tenanted = SpliceRequest(REQUEST.ranges, tenant="acme", tag="f32a16s0.1")
     assert SpliceRequest.from_params(wire(tenanted.to_params())) == tenanted
     assert SpliceReport.from_params(wire(REPORT.to_params())) == REPORT
-    assert PlanReport.from_dict(wire(PLAN.to_dict())) == PLAN
+    assert WirePlan.from_dict(wire(PLAN.to_dict())) == PLAN
     assert UsageKvnotes.from_dict(wire(USAGE.to_dict())) == USAGE
     assert UsageKvnotes.from_dict(wire(UsageKvnotes(exact="no_skill").to_dict())).exact == \
         "no_skill"
@@ -84,12 +85,17 @@ def test_the_usage_reports_are_whole_or_none():
     assert whole.reports == (REPORT, REPORT)
 
 
-def test_the_repair_policy_is_fields_not_a_tag():
-    policy = RepairPolicy.of(Repair(first=32, align=16, share=0.1))
-    assert policy.to_dict() == {"first": 32, "align": 16, "share": 0.1, "skip_exact": True}
-    assert policy.repair() == Repair(first=32, align=16, share=0.1)
+def test_the_plan_carries_the_repair_itself_as_fields_not_a_tag():
+    repair = Repair(first=32, align=16, share=0.1)
+    assert PLAN.repair == repair
+    assert PLAN.to_dict()["repair"] == repair_to_dict(repair) == {
+        "first": 32, "align": 16, "share": 0.1, "skip_exact": True}
+    assert repair_from_dict(wire(repair_to_dict(repair))) == repair
+    assert repair_to_dict(Repair(first=0, align=16, share=0))["share"] == 0.0  # a number
     with pytest.raises(ProtocolError, match=r"repair f8a1b4first: a budget or the adaptive"):
-        RepairPolicy.of(Repair(first=8, budget=4))
+        repair_to_dict(Repair(first=8, budget=4))
+    with pytest.raises(ValidationError, match=r"a budget or the adaptive rule"):
+        WirePlan(10, 16, Repair(first=8, adapt=0.2), "s", ())
 
 
 @pytest.mark.parametrize("params, message", [
@@ -160,23 +166,23 @@ def test_a_usage_this_version_cannot_read_is_refused(change, message):
      "kvnotes splice report: prompt_tokens: input should be a valid integer, got True"),
     (PlanEntry.from_dict, {"name": "h", "key": "h", "start": 0, "end": False, "repaired": 0},
      "kvnotes plan entry: end: input should be a valid integer, got False"),
-    (RepairPolicy.from_dict, {"first": 0, "align": 16, "share": True},
-     "kvnotes repair policy: share: input should be a valid number, got True"),
+    (repair_from_dict, {"first": 0, "align": 16, "share": True},
+     "kvnotes repair: share: input should be a valid number, got True"),
     # nor is a float or a numeric string
-    (RepairPolicy.from_dict, {"first": 8.0, "align": 16},
-     "kvnotes repair policy: first: input should be a valid integer, got 8.0"),
+    (repair_from_dict, {"first": 8.0, "align": 16},
+     "kvnotes repair: first: input should be a valid integer, got 8.0"),
     (UsageKvnotes.from_dict, {"v": 1, "phases": "2"},
      "usage.kvnotes: phases: input should be a valid integer, got '2'"),
     # counts are not negative, a block size and an alignment are at least 1
     (PlanEntry.from_dict, {"name": "h", "key": "h", "start": -1, "end": 4, "repaired": 0},
      "kvnotes plan entry: start: input should be greater than or equal to 0, got -1"),
-    (RepairPolicy.from_dict, {"first": 0, "align": 0},
-     "kvnotes repair policy: align: input should be greater than or equal to 1, got 0"),
-    (RepairPolicy.from_dict, {"first": 0, "align": 1, "share": -0.5},
-     "kvnotes repair policy: share: input should be greater than or equal to 0, got -0.5"),
+    (repair_from_dict, {"first": 0, "align": 0},
+     "kvnotes repair: align: input should be greater than or equal to 1, got 0"),
+    (repair_from_dict, {"first": 0, "align": 1, "share": -0.5},
+     "kvnotes repair: share: input should be greater than or equal to 0, got -0.5"),
     # unknown and missing fields, nested ones named by their path
-    (RepairPolicy.from_dict, {"first": 0, "align": 1, "budget": 4},
-     "kvnotes repair policy: unknown field 'budget' (fields: first, align, share, skip_exact)"),
+    (repair_from_dict, {"first": 0, "align": 1, "budget": 4},
+     "kvnotes repair: unknown field 'budget' (fields: first, align, share, skip_exact)"),
     (UsageKvnotes.from_dict, {"v": 1, "phase_reports": [None, {"v": 1, "prompt_tokens": 3,
                                                               "hit": 0}]},
      "usage.kvnotes: phase_reports[1]: unknown field 'hit' (fields: v, prompt_tokens, "
@@ -204,8 +210,8 @@ def test_a_message_is_checked_when_built():
     with pytest.raises(ValidationError, match="valid boolean"):
         UsageKvnotes(guard_fired=1)  # type: ignore[arg-type]
     with pytest.raises(ValidationError, match="start <= end"):
-        PlanReport(10, 16, RepairPolicy(0, 16), "s", (), ((8, 4),))
-    assert RepairPolicy(0, 16, 1).share == 1.0  # an integer share is a number
+        WirePlan(10, 16, Repair(first=0, align=16), "s", (), ((8, 4),))
+    assert repair_from_dict({"first": 0, "align": 16, "share": 1}).share == 1.0  # a number
 
 
 def test_messages_are_frozen():

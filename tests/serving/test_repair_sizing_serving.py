@@ -67,12 +67,21 @@ def test_server_repair_refuses_the_adaptive_rule():
 def test_front_default_and_request_override():
     config = FrontConfig()
     assert config.repair_for(None) == SERVER_REPAIR
-    assert (config.repair, config.repair_share) == (SERVER_REPAIR.first, SERVER_REPAIR.share)
+    assert config.repair == SERVER_REPAIR
     # a request's kvnotes.repair=K means its first K tokens, no share (one meaning of an int)
     assert config.repair_for(16) == Repair(first=16)
-    assert FrontConfig(repair=8, repair_share=0.2).repair_for(None) == Repair(first=8, share=0.2)
+    assert FrontConfig(repair=Repair(first=8, share=0.2)).repair_for(None) == Repair(first=8,
+                                                                                     share=0.2)
+    # the one spelling reads the same in a config: K, K@F
+    assert FrontConfig(repair="8@0.2").repair == Repair(first=8, share=0.2)
+    assert FrontConfig(repair=16).repair == Repair(first=16)
     with pytest.raises(InvalidArgumentError, match="share"):
-        FrontConfig(repair_share=1.5)
+        FrontConfig(repair="32@1.5")
+    # what only the engine runs is refused when the front is configured, not per request
+    with pytest.raises(InvalidArgumentError, match="engine only"):
+        FrontConfig(repair="32~0.2")
+    with pytest.raises(InvalidArgumentError, match="engine only"):
+        FrontConfig(repair=Repair(first=0, budget=8))
 
 
 def test_serve_reads_the_repair_spelling(tmp_path, monkeypatch):
@@ -89,7 +98,7 @@ def test_serve_reads_the_repair_spelling(tmp_path, monkeypatch):
         flags = [] if spelled is None else ["--repair", spelled]
         CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"), *flags])
         front = seen.pop().front
-        assert front is not None and (front.repair, front.repair_share) == (first, share)
+        assert front is not None and front.repair == Repair(first=first, share=share)
     result = CliRunner().invoke(app, ["serve", "--skills", str(tmp_path / "s"),
                                       "--repair", "32~0.2"])
     assert result.exit_code != 0 and not seen

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE
+from kvnotes.serving.front.config import DEFAULT_COMPILE_NICE, front_repair
 from kvnotes_bench.kit.machine import MachineRecord, load_now
 from kvnotes_bench.serving.agent_traffic_overhead import Timing
 from kvnotes_bench.serving.agent_traffic_protocol import (
@@ -127,22 +127,6 @@ class AgentBenchConfig:
         return cls(**kw)
 
 
-def front_repair(spec: str) -> tuple[int, float]:
-    """``(repair, repair_share)`` of the front for a ``--repair`` spelling (``K`` or ``K@F``).
-
-    Example:
-        >>> front_repair("16@0.05"), front_repair("8")
-        ((16, 0.05), (8, 0.0))
-    """
-    from kvnotes.core.repair import parse_repair
-
-    plan = parse_repair(spec)
-    if plan.adapt is not None:
-        raise InvalidArgumentError(f"--repair {spec}: a server plans its phases before the "
-                                   "request runs; give K or K@F, e.g. 32@0.1")
-    return plan.first, plan.share
-
-
 def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None = None,
                     after: int = 2, learn: bool = True, timeout: float = 600.0,
                     repair: str | None = None,
@@ -161,8 +145,7 @@ def learning_launch(base: LaunchConfig, skills: Path, *, cap_bytes: int | None =
 
     front = FrontConfig(timeout=timeout, guard=guard)
     if repair is not None:
-        first, share = front_repair(repair)
-        front = dataclasses.replace(front, repair=first, repair_share=share)
+        front = dataclasses.replace(front, repair=front_repair(repair))
     if learn:
         front = dataclasses.replace(front, learn=LearnConfig(after=after, library_cap=cap_bytes,
                                                               compile_nice=compile_nice))

@@ -1,7 +1,7 @@
 """Where a measured request's prompt tokens went: spliced, repaired, aligned, or computed.
 
 The front reports its phase plan in ``usage.kvnotes.plan`` (a
-:class:`~kvnotes.serving.protocol.PlanReport`: the ranges the connector supplied, the repair
+:class:`~kvnotes.serving.protocol.WirePlan`: the ranges the connector supplied, the repair
 policy's fields, the regions recomputed); the benchmark lays the
 same chat out as the front does (:func:`~kvnotes.serving.planning.chat_render.render_chat_parts`
 then :func:`~kvnotes.serving.planning.chat_render.lay_out_chat`: the chunks' token spans). Put
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvnotes.core.repair import first_tokens
-from kvnotes.serving.protocol import PlanReport, ProtocolError
+from kvnotes.serving.protocol import ProtocolError, WirePlan, repair_to_dict
 from kvnotes_bench.serving.agent_traffic_client import Answer
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
@@ -84,7 +84,7 @@ def chunk_spans(request: AgentRequest, tokenizer: Any) -> tuple[int, list[tuple[
     return pos, spans
 
 
-def breakdown(plan: PlanReport | None, prompt_len: int,
+def breakdown(plan: WirePlan | None, prompt_len: int,
               spans: Sequence[tuple[int, int]], prompt_tokens: int | None = None
               ) -> ShareBreakdown:
     """The buckets of one answer: ``plan`` is its ``usage.kvnotes.plan`` (None: nothing
@@ -93,9 +93,9 @@ def breakdown(plan: PlanReport | None, prompt_len: int,
 
     Example:
         >>> from kvnotes.serving.library.splice import SpliceRange
-        >>> from kvnotes.serving.protocol import RepairPolicy
-        >>> plan = PlanReport(120, 64, RepairPolicy(32, 64), "s", (SpliceRange(0, 0, 1),
-        ...                   SpliceRange(10, 64, 100)), (), ())
+        >>> from kvnotes.core.repair import Repair
+        >>> plan = WirePlan(120, 64, Repair(first=32, align=64), "s", (SpliceRange(0, 0, 1),
+        ...                 SpliceRange(10, 64, 100)), (), ())
         >>> b = breakdown(plan, 120, [(10, 100), (101, 110)], 120)
         >>> b.spliced, b.repaired, b.aligned, b.unmatched, b.text, b.text_head
         (37, 32, 22, 9, 20, 9)
@@ -131,7 +131,7 @@ def breakdown(plan: PlanReport | None, prompt_len: int,
         text_head=spans[0][0] - sum(min(e, spans[0][0]) - s for _, s, e in ranges
                                     if s < spans[0][0]) if spans else text,
         chunks=len(spans), matched=matched, spliced_chunks=spliced_chunks,
-        chunk_tokens=chunk_tokens, repair=None if plan is None else plan.repair.to_dict(),
+        chunk_tokens=chunk_tokens, repair=None if plan is None else repair_to_dict(plan.repair),
         layout_ok=prompt_tokens is None or prompt_tokens == prompt_len)
 
 

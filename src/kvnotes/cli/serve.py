@@ -30,14 +30,13 @@ from kvnotes.serving.config_file import (
     ServeConfig,
     field_info,
     load_serve_config,
-    server_repair_spelled,
 )
 
 if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import Launch
 
 __all__ = ["MOVED", "ServeConfig", "ServeOptions", "log_requests_to_stderr", "run_serve",
-           "serve", "server_repair_spelled"]
+           "serve"]
 
 # The options ``kvnotes serve`` took before ``--config``, and the key of the file that sets each
 # now (docs/guide/serving.md has the same table).

@@ -292,10 +292,12 @@ class Repair:
         return self.first == 0 and self.share == 0 and not self.budget
 
     def tag(self) -> str:
-        """A short name of this repair for cache namespaces: ``f<first>a<align>`` (plus
-        ``e`` when exact placements are repaired too, ``s<share>`` with a share floor,
-        ``t<adapt>k<adapt_step>c<adapt_cap>`` with the adaptive rule, ``b<budget><select>``
-        with a budget)."""
+        """This repair's name in a cache namespace (a splice salt, a result's record):
+        ``f<first>a<align>`` (plus ``e`` when exact placements are repaired too, ``s<share>``
+        with a share floor, ``t<adapt>k<adapt_step>c<adapt_cap>`` with the adaptive rule,
+        ``b<budget><select>`` with a budget). Not a spelling to write: it names every field
+        (blocks of one alignment never serve another) in a salt's characters, and nothing
+        parses it; a person spells a repair :func:`parse_repair`'s way."""
         tag = f"f{self.first}a{self.align}" + ("" if self.skip_exact else "e")
         if self.share:
             tag += f"s{self.share:g}"
@@ -366,9 +368,10 @@ _SPELLING = re.compile(r"^([0-9]+)(?:@([0-9]*\.?[0-9]+))?(?:~([0-9]*\.?[0-9]+))?
 
 
 def parse_repair(spec: str | int) -> Repair:
-    """A repair from its spelling on a command line (``kvnotes serve --repair``): ``K`` each
-    skill's first ``K`` tokens; ``K@F`` with the share floor (the first ``max(K, ceil(F *
-    len))``); ``K~T`` with the adaptive rule at threshold ``T`` (engine only); ``K@F~T`` both.
+    """A repair from its one text spelling (``kvnotes serve --repair``, the config file's
+    ``repair``, the front's settings): ``K`` each skill's first ``K`` tokens; ``K@F`` with the
+    share floor (the first ``max(K, ceil(F * len))``); ``K~T`` with the adaptive rule at
+    threshold ``T`` (engine only); ``K@F~T`` both. :func:`repair_spelling` writes it.
 
     Example:
         >>> parse_repair("32") == Repair(first=32), parse_repair("32@0.1").tag()

@@ -41,7 +41,7 @@ from kvnotes.serving.planning.phases import (
     part_spans,
     plan_phases,
 )
-from kvnotes.serving.protocol import PlanReport, SpliceRequest, UsageKvnotes
+from kvnotes.serving.protocol import SpliceRequest, UsageKvnotes, WirePlan
 from kvnotes.serving.vllm_endpoints import check_loopback_url
 
 # body keys the openai client does not know: sent through extra_body
@@ -70,7 +70,7 @@ class ComposeResult:
     spliced_tokens: int | None = None
     margin: float | None = None
     guard_fired: bool | None = None
-    plan: PlanReport | None = None
+    plan: WirePlan | None = None
     # the answer of kvnotes' OpenAI front: its ``usage.kvnotes`` (None: not sent by a front,
     # or forwarded there exactly)
     usage_kvnotes: UsageKvnotes | None = None
@@ -204,7 +204,7 @@ class ComposeClient:
         res.phases, res.phase_errors, res.phase_cached_tokens = len(cached), errors, cached
         res.spliced_tokens = 0 if fired else plan.spliced_tokens
         res.guard_fired = None if guard is None else fired
-        res.plan = plan.report()
+        res.plan = plan.wire()
         return res
 
     def send(self, body: CompletionBody | UpstreamBody, *, t0: float | None = None,

@@ -44,8 +44,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnsafePathError
-from kvnotes.core.repair import Repair, parse_repair
-from kvnotes.serving.front.config import FrontConfig, LearnConfig
+from kvnotes.serving.front.config import FrontConfig, LearnConfig, front_repair
 from kvnotes.serving.launch.launcher import DTYPES, LaunchConfig
 from kvnotes.serving.launch.process import check_kv_cache_gib
 
@@ -73,9 +72,9 @@ LIMITS = ("timeout", "request_timeout", "connect_timeout", "discover_timeout", "
 AUTH = ("api_key", "key_file", "metrics_key", "tenant", "upstream_api_key")
 STORE = {"url": "store", "password_file": "store_password_file", "mirror_bytes": "mirror_bytes"}
 # FrontConfig's fields the file does not set: the launcher fills them in (the server it
-# starts), or a top-level setting spells them (repair "K@F" is repair and repair_share)
-FRONT_FILLED = ("upstream", "block_size", "model", "port", "host", "repair", "repair_share",
-                "guard", "learn", "store", "store_password_file", "mirror_bytes")
+# starts), or a top-level setting spells them (repair "K@F", guard)
+FRONT_FILLED = ("upstream", "block_size", "model", "port", "host", "repair", "guard", "learn",
+                "store", "store_password_file", "mirror_bytes")
 
 
 class _Section(BaseModel):
@@ -224,7 +223,7 @@ class ServeConfig(BaseModel):
         check_vllm_args(list(self.vllm_args))
         parse_guard(self.guard)
         if self.repair is not None:
-            server_repair_spelled(self.repair)
+            front_repair(self.repair)
         return self
 
     def _check_skills(self) -> None:
@@ -283,8 +282,7 @@ class ServeConfig(BaseModel):
                             learn=self.learn_config(), **self.limits.model_dump(),
                             **self.auth.model_dump(), **store)
         if self.repair is not None:  # else the front's own default repair
-            plan = server_repair_spelled(self.repair)
-            front = replace(front, repair=plan.first, repair_share=plan.share)
+            front = replace(front, repair=front_repair(self.repair))
         front.keys  # noqa: B018 -- a bad key file fails before the model loads
         return front
 
@@ -296,20 +294,6 @@ class ServeConfig(BaseModel):
             port=self.port if self.no_front else None, skills=self.skills, log_path=self.log,
             startup_timeout=self.startup_timeout, vllm_python=self.vllm_python, front=front,
             extra_args=self.vllm_args)
-
-
-
-
-def server_repair_spelled(spec: str) -> Repair:
-    """``--repair``'s spelling as the front's repair: ``K`` or ``K@F``; the adaptive rule
-    (``~T``) is refused, a server plans its phases before the request runs."""
-    plan = parse_repair(spec)
-    if plan.adapt is not None:
-        raise InvalidArgumentError(
-            f"--repair {spec}: the adaptive rule (~T) runs in the engine only (it sizes each "
-            "region from the notes it recomputed, which the server's phases never read back); "
-            "give K or K@F, e.g. --repair 32@0.1")
-    return plan
 
 
 # ---- reading the file and the command line -----------------------------------------------------

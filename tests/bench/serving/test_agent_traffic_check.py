@@ -73,7 +73,7 @@ def served(published, fp: FrontPlan, fail_block: int | None = None) -> UsageKvno
         report = planner.finished(rid)
         assert report is not None
         reports.append(report)
-    return UsageKvnotes(fp.plan.spliced_tokens, len(bodies) - 1, False, fp.report(), None,
+    return UsageKvnotes(fp.plan.spliced_tokens, len(bodies) - 1, False, fp.wire(), None,
                         tuple(reports[:-1]), reports[-1])
 
 

@@ -10,7 +10,7 @@ from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.repair import Repair
 from kvnotes.serving.compose_client import ComposeClient, ComposeResult
 from kvnotes.serving.planning.layout import prompt_ids
-from kvnotes.serving.protocol import PlanReport, RepairPolicy, UsageKvnotes
+from kvnotes.serving.protocol import UsageKvnotes, WirePlan
 from kvnotes_bench.kit.machine import MachineRecord
 from kvnotes_bench.serving.kit import PhaseSummary
 from kvnotes_bench.serving.prompt_sets import (
@@ -319,7 +319,7 @@ def test_fidelity_reads_decisions_and_right_tools(tokenizer):
 
 def test_front_clients_send_text_with_the_policy_options(tokenizer):
     sent = []
-    plan = PlanReport(10, 16, RepairPolicy(32, 16), "salt", (), (), (), ("a",))
+    plan = WirePlan(10, 16, Repair(first=32, align=16), "salt", (), (), (), ("a",))
 
     class Front:
         model = "m"

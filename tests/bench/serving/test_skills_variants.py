@@ -15,7 +15,7 @@ from kvnotes.serving.compose_client import ComposeResult
 from kvnotes.serving.planning.front_plan import plan_request
 from kvnotes.serving.planning.match import SkillCatalog
 from kvnotes.serving.planning.request import read_request
-from kvnotes.serving.protocol import PlanEntry, PlanReport, RepairPolicy, UsageKvnotes
+from kvnotes.serving.protocol import PlanEntry, UsageKvnotes, WirePlan
 from kvnotes.serving.skills import ServingSkills
 from kvnotes_bench.kit.machine import MachineRecord
 from kvnotes_bench.serving.engine_check import engine_answers
@@ -93,14 +93,14 @@ def test_declared_variants_are_the_tenants_and_the_front_splices_them_exactly(pu
     req = read_request("completion", {"model": "m", "prompt": "".join(PROMPTS[0])}, tokenizer)
     mine = plan_request(req, catalog, Repair(first=8), 1, VARIANTS_TENANT)
     shared = plan_request(req, catalog, Repair(first=8), 1, "repaired")
-    got = {e["name"]: e for e in mine.report().to_dict()["entries"]}
+    got = {e["name"]: e for e in mine.wire().to_dict()["entries"]}
     # the second skill: the variant behind the header and its predecessor, exactly placed
     assert got["baggage"]["key"] == declared.keys[0] and got["baggage"]["repaired"] == 0
     # the third: the variant behind its predecessor alone, not the whole prefix: repaired
     assert got["meals"]["key"] == declared.keys[1] and got["meals"]["repaired"] == 8
     assert got["refunds"]["repaired"] == 0  # right behind the header it was compiled behind
     # another tenant never sees the declared variants: the header-anchored ones, repaired
-    theirs = {e["name"]: e for e in shared.report().to_dict()["entries"]}
+    theirs = {e["name"]: e for e in shared.wire().to_dict()["entries"]}
     assert not {e["key"] for e in theirs.values()} & set(declared.keys)
     assert theirs["baggage"]["repaired"] == 8
     assert mine.plan.repaired_tokens < shared.plan.repaired_tokens
@@ -147,8 +147,8 @@ def test_config_clients_and_prompts_of_the_variants_policy():
 
 def _case(key: str, repaired: int) -> ComposeResult:
     entries = (PlanEntry("h", "hdr", 0, 5, 0), PlanEntry("s", key, 5, 20, repaired))
-    plan = PlanReport(40, 16, RepairPolicy(0, 16), "salt", (), ((5, 5 + repaired),) if repaired
-                      else (), (), ("h", "s"), entries)
+    plan = WirePlan(40, 16, Repair(first=0, align=16), "salt", (),
+                    ((5, 5 + repaired),) if repaired else (), (), ("h", "s"), entries)
     return ComposeResult(ok=True, text="x", tokens=["x"], prompt_tokens=40, spliced_tokens=30,
                          usage_kvnotes=UsageKvnotes(phases=1, plan=plan), plan=plan)
 

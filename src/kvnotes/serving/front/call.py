@@ -11,7 +11,7 @@ from typing import Any
 
 from kvnotes.serving.front.errors import ApiError, error_body
 from kvnotes.serving.json_types import JsonObject
-from kvnotes.serving.protocol import Outcome, PlanReport
+from kvnotes.serving.protocol import Outcome, WirePlan
 
 JSON = "application/json"
 
@@ -60,7 +60,7 @@ class Call:
     outcome: Outcome | None = None  # None: not decided yet (counted as internal_error)
     reason: str | None = None
     status: int = 0
-    plan: PlanReport | None = None  # the plan it was spliced with (None: not spliced)
+    plan: WirePlan | None = None  # the plan it was spliced with (None: not spliced)
     first_upstream: float | None = None
     finished: bool = False
     leased: tuple[str, ...] = ()  # learned entries held against eviction while it runs

@@ -21,11 +21,19 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+)
 from pydantic.dataclasses import dataclass
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
-from kvnotes.core.repair import DEFAULT_FIRST, DEFAULT_SHARE, Repair
+from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
 from kvnotes.core.sizes import parse_size
 from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
@@ -98,6 +106,28 @@ def _tenant(value: str | None) -> str | None:
 
 def _tau(value: float | None) -> float | None:
     return None if value is None else check_tau(value)
+
+
+def front_repair(value: object) -> Repair:
+    """The repair a server runs, from a :class:`Repair` or its spelling (``K``, ``K@F``:
+    :func:`~kvnotes.core.repair.parse_repair`). A shared budget or the adaptive rule (``~T``)
+    is refused: both need the engine, and a server plans its phases before the request runs.
+
+    Example:
+        >>> front_repair("32@0.1") == Repair(first=32, share=0.1), front_repair(8).first
+        (True, 8)
+    """
+    repair = value if isinstance(value, Repair) else parse_repair(value)  # type: ignore[arg-type]
+    if repair.adapt is not None:
+        raise InvalidArgumentError(
+            f"repair {repair_spelling(repair)}: the adaptive rule (~T) runs in the engine only "
+            "(it sizes each region from the notes it recomputed, which the server's phases "
+            "never read back); give K or K@F, e.g. 32@0.1")
+    if repair.budget:
+        raise InvalidArgumentError(
+            f"Repair(budget={repair.budget!r}): a shared budget runs in the engine only; a "
+            "server repairs each skill's first tokens: give K or K@F, e.g. 32@0.1")
+    return repair
 
 
 def _loopback(value: str | None) -> str | None:
@@ -218,12 +248,10 @@ class FrontConfig:
     host: Annotated[str, Field(description=(
         "The address the front listens on (0.0.0.0: every interface; set a key then)"))] = (
         "127.0.0.1")
-    repair: Annotated[int, Field(strict=True, description=(
-        "The first tokens of each spliced skill recomputed in context (0: a bare splice)"))] = (
-        DEFAULT_FIRST)
-    repair_share: Annotated[float, Field(description=(
-        "The share floor: each skill's first max(repair, ceil(share * len)) tokens are "
-        "recomputed, rounded up to the block (0: the fixed count)"))] = DEFAULT_SHARE
+    repair: Annotated[Repair, PlainValidator(front_repair), Field(description=(
+        "What each spliced skill recomputes in context: a Repair or its spelling, K its first "
+        "K tokens (0: a bare splice), K@F at least the share F of it (e.g. 32@0.1), rounded "
+        "up to the block"))] = SERVER_REPAIR
     guard: Annotated[float | None, AfterValidator(_tau), Field(description=(
         "Tau: the first token's top-2 log-prob margin under which the exact answer is sent "
         "instead (0: never; None: the served model's calibrated tau)"))] = None
@@ -322,7 +350,6 @@ class FrontConfig:
     def __post_init__(self) -> None:
         """The checks that read two fields (each field's own are its constraints)."""
         self._check_store()
-        self.repair_for(None)  # checks the count and the share
 
     def _check_store(self) -> None:
         """A password file needs a store, and a store is a Redis URL: a malformed URL, or a
@@ -339,12 +366,10 @@ class FrontConfig:
                                            "URL (the host's own folder is its skills folder)")
 
     def repair_for(self, first: int | None) -> Repair:
-        """The repair a request gets: ``Repair(first=repair, share=repair_share)``, or, when the
-        request names its first tokens (``kvnotes.repair``), exactly those (``Repair(first=K)``,
-        the meaning of an int repair everywhere)."""
-        if first is None:
-            return Repair(first=self.repair, share=self.repair_share)
-        return Repair(first=first)
+        """The repair a request gets: ``repair``, or, when the request names its first tokens
+        (``kvnotes.repair``), exactly those (``Repair(first=K)``, the meaning of an int repair
+        everywhere)."""
+        return self.repair if first is None else Repair(first=first)
 
     def guard_tau(self, served: str | None = None) -> float:
         """The guard's tau: ``guard`` when set, else the calibrated one of ``model`` (or of

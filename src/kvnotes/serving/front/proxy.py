@@ -89,7 +89,7 @@ class Proxy:
     async def spliced(self, req: FrontRequest, fp: FrontPlan, model: str, tau: float, call: Call,
                       exact: RequestBody, salt: str | None) -> Reply:
         info = UsageBuilder(spliced_tokens=fp.plan.spliced_tokens,
-                            plan=fp.report() if call.plan is None else call.plan)
+                            plan=fp.wire() if call.plan is None else call.plan)
         call.upstream_started()
         for body in fp.plan.phase_bodies(fp.ids, model):
             status, data = await self.up.post_json(COMPLETIONS, body)

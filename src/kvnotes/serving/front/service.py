@@ -335,7 +335,7 @@ class FrontService:
                                              exact=exact_keys)
         elif self.store is not None:  # the fleet's LRU (a fleet learner counts its own leases)
             self.store.mirror.used(used)
-        call.plan = fp.report()
+        call.plan = fp.wire()
         return await self.proxy.spliced(req, fp, model, tau, call, exact, salt)
 
     async def guard_of(self, opts: FrontOptions) -> float:

@@ -35,7 +35,7 @@ from kvnotes.serving.planning.part_tokens import PartTokenCache
 from kvnotes.serving.planning.phases import PartSpan, PhasePlan, completion_body, plan_phases, sent_spans
 from kvnotes.serving.planning.request import FrontRequest, Unplannable
 from kvnotes.serving.planning.spans import sweep
-from kvnotes.serving.protocol import PlanEntry, PlanReport
+from kvnotes.serving.protocol import PlanEntry, WirePlan
 
 
 def split_pieces(ids: Sequence[int], index: PieceIndex) -> list[SentPart]:
@@ -97,9 +97,9 @@ class FrontPlan:
             pos += len(part.token_ids)
         return out
 
-    def report(self) -> PlanReport:
+    def wire(self) -> WirePlan:
         """The plan as the client is told it (``usage.kvnotes.plan``)."""
-        return self.plan.report(self.skills, self.entries(), self.exactly_placed)
+        return self.plan.wire(self.skills, self.entries(), self.exactly_placed)
 
 
 __all__ = ["CatalogView", "FrontPlan", "catalog_view", "chat_parts", "exact_body",

@@ -34,11 +34,11 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair, prefix_digest
 from kvnotes.core.repair_plan import Part as LayoutPart
 from kvnotes.core.repair_plan import Piece, Text, plan_repair
-from kvnotes.serving.json_types import JsonObject, UpstreamBody
+from kvnotes.serving.json_types import UpstreamBody
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.library.splice import PieceIndex, SpliceRange
 from kvnotes.serving.planning.layout import SentPart
-from kvnotes.serving.protocol import PlanEntry, PlanReport, RepairPolicy, SpliceRequest
+from kvnotes.serving.protocol import PlanEntry, SpliceRequest, WirePlan
 
 # How many top log-probs the guarded real request asks for (the first token's margin).
 GUARD_LOGPROBS = 2
@@ -231,15 +231,13 @@ class PhasePlan:
         body["kv_transfer_params"] = self.splice_request().to_params()
         return body
 
-    def report(self, skills: Sequence[str] = (), entries: Sequence[PlanEntry] = (),
-               exactly_placed: Sequence[str] = ()) -> PlanReport:
-        """The plan as the client is told it (``usage.kvnotes.plan``), the repair as fields."""
-        return PlanReport(self.prompt_len, self.block_size, RepairPolicy.of(self.repair),
-                          self.salt, self.ranges, self.regions, self.phase_ends, tuple(skills),
-                          tuple(entries), tuple(exactly_placed))
-
-    def to_dict(self) -> JsonObject:
-        return self.report().to_dict()
+    def wire(self, skills: Sequence[str] = (), entries: Sequence[PlanEntry] = (),
+             exactly_placed: Sequence[str] = ()) -> WirePlan:
+        """The plan as the client is told it (``usage.kvnotes.plan``): the one place a
+        :class:`~kvnotes.serving.protocol.WirePlan` is made, with what the front matched."""
+        return WirePlan(self.prompt_len, self.block_size, self.repair, self.salt, self.ranges,
+                        self.regions, self.phase_ends, tuple(skills), tuple(entries),
+                        tuple(exactly_placed))
 
     def _ids(self, ids: Sequence[int]) -> list[int]:
         if len(ids) != self.prompt_len:
