@@ -13,11 +13,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pydantic import SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic.dataclasses import dataclass as record
+
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.compose import Part
 from kvnotes.core.engine import Engine
 from kvnotes.core.machine import load_note, machine_info
 from kvnotes.core.notebook import Notebook
+from kvnotes.core.records import Json, JsonRecord
 from kvnotes.core.repair import DEFAULT_REPAIR, Repair, as_repair
 from kvnotes.eval.fidelity import FidelityReport, fidelity
 from kvnotes.eval.reports import write_bundle
@@ -65,45 +69,46 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class CompiledSkill:
     """One skill of the demo as compiled: its length and the median compile time."""
 
     tokens: int
     compile_s: float
-    anchor: str | None  # how it was compiled (e.g. behind the system header)
-    after_tokens: int  # tokens of the text it was compiled behind (its notes dropped)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "compile_s": self.compile_s, "anchor": self.anchor,
-                "after_tokens": self.after_tokens}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CompiledSkill:
-        return cls(d["tokens"], d["compile_s"], d.get("anchor"), d.get("after_tokens", 0))
+    anchor: str | None = None  # how it was compiled (e.g. behind the system header)
+    after_tokens: int = 0  # tokens of the text it was compiled behind (its notes dropped)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ComposeCase:
     """One context composed from the skills, against full recompute.
 
-    ``fidelity``'s TTFT fields hold the medians of warm runs, not its own single timing.
+    ``fidelity``'s TTFT fields hold the medians of warm runs, not its own single timing. In the
+    JSON its fields (and ``speedup``) sit beside ``case`` and ``skills``.
     """
 
     case: str
     skills: tuple[str, ...]
     fidelity: FidelityReport
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"case": self.case, "skills": list(self.skills), **self.fidelity.to_dict()}
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ComposeCase:
-        report = FidelityReport(**{f.name: d[f.name] for f in fields(FidelityReport)})
-        return cls(d["case"], tuple(d["skills"]), report)
+    def _nest(cls, data: object) -> object:
+        if isinstance(data, dict) and "fidelity" not in data:
+            names = {f.name for f in fields(FidelityReport)}
+            return {"case": data["case"], "skills": data["skills"],
+                    "fidelity": {k: v for k, v in data.items() if k in names}}
+        return data
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: SerializerFunctionWrapHandler) -> Json:
+        out: Json = handler(self)
+        report = out.pop("fidelity")
+        assert isinstance(report, dict)
+        return {**out, **report, "speedup": self.fidelity.speedup}
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class DemoTiming:
     """How the demo's times were taken, and the machine's load around them."""
 
@@ -114,40 +119,27 @@ class DemoTiming:
     machine_after: dict[str, Any]
     busy: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DemoTiming:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
-
-
-@dataclass(frozen=True, slots=True)
-class ComposeDemoResult:
-    """The compose demo on one model: the compiled skills and every composed context."""
+@record(frozen=True, slots=True)
+class ComposeDemoResult(JsonRecord):
+    """The compose demo on one model: the compiled skills and every composed context
+    (``to_dict``/``from_dict``: the demo's ``results.json`` or a repro stage)."""
 
     model: str
     skills: dict[str, CompiledSkill]
     repair: str  # the compose repair's Repair.tag()
     cases: tuple[ComposeCase, ...]
     max_new_tokens: int
-    timing: DemoTiming | None
+    timing: DemoTiming | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "skills": {n: s.to_dict() for n, s in self.skills.items()},
-                "repair": self.repair, "cases": [c.to_dict() for c in self.cases],
-                "max_new_tokens": self.max_new_tokens,
-                "timing": self.timing.to_dict() if self.timing else None}
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ComposeDemoResult:
-        """Read back :meth:`to_dict` (the demo's ``results.json`` or a repro stage)."""
-        repair = d.get("repair", 0)  # older results: a number, a shared budget (0: bare splice)
-        return cls(d["model"], {n: CompiledSkill.from_dict(s) for n, s in d["skills"].items()},
-                   repair if isinstance(repair, str) else Repair(first=0, budget=repair).tag(),
-                   tuple(ComposeCase.from_dict(c) for c in d["cases"]),
-                   d["max_new_tokens"],
-                   DemoTiming.from_dict(d["timing"]) if d.get("timing") else None)
+    def _older_results(cls, data: object) -> object:
+        """Older results hold the repair as a number: a shared budget (0 or none: bare
+        splice)."""
+        if isinstance(data, dict) and not isinstance(data.get("repair", 0), str):
+            return {**data, "repair": Repair(first=0, budget=data.get("repair", 0)).tag()}
+        return data
 
 
 def run_compose_demo(engine: Engine, *, max_new_tokens: int = 24, repeats: int = 3,

@@ -14,14 +14,20 @@ from pydantic import JsonValue, TypeAdapter
 Json = dict[str, JsonValue]
 
 
-_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+_ADAPTERS: dict[object, TypeAdapter[Any]] = {}
 
 
-def adapter(cls: type) -> TypeAdapter[Any]:
+def adapter(cls: Any) -> TypeAdapter[Any]:
     """One cached adapter per type (building one compiles its schema)."""
     if cls not in _ADAPTERS:
         _ADAPTERS[cls] = TypeAdapter(cls)
     return _ADAPTERS[cls]
+
+
+def checked(data: object) -> JsonValue:
+    """``data`` checked to be JSON (a value written by a type that is not a record)."""
+    out: JsonValue = adapter(JsonValue).validate_python(data)
+    return out
 
 
 class JsonRecord:

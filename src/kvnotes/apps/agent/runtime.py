@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -29,6 +28,7 @@ from kvnotes.core.chat import ChatFormat
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import ArgumentTypeError, KvnotesError
 from kvnotes.core.notebook import Notebook
+from kvnotes.core.records import Json, checked
 from kvnotes.ops.decisions import Decision, answer_ids, guarded
 from kvnotes.ops.edit import erratum_turn
 
@@ -51,10 +51,11 @@ class TurnResult:
     flops: float = 0.0  # arithmetic of every model call this turn (kvnotes.core.work)
     guard_flops: float = 0.0  # the part spent by the decision guard's recompute
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
+        """The turn as agent-bench's records hold it (the decision flattened, no logits)."""
         return {"turn": self.turn, "kind": self.kind, "choice": self.decision.answer,
-                "scores": self.decision.scores, "margin": self.decision.margin,
-                "guard": self.decision.guard.to_dict() if self.decision.guard else None,
+                "scores": dict(self.decision.scores), "margin": self.decision.margin,
+                "guard": checked(self.decision.guard.to_dict()) if self.decision.guard else None,
                 "tool_call": self.tool_call.to_dict() if self.tool_call else None,
                 "latency_s": self.latency_s, "tokens_computed": self.tokens_computed,
                 "tokens_reused": self.tokens_reused, "notebook_len": self.notebook_len,

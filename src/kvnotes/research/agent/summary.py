@@ -3,17 +3,22 @@ off them (decision identity, flips, latency, tokens, arithmetic, the guard's wor
 
 :meth:`BenchSummary.to_dict` is the JSON the benchmark writes (``agent-bench.json``);
 :meth:`BenchSummary.from_dict` reads such a file's figures back (its records stay in the JSON:
-they hold the agents' full decisions).
+they hold the agents' full decisions). The figures are frozen pydantic dataclasses
+(:class:`~kvnotes.core.records.JsonRecord`).
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import ConfigDict, Field, SkipValidation, model_validator
+from pydantic.dataclasses import dataclass as record
 
 from kvnotes.apps.agent.runtime import TurnResult
+from kvnotes.core.records import Json, JsonRecord
 
 SWEEP_TAUS = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05, 0.0)
 
@@ -26,9 +31,8 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def _flat(cls: type, data: dict[str, Any]) -> Any:
-    """A dataclass of plain fields from its dict (extra keys ignored)."""
-    return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+def _is_none(value: object) -> bool:
+    return value is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +48,8 @@ class TurnRecord:
     recompute: TurnResult
     stale: TurnResult | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def to_dict(self) -> Json:
+        out: Json = {
             "episode": self.episode, "turn": self.turn, "kind": self.kind,
             "request": self.request, "events_so_far": [list(e) for e in self.events_so_far],
             "kvnotes": self.kvnotes.to_dict(), "recompute": self.recompute.to_dict()}
@@ -58,8 +62,8 @@ def _same(a: TurnResult, b: TurnResult) -> bool:
     return a.decision.answer == b.decision.answer
 
 
-@dataclass(frozen=True, slots=True)
-class Flip:
+@record(frozen=True, slots=True)
+class Flip(JsonRecord):
     """A decision where the kvnotes agent chose otherwise than the recompute agent."""
 
     episode: str
@@ -79,18 +83,8 @@ class Flip:
         return cls(r.episode, r.turn, r.kind, k.answer, c.answer, k.margin, c.margin,
                    dict(c.scores), dict(k.scores), r.events_so_far)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Flip:
-        events = tuple((str(a), str(b)) for a, b in data["events_so_far"])
-        return _flat(cls, {**data, "events_so_far": events})
 
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["events_so_far"] = [list(e) for e in self.events_so_far]
-        return out
-
-
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class TurnStats:
     """The figures of one turn index across episodes."""
 
@@ -103,16 +97,11 @@ class TurnStats:
     kvnotes_tokens_computed: float
     recompute_tokens_computed: float
     flop_ratio: float = float("nan")  # nan: read from a summary without FLOP counts
-    stale_identity: float | None = None  # None: the stale ablation did not run
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        if self.stale_identity is None:
-            del out["stale_identity"]
-        return out
+    # None: the stale ablation did not run (then left out of the JSON)
+    stale_identity: float | None = Field(default=None, exclude_if=_is_none)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class LatencyStats:
     kvnotes_total_s: float
     recompute_total_s: float
@@ -121,14 +110,14 @@ class LatencyStats:
     recompute_mean_turn_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class TokenStats:
     kvnotes_computed: int
     kvnotes_reused: int
     recompute_computed: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ComputeStats:
     """The arithmetic each agent did (:mod:`kvnotes.core.work`) and the latency ratio it allows:
     on a compute-bound machine the latency ratio cannot beat the FLOP ratio by much, so the
@@ -144,7 +133,7 @@ class ComputeStats:
     kept: float
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class GuardStats:
     """How often the kvnotes agent's decision guard fired, what it caught and what it cost."""
 
@@ -158,25 +147,17 @@ class GuardStats:
     would_flip_without: int  # fast decisions that differ from recompute's
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True, config=ConfigDict(populate_by_name=True))
 class MarginErrorStats:
     """The fast decision's margin error against recompute (:func:`fast_margin_errors`)."""
 
     median: float
     p90: float
     max: float
-    under_0_001: int  # decisions on exact notes (JSON key "under_0.001")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MarginErrorStats:
-        return cls(data["median"], data["p90"], data["max"], data["under_0.001"])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"median": self.median, "p90": self.p90, "max": self.max,
-                "under_0.001": self.under_0_001}
+    under_0_001: int = Field(alias="under_0.001")  # decisions on exact notes
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class SweepRow:
     """What the run would have cost with guard threshold ``tau`` (see :func:`guard_sweep`)."""
 
@@ -187,7 +168,7 @@ class SweepRow:
     flop_ratio: float
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class SkillStats:
     names: tuple[str, ...]
     tokens: dict[str, int]
@@ -195,11 +176,8 @@ class SkillStats:
     library_hits: int
     prepare_s: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "names": list(self.names)}
 
-
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StaleStats:
     """The stale-record ablation (state changes ignored) against recompute."""
 
@@ -209,7 +187,7 @@ class StaleStats:
     decisions_after_state_change: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class ToolCallStats:
     turns_with_a_call: int
     kvnotes_valid: int
@@ -217,7 +195,7 @@ class ToolCallStats:
     identical_raw: int
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class BenchSettings:
     """The agent settings and episodes of a run."""
 
@@ -230,12 +208,17 @@ class BenchSettings:
     carry_record: bool
     episodes: tuple[str, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "episodes": list(self.episodes)}
+
+# figures an older summary may lack (read as None)
+_MAY_LACK = ("settings", "compute", "guard", "fast_margin_error", "guard_sweep")
 
 
-@dataclass(frozen=True, slots=True)
-class BenchSummary:
+# a figure a stored summary may lack: left out of the JSON when None
+_UNSET_LEFT_OUT = Field(exclude_if=_is_none)
+
+
+@record(frozen=True, slots=True, config=ConfigDict(arbitrary_types_allowed=True))
+class BenchSummary(JsonRecord):
     """agent-bench's result: the run's settings, its figures and every turn's record.
 
     ``settings``, ``compute`` and ``fast_margin_error`` are None only when read
@@ -243,7 +226,7 @@ class BenchSummary:
     <kvnotes.research.agent.run.run_bench>` always fills them in.
     """
 
-    settings: BenchSettings | None
+    settings: Annotated[BenchSettings | None, _UNSET_LEFT_OUT]
     model: str
     episodes: int
     turns_per_episode: int
@@ -253,86 +236,43 @@ class BenchSummary:
     per_turn: tuple[TurnStats, ...]
     latency: LatencyStats
     tokens: TokenStats
-    compute: ComputeStats | None
+    compute: Annotated[ComputeStats | None, _UNSET_LEFT_OUT]
     recompute_margin_median: float
     guard: GuardStats | None
-    fast_margin_error: MarginErrorStats | None
+    fast_margin_error: Annotated[MarginErrorStats | None, _UNSET_LEFT_OUT]
     guard_sweep: tuple[SweepRow, ...] | None
     skills: SkillStats
     tool_calls: bool
-    records: tuple[TurnRecord, ...] = ()
-    stale: StaleStats | None = None
-    tool_call_stats: ToolCallStats | None = None
-    machine: dict[str, Any] | None = None  # kvnotes.core.machine's record, before and after
+    # the agents' full decisions: written, never read back (they hold logits)
+    records: SkipValidation[tuple[TurnRecord, ...]] = Field(default=(), exclude=True)
+    stale: StaleStats | None = Field(default=None, exclude_if=_is_none)
+    tool_call_stats: ToolCallStats | None = Field(default=None, exclude_if=_is_none)
+    # kvnotes.core.machine's record, before and after
+    machine: dict[str, Any] | None = Field(default=None, exclude_if=_is_none)
 
     @property
     def flip_count(self) -> int:
         return len(self.flips)
 
-    def to_dict(self, *, records: bool = True) -> dict[str, Any]:
-        """The JSON of ``agent-bench.json`` (``records=False``: without the per-turn records)."""
-        optional = {"settings": self.settings.to_dict() if self.settings else None,
-                    "compute": asdict(self.compute) if self.compute else None,
-                    "fast_margin_error": (self.fast_margin_error.to_dict()
-                                          if self.fast_margin_error else None)}
-        out: dict[str, Any] = {
-            "settings": optional["settings"], "model": self.model,
-            "episodes": self.episodes, "turns_per_episode": self.turns_per_episode,
-            "decisions": self.decisions, "identity": self.identity,
-            "flip_count": self.flip_count, "flips": [f.to_dict() for f in self.flips],
-            "per_turn": [p.to_dict() for p in self.per_turn],
-            "latency": asdict(self.latency), "tokens": asdict(self.tokens),
-            "compute": optional["compute"],
-            "recompute_margin_median": self.recompute_margin_median,
-            "guard": asdict(self.guard) if self.guard else None,
-            "fast_margin_error": optional["fast_margin_error"],
-            "guard_sweep": ([asdict(r) for r in self.guard_sweep]
-                            if self.guard_sweep is not None else None),
-            "skills": self.skills.to_dict(), "tool_calls": self.tool_calls,
-        }
-        for key, value in optional.items():  # a stored summary without them gets none back
-            if value is None:
-                del out[key]
-        if records:
-            out["records"] = [r.to_dict() for r in self.records]
-        if self.stale is not None:
-            out["stale"] = asdict(self.stale)
-        if self.tool_call_stats is not None:
-            out["tool_call_stats"] = asdict(self.tool_call_stats)
-        if self.machine is not None:
-            out["machine"] = self.machine
-        return out
-
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BenchSummary:
-        """The figures of a stored summary (:meth:`to_dict`'s JSON); ``records`` are not read
-        back (left empty): read them from the JSON itself."""
-        s = data.get("settings")
-        settings = (BenchSettings(s["order"], s["history"], s["anchored"], s["variants"],
-                                  s["guard"], s["repair"], s["carry_record"],
-                                  tuple(s["episodes"])) if s else None)
-        sk = data["skills"]
-        return cls(
-            settings=settings, model=data["model"], episodes=data["episodes"],
-            turns_per_episode=data["turns_per_episode"], decisions=data["decisions"],
-            identity=data["identity"], flips=tuple(Flip.from_dict(f) for f in data["flips"]),
-            per_turn=tuple(_flat(TurnStats, p) for p in data["per_turn"]),
-            latency=_flat(LatencyStats, data["latency"]),
-            tokens=_flat(TokenStats, data["tokens"]),
-            compute=_flat(ComputeStats, data["compute"]) if data.get("compute") else None,
-            recompute_margin_median=data["recompute_margin_median"],
-            guard=_flat(GuardStats, data["guard"]) if data.get("guard") else None,
-            fast_margin_error=(MarginErrorStats.from_dict(data["fast_margin_error"])
-                               if data.get("fast_margin_error") else None),
-            guard_sweep=(tuple(_flat(SweepRow, r) for r in data["guard_sweep"])
-                         if data.get("guard_sweep") is not None else None),
-            skills=SkillStats(tuple(sk["names"]), dict(sk["tokens"]), sk["compiled_now"],
-                              sk["library_hits"], sk["prepare_s"]),
-            tool_calls=data["tool_calls"],
-            stale=_flat(StaleStats, data["stale"]) if data.get("stale") else None,
-            tool_call_stats=(_flat(ToolCallStats, data["tool_call_stats"])
-                             if data.get("tool_call_stats") else None),
-            machine=data.get("machine"))
+    def _figures_only(cls, data: object) -> object:
+        """A stored summary's records are left in the JSON (see the class docstring); older
+        summaries lack some figures."""
+        if isinstance(data, dict):
+            return {**dict.fromkeys(_MAY_LACK), **{k: v for k, v in data.items() if k != "records"}}
+        return data
+
+    def to_dict(self, *, records: bool = True) -> Json:
+        """The JSON of ``agent-bench.json`` (``records=False``: without the per-turn records)."""
+        out: Json = {}
+        for key, value in JsonRecord.to_dict(self).items():  # in the order readers know
+            if key == "flips":
+                out["flip_count"] = self.flip_count
+            out[key] = value
+            if key == "tool_calls" and records:
+                out["records"] = [r.to_dict() for r in self.records]
+        return out
 
 
 # ---- figures read off the records -----------------------------------------------------------
