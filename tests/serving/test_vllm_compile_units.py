@@ -96,11 +96,25 @@ class CpuImpl:
         view[b, :, o + bs] = value
 
 
-class PackedImpl(CpuImpl):
-    """A backend that stores keys in another order than the reader assumes."""
+class VecImpl:
+    """The CPU backend's ``vec`` kernels: each block's keys transposed per head
+    (``[dim, block]``), then its values (``[block, dim]``)."""
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        super().do_kv_cache_update(layer, key.flip(-1), value, kv_cache, slot_mapping)
+        nb, heads, bs, _ = kv_cache.shape
+        flat = kv_cache.view(nb, heads, 2 * bs * DIM)
+        for i, slot in enumerate(slot_mapping.tolist()):
+            b, o = divmod(slot, bs)
+            for d in range(DIM):
+                flat[b, :, d * bs + o] = key[i, :, d]
+            flat[b, :, bs * DIM + o * DIM:bs * DIM + (o + 1) * DIM] = value[i]
+
+
+class ScaledImpl(CpuImpl):
+    """A cache that stores keys scaled (as fp8 caches do): not read back exactly."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        super().do_kv_cache_update(layer, key * 0.5, value, kv_cache, slot_mapping)
 
 
 def layers(impl=None) -> list[tuple[int, NS]]:
@@ -127,7 +141,7 @@ def test_the_worker_saves_the_blocks_kv_as_an_entry(tmp_path):
     info, keys, values = read_entry(tmp_path / f"{spec.key}{ENTRY_SUFFIX}", FP)
     assert info.token_ids == (12, 13, 14, 15, 16) and info.origin == 2
     assert info.tenant == "acme" and info.behind == (10, 11)
-    reader = CacheReader.of(ls[1][1].kv_cache, BLOCK, HEADS, DIM)
+    reader = CacheReader.of(ls[1][1], BLOCK, HEADS, DIM, torch.float32)
     want_k, want_v = reader.read(ls[1][1].kv_cache, spec.slots())
     assert torch.equal(keys[1], want_k) and torch.equal(values[1], want_v)
     # block 3 holds positions 0..3, block 1 positions 4..7; per block and head, the keys'
@@ -137,12 +151,31 @@ def test_the_worker_saves_the_blocks_kv_as_an_entry(tmp_path):
                                                                   view[1, :, 1 + BLOCK])
 
 
+def test_the_layout_is_learned_from_the_backends_own_write(tmp_path):
+    """Keys transposed per head (the CPU ``vec`` kernels): the same KV read back."""
+    plain, vec = layers(), layers(VecImpl())
+    k = torch.randn(2 * BLOCK, HEADS, DIM)
+    v = torch.randn(2 * BLOCK, HEADS, DIM)
+    slots = torch.tensor([3 * BLOCK + i for i in range(BLOCK)] + [BLOCK + i for i in range(BLOCK)])
+    for _, layer in plain + vec:
+        layer.impl.do_kv_cache_update(layer, k, v, layer.kv_cache, slots)
+    spec = spec_for()
+    assert saver(tmp_path / "a").save([spec], plain) == 1
+    assert saver(tmp_path / "b").save([spec], vec) == 1
+    fp = FP
+    (_, ka, va), (_, kb, vb) = (read_entry(tmp_path / d / f"{spec.key}{ENTRY_SUFFIX}", fp)
+                                for d in ("a", "b"))
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert torch.equal(ka[0], k[2:7])  # positions 2..6: block 3's rows 2, 3, block 1's 0..2
+
+
 def test_a_layout_that_does_not_read_back_refuses_every_save_counted(tmp_path):
     s = saver(tmp_path)
-    assert s.save([spec_for()], layers(PackedImpl())) == 0
+    assert s.save([spec_for()], layers(ScaledImpl())) == 0
     assert s.failed == 1 and not list(tmp_path.iterdir())
+    odd = NS(kv_cache=torch.zeros(BLOCKS, BLOCK, HEADS, DIM), impl=CpuImpl())
     with pytest.raises(UnreadableCache):
-        CacheReader.of(torch.zeros(BLOCKS, BLOCK, HEADS, DIM), BLOCK, HEADS, DIM)
+        CacheReader.of(odd, BLOCK, HEADS, DIM, torch.float32)
 
 
 def test_a_save_that_cannot_be_written_or_a_partial_share_leaves_no_file(tmp_path):

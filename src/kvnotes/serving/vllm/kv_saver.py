@@ -9,13 +9,15 @@ positions ``start..end-1``, the manifest's model fingerprint and scheme) plus, i
 :func:`kvnotes.core.files.write` (a temporary beside it, flushed, renamed): a reader sees all
 of it or nothing.
 
-Reading the paged cache needs its layout, which is the attention backend's. :class:`CacheReader`
-knows the layouts of the backends kvnotes runs on (CPU ``[blocks, heads, block, 2*dim]``;
-``[2, blocks, block, heads, dim]`` and ``[blocks, 2, block, heads, dim]`` on GPUs) and checks
-the one it picked before the first save: it writes known keys and values through the backend's
-own ``do_kv_cache_update`` into vLLM's null block (block 0, never handed to a request) and
-reads them back. A cache it cannot read back exactly (another layout, an fp8 cache) is refused
-and every save fails, logged and counted: never a wrong entry. Nothing here imports vLLM.
+Reading the paged cache needs its layout, which is the attention backend's (and, on CPUs,
+its kernels' ISA: the ``vec`` kernels keep each block's keys transposed per head). Before the
+first save :class:`CacheReader` learns it from the backend itself: it writes known keys and
+values through the backend's own ``do_kv_cache_update`` into vLLM's null block (block 0, never
+handed to a request) and looks where they landed (a cache whose first dimension is the block:
+CPU), or checks that they read back through the standard GPU layouts (``[2, blocks, block,
+heads, dim]``, ``[blocks, 2, block, heads, dim]``). A cache it cannot read back exactly (an fp8
+or scaled cache, another layout) is refused and every save fails, logged and counted: never a
+wrong entry. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -49,43 +50,91 @@ class UnreadableCache(Exception):
     """The cache's layout is not one :class:`CacheReader` reads back exactly."""
 
 
-@dataclass(frozen=True, slots=True)
 class CacheReader:
     """Keys and values ``[n, heads, head_dim]`` of slots in one layer's paged cache.
 
-    ``layout``: ``"cpu"`` (``[blocks, heads, block_size, 2*head_dim]``, keys in the first
-    ``block_size`` rows of each block's ``[2*block_size, head_dim]`` view), ``"kv_first"``
-    (``[2, blocks, block_size, heads, head_dim]``) or ``"kv_second"``
-    (``[blocks, 2, block_size, heads, head_dim]``).
+    ``layout``: ``"blockwise"`` (a cache whose first dimension is the block, each block's
+    keys and values in an order the backend picks: the CPU backend's ``[blocks, heads, block,
+    2*head_dim]`` stores keys transposed per head for its vector kernels, and other ISAs pack
+    differently; ``k_index``/``v_index`` ``[block_size, heads, head_dim]`` say where each
+    element lies in a block, learned by :meth:`discover`), ``"kv_first"`` (``[2, blocks,
+    block_size, heads, head_dim]``) or ``"kv_second"`` (``[blocks, 2, block_size, heads,
+    head_dim]``).
     """
 
-    layout: str
-    block_size: int
+    def __init__(self, layout: str, block_size: int, k_index: torch.Tensor | None = None,
+                 v_index: torch.Tensor | None = None) -> None:
+        self.layout, self.block_size = layout, block_size
+        self.k_index, self.v_index = k_index, v_index
 
     @classmethod
-    def of(cls, cache: torch.Tensor, block_size: int, heads: int, head_dim: int) -> CacheReader:
+    def of(cls, layer: Any, block_size: int, heads: int, head_dim: int,
+           dtype: torch.dtype) -> CacheReader:
+        """The reader of ``layer``'s cache, checked against the backend's own write."""
+        cache = layer.kv_cache
         shape = tuple(cache.shape)
-        if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * head_dim):
-            return cls("cpu", block_size)
-        if len(shape) == 5 and shape[2:] == (block_size, heads, head_dim):
-            if shape[0] == 2:
-                return cls("kv_first", block_size)
-            if shape[1] == 2:
-                return cls("kv_second", block_size)
+        if len(shape) == 5 and shape[2:] == (block_size, heads, head_dim) and 2 in shape[:2]:
+            reader = cls("kv_first" if shape[0] == 2 else "kv_second", block_size)
+            probe(layer, reader, heads, head_dim, dtype)
+            return reader
+        if len(shape) >= 2 and cache[0].numel() == 2 * block_size * heads * head_dim:
+            k_index, v_index = discover(layer, block_size, heads, head_dim, dtype)
+            return cls("blockwise", block_size, k_index, v_index)
         raise UnreadableCache(f"a KV cache of shape {shape} (block size {block_size}, {heads} "
                               f"heads of {head_dim}) is not a layout kvnotes reads")
 
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, offsets = slots // self.block_size, slots % self.block_size
-        if self.layout == "cpu":
-            nb, heads, bs, _ = cache.shape
-            view = cache.view(nb, heads, 2 * bs, -1)
-            keys = view[blocks, :, offsets]  # [n, heads, head_dim]
-            values = view[blocks, :, offsets + bs]
-            return keys, values
+        if self.layout == "blockwise":
+            assert self.k_index is not None and self.v_index is not None
+            rows = cache.reshape(cache.shape[0], -1)[blocks]  # [n, block's elements]
+            n = len(slots)
+            k_at = self.k_index.to(cache.device)[offsets].reshape(n, -1)
+            v_at = self.v_index.to(cache.device)[offsets].reshape(n, -1)
+            shape = (n, *self.k_index.shape[1:])
+            return rows.gather(1, k_at).reshape(shape), rows.gather(1, v_at).reshape(shape)
         if self.layout == "kv_first":
             return cache[0][blocks, offsets], cache[1][blocks, offsets]
         return cache[blocks, 0, offsets], cache[blocks, 1, offsets]
+
+
+def _null_slots(block_size: int, device: torch.device) -> torch.Tensor:
+    start = NULL_BLOCK * block_size
+    return torch.arange(start, start + block_size, device=device, dtype=torch.long)
+
+
+def discover(layer: Any, block_size: int, heads: int, head_dim: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the backend puts each key and value element of a block: ``(k_index, v_index)``
+    ``[block_size, heads, head_dim]`` of flat positions in the block. Learned by writing each
+    coordinate (token, head, dim; plus one, small integers exact in bf16 and fp16) through
+    ``do_kv_cache_update`` into the null block, keys and values apart; :class:`UnreadableCache`
+    when the writes do not give every element one place (an fp8 cache, a scaled one)."""
+    cache = layer.kv_cache
+    slots = _null_slots(block_size, cache.device)
+    grids = torch.meshgrid(torch.arange(block_size), torch.arange(heads), torch.arange(head_dim),
+                           indexing="ij")
+    found = []
+    for side in (0, 1):
+        coords = []
+        for grid in grids:
+            cache[NULL_BLOCK].zero_()
+            src = (grid + 1).to(dtype=dtype, device=cache.device)
+            key, value = (src, torch.zeros_like(src)) if side == 0 else (torch.zeros_like(src),
+                                                                          src)
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+            coords.append(cache[NULL_BLOCK].reshape(-1).float().cpu() - 1)
+        t, h, d = coords
+        where = (t >= 0).nonzero().flatten()
+        index = torch.full((block_size, heads, head_dim), -1, dtype=torch.long)
+        if len(where) == index.numel():
+            index[t[where].long(), h[where].long(), d[where].long()] = where
+        if len(where) != index.numel() or bool((index < 0).any()):
+            raise UnreadableCache(f"the backend's write into a block of {tuple(cache.shape)} "
+                                  f"{cache.dtype} does not give each element one place")
+        found.append(index)
+    cache[NULL_BLOCK].zero_()
+    return found[0], found[1]
 
 
 def probe(layer: Any, reader: CacheReader, heads: int, head_dim: int,
@@ -99,7 +148,7 @@ def probe(layer: Any, reader: CacheReader, heads: int, head_dim: int,
     # small integers (exact in bf16 and fp16), a different one in each coordinate
     keys = (grid % 251 + 1).reshape(n, heads, head_dim).to(dtype)
     values = -(grid % 241 + 1).reshape(n, heads, head_dim).to(dtype)
-    slots = torch.arange(NULL_BLOCK * n, NULL_BLOCK * n + n, device=device, dtype=torch.long)
+    slots = _null_slots(n, device)
     layer.impl.do_kv_cache_update(layer, keys, values, cache, slots)
     got_k, got_v = reader.read(cache, slots)
     if not (torch.equal(got_k.to(dtype), keys) and torch.equal(got_v.to(dtype), values)):
@@ -143,9 +192,8 @@ class KvSaver:
             raise UnreadableCache(self._refused)
         if self._reader is None:
             try:
-                reader = CacheReader.of(layer.kv_cache, self.block_size, len(self.heads),
-                                        self.head_dim)
-                probe(layer, reader, len(self.heads), self.head_dim, self.dtype)
+                reader = CacheReader.of(layer, self.block_size, len(self.heads), self.head_dim,
+                                        self.dtype)
             except UnreadableCache as err:
                 self._refused = str(err)
                 raise
