@@ -36,6 +36,7 @@ from kvnotes.serving.launch.process import VLLMServer, check_kv_cache_gib
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.serving.front.app import Front, FrontConfig
+    from kvnotes.serving.front.config import LearnConfig
     from kvnotes.serving.learning import Learner
     from kvnotes.serving.skills import ServingSkills
 
@@ -313,7 +314,7 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
                         extra_args=extra, env=env, startup_timeout=config.startup_timeout)
     front = None
     if config.front is not None and skills is not None and engine is not None:
-        front = _front(config, config.front, server.url, skills, engine)
+        front = _front(config, config.front, server.url, skills, engine, exported.dtype)
     return Launch(config, exported, server, max_model_len, skills, front)
 
 
@@ -330,7 +331,7 @@ def vllm_api_key(args: tuple[str, ...]) -> str | None:
 
 
 def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
-           engine: Engine) -> Front:
+           engine: Engine, dtype: str) -> Front:
     from kvnotes.serving.front.app import Front
     from kvnotes.serving.planning.match import SkillCatalog
 
@@ -343,8 +344,22 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
         from kvnotes.serving.front.store_link import fleet_learner
 
         learner = fleet_learner(front, skills)
-    elif front.learn is not None:  # learning needs the engine: it is here, in this process
-        from kvnotes.serving.learning import Learner
-
-        learner = Learner(front.learn, skills)
+    elif front.learn is not None:
+        learner = _vllm_learner(front.learn, skills, settings, dtype)
     return Front(settings, SkillCatalog(skills.folder, engine.tokenizer), learner)
+
+
+def _vllm_learner(learn: LearnConfig, skills: ServingSkills, settings: FrontConfig,
+                  dtype: str) -> Learner:
+    """A learner whose compiles are the server's own prefill, saved by its connector (no
+    model in this process is used for them; ``dtype``: the server's, the entries' numerics)."""
+    from kvnotes.serving.learning import Learner
+    from kvnotes.serving.learning.compiles import EntryAddress, VllmCompiler, VllmPrefill
+    from kvnotes.serving.library.registry import LearnedRegistry
+
+    assert settings.upstream is not None and settings.model is not None
+    registry = LearnedRegistry(skills.folder)
+    client = VllmPrefill(settings.upstream, settings.model, api_key=settings.upstream_api_key)
+    compiler = VllmCompiler(skills.folder, registry, EntryAddress.of(skills.manifest, dtype),
+                            client)
+    return Learner(learn, skills, registry, compiler=compiler)
