@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean
+.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean gpu-check
 
 $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -105,6 +105,13 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# The connector's load and save on a GPU (a few minutes): vLLM's CUDA build in the Python given
+# by GPU_VLLM_PYTHON (default: `python3`, the machine's own), the bundled SmolLM2; one JSON
+# object of figures on stdout, exit 1 when a save, a splice or the first token is wrong.
+GPU_VLLM_PYTHON ?= python3
+gpu-check: models
+	timeout 600 $(PY) -m kvnotes.serving.launch.gpu_check --vllm-python $(GPU_VLLM_PYTHON)
 
 # A Redis server for the shared skill store's tests (tests/store/ start their own on a free
 # loopback port, without persistence, and stop it by its pid); Debian's package, as root.
