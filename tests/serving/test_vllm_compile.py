@@ -99,8 +99,9 @@ def test_reentry_moved_equals_vllms_keys_at_the_new_position(vllm_launch, smollm
     assert delta > 0
     moved = rotate_keys(k_near[0].transpose(0, 1)[None], manifest.inv_freq(0), delta)
     err = float((moved[0].transpose(0, 1) - k_far[0]).abs().max())
-    print(f"layer 0 keys moved by {delta}: max |dk| {err:.2e}")
-    assert err < 1e-4
+    scale = float(k_far[0].abs().max())
+    print(f"layer 0 keys moved by {delta}: max |dk| {err:.2e} (keys up to {scale:.1f})")
+    assert err < 1e-5 * max(1.0, scale) * 4  # a few float32 roundings of the largest key
     assert float((v_near[0] - v_far[0]).abs().max()) < 1e-5
 
 
