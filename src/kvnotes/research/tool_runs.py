@@ -1,4 +1,5 @@
-"""What the tool benchmark measures, as typed results (``to_dict()`` only at the JSON edge)."""
+"""What the tool benchmark measures, as typed results: frozen pydantic dataclasses, read and
+written at the JSON edge by :class:`~kvnotes.core.records.JsonRecord`."""
 
 from __future__ import annotations
 
@@ -6,13 +7,18 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from pydantic import computed_field, model_validator
+from pydantic.dataclasses import dataclass as record
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+from kvnotes.core.records import JsonRecord, adapter
+
+
+@record(frozen=True, slots=True)
+class Outcome(JsonRecord):
     """One strategy on one case, against the exact prompt and against BFCL's answer.
 
     Token counts cover the prompt and the call opening fed after it (``tokens_total``):
@@ -53,33 +59,27 @@ class Outcome:
     call_parsed: bool | None = None
     call_valid: bool | None = None
 
+    # derived: written beside the fields, recomputed on reading
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def identical(self) -> bool:
         return self.choice == self.exact_choice
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def compute_fraction(self) -> float:
         work = self.computed + self.repaired + self.select_tokens + self.guard_tokens
         return work / max(1, self.tokens_total)
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def recompute_share(self) -> float:
         """Work spent on spliced tokens (repair, selection, guard) as a share of them."""
         return (self.repaired + self.select_tokens + self.guard_tokens) / max(1, self.spliced)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Outcome:
-        names = cls.__dataclass_fields__  # derived keys (identical, ...) are recomputed
-        return cls(**{k: v for k, v in data.items() if k in names})
 
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "identical": self.identical,
-                "compute_fraction": self.compute_fraction,
-                "recompute_share": self.recompute_share}
-
-
-@dataclass(frozen=True, slots=True)
-class CaseResult:
+@record(frozen=True, slots=True)
+class CaseResult(JsonRecord):
     """One case: its size, which half it belongs to, and every strategy's outcome."""
 
     id: str
@@ -94,27 +94,12 @@ class CaseResult:
     def outcome(self, strategy: str) -> Outcome | None:
         return next((o for o in self.outcomes if o.strategy == strategy), None)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CaseResult:
-        return cls(data["id"], data["half"], int(data["candidates"]), int(data["skills"]),
-                   int(data["tokens"]), int(data["exact_prefix"]), tuple(data["answers"]),
-                   tuple(Outcome.from_dict(o) for o in data["outcomes"]))
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "half": self.half, "candidates": self.candidates,
-                "skills": self.skills, "tokens": self.tokens,
-                "exact_prefix": self.exact_prefix, "answers": list(self.answers),
-                "outcomes": [o.to_dict() for o in self.outcomes]}
-
-
-@dataclass(frozen=True, slots=True)
-class Skipped:
+@record(frozen=True, slots=True)
+class Skipped(JsonRecord):
     id: str
     reason: str
     tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -127,8 +112,8 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-@dataclass(frozen=True, slots=True)
-class StrategySummary:
+@record(frozen=True, slots=True)
+class StrategySummary(JsonRecord):
     """One strategy over the cases it ran on."""
 
     strategy: str
@@ -191,12 +176,9 @@ class StrategySummary:
             exact_calls_valid=sum(bool(e.call_valid) for _, e in checked) if checked else None,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-@dataclass(frozen=True, slots=True)
-class GuardPoint:
+@record(frozen=True, slots=True)
+class GuardPoint(JsonRecord):
     """The guard at one threshold, read offline from a base strategy's margins: a fired guard
     decides on notes recomputed exactly (the exact prompt's decision, up to float error)."""
 
@@ -208,37 +190,26 @@ class GuardPoint:
     compute_fraction: float
     recompute_share: float = math.nan  # work on spliced tokens (a fire: all of them) / them
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-@dataclass(frozen=True, slots=True)
-class BenchResult:
+@record(frozen=True, slots=True)
+class BenchResult(JsonRecord):
     """A whole run: settings, machine, every case, the skipped ones, per-strategy summaries."""
 
+    # in the order of the JSON: the settings and summaries before the long case list
     model: str
     set: str
     strategies: tuple[str, ...]
     decision: str
-    cases: tuple[CaseResult, ...]
-    skipped: tuple[Skipped, ...]
-    summaries: tuple[StrategySummary, ...]
-    guard_curve: tuple[GuardPoint, ...]
-    taus: dict[str, float]
-    machine: dict[str, Any]
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "set": self.set, "strategies": list(self.strategies),
-                "decision": self.decision, "settings": self.settings, "taus": self.taus,
-                "machine": self.machine,
-                "summaries": [s.to_dict() for s in self.summaries],
-                "guard_curve": [g.to_dict() for g in self.guard_curve],
-                "skipped": [s.to_dict() for s in self.skipped],
-                "cases": [c.to_dict() for c in self.cases]}
+    settings: dict[str, Any] = field(default_factory=dict)  # the command line's, as given
+    taus: dict[str, float] = field(kw_only=True)
+    machine: dict[str, Any] = field(kw_only=True)  # kvnotes.core.machine.machine_info
+    summaries: tuple[StrategySummary, ...] = field(kw_only=True)
+    guard_curve: tuple[GuardPoint, ...] = field(kw_only=True)
+    skipped: tuple[Skipped, ...] = field(kw_only=True)
+    cases: tuple[CaseResult, ...] = field(kw_only=True)
 
 
-@dataclass(frozen=True, slots=True)
+@record(frozen=True, slots=True)
 class StoredRun:
     """A finished run's summaries read back from its ``results.json`` (what a report that
     cites the stored results needs: model, set, when, how, the load, each strategy's row)."""
@@ -256,13 +227,17 @@ class StoredRun:
         """The cases the run measured (its exact row's)."""
         return max((s.cases for s in self.summaries), default=0)
 
+    @model_validator(mode="before")
     @classmethod
-    def from_dict(cls, folder: str, data: dict[str, Any]) -> StoredRun:
-        settings, machine = data.get("settings", {}), data.get("machine", {})
-        load = machine.get("load_average") or [math.nan]
-        return cls(folder, str(data["model"]), str(data["set"]), str(settings.get("date", "")),
-                   str(settings.get("command", "")), float(load[0]),
-                   tuple(StrategySummary(**s) for s in data["summaries"]))
+    def _from_results(cls, data: object) -> object:
+        """A ``results.json`` (with ``folder`` added): date and command from its settings, the
+        1-minute load from its machine record."""
+        if isinstance(data, dict) and "load_1min" not in data:
+            settings, machine = data.get("settings") or {}, data.get("machine") or {}
+            load = machine.get("load_average") or [math.nan]
+            return {**data, "date": str(settings.get("date", "")),
+                    "command": str(settings.get("command", "")), "load_1min": load[0]}
+        return data
 
 
 def stored_runs(root: Path, model: str) -> list[StoredRun]:
@@ -273,7 +248,7 @@ def stored_runs(root: Path, model: str) -> list[StoredRun]:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             if data.get("model") == model:
-                runs.append(StoredRun.from_dict(path.parent.name, data))
+                runs.append(adapter(StoredRun).validate_python({**data, "folder": path.parent.name}))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return runs
