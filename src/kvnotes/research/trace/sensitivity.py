@@ -20,18 +20,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pydantic.dataclasses import dataclass as record
 
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.records import JsonRecord, adapter
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.eval.tasks.base import EditCase
 
 
-@dataclass(frozen=True, slots=True)
-class CaseSensitivity:
+@record(frozen=True, slots=True)
+class CaseSensitivity(JsonRecord):
     """One case: recompute's decisions for the old and new value and how far the field moves m."""
 
     case_id: str
@@ -43,16 +46,9 @@ class CaseSensitivity:
     trace_delta: float | None  # trace prompt: m_new - m_old (None: not measured)
     intended: bool  # both decisions equal the task author's answers
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CaseSensitivity:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
-
-
-@dataclass(frozen=True, slots=True)
-class FamilySensitivity:
+@record(frozen=True, slots=True)
+class FamilySensitivity(JsonRecord):
     """One family's counts: how many cases the field moves, by each prompt's criterion."""
 
     family: str
@@ -63,12 +59,9 @@ class FamilySensitivity:
     median_abs_delta: float
     median_abs_trace_delta: float | None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
-
-@dataclass(frozen=True, slots=True)
-class SensitivityResult:
+@record(frozen=True, slots=True)
+class SensitivityResult(JsonRecord):
     """A sensitivity run: the model, the seeds' split, the threshold, per family, per case."""
 
     model: str
@@ -78,16 +71,11 @@ class SensitivityResult:
     families: tuple[FamilySensitivity, ...]
     cases: tuple[CaseSensitivity, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "split": self.split, "min_denominator": self.min_denominator,
-                "seconds": self.seconds, "families": [f.to_dict() for f in self.families],
-                "cases": [c.to_dict() for c in self.cases]}
-
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SensitivityResult:
-        cases = tuple(CaseSensitivity.from_dict(c) for c in d["cases"])
-        return cls(d["model"], d["split"], d["min_denominator"], d["seconds"],
-                   tuple(summarize(cases, d["min_denominator"])), cases)
+    def from_dict(cls, data: object) -> SensitivityResult:
+        """Read back :meth:`to_dict`, the family rows counted again from the cases."""
+        read: SensitivityResult = adapter(cls).validate_python(data)
+        return replace(read, families=tuple(summarize(read.cases, read.min_denominator)))
 
 
 def summarize(cases: Sequence[CaseSensitivity], min_denominator: float = 1.0
