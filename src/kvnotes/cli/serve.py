@@ -165,7 +165,8 @@ def run_serve(opts: ServeConfig) -> None:
     config = opts.launch_config(front)
     texts = skill_files(list(opts.skill))
     head = read_text_file(opts.header, "header") if opts.header else None
-    launch = launcher.prepare(config, kvnotes.load(opts.model))
+    engine = kvnotes.load(opts.model)
+    launch = launcher.prepare(config, engine)
     lib, server = launch.skills, launch.server
     assert lib is not None  # config.skills is set
     if head:
@@ -173,6 +174,9 @@ def run_serve(opts: ServeConfig) -> None:
     for name, text in texts:
         info = lib.add(text, name=name, after=head)
         typer.echo(f"skill {name}: {len(info)} tokens", err=True)
+    # registered skills are compiled; learning compiles through vLLM: one copy of the weights
+    if launcher.release_model(launch, engine):
+        typer.echo("model weights released: vLLM holds the only copy", err=True)
     typer.echo(f"starting vLLM for {opts.model} (log: {server.log_path}); skills in "
                f"{lib.folder}", err=True)
     if opts.request_log and front is not None:

@@ -363,3 +363,31 @@ def _vllm_learner(learn: LearnConfig, skills: ServingSkills, settings: FrontConf
     compiler = VllmCompiler(skills.folder, registry, EntryAddress.of(skills.manifest, dtype),
                             client)
     return Learner(learn, skills, registry, compiler=compiler)
+
+
+def release_model(launch: Launch, engine: Engine) -> bool:
+    """Free ``engine``'s weights once the launch no longer compiles with it: the front keeps
+    the tokenizer, and its learner (if any) compiles through vLLM. True when freed. A fleet's
+    learner (``--store``) still compiles with the engine, which is then kept."""
+    import gc
+
+    learner = None if launch.front is None else launch.front.service.learner
+    if learner is not None:
+        from kvnotes.serving.learning.compiles import VllmCompiler
+
+        if not isinstance(getattr(learner, "compiler", None), VllmCompiler):
+            return False
+    model = getattr(engine, "model", None)
+    if model is None:
+        return False
+    # the module stays (its tokenizer, config and fingerprint are read); its tensors go
+    model.to("meta")
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give the freed heap back to the system
+    except (OSError, AttributeError):
+        pass
+    log.info("kvnotes serve: the model's weights were released; vLLM holds the only copy")
+    return True
