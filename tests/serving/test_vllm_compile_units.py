@@ -224,3 +224,20 @@ def test_a_bfloat16_servers_entries_are_keyed_apart_from_the_engines():
     f32, bf16 = EntryAddress.of(m), EntryAddress.of(m, "bfloat16")
     assert f32.producer_tag is None and bf16.producer_tag == "vllm-bfloat16"
     assert f32.key((3, 4), (1,), None) != bf16.key((3, 4), (1,), None)
+
+
+# ---- serve: one copy of the weights ------------------------------------------------------------
+def test_serve_releases_the_weights_unless_a_learner_compiles_with_them(tokenizer, tmp_path):
+    from conftest import make_tiny_engine
+
+    from kvnotes.serving.launch.launcher import release_model
+
+    engine = make_tiny_engine("llama", tokenizer)
+    with_engine = NS(front=NS(service=NS(learner=NS(compiler=object()))))
+    assert not release_model(with_engine, engine)
+    assert all(p.device.type == "cpu" for p in engine.model.parameters())
+    vllm_learner = NS(compiler=VllmCompiler(tmp_path, LearnedRegistry(tmp_path),
+                                            EntryAddress.of(manifest()), FakeServer(tmp_path)))
+    assert release_model(NS(front=NS(service=NS(learner=vllm_learner))), engine)
+    assert all(p.device.type == "meta" for p in engine.model.parameters())
+    assert engine.tokenizer("hi")["input_ids"]  # the front's tokenizer stays
