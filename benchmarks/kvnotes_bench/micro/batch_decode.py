@@ -30,6 +30,7 @@ from kvnotes.eval.tasks import load_suite
 from kvnotes.ops.edit import edit
 from kvnotes.research.edit.cases import case_prompt
 from kvnotes.research.edit.strategies import DEFAULT_STRATEGIES, parse_strategy
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.kit.timing import median_time
 
 
@@ -155,25 +156,17 @@ def main() -> None:
 
 
 def plot(result: BatchDecodeResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    labels = ["one notebook at a time", "one batch"]
-    values = [result.one_by_one_s, result.batched_s]
-    ax.bar(labels, values, color=["tab:gray", "tab:green"])
-    for i, v in enumerate(values):
-        ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom")
-    ax.set_ylabel("wall time (median)")
-    busy = ", machine busy" if result.busy else ""
-    ax.set_title(f"CoT decoding of one edit case: {result.rows} notebooks x "
-                 f"{result.new_tokens_per_row} tokens\n({result.model}, "
-                 f"{result.torch_threads} threads{busy})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, 1, size=(5.5, 4)) as (ax,):
+        labels = ["one notebook at a time", "one batch"]
+        values = [result.one_by_one_s, result.batched_s]
+        ax.bar(labels, values, color=["tab:gray", "tab:green"])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.2f} s", ha="center", va="bottom")
+        ax.set_ylabel("wall time (median)")
+        busy = ", machine busy" if result.busy else ""
+        ax.set_title(f"CoT decoding of one edit case: {result.rows} notebooks x "
+                     f"{result.new_tokens_per_row} tokens\n({result.model}, "
+                     f"{result.torch_threads} threads{busy})", fontsize=9)
 
 
 if __name__ == "__main__":

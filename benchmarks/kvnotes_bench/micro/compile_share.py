@@ -38,6 +38,7 @@ from kvnotes.core.machine import available_cpus, load_note, machine_info, set_th
 from kvnotes.core.models import load
 from kvnotes.serving.front.config import busy_core_share
 from kvnotes.serving.learning import lower_priority
+from kvnotes_bench.kit.plots import panels
 
 PREFIX = "You are a helpful assistant with access to the following functions.\n"
 SPIN = "while True:\n    pass\n"
@@ -209,28 +210,20 @@ def markdown(result: CompileShareResult) -> str:
 
 
 def plot(result: CompileShareResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    nices = [r.nice for r in result.rows]
-    ax.plot(nices, [r.idle_s for r in result.rows], "o-", color="tab:green", label="idle CPU")
-    ax.plot(nices, [r.busy_s for r in result.rows], "o-", color="tab:red",
-            label=f"beside {result.busy_processes} busy processes")
-    ax.plot(nices, [r.idle_s / r.predicted_share for r in result.rows], ":",
-            color="gray", label="idle time / predicted share")
-    ax.set_yscale("log")
-    ax.set_xlabel("compile thread nice value")
-    ax.set_ylabel("seconds per compile (median)")
-    ax.set_xticks(nices)
-    ax.set_title(f"A {result.chunk_tokens}-token chunk's compile ({result.model}, "
-                 f"{result.torch_threads} threads)", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, 1, size=(6, 4)) as (ax,):
+        nices = [r.nice for r in result.rows]
+        ax.plot(nices, [r.idle_s for r in result.rows], "o-", color="tab:green", label="idle CPU")
+        ax.plot(nices, [r.busy_s for r in result.rows], "o-", color="tab:red",
+                label=f"beside {result.busy_processes} busy processes")
+        ax.plot(nices, [r.idle_s / r.predicted_share for r in result.rows], ":",
+                color="gray", label="idle time / predicted share")
+        ax.set_yscale("log")
+        ax.set_xlabel("compile thread nice value")
+        ax.set_ylabel("seconds per compile (median)")
+        ax.set_xticks(nices)
+        ax.set_title(f"A {result.chunk_tokens}-token chunk's compile ({result.model}, "
+                     f"{result.torch_threads} threads)", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 def main() -> None:

@@ -51,6 +51,7 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.kit.timing import median_time
 
 
@@ -303,31 +304,23 @@ def main() -> None:
 
 
 def plot(result: ComposeTtftResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result.rows
     x = [r.skill_tokens for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for key, label in (("recompute_s", "full recompute"), ("compose_s", "compose (TTFT)"),
-                       ("request_alone_s", "request alone (near-empty notebook)"),
-                       ("request_over_context_s", "request over the context (prefix hit)"),
-                       ("splice_s", "splice only (re-rotation)"),
-                       ("decode_s_per_token", "greedy decode, per token")):
-        fitted = result.slopes.get(key, float("nan"))
-        ax.loglog(x, [getattr(r, key) for r in rows], "o-", label=f"{label}: slope {fitted:.2f}")
-    ax.set_xlabel("skill tokens L")
-    ax.set_ylabel("seconds (median)")
-    busy = ", machine busy" if result.busy else ""
-    ax.set_title(f"Time vs skill length ({result.model}, CPU, "
-                 f"{result.torch_threads} threads{busy})", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, 1, size=(6.5, 4.5)) as (ax,):
+        for key, label in (("recompute_s", "full recompute"), ("compose_s", "compose (TTFT)"),
+                           ("request_alone_s", "request alone (near-empty notebook)"),
+                           ("request_over_context_s", "request over the context (prefix hit)"),
+                           ("splice_s", "splice only (re-rotation)"),
+                           ("decode_s_per_token", "greedy decode, per token")):
+            fitted = result.slopes.get(key, float("nan"))
+            ax.loglog(x, [getattr(r, key) for r in rows], "o-", label=f"{label}: slope {fitted:.2f}")
+        ax.set_xlabel("skill tokens L")
+        ax.set_ylabel("seconds (median)")
+        busy = ", machine busy" if result.busy else ""
+        ax.set_title(f"Time vs skill length ({result.model}, CPU, "
+                     f"{result.torch_threads} threads{busy})", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
 
 
 if __name__ == "__main__":

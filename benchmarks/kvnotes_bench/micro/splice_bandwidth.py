@@ -27,6 +27,7 @@ from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.machine import load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import LayerKV, Notebook
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.kit.timing import median_time
 
 
@@ -149,27 +150,19 @@ def run(config: SpliceBandwidthConfig, engine: Engine | None = None,
 
 
 def plot(result: SpliceBandwidthResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result.rows
     x = [r.tokens for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.semilogx(x, [r.copy_gb_s for r in rows], "o-", label="plain copy of the same bytes")
-    ax.semilogx(x, [r.splice_gb_s for r in rows], "o-", label="splice (re-rotate keys + copy values)")
-    ax.set_xlabel("skill tokens")
-    ax.set_ylabel("GB/s (skill KV bytes / median time)")
-    busy = ", machine busy" if result.busy else ""
-    ax.set_title(f"Splice throughput ({result.model}, {result.torch_threads} threads{busy})",
-                 fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, 1, size=(6.5, 4.5)) as (ax,):
+        ax.semilogx(x, [r.copy_gb_s for r in rows], "o-", label="plain copy of the same bytes")
+        ax.semilogx(x, [r.splice_gb_s for r in rows], "o-", label="splice (re-rotate keys + copy values)")
+        ax.set_xlabel("skill tokens")
+        ax.set_ylabel("GB/s (skill KV bytes / median time)")
+        busy = ", machine busy" if result.busy else ""
+        ax.set_title(f"Splice throughput ({result.model}, {result.torch_threads} threads{busy})",
+                     fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
 
 
 def main() -> None:

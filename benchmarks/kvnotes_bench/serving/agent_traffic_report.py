@@ -10,6 +10,7 @@ from typing import Any
 
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.formats import fmt_ms, fmt_pct
+from kvnotes_bench.kit.plots import grouped_bars, panels
 from kvnotes_bench.serving.agent_traffic import AgentResult
 from kvnotes_bench.serving.agent_traffic_overhead import OVERHEAD_GOAL
 from kvnotes_bench.serving.agent_traffic_protocol import CHOICE_GOAL, SHARE_GOAL
@@ -171,86 +172,64 @@ def report(result: AgentResult) -> str:
 def plot(result: AgentResult, path: Path) -> None:
     """Left: per set, the share spliced and the identity rates; right: the TTFT medians of each
     timing's arms."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-    metrics = ("share_mean", "choice_identical", "first_token_identical", "answer_identical")
-    labels = ("share spliced", "tool choice =", "first token =", "16 tokens =")
-    summaries = result.summaries()
-    width = 0.8 / max(1, len(summaries))
-    for i, s in enumerate(summaries):
-        values = [getattr(s, k) or 0.0 for k in metrics]
-        ax.bar([j + i * width for j in range(len(metrics))], values, width,
-               label=SET_NAMES.get(s.kind, s.kind)
-               + ("" if s.repair == "front" else f", repair {s.repair}"))
-    ax.set_xticks([j + width * (len(summaries) - 1) / 2 for j in range(len(metrics))], labels)
-    ax.axhline(SHARE_GOAL, color="gray", ls=":", lw=1)
-    ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
-    ax.set_ylim(0, 1.05)
-    ax.set_title("spliced vs splice:false (reordered chunks)")
-    if summaries:
-        ax.legend(fontsize=8)
-    names = [t.name for t in result.timings]
-    ms = [1000 * (t.median_measured_s or 0.0) for t in result.timings]
-    ref = [1000 * (t.median_reference_s or 0.0) for t in result.timings]
-    bx.bar([i - 0.2 for i in range(len(names))], ms, 0.4, label="measured")
-    bx.bar([i + 0.2 for i in range(len(names))], ref, 0.4, label="reference")
-    bx.set_xticks(range(len(names)), names)
-    bx.set_ylabel("median TTFT (ms)")
-    bx.set_title("miss: first sight / splice:false; compile: beside / without")
-    if names:
-        bx.legend(fontsize=8)
-    fig.suptitle(f"serve-bench agent ({result.config.model})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"serve-bench agent ({result.config.model})"
+    with panels(path, 2, size=(11, 4), title=title) as (ax, bx):
+        metrics = ("share_mean", "choice_identical", "first_token_identical", "answer_identical")
+        labels = ("share spliced", "tool choice =", "first token =", "16 tokens =")
+        summaries = result.summaries()
+        grouped_bars(ax, labels, {
+            SET_NAMES.get(s.kind, s.kind) + ("" if s.repair == "front" else f", repair {s.repair}"):
+            [getattr(s, k) or 0.0 for k in metrics] for s in summaries})
+        ax.axhline(SHARE_GOAL, color="gray", ls=":", lw=1)
+        ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
+        ax.set_ylim(0, 1.05)
+        ax.set_title("spliced vs splice:false (reordered chunks)")
+        if summaries:
+            ax.legend(fontsize=8)
+        names = [t.name for t in result.timings]
+        ms = [1000 * (t.median_measured_s or 0.0) for t in result.timings]
+        ref = [1000 * (t.median_reference_s or 0.0) for t in result.timings]
+        grouped_bars(bx, names, {"measured": ms, "reference": ref})
+        bx.set_ylabel("median TTFT (ms)")
+        bx.set_title("miss: first sight / splice:false; compile: beside / without")
+        if names:
+            bx.legend(fontsize=8)
 
 
 def share_plot(runs: Sequence[tuple[str, AgentResult]], path: Path) -> None:
     """Share spliced (mean over cases) against identity with ``splice: false``, one panel per
     set: per labelled run, a line through its repairs (the front's and each variant) for the
     tool choice, the first token and the whole answer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kinds = sorted({k for _, r in runs for k in r.cases}, key=lambda k: k != "tools")
-    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(6 * max(1, len(kinds)), 4.5),
-                             squeeze=False)
-    metrics = (("choice_identical", "o", "tool choice"), ("first_token_identical", "s",
-                                                          "first token"),
-               ("answer_identical", "^", "16 tokens"))
-    for ax, kind in zip(axes[0], kinds, strict=False):
-        for i, (label, result) in enumerate(runs):
-            sums = sorted((s for s in result.summaries() if s.kind == kind
-                           and s.share_mean is not None), key=lambda s: s.share_mean or 0.0)
-            color = f"C{i}"
-            for key, marker, name in metrics:
-                pts = [(s.share_mean, getattr(s, key)) for s in sums
-                       if getattr(s, key) is not None]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), marker=marker, color=color, lw=1,
-                            label=f"{label}: {name}")
-            for s in sums:
-                ax.annotate("K=" + ("front" if s.repair == "front" else s.repair),
-                            (s.share_mean or 0.0, 0.02), fontsize=6, color=color,
-                            rotation=90)
-        ax.axvline(SHARE_GOAL, color="gray", ls=":", lw=1)
-        ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1.05)
-        ax.set_xlabel("share of prompt tokens spliced (mean over cases)")
-        ax.set_ylabel("identical to splice:false (share of cases)")
-        ax.set_title(SET_NAMES.get(kind, kind))
-        ax.legend(fontsize=6, loc="lower left")
-    fig.suptitle("serve-bench agent: share spliced vs identity, by repair and block size")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = "serve-bench agent: share spliced vs identity, by repair and block size"
+    n = max(1, len(kinds))
+    with panels(path, n, size=(6 * n, 4.5), title=title) as axes:
+        metrics = (("choice_identical", "o", "tool choice"), ("first_token_identical", "s",
+                                                              "first token"),
+                   ("answer_identical", "^", "16 tokens"))
+        for ax, kind in zip(axes, kinds, strict=False):
+            for i, (label, result) in enumerate(runs):
+                sums = sorted((s for s in result.summaries() if s.kind == kind
+                               and s.share_mean is not None), key=lambda s: s.share_mean or 0.0)
+                color = f"C{i}"
+                for key, marker, name in metrics:
+                    pts = [(s.share_mean, getattr(s, key)) for s in sums
+                           if getattr(s, key) is not None]
+                    if pts:
+                        ax.plot(*zip(*pts, strict=True), marker=marker, color=color, lw=1,
+                                label=f"{label}: {name}")
+                for s in sums:
+                    ax.annotate("K=" + ("front" if s.repair == "front" else s.repair),
+                                (s.share_mean or 0.0, 0.02), fontsize=6, color=color,
+                                rotation=90)
+            ax.axvline(SHARE_GOAL, color="gray", ls=":", lw=1)
+            ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
+            ax.set_xlim(0, 1)
+            ax.set_ylim(0, 1.05)
+            ax.set_xlabel("share of prompt tokens spliced (mean over cases)")
+            ax.set_ylabel("identical to splice:false (share of cases)")
+            ax.set_title(SET_NAMES.get(kind, kind))
+            ax.legend(fontsize=6, loc="lower left")
 
 
 def write_outputs(data: Mapping[str, Any], out: Path) -> dict[str, Path]:

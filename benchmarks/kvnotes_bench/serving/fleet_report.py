@@ -10,6 +10,7 @@ from typing import Any
 
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.formats import fmt_ms, fmt_pct
+from kvnotes_bench.kit.plots import grouped_bars, panels
 from kvnotes_bench.serving.fleet import FleetResult
 from kvnotes_bench.serving.fleet_parts import ttft_overhead
 from kvnotes_bench.serving.fleet_summary import goals, share_summary, soak_windows
@@ -138,38 +139,29 @@ def markdown(data: Mapping[str, Any]) -> str:
 def plot(result: FleetResult, path: Path) -> None:
     """Left: host b's share spliced per tool list; middle: median p90 TTFT by store and
     concurrency; right: the soak's hit rate per window between faults."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(14, 4))
-    shares = [c.share or 0.0 for c in result.share]
-    ax.bar(range(len(shares)), shares, color=["C0" if c.identical else "C3"
-                                              for c in result.share])
-    ax.axhline(0.5, color="gray", ls=":", lw=1)
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("tool list")
-    ax.set_title("share spliced on b's first request\n(red: answer differs)", fontsize=9)
-    levels = sorted({r.concurrency for r in result.ttft})
-    for j, store in enumerate(("redis", "folder")):
-        values = [next((1000 * (r.median_p90_s or 0.0) for r in result.ttft
-                        if r.store == store and r.concurrency == c), 0.0) for c in levels]
-        bx.bar([i + 0.4 * j - 0.2 for i in range(len(levels))], values, 0.4, label=store)
-    bx.set_xticks(range(len(levels)), [f"c{c}" for c in levels])
-    bx.set_ylabel("median p90 TTFT (ms)")
-    bx.set_title("entries local: Redis store vs folder store", fontsize=9)
-    if levels:
-        bx.legend(fontsize=8)
-    spans = soak_windows(result)
-    cx.bar(range(len(spans)), [w.hit_rate or 0.0 for w in spans])
-    cx.set_xticks(range(len(spans)), [w.label.replace(" @", "\n@") for w in spans], fontsize=7)
-    cx.set_ylim(0, 1.05)
-    cx.set_title("soak hit rate between faults", fontsize=9)
-    fig.suptitle(f"serve-bench fleet ({result.config.model})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"serve-bench fleet ({result.config.model})"
+    with panels(path, 3, size=(14, 4), title=title) as (ax, bx, cx):
+        shares = [c.share or 0.0 for c in result.share]
+        ax.bar(range(len(shares)), shares, color=["C0" if c.identical else "C3"
+                                                  for c in result.share])
+        ax.axhline(0.5, color="gray", ls=":", lw=1)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("tool list")
+        ax.set_title("share spliced on b's first request\n(red: answer differs)", fontsize=9)
+        levels = sorted({r.concurrency for r in result.ttft})
+        grouped_bars(bx, [f"c{c}" for c in levels], {
+            store: [next((1000 * (r.median_p90_s or 0.0) for r in result.ttft
+                          if r.store == store and r.concurrency == c), 0.0) for c in levels]
+            for store in ("redis", "folder")})
+        bx.set_ylabel("median p90 TTFT (ms)")
+        bx.set_title("entries local: Redis store vs folder store", fontsize=9)
+        if levels:
+            bx.legend(fontsize=8)
+        spans = soak_windows(result)
+        cx.bar(range(len(spans)), [w.hit_rate or 0.0 for w in spans])
+        cx.set_xticks(range(len(spans)), [w.label.replace(" @", "\n@") for w in spans], fontsize=7)
+        cx.set_ylim(0, 1.05)
+        cx.set_title("soak hit rate between faults", fontsize=9)
 
 
 def write_outputs(data: Mapping[str, Any], out: Path) -> dict[str, Path]:

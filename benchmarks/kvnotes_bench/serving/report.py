@@ -13,6 +13,7 @@ from typing import Any
 
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_pct, fmt_s
+from kvnotes_bench.kit.plots import cdf, panels
 from kvnotes_bench.serving.erratum import ErratumResult
 from kvnotes_bench.serving.workload import ERRATA_FORMS
 
@@ -148,33 +149,22 @@ def plot_ttft_cdf(result: Mapping[str, Any], path: str | Path) -> None:
     """One panel per context length; one TTFT CDF per policy and concurrency (log time axis).
     Reads the JSON form (``requests``, ``config``, ``contexts``), so the requests of several
     runs merged into one can be drawn together."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     contexts = list(result.get("contexts") or result["config"]["context_tokens"])
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
-    colors = {"in-place": "tab:red", "erratum": "tab:green", "cold": "tab:gray"}
-    styles = ["-", "--", ":", "-."]
-    concs = list(result["config"]["concurrency"])
-    for ax, ctx in zip(axes[0], contexts, strict=True):
-        for policy in result["config"]["policies"]:
-            for k, conc in enumerate(concs):
-                xs = sorted(r["ttft_s"] for r in result["requests"]
-                            if r["ok"] and r["ttft_s"] is not None and r["policy"] == policy
-                            and r["context_tokens"] == ctx and r["concurrency"] == conc)
-                if not xs:
-                    continue
-                ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", color=colors.get(policy),
-                        linestyle=styles[k % len(styles)], label=f"{policy}, conc {conc}")
-        ax.set_xscale("log")
-        ax.set_xlabel("time to first token (s)")
-        ax.set_title(f"context {ctx} tokens")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("fraction of requests")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, len(contexts), size=(5 * len(contexts), 4)) as axes:
+        colors = {"in-place": "tab:red", "erratum": "tab:green", "cold": "tab:gray"}
+        styles = ["-", "--", ":", "-."]
+        concs = list(result["config"]["concurrency"])
+        for ax, ctx in zip(axes, contexts, strict=True):
+            for policy in result["config"]["policies"]:
+                for k, conc in enumerate(concs):
+                    cdf(ax, (r["ttft_s"] for r in result["requests"]
+                             if r["ok"] and r["ttft_s"] is not None and r["policy"] == policy
+                             and r["context_tokens"] == ctx and r["concurrency"] == conc),
+                        color=colors.get(policy), linestyle=styles[k % len(styles)],
+                        label=f"{policy}, conc {conc}")
+            ax.set_xscale("log")
+            ax.set_xlabel("time to first token (s)")
+            ax.set_title(f"context {ctx} tokens")
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("fraction of requests")
+        axes[-1].legend(fontsize=8, loc="lower right")

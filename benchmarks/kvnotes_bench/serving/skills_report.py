@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.formats import fmt_pct, fmt_s
+from kvnotes_bench.kit.plots import cdf, log_x, panels
 from kvnotes_bench.serving.skills import SkillsResult
 from kvnotes_bench.serving.skills_config import GUARDED_POLICIES, SKILL_POLICIES
 from kvnotes_bench.serving.skills_fidelity import Fidelity
@@ -199,32 +200,20 @@ def _loads(load: Sequence[float] | None) -> str:
 
 def plot_ttft(result: SkillsResult, path: Path) -> None:
     """Per concurrency level, the CDF of each policy's TTFT."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
     concs = sorted({r.concurrency for r in result.requests})
-    fig, axes = plt.subplots(1, len(concs), figsize=(5 * len(concs), 3.6), squeeze=False)
-    for ax, conc in zip(axes[0], concs, strict=True):
-        for policy in SKILL_POLICIES:
-            xs = sorted(r.ttft_s for r in result.requests if r.policy == policy
-                        and r.concurrency == conc and r.ok and r.ttft_s is not None)
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                        label=policy)
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels
-        ax.set_xlabel("time to first token (s, log)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_title(f"concurrency {conc}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{result.config.model}: composed skills inside vLLM")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"{result.config.model}: composed skills inside vLLM"
+    with panels(path, len(concs), size=(5 * len(concs), 3.6), title=title) as axes:
+        for ax, conc in zip(axes, concs, strict=True):
+            for policy in SKILL_POLICIES:
+                cdf(ax, (r.ttft_s for r in result.requests if r.policy == policy
+                         and r.concurrency == conc and r.ok and r.ttft_s is not None),
+                    label=policy)
+            log_x(ax)
+            ax.set_xlabel("time to first token (s, log)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"concurrency {conc}")
+            ax.grid(alpha=0.3)
+            ax.legend()
 
 
 def write_outputs(result: Mapping[str, Any], out: str | Path) -> dict[str, Path]:

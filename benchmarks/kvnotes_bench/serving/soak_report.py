@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.eval.reports import write_bundle
 from kvnotes_bench.kit.formats import fmt_kinds, fmt_load, fmt_ms, fmt_s
 from kvnotes_bench.kit.machine import MachineRecord
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.serving.soak_check import SHARED_TENANTS
 from kvnotes_bench.serving.soak_result import SoakResult
 
@@ -132,37 +133,29 @@ def _num(x: float | None, digits: int = 0) -> str:
 def plot_latency(result: SoakResult, path: Path) -> None:
     """Each completed request's latency against the time it was sent, by kind; skill events as
     vertical lines; failed and wrong answers marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    for kind, marker in (("spliced", "o"), ("exact", "s"), ("volatile", "^")):
-        pts = [(r.sent_s, r.answer.total_s) for r in result.records
-               if r.spec.kind == kind and r.answer.ok and r.answer.total_s is not None]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.scatter(xs, ys, s=10, marker=marker, label=kind, alpha=0.7)
-    bad = [(r.sent_s, r.answer.total_s or 0.0) for r in result.records
-           if (not r.answer.ok and not r.answer.disconnected)
-           or (r.verdict is not None and r.verdict.status == "wrong")]
-    if bad:
-        xs, ys = zip(*bad, strict=True)
-        ax.scatter(xs, ys, s=40, marker="x", color="black", label="failed or wrong")
-    seen: set[str] = set()
-    for e in result.events:
-        ax.axvline(e.done_s, color=EVENT_COLOURS.get(e.kind, "k"), lw=0.8, ls="--",
-                   label=e.kind if e.kind not in seen else None)
-        seen.add(e.kind)
-    ax.set_xlabel("sent at (s into the run)")
-    ax.set_ylabel("latency (s, whole answer)")
-    ax.set_title(f"{result.config.model}: soak of kvnotes' connector")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with panels(path, 1, size=(10, 4)) as (ax,):
+        for kind, marker in (("spliced", "o"), ("exact", "s"), ("volatile", "^")):
+            pts = [(r.sent_s, r.answer.total_s) for r in result.records
+                   if r.spec.kind == kind and r.answer.ok and r.answer.total_s is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.scatter(xs, ys, s=10, marker=marker, label=kind, alpha=0.7)
+        bad = [(r.sent_s, r.answer.total_s or 0.0) for r in result.records
+               if (not r.answer.ok and not r.answer.disconnected)
+               or (r.verdict is not None and r.verdict.status == "wrong")]
+        if bad:
+            xs, ys = zip(*bad, strict=True)
+            ax.scatter(xs, ys, s=40, marker="x", color="black", label="failed or wrong")
+        seen: set[str] = set()
+        for e in result.events:
+            ax.axvline(e.done_s, color=EVENT_COLOURS.get(e.kind, "k"), lw=0.8, ls="--",
+                       label=e.kind if e.kind not in seen else None)
+            seen.add(e.kind)
+        ax.set_xlabel("sent at (s into the run)")
+        ax.set_ylabel("latency (s, whole answer)")
+        ax.set_title(f"{result.config.model}: soak of kvnotes' connector")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=4)
 
 
 def write_outputs(result: Mapping[str, Any], out: str | Path) -> dict[str, Path]:

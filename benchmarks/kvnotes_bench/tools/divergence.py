@@ -27,6 +27,7 @@ import torch
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.notebook import Notebook
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.tools.guard_measure import (
     GREEDY_TOKENS,
     Reading,
@@ -292,32 +293,24 @@ def plot(model: str, cases: Sequence[DivergenceCase], strategies: Sequence[str],
          ) -> Path:
     """Left: the first differing token's position per strategy; right: how often recomputing
     the skill at each place from the end restores the continuation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for s in strategies:
-        m = summarize(cases, s)
-        counts = [m.positions.count(i) for i in range(GREEDY_TOKENS)]
-        a1.plot(range(GREEDY_TOKENS), counts, "o-", label=f"{s} ({m.greedy_same}/{m.cases} "
-                                                           "identical)")
-    a1.set_xlabel("first differing greedy token (0 = the decision)")
-    a1.set_ylabel("cases")
-    a1.set_title(f"{model}: where continuations part")
-    a1.legend(fontsize=8)
-    checked = [c for c in cases if c.oracle]
-    places = range(1, max((c.skills for c in checked), default=2))
-    tried = [sum(1 for c in checked if c.skills - p >= 1) for p in places]
-    fixed = [sum(1 for c in checked for o in c.oracle if o.restores and c.skills - o.index == p)
-             for p in places]
-    a2.bar([str(p) for p in places], tried, color="lightgrey", label="cases with a skill there")
-    a2.bar([str(p) for p in places], fixed, label="its recompute restores 16 tokens")
-    a2.set_xlabel("recomputed skill's place from the end (1 = right before the question)")
-    a2.set_title(f"oracle over {len(checked)} divergent cases ({strategies[0]})")
-    a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with panels(path, 2, size=(11, 4)) as (a1, a2):
+        for s in strategies:
+            m = summarize(cases, s)
+            counts = [m.positions.count(i) for i in range(GREEDY_TOKENS)]
+            a1.plot(range(GREEDY_TOKENS), counts, "o-", label=f"{s} ({m.greedy_same}/{m.cases} "
+                                                               "identical)")
+        a1.set_xlabel("first differing greedy token (0 = the decision)")
+        a1.set_ylabel("cases")
+        a1.set_title(f"{model}: where continuations part")
+        a1.legend(fontsize=8)
+        checked = [c for c in cases if c.oracle]
+        places = range(1, max((c.skills for c in checked), default=2))
+        tried = [sum(1 for c in checked if c.skills - p >= 1) for p in places]
+        fixed = [sum(1 for c in checked for o in c.oracle if o.restores and c.skills - o.index == p)
+                 for p in places]
+        a2.bar([str(p) for p in places], tried, color="lightgrey", label="cases with a skill there")
+        a2.bar([str(p) for p in places], fixed, label="its recompute restores 16 tokens")
+        a2.set_xlabel("recomputed skill's place from the end (1 = right before the question)")
+        a2.set_title(f"oracle over {len(checked)} divergent cases ({strategies[0]})")
+        a2.legend(fontsize=8)
     return path

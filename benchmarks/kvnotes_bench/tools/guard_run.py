@@ -16,6 +16,7 @@ from typing import Any
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes_bench.kit.plots import panels
 from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.tools.divergence import DivergenceCase, divergence_case
 from kvnotes_bench.tools.divergence import markdown as divergence_markdown
@@ -207,28 +208,20 @@ def markdown(result: GuardBenchResult) -> str:
 
 def plot(result: GuardBenchResult, path: Path) -> Path:
     """Identity (16 tokens, first token) and fire rate against tau, one panel per set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(result.curves)
-    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
-    for ax, set_name in zip(axes[0], sets, strict=True):
-        rows = result.curves[set_name]
-        taus = [r.tau for r in rows]
-        ax.plot(taus, [r.greedy_identity for r in rows], "o-", label="16 tokens = exact")
-        ax.plot(taus, [r.first_identity for r in rows], "s--", label="first token = exact")
-        ax.plot(taus, [r.fire_rate for r in rows], "^:", label="fired (answered exactly)")
-        ax.axhline(result.settings.get("fire_budget", FIRE_BUDGET),
-                   color="grey", lw=0.8)
-        if result.choice.tau > 0:
-            ax.axvline(result.choice.tau, color="green", lw=0.8)
-        ax.set_title(f"{result.model}: {set_name} ({rows[0].cases} requests)")
-        ax.set_xlabel("tau (first-token top-2 log-prob margin)")
-        ax.set_ylim(-0.02, 1.02)
-        ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with panels(path, len(sets), size=(5.5 * len(sets), 4)) as axes:
+        for ax, set_name in zip(axes, sets, strict=True):
+            rows = result.curves[set_name]
+            taus = [r.tau for r in rows]
+            ax.plot(taus, [r.greedy_identity for r in rows], "o-", label="16 tokens = exact")
+            ax.plot(taus, [r.first_identity for r in rows], "s--", label="first token = exact")
+            ax.plot(taus, [r.fire_rate for r in rows], "^:", label="fired (answered exactly)")
+            ax.axhline(result.settings.get("fire_budget", FIRE_BUDGET),
+                       color="grey", lw=0.8)
+            if result.choice.tau > 0:
+                ax.axvline(result.choice.tau, color="green", lw=0.8)
+            ax.set_title(f"{result.model}: {set_name} ({rows[0].cases} requests)")
+            ax.set_xlabel("tau (first-token top-2 log-prob margin)")
+            ax.set_ylim(-0.02, 1.02)
+            ax.legend(fontsize=8, loc="lower right")
     return path

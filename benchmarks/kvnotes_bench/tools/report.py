@@ -9,6 +9,7 @@ from pathlib import Path
 from kvnotes.core.machine import load_note
 from kvnotes.eval.reports import write_bundle
 from kvnotes.research.tool_runs import BenchResult, StrategySummary
+from kvnotes_bench.kit.plots import panels
 
 
 def _pct(n: int, d: int) -> str:
@@ -126,44 +127,35 @@ def plot(result: BenchResult, path: Path) -> None:
     guard's curve over its threshold: against the compute fraction of the whole prompt (left)
     and against the share of the spliced tokens recomputed, guard fires included (right, with
     the goal's corner)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, x_of, label in (
-            (axes[0], lambda s: s.compute_fraction,
-             "compute fraction (tokens run through the model / prompt tokens)"),
-            (axes[1], lambda s: s.recompute_share,
-             "recompute of spliced tokens (repair + selection + guard fires)")):
-        for i, s in enumerate(result.summaries):
-            if not s.cases or (ax is axes[1] and s.strategy == "exact"):
-                continue
-            y = 100 * s.identical / s.cases
-            ax.scatter(x_of(s), y, zorder=3, color=f"C{i % 10}")  # one colour per strategy
-            # staggered labels: strategies often share an identity level
-            ax.annotate(f"{s.strategy} (n={s.cases})", (x_of(s), y), fontsize=7,
-                        xytext=(4, 3 + 9 * (i % 3)), textcoords="offset points")
-        for base in dict.fromkeys(p.base for p in result.guard_curve):
-            pts = [p for p in result.guard_curve if p.base == base and p.cases]
-            xs = [p.compute_fraction if ax is axes[0] else p.recompute_share for p in pts]
-            ax.plot(xs, [100 * p.identical / p.cases for p in pts], lw=1, alpha=0.6,
-                    label=f"guard on {base} (tau swept, all cases)")
-        ax.set_xlabel(label, fontsize=8)
-        ax.set_ylabel("tool choice identical to exact (%)")
-        ax.grid(alpha=0.3)
-        if result.guard_curve:
-            ax.legend(fontsize=7, loc="lower right")
-    axes[1].axhline(GOAL_IDENTITY, color="gray", ls="--", lw=0.8)
-    axes[1].axvline(GOAL_RECOMPUTE, color="gray", ls="--", lw=0.8)
-    axes[1].set_xlim(left=0, right=max(0.5, min(1.2, axes[1].get_xlim()[1])))
-    fig.suptitle(f"{result.model}, BFCL v4 {result.set}: identity vs compute "
-                 f"(goal: >= {GOAL_IDENTITY:g}% at <= {GOAL_RECOMPUTE:.0%} recompute)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = (f"{result.model}, BFCL v4 {result.set}: identity vs compute "
+             f"(goal: >= {GOAL_IDENTITY:g}% at <= {GOAL_RECOMPUTE:.0%} recompute)")
+    with panels(path, 2, size=(12, 4.5), title=title, title_size=9) as axes:
+        for ax, x_of, label in (
+                (axes[0], lambda s: s.compute_fraction,
+                 "compute fraction (tokens run through the model / prompt tokens)"),
+                (axes[1], lambda s: s.recompute_share,
+                 "recompute of spliced tokens (repair + selection + guard fires)")):
+            for i, s in enumerate(result.summaries):
+                if not s.cases or (ax is axes[1] and s.strategy == "exact"):
+                    continue
+                y = 100 * s.identical / s.cases
+                ax.scatter(x_of(s), y, zorder=3, color=f"C{i % 10}")  # one colour per strategy
+                # staggered labels: strategies often share an identity level
+                ax.annotate(f"{s.strategy} (n={s.cases})", (x_of(s), y), fontsize=7,
+                            xytext=(4, 3 + 9 * (i % 3)), textcoords="offset points")
+            for base in dict.fromkeys(p.base for p in result.guard_curve):
+                pts = [p for p in result.guard_curve if p.base == base and p.cases]
+                xs = [p.compute_fraction if ax is axes[0] else p.recompute_share for p in pts]
+                ax.plot(xs, [100 * p.identical / p.cases for p in pts], lw=1, alpha=0.6,
+                        label=f"guard on {base} (tau swept, all cases)")
+            ax.set_xlabel(label, fontsize=8)
+            ax.set_ylabel("tool choice identical to exact (%)")
+            ax.grid(alpha=0.3)
+            if result.guard_curve:
+                ax.legend(fontsize=7, loc="lower right")
+        axes[1].axhline(GOAL_IDENTITY, color="gray", ls="--", lw=0.8)
+        axes[1].axvline(GOAL_RECOMPUTE, color="gray", ls="--", lw=0.8)
+        axes[1].set_xlim(left=0, right=max(0.5, min(1.2, axes[1].get_xlim()[1])))
 
 
 def write_outputs(result: BenchResult, out: str | Path, command: str = "") -> dict[str, Path]:
