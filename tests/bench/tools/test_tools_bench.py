@@ -378,7 +378,7 @@ def test_cli_records_the_skill_opening_and_the_library(tiny_folder: Path, bfcl_r
                                                        tmp_path: Path) -> None:
     out = tmp_path / "opening"
     res = CliRunner().invoke(app, [
-        "bench", "tools", "--model", str(tiny_folder), "--set", "live_multiple", "--cases", "3",
+        "tools", "--model", str(tiny_folder), "--set", "live_multiple", "--cases", "3",
         "--strategies", "exact,splice,pred+epic:2", "--skill-opening", "Function:\\n",
         "--data", str(bfcl_root), "--threads", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -443,7 +443,7 @@ def test_run_bench_calibrates_on_one_half_and_reports_on_the_other(tiny_llama,
 def test_cli_runs_end_to_end(tiny_folder: Path, bfcl_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     res = CliRunner().invoke(app, [
-        "bench", "tools", "--model", str(tiny_folder), "--set", "multi_turn", "--cases", "2",
+        "tools", "--model", str(tiny_folder), "--set", "multi_turn", "--cases", "2",
         "--strategies", "exact,splice,first:0.2,anchor,guard:splice", "--greedy", "2",
         "--data", str(bfcl_root), "--threads", "1", "--out", str(out)])
     assert res.exit_code == 0, res.output
