@@ -7,11 +7,25 @@ type writes its own field-by-field conversion.
 
 from __future__ import annotations
 
-from typing import Any, Self
+import math
+from typing import Annotated, Any, Self
 
-from pydantic import JsonValue, TypeAdapter
+from pydantic import BeforeValidator, JsonValue, PlainSerializer, TypeAdapter
 
 Json = dict[str, JsonValue]
+
+
+def _nan_for_null(value: object) -> object:
+    return math.nan if value is None else value
+
+
+def _null_for_nonfinite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+# a float that JSON holds as null when not finite (strict JSON has no NaN)
+NullableFloat = Annotated[float, BeforeValidator(_nan_for_null),
+                          PlainSerializer(_null_for_nonfinite)]
 
 
 _ADAPTERS: dict[object, TypeAdapter[Any]] = {}

@@ -103,7 +103,7 @@ def agent_result(identity: float, ratio: float) -> BenchSummary:
                 kvnotes_margin=0.5, recompute_margin=0.7, recompute_scores={"no": 1.0},
                 kvnotes_scores={"yes": 1.0}, events_so_far=())
     return BenchSummary(
-        settings=BenchSettings("request", "record", True, False, None, 0, True, ("e0", "e1")),
+        settings=BenchSettings("request", 0, True, False, None, 0, True, ("e0", "e1")),
         model="m", episodes=2, turns_per_episode=5, decisions=10, identity=identity,
         flips=(flip,) * flips, per_turn=(),
         latency=LatencyStats(kvnotes_total_s=0.1, recompute_total_s=ratio * 0.1, ratio=ratio,

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from kvnotes.apps.demo import ComposeDemoResult
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
+from kvnotes.core.records import Json
 from kvnotes.research.agent.summary import BenchSummary
 from kvnotes.research.edit.results import SuiteResult
 from kvnotes.research.tool_runs import StoredRun, StrategySummary
@@ -48,6 +48,10 @@ class PaperSource:
         return {"title": self.title, "arxiv": self.arxiv, "url": self.url, "where": self.where}
 
 
+# a claim's numbers by name (its unit is kept beside them)
+Figure = dict[str, float]
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """One figure of the paper, where it is stated, and how kvnotes checks it."""
@@ -55,16 +59,18 @@ class Claim:
     id: str
     title: str
     paper: str  # the paper's words
-    figure: dict[str, Any]  # the figure's numbers; the keys depend on the claim
+    figure: Figure  # the figure's numbers; the keys depend on the claim
     scale: str
     source: str
     check: str
     timing: bool = False  # a timing: marked when measured on a busy machine
     project: bool = False  # kvnotes' own claim (``paper`` holds its words), not the paper's
+    unit: str = ""  # what the figure's numbers measure (kept in the figure in the JSON)
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "title": self.title, "paper": self.paper, "figure": self.figure,
-             "scale": self.scale, "source": self.source, "check": self.check}
+    def to_dict(self) -> Json:
+        figure: Json = {**self.figure, **({"unit": self.unit} if self.unit else {})}
+        d: Json = {"id": self.id, "title": self.title, "paper": self.paper, "figure": figure,
+                   "scale": self.scale, "source": self.source, "check": self.check}
         d = {**d, "timing": True} if self.timing else d
         return {**d, "project": True} if self.project else d
 
@@ -96,9 +102,11 @@ def load_claims(path: str | Path | None = None) -> Claims:
     src = data["source"]
     return Claims(
         source=PaperSource(*(str(src.get(k, "")) for k in ("title", "arxiv", "url", "where"))),
-        claims=tuple(Claim(c["id"], c.get("title", c["id"]), c["paper"], dict(c["figure"]),
+        claims=tuple(Claim(c["id"], c.get("title", c["id"]), c["paper"],
+                           {k: v for k, v in c["figure"].items() if k != "unit"},
                            c.get("scale", ""), c["source"], c.get("check", ""),
-                           bool(c.get("timing", False))) for c in data["claims"]))
+                           bool(c.get("timing", False)), unit=c["figure"].get("unit", ""))
+                     for c in data["claims"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +133,7 @@ class Verdict:
     verdict: str
     why: str = ""
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> Json:
         return {"ours": self.ours, "verdict": self.verdict, "why": self.why}
 
 
@@ -140,7 +148,7 @@ def judge(claim: Claim, stages: StageResults, *, busy: bool = False) -> Verdict:
     return out
 
 
-def _judge_compose(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_compose(fig: Figure, stages: StageResults) -> Verdict:
     data = stages.compose
     if data is None or not data.cases:
         return Verdict("-", NOT_RUN)
@@ -159,7 +167,7 @@ def _judge_compose(fig: dict[str, Any], stages: StageResults) -> Verdict:
                                 f"{fig['low']}")
 
 
-def _judge_field(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_field(fig: Figure, stages: StageResults) -> Verdict:
     data = stages.trace
     if data is None:
         return Verdict("-", NOT_RUN)
@@ -231,7 +239,7 @@ def overwrite_pool(result: SuiteResult | None, retrieval: bool = False,
                 compute_fraction=sum(r.compute_fraction * r.n for r in rows) / n)
 
 
-def _judge_cot(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_cot(fig: Figure, stages: StageResults) -> Verdict:
     cot = overwrite_pool(stages.edit_cot)
     if cot is None:
         return Verdict("-", NOT_RUN)
@@ -251,7 +259,7 @@ def _judge_cot(fig: dict[str, Any], stages: StageResults) -> Verdict:
     return Verdict(ours, FAILS, f"{got} < {COT_RECOVERY_OK}")
 
 
-def _judge_erratum(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_erratum(fig: Figure, stages: StageResults) -> Verdict:
     over = overwrite_pool(stages.edit)
     err = overwrite_pool(stages.edit, strategy="erratum")
     if over is None or err is None:
@@ -274,7 +282,7 @@ def _judge_erratum(fig: dict[str, Any], stages: StageResults) -> Verdict:
                                 f"{err.n_sensitive} = {r_err:.2f} >= {hi}")
 
 
-def _judge_agent_identity(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_agent_identity(fig: Figure, stages: StageResults) -> Verdict:
     data = stages.agent
     if data is None or not data.decisions:
         return Verdict("-", NOT_RUN)
@@ -285,7 +293,7 @@ def _judge_agent_identity(fig: dict[str, Any], stages: StageResults) -> Verdict:
     return Verdict(ours, FAILS, f"{data.flip_count} flips")
 
 
-def _judge_agent_speedup(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_agent_speedup(fig: Figure, stages: StageResults) -> Verdict:
     data = stages.agent
     if data is None or not data.decisions:
         return Verdict("-", NOT_RUN)
@@ -305,8 +313,8 @@ TOOLS_CLAIM = Claim(
     paper="composed notes decide like recompute: the tool choice identical to the exact "
           "prompt in >= 99% of cases at <= 15% of the spliced tokens recomputed, accuracy "
           "against the ground truth within 1 point of the exact prompt's",
-    figure={"identity": 0.99, "recompute_share": 0.15, "accuracy_points": 1.0,
-            "unit": "share of cases whose tool choice equals the exact prompt's"},
+    figure={"identity": 0.99, "recompute_share": 0.15, "accuracy_points": 1.0},
+    unit="share of cases whose tool choice equals the exact prompt's",
     scale="SmolLM2-135M and Gemma-3-270M on BFCL v4 live_multiple and multi_turn",
     source="kvnotes (docs/bench/tools.md)",
     check="read from the stored `kvnotes-bench tools` results (docs/results/tools/*/"
@@ -327,7 +335,7 @@ def _row(s: StrategySummary) -> str:
             f"{s.exact_correct}/{s.cases}")
 
 
-def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_tools(fig: Figure, stages: StageResults) -> Verdict:
     by_set: dict[str, StoredRun] = {}
     for run in stages.tools:  # per set the run with the most cases, then the latest
         best = by_set.get(run.set)
@@ -361,12 +369,12 @@ def _judge_tools(fig: dict[str, Any], stages: StageResults) -> Verdict:
                                 f"{fig['recompute_share']:.0%} recompute on every set")
 
 
-def _judge_vllm(fig: dict[str, Any], stages: StageResults) -> Verdict:
+def _judge_vllm(fig: Figure, stages: StageResults) -> Verdict:
     return Verdict("-", NOT_RUN, "needs a vLLM server: run `kvnotes-bench serve` (see "
                                  "docs/bench/skills.md)")
 
 
-JUDGES: dict[str, Callable[[dict[str, Any], StageResults], Verdict]] = {
+JUDGES: dict[str, Callable[[Figure, StageResults], Verdict]] = {
     "composition_cosine": _judge_compose, "field_kv_share": _judge_field,
     "cot_field_edit": _judge_cot, "erratum_vs_overwrite": _judge_erratum,
     "agent_identity": _judge_agent_identity,

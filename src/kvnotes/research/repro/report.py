@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvnotes.core.records import Json, adapter
 from kvnotes.eval.reports import write_bundle
 from kvnotes.research.edit.report import strategy_table
 from kvnotes.research.repro.claims import (
@@ -19,7 +20,7 @@ from kvnotes.research.repro.claims import (
     judge,
     load_claims,
 )
-from kvnotes.research.repro.run import ReproRun, StageRecord
+from kvnotes.research.repro.run import ReproRun, Sizes, StageRecord
 from kvnotes.research.tool_runs import stored_runs
 
 PerModel = dict[str, dict[str, StageRecord]]
@@ -35,8 +36,14 @@ class ClaimVerdicts:
     claim: Claim
     models: dict[str, Verdict]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
         return {**self.claim.to_dict(), "models": {m: v.to_dict() for m, v in self.models.items()}}
+
+
+def _json(sizes: Sizes) -> Json:
+    """The sizes as a stage file records them (lists, not tuples)."""
+    out: Json = adapter(Sizes).dump_python(sizes, mode="json")
+    return out
 
 
 def stage_results(stages: dict[str, StageRecord], model: str | None = None,
@@ -69,7 +76,7 @@ def report_markdown(run: ReproRun, table: list[ClaimVerdicts], claims: Claims,
     if command:
         md += [f"Command: `{command}`", ""]
     md += [f"Device `{settings.device}`, dtype `{settings.dtype}`, {settings.size_label} "
-           "sizes: " + ", ".join(f"{k}={v}" for k, v in settings.to_dict()["sizes"].items()), ""]
+           "sizes: " + ", ".join(f"{k}={v}" for k, v in _json(settings.sizes).items()), ""]
     choice = settings.choice
     md += [f"Task families of the edit, CoT and trace stages: "
            f"{', '.join(choice.families) if choice.families else 'every family'}; seeded "

@@ -22,14 +22,18 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+from pydantic.dataclasses import dataclass as record
+
 from kvnotes.apps.demo import ComposeDemoResult
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes.core.machine import machine_info
+from kvnotes.core.records import Json, JsonRecord
 from kvnotes.research.agent.summary import BenchSummary
 from kvnotes.research.edit.results import SuiteResult
 from kvnotes.research.trace.suite import TraceSuiteResult
@@ -85,7 +89,7 @@ def with_cases(sizes: Sizes, per_family: int) -> Sizes:
                    trace_cases=per_family)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)  # not validated by pydantic: its own errors stay clear
 class CaseChoice:
     """Which task families the edit, CoT and trace stages take, and which seeds of the seeded
     families (:data:`kvnotes.eval.tasks.SEEDED_FAMILIES`): ``heldout`` for reported runs."""
@@ -107,42 +111,39 @@ class CaseChoice:
 
         return load_suite(self.families, self.split)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"families": None if self.families is None else list(self.families),
-                "split": self.split}
-
 
 def slug(model: str) -> str:
     """A folder name for a model alias, path or hub id."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model).name if os.sep in model else model)
 
 
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """What a run measures with; a stage file made with other settings is run again."""
+def _every_family(choice: CaseChoice) -> bool:
+    return choice == CaseChoice()
+
+
+@record(frozen=True, slots=True)
+class RunSettings(JsonRecord):
+    """What a run measures with; a stage file made with other settings is run again.
+
+    ``to_dict``: as a stage file records it, the case choice (key ``cases``) only when it is
+    not the default (every family).
+    """
 
     device: str
     dtype: str
     quick: bool
     sizes: Sizes
-    choice: CaseChoice = CaseChoice()
+    choice: CaseChoice = Field(default=CaseChoice(), serialization_alias="cases",
+                               exclude_if=_every_family)
 
     @property
     def size_label(self) -> str:
         return next((name for name, s in SIZES.items() if s == self.sizes), "custom")
 
-    def to_dict(self) -> dict[str, Any]:
-        """As a stage file records it (JSON values: lists, not tuples); the case choice only
-        when it is not the default (every family)."""
-        d = {"device": self.device, "dtype": self.dtype, "quick": self.quick,
-             "sizes": asdict(self.sizes)}
-        if self.choice != CaseChoice():
-            d["cases"] = self.choice.to_dict()
-        return json.loads(json.dumps(d))
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSample:
+@record(frozen=True, slots=True)
+class LoadSample(JsonRecord):
     """The machine's load at one moment (timings on a busy machine are marked)."""
 
     load_1min: float
@@ -150,15 +151,6 @@ class LoadSample:
     busy: bool
     cpu_flags: str = ""  # the SIMD flags, space-separated
     torch_threads: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"load_1min": self.load_1min, "cpus": self.cpus, "busy": self.busy,
-                "cpu_flags": self.cpu_flags, "torch_threads": self.torch_threads}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LoadSample:
-        return cls(d["load_1min"], d["cpus"], bool(d["busy"]), d.get("cpu_flags") or "",
-                   d.get("torch_threads"))
 
 
 def load_now() -> LoadSample:
@@ -171,7 +163,7 @@ def load_now() -> LoadSample:
 StageResult = ComposeDemoResult | SuiteResult | TraceSuiteResult | BenchSummary
 
 # how each stage's result is read back from its file
-READERS: dict[str, Callable[[dict[str, Any]], StageResult]] = {
+READERS: dict[str, Callable[[object], StageResult]] = {
     "compose": ComposeDemoResult.from_dict, "edit": SuiteResult.from_dict,
     "edit_cot": SuiteResult.from_dict, "trace": TraceSuiteResult.from_dict,
     "agent": BenchSummary.from_dict,
@@ -193,7 +185,7 @@ class StageRecord:
     def busy(self) -> bool:
         return self.load_before.busy or self.load_after.busy
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
         result = (self.result.to_dict(records=False) if isinstance(self.result, BenchSummary)
                   else self.result.to_dict())
         return {"settings": self.settings.to_dict(), "seconds": self.seconds,
@@ -201,10 +193,22 @@ class StageRecord:
                 "load_after": self.load_after.to_dict(), "result": result}
 
     @classmethod
-    def from_dict(cls, stage: str, d: dict[str, Any], settings: RunSettings) -> StageRecord:
-        return cls(settings, d["seconds"], LoadSample.from_dict(d["load_before"]),
-                   LoadSample.from_dict(d["load_after"]), READERS[stage](d["result"]),
-                   d.get("finished") or "")
+    def from_dict(cls, stage: str, data: object, settings: RunSettings) -> StageRecord:
+        """A stage file (:meth:`to_dict`) made with ``settings``."""
+        f = _StageFile.from_dict(data)
+        return cls(settings, f.seconds, f.load_before, f.load_after, READERS[stage](f.result),
+                   f.finished or "")
+
+
+@record(frozen=True, slots=True)
+class _StageFile(JsonRecord):
+    """A stage file's fields besides the settings (the result read by the stage's reader)."""
+
+    seconds: float
+    load_before: LoadSample
+    load_after: LoadSample
+    result: Json
+    finished: str | None = ""  # "" in older files
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,41 +19,52 @@ come with percentile bootstrap confidence intervals over cases.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field  # `field` names a result's figure below
-from typing import Any
+from typing import Annotated
 
 import numpy as np
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic.dataclasses import dataclass as record
 
 from kvnotes.core.chat import has_template, turn_frame
 from kvnotes.core.document import Document
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
+from kvnotes.core.records import Json, JsonRecord, NullableFloat
 from kvnotes.eval.tasks import EditCase
 from kvnotes.ops.trace import TraceOptions, TraceResult, _finite, trace
 
 
-@dataclass(frozen=True, slots=True)
-class Estimate:
-    """A mean over cases with its percentile bootstrap confidence interval."""
+def _is_none(value: object) -> bool:
+    return value is None
 
-    mean: float
-    lo: float
-    hi: float
-    n: int
+
+@record(frozen=True, slots=True)
+class Estimate:
+    """A mean over cases with its percentile bootstrap confidence interval (JSON: non-finite
+    values as null; a missing estimate reads as none measured)."""
+
+    mean: NullableFloat = math.nan
+    lo: NullableFloat = math.nan
+    hi: NullableFloat = math.nan
+    n: int = 0
 
     def __str__(self) -> str:
         if self.n == 0:
             return "n/a"
         return f"{self.mean:.2f} [{self.lo:.2f}, {self.hi:.2f}]"
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Estimate:
-        """Read back ``asdict`` as JSON holds it (non-finite values written as null)."""
-        return cls(_nan(d.get("mean")), _nan(d.get("lo")), _nan(d.get("hi")),
-                   int(d.get("n") or 0))
+
+def _none_measured(value: object) -> object:
+    return {} if value is None else value
+
+
+# an estimate a stored summary may hold as null
+StoredEstimate = Annotated[Estimate, BeforeValidator(_none_measured)]
 
 
 def bootstrap_mean(values: Sequence[float], *, n_boot: int = 2000, level: float = 0.95,
@@ -80,10 +91,12 @@ class CaseTrace:
     seconds: float = 0.0
     result: TraceResult | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
+        """The case as the trace log holds it (non-finite numbers as null)."""
         d = {k: v for k, v in asdict(self).items() if k != "result"}
         d["result"] = self.result.to_dict() if self.result else None
-        return _finite(d)
+        out: Json = _finite(d)
+        return out
 
 
 def case_inputs(engine: Engine, case: EditCase) -> tuple[Document, str, tuple[str, str]]:
@@ -151,8 +164,8 @@ def trace_cases(engine: Engine, cases: Sequence[EditCase], options: TraceOptions
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class FamilySummary:
+@record(frozen=True, slots=True)
+class FamilySummary(JsonRecord):
     """Share of the decision carried by the field KV vs the notes, over one family's cases."""
 
     family: str
@@ -162,55 +175,32 @@ class FamilySummary:
     n_insensitive: int  # traced, |m_new - m_old| < min_denominator: kept out of the means
     n_sensitive: int
     n_flips: int  # sensitive cases whose preferred answer flips between old and new runs
-    median_abs_denominator: float
-    field: Estimate  # denoising: new field KV in the old notebook
-    notes: Estimate  # denoising: new notes, old field KV
-    noising_field: Estimate  # share lost when only the field is reverted
-    noising_notes: Estimate  # share lost when only the notes are reverted
-    field_by_layer: list[float] = dataclass_field(default_factory=list)  # denoising means
-    notes_by_layer: list[float] = dataclass_field(default_factory=list)
-    notes_by_position: list[float] = dataclass_field(default_factory=list)  # denoising, binned positions
-    grid: list[list[float]] = dataclass_field(default_factory=list)  # denoising mean grid
-    noising_grid: list[list[float]] = dataclass_field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return _finite(asdict(self))
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FamilySummary:
-        """Read back :meth:`to_dict` (null for a non-finite number)."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in d:
-                continue
-            v = d[f.name]
-            if f.name in _ESTIMATES:
-                v = Estimate.from_dict(v or {})
-            elif f.name == "median_abs_denominator":
-                v = _nan(v)
-            values[f.name] = v
-        return cls(**values)
+    median_abs_denominator: NullableFloat
+    field: StoredEstimate  # denoising: new field KV in the old notebook
+    notes: StoredEstimate  # denoising: new notes, old field KV
+    noising_field: StoredEstimate  # share lost when only the field is reverted
+    noising_notes: StoredEstimate  # share lost when only the notes are reverted
+    field_by_layer: list[NullableFloat] = dataclass_field(default_factory=list)  # denoising means
+    notes_by_layer: list[NullableFloat] = dataclass_field(default_factory=list)
+    # denoising, binned positions
+    notes_by_position: list[NullableFloat] = dataclass_field(default_factory=list)
+    grid: list[list[NullableFloat]] = dataclass_field(default_factory=list)  # denoising mean grid
+    noising_grid: list[list[NullableFloat]] = dataclass_field(default_factory=list)
 
 
-_ESTIMATES = ("field", "notes", "noising_field", "noising_notes")
-
-
-def _nan(x: float | None) -> float:
-    return float("nan") if x is None else float(x)
-
-
-@dataclass(frozen=True, slots=True)
-class CaseOutcome:
+@record(frozen=True, slots=True)
+class CaseOutcome(JsonRecord):
     """One traced (or skipped) case in brief: the effects without the per-layer detail."""
 
     case_id: str
     family: str
     status: str  # "traced" | "skipped"
-    reason: str
-    denominator: float | None = None  # m_new - m_old (None: skipped)
-    sensitive: bool | None = None
-    field: float | None = None  # normalized effect of the field's KV
-    notes: float | None = None  # normalized effect of the notes
+    reason: str = ""
+    # below: None for a skipped case (then left out of the JSON)
+    denominator: float | None = Field(default=None, exclude_if=_is_none)  # m_new - m_old
+    sensitive: bool | None = Field(default=None, exclude_if=_is_none)
+    field: float | None = Field(default=None, exclude_if=_is_none)  # effect of the field's KV
+    notes: float | None = Field(default=None, exclude_if=_is_none)  # effect of the notes
 
     @classmethod
     def of(cls, t: CaseTrace) -> CaseOutcome:
@@ -220,29 +210,21 @@ class CaseOutcome:
         return cls(t.case_id, t.family, t.status, t.reason[:120], denominator=r.denominator,
                    sensitive=r.sensitive, field=r.field_effect, notes=r.notes_effect)
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"case_id": self.case_id, "family": self.family,
-                             "status": self.status, "reason": self.reason}
-        if self.sensitive is not None:
-            d.update(denominator=self.denominator, sensitive=self.sensitive, field=self.field,
-                     notes=self.notes)
-        return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CaseOutcome:
-        return cls(d["case_id"], d["family"], d["status"], d.get("reason", ""),
-                   denominator=d.get("denominator"), sensitive=d.get("sensitive"),
-                   field=d.get("field"), notes=d.get("notes"))
-
-
-@dataclass(frozen=True, slots=True)
-class TraceSuiteResult:
+@record(frozen=True, slots=True)
+class TraceSuiteResult(JsonRecord):
     """A traced suite in brief: one :class:`FamilySummary` per family (then ``all``) and one
     :class:`CaseOutcome` per case."""
 
     model: str
     families: tuple[FamilySummary, ...]
     cases: tuple[CaseOutcome, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_files(cls, data: object) -> object:
+        """Older files name no model."""
+        return {"model": "", **data} if isinstance(data, dict) else data
 
     @classmethod
     def of(cls, model: str, traces: Sequence[CaseTrace],
@@ -254,14 +236,6 @@ class TraceSuiteResult:
         return next((r for r in self.families if r.family == "all"),
                     self.families[-1] if self.families else None)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "families": [r.to_dict() for r in self.families],
-                "cases": [c.to_dict() for c in self.cases]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TraceSuiteResult:
-        return cls(d.get("model", ""), tuple(FamilySummary.from_dict(r) for r in d["families"]),
-                   tuple(CaseOutcome.from_dict(c) for c in d["cases"]))
 
 
 def summarize(traces: Sequence[CaseTrace], *, min_denominator: float = 1.0, n_boot: int = 2000,
