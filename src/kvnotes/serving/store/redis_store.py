@@ -50,9 +50,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+import kvnotes.serving.store.redis_scripts as scripts
 from kvnotes.core import files
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, StoreUnavailableError
-from kvnotes.serving.store import redis_scripts as scripts
 from kvnotes.serving.store.base import Change, StoreFaults, visible
 from kvnotes.serving.store.entry import (
     EntryInfo,
