@@ -42,6 +42,11 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return float(np.percentile(xs, q, method=PERCENTILE_METHOD))
 
 
+def median(values: Iterable[float]) -> float | None:
+    """The 50th :func:`percentile` (the middle value, or the mean of the two middle ones)."""
+    return percentile(values, 50)
+
+
 def bootstrap_ci(values: Sequence[float],
                  statistic: Callable[[NDArray[np.float64]], float] = np.mean, *,
                  level: float = 0.95, resamples: int = 2000, seed: int = 0

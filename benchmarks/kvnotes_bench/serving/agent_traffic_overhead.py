@@ -19,12 +19,12 @@ on an otherwise idle machine: each :class:`Timing` records the load average arou
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.stats import median
 from kvnotes_bench.serving.agent_traffic_client import Sender
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
@@ -44,8 +44,7 @@ class Timing:
 
     @staticmethod
     def _median(xs: Sequence[float | None]) -> float | None:
-        ok = [x for x in xs if x is not None]
-        return statistics.median(ok) if ok else None
+        return median(x for x in xs if x is not None)
 
     @property
     def median_measured_s(self) -> float | None:

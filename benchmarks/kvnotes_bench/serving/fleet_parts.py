@@ -18,7 +18,6 @@ as the front reports them, :func:`mirror_counts`); a miss's TTFT against ``splic
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvnotes_bench.kit.stats import bootstrap_ci, percentile
+from kvnotes_bench.kit.stats import bootstrap_ci, median, percentile
 from kvnotes_bench.serving.agent_traffic_client import Answer
 
 if TYPE_CHECKING:
@@ -250,7 +249,7 @@ class TtftRun:
 
     @property
     def median_p90_s(self) -> float | None:
-        return statistics.median(self.p90s) if self.p90s else None
+        return median(self.p90s)
 
     @property
     def median_p90_ci_s(self) -> tuple[float, float] | None:

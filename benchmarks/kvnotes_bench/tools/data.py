@@ -21,11 +21,6 @@ from typing import Any
 from kvnotes.core.errors import InvalidArgumentError
 
 SETS = ("live_multiple", "multi_turn")
-# the files each development set reads, relative to the data folder
-_FILES = {
-    "live_multiple": ("BFCL_v4_live_multiple.json", "possible_answer/BFCL_v4_live_multiple.json"),
-    "multi_turn": ("BFCL_v4_multi_turn_base.json", "possible_answer/BFCL_v4_multi_turn_base.json"),
-}
 # BFCL's own class -> manual mapping (bfcl_eval/constants/executable_backend_config.py)
 CLASS_MANUALS = {
     "GorillaFileSystem": "gorilla_file_system.json", "MathAPI": "math_api.json",
