@@ -4,7 +4,7 @@ with ``AgentResult.from_dict``, so it can be reported again)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,42 +194,6 @@ def plot(result: AgentResult, path: Path) -> None:
         bx.set_title("miss: first sight / splice:false; compile: beside / without")
         if names:
             bx.legend(fontsize=8)
-
-
-def share_plot(runs: Sequence[tuple[str, AgentResult]], path: Path) -> None:
-    """Share spliced (mean over cases) against identity with ``splice: false``, one panel per
-    set: per labelled run, a line through its repairs (the front's and each variant) for the
-    tool choice, the first token and the whole answer."""
-    kinds = sorted({k for _, r in runs for k in r.cases}, key=lambda k: k != "tools")
-    title = "serve-bench agent: share spliced vs identity, by repair and block size"
-    n = max(1, len(kinds))
-    with panels(path, n, size=(6 * n, 4.5), title=title) as axes:
-        metrics = (("choice_identical", "o", "tool choice"), ("first_token_identical", "s",
-                                                              "first token"),
-                   ("answer_identical", "^", "16 tokens"))
-        for ax, kind in zip(axes, kinds, strict=False):
-            for i, (label, result) in enumerate(runs):
-                sums = sorted((s for s in result.summaries() if s.kind == kind
-                               and s.share_mean is not None), key=lambda s: s.share_mean or 0.0)
-                color = f"C{i}"
-                for key, marker, name in metrics:
-                    pts = [(s.share_mean, getattr(s, key)) for s in sums
-                           if getattr(s, key) is not None]
-                    if pts:
-                        ax.plot(*zip(*pts, strict=True), marker=marker, color=color, lw=1,
-                                label=f"{label}: {name}")
-                for s in sums:
-                    ax.annotate("K=" + ("front" if s.repair == "front" else s.repair),
-                                (s.share_mean or 0.0, 0.02), fontsize=6, color=color,
-                                rotation=90)
-            ax.axvline(SHARE_GOAL, color="gray", ls=":", lw=1)
-            ax.axhline(CHOICE_GOAL, color="gray", ls="--", lw=1)
-            ax.set_xlim(0, 1)
-            ax.set_ylim(0, 1.05)
-            ax.set_xlabel("share of prompt tokens spliced (mean over cases)")
-            ax.set_ylabel("identical to splice:false (share of cases)")
-            ax.set_title(SET_NAMES.get(kind, kind))
-            ax.legend(fontsize=6, loc="lower left")
 
 
 def write_outputs(data: Mapping[str, Any], out: Path) -> dict[str, Path]:

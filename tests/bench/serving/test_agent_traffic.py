@@ -51,7 +51,7 @@ from kvnotes_bench.serving.agent_traffic_protocol import (
 )
 from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, read_records, write_records
 from kvnotes_bench.serving.agent_traffic_render import Rendered
-from kvnotes_bench.serving.agent_traffic_report import markdown, share_plot, write_outputs
+from kvnotes_bench.serving.agent_traffic_report import markdown, write_outputs
 from kvnotes_bench.serving.agent_traffic_requests import (
     AgentRequest,
     document_requests,
@@ -537,8 +537,6 @@ def test_result_round_trips_and_is_reported_and_plotted(tmp_path) -> None:
     paths = write_outputs(data, tmp_path)
     assert json.loads(paths["json"].read_text()) == data
     assert paths["plot"].stat().st_size > 1000 and paths["report"].read_text() == text
-    share_plot([("a", back), ("b", back)], tmp_path / "share.png")
-    assert (tmp_path / "share.png").stat().st_size > 1000
 
 
 def test_breakdown_puts_every_prompt_token_in_one_bucket() -> None:
