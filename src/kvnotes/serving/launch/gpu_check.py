@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvnotes.serving.json_types import JsonObject
+
 HEADER = "You are the support agent of an airline. Answer in one short sentence.\n"
 SKILL = ("\nBAGGAGE: each passenger may check one bag of up to 23 kg. A damaged bag is "
          "reported at the desk within 7 days; we repair or refund it. Torn handles count as "
@@ -54,7 +56,7 @@ def _entry_error(path: Path, fingerprint: Any, nb: Any) -> tuple[float, float]:
     return dk, dv
 
 
-def _first(launch: Any, ids: list[int], extra: dict[str, Any]) -> tuple[str, float]:
+def _first(launch: Any, ids: list[int], extra: JsonObject) -> tuple[str, float]:
     """The first token of a greedy completion of ``ids`` and its time (s)."""
     import urllib.request
 
@@ -68,7 +70,7 @@ def _first(launch: Any, ids: list[int], extra: dict[str, Any]) -> tuple[str, flo
     return str(out["choices"][0]["text"]), time.perf_counter() - t0
 
 
-def _check(launch: Any, engine: Any) -> dict[str, Any]:
+def _check(launch: Any, engine: Any) -> JsonObject:
     from kvnotes.serving.learning.compiles import EntryAddress, VllmPrefill
     from kvnotes.serving.library.manifest import ENTRY_SUFFIX, splice_salt
     from kvnotes.serving.planning.layout import prompt_ids
@@ -82,7 +84,7 @@ def _check(launch: Any, engine: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     VllmPrefill(launch.server.url, launch.server.served_name).prefill(
         [*lead, *ids], SaveRequest(key, len(lead), len(lead) + len(ids), "baggage"))
-    figures: dict[str, Any] = {"compile_s": time.perf_counter() - t0}
+    figures: JsonObject = {"compile_s": time.perf_counter() - t0}
     path = skills.folder / f"{key}{ENTRY_SUFFIX}"
     figures["saved"] = path.is_file()
     if not figures["saved"]:
