@@ -247,7 +247,7 @@ class ServeConfig(BaseModel):
 
     def _check_store(self) -> None:
         """The store's URL and password file, read before any weights load."""
-        from kvnotes.serving.store.url import parse_store_url, read_password_file
+        from kvnotes.serving.store.url import check_store, parse_store_url
 
         store = self.store.model_dump()
         if store["url"] is None:
@@ -261,8 +261,7 @@ class ServeConfig(BaseModel):
         if not parse_store_url(store["url"]).is_redis:
             raise InvalidArgumentError("--store takes a redis:// or rediss:// URL (this host's "
                                        "own folder is --skills)")
-        if store["password_file"] is not None:
-            read_password_file(store["password_file"])
+        check_store(store["url"], store["password_file"])
 
     def learn_config(self) -> LearnConfig | None:
         """The front's learning (None when ``learning.enabled`` is off)."""

@@ -34,7 +34,7 @@ from pydantic.dataclasses import dataclass
 
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 from kvnotes.core.repair import SERVER_REPAIR, Repair, parse_repair, repair_spelling
-from kvnotes.core.sizes import parse_size
+from kvnotes.core.sizes import format_size, parse_size
 from kvnotes.serving.front.guard_defaults import default_guard
 from kvnotes.serving.library.manifest import splice_salt
 from kvnotes.serving.planning.part_tokens import DEFAULT_CHARS as PART_CACHE_CHARS
@@ -350,6 +350,27 @@ class FrontConfig:
     def __post_init__(self) -> None:
         """The checks that read two fields (each field's own are its constraints)."""
         self._check_store()
+        self._check_quotas()
+
+    def _check_quotas(self) -> None:
+        """A tenant quota is a guarantee only while every tenant's quota fits under the
+        library's cap: with keys (so the tenants are known), a cap below the quotas' sum is
+        refused. Without keys, requests name their tenants and the guarantee holds for up to
+        ``library_cap // tenant_quota`` of them (docs/guide/learning.md)."""
+        learn = self.learn
+        if learn is None or learn.library_cap is None or learn.tenant_quota is None:
+            return
+        keys = Keys.of(self)
+        if not keys.enabled:
+            return
+        tenants = len(keys.tenants)
+        need = learn.tenant_quota * tenants
+        if learn.library_cap < need:
+            raise InvalidArgumentError(
+                f"learning.library_cap {format_size(learn.library_cap)} is below the tenant "
+                f"quotas' sum {format_size(need)} ({tenants} tenants x "
+                f"{format_size(learn.tenant_quota)}): a tenant within its quota could lose "
+                "entries to another's; raise the cap or lower the quota")
 
     def _check_store(self) -> None:
         """A password file needs a store, and a store is a Redis URL: a malformed URL, or a
@@ -404,6 +425,11 @@ class Keys:
 
     def __len__(self) -> int:
         return len(self._tenants)
+
+    @property
+    def tenants(self) -> frozenset[str | None]:
+        """The tenants the keys name (None: the shared one)."""
+        return frozenset(self._tenants.values())
 
     def tenant_of(self, key: str) -> tuple[bool, str | None]:
         """``(known, tenant)`` of a presented key."""
