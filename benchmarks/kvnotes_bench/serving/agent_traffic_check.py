@@ -40,12 +40,13 @@ one per checked answer).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.protocol import ProtocolError, UsageKvnotes
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_client import Answer
 from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
 from kvnotes_bench.serving.agent_traffic_strings import served_strings
@@ -342,7 +343,7 @@ class Reference:
 
 
 @dataclass
-class AgentVerdict:
+class AgentVerdict(Record):
     """What one answer was (``ok``, ``near_tie``, ``wrong`` or ``unchecked``).
 
     ``matched``: the reference it equals; ``compared``: the steps compared (fewer than the
@@ -366,13 +367,6 @@ class AgentVerdict:
     ref_margins: list[float] = field(default_factory=list)  # the matched (else first) reference's
     margin_gap: float | None = None  # the largest |server - engine| margin over compared steps
     why: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> AgentVerdict:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _first_difference(a: Sequence[str], b: Sequence[str]) -> int | None:

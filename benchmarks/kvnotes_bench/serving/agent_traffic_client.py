@@ -15,11 +15,12 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvnotes.serving.protocol import UsageKvnotes
 from kvnotes_bench.kit.failures import classify
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 from kvnotes_bench.serving.client import get_json, open_client, stream
 
@@ -29,7 +30,7 @@ _CALL = re.compile(r"^\W*([A-Za-z_][\w.\-]*)\s*\(")
 
 
 @dataclass
-class Answer:
+class Answer(Record):
     """One response, as the benchmark reads it.
 
     ``tokens`` are the answer's token strings from its log-probs (empty when the server sent
@@ -62,13 +63,6 @@ class Answer:
         """``kvnotes`` read as the front's message (None: none sent);
         :class:`~kvnotes.serving.protocol.ProtocolError` for one this version does not read."""
         return None if self.kvnotes is None else UsageKvnotes.from_dict(self.kvnotes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Answer:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def tool_choice(text: str, candidates: Sequence[str] = ()) -> str | None:

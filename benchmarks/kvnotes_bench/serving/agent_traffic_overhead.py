@@ -19,11 +19,12 @@ on an otherwise idle machine: each :class:`Timing` records the load average arou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.kit.stats import median
 from kvnotes_bench.serving.agent_traffic_client import Sender
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
@@ -32,7 +33,7 @@ OVERHEAD_GOAL = 0.05
 
 
 @dataclass
-class Timing:
+class Timing(Record):
     """One measurement's TTFTs per arm (``measured`` against ``reference``)."""
 
     name: str  # "miss" or "compile"
@@ -67,10 +68,6 @@ class Timing:
                    median_reference_s=self.median_reference_s, overhead=ov,
                    goal_met=None if ov is None else ov <= OVERHEAD_GOAL)
         return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Timing:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 async def _ttft(sender: Sender, request: AgentRequest, splice: bool, max_tokens: int,

@@ -13,18 +13,19 @@ sides' margins there, or why it is unchecked).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_client import Answer
 
 RECORDS_NAME = "soak-requests.jsonl"
 
 
 @dataclass
-class SoakRequestRecord:
+class SoakRequestRecord(Record):
     """One soak request, its prompt as the check rebuilt it, its answer and its verdict."""
 
     index: int
@@ -56,13 +57,6 @@ class SoakRequestRecord:
                       spliced_tokens=self.spliced_tokens,
                       kvnotes=self.usage,
                       finish_reason=self.finish_reason)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SoakRequestRecord:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def write_records(records: Iterable[SoakRequestRecord], path: Path) -> Path:

@@ -22,12 +22,13 @@ Pure: nothing here talks to a server.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvnotes.core.repair import first_tokens
 from kvnotes.serving.protocol import ProtocolError, WirePlan, repair_to_dict
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_client import Answer
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
@@ -35,7 +36,7 @@ BUCKETS = ("spliced", "repaired", "aligned", "unmatched", "text")
 
 
 @dataclass(frozen=True)
-class ShareBreakdown:
+class ShareBreakdown(Record):
     """One answer's prompt tokens by bucket (see the module docstring); the buckets add up to
     ``prompt``. ``chunks``: the request's chunks as the front lays them out, ``matched`` of them
     planned from a learned entry, ``spliced_chunks`` of those with a spliced tail. ``layout_ok``:
@@ -58,13 +59,6 @@ class ShareBreakdown:
 
     def share(self, bucket: str) -> float | None:
         return getattr(self, bucket) / self.prompt if self.prompt else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ShareBreakdown:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def chunk_spans(request: AgentRequest, tokenizer: Any) -> tuple[int, list[tuple[int, int]]]:
@@ -150,7 +144,7 @@ def answer_breakdown(answer: Answer, layout: tuple[int, Sequence[tuple[int, int]
 
 
 @dataclass(frozen=True)
-class PooledBreakdown:
+class PooledBreakdown(Record):
     """The buckets of many answers pooled (each bucket's tokens over all prompt tokens), and
     the mean number of chunks, matched and spliced per request."""
 
@@ -161,13 +155,6 @@ class PooledBreakdown:
     matched_mean: float
     spliced_chunks_mean: float
     layout_ok: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PooledBreakdown:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def pool(parts: Sequence[ShareBreakdown]) -> PooledBreakdown | None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_client import Answer, Sender
 from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest, subset_request
@@ -254,7 +255,7 @@ def check_records(records: Sequence[tuple[SoakRecord, AgentRequest]], oracle: Ag
 
 
 @dataclass(frozen=True)
-class SoakSummary:
+class SoakSummary(Record):
     """The soak's figures."""
 
     requests: int
@@ -276,13 +277,6 @@ class SoakSummary:
     # GAP_TAU somewhere: equal tokens, but not the reference's very computation
     gapped: int = 0
     gap_max: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> SoakSummary:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def summarize(records: Sequence[SoakRecord]) -> SoakSummary:

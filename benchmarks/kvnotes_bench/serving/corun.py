@@ -22,11 +22,12 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.client import open_client
 from kvnotes_bench.serving.soak_client import PREEMPTIONS, Answer, read_counter, stream_completion
@@ -75,7 +76,7 @@ def inter_token_gaps(answer: Answer) -> list[float]:
 
 
 @dataclass
-class ModeResult:
+class ModeResult(Record):
     """One mode: the probe's inter-token latency and what the background sent."""
 
     mode: str
@@ -91,13 +92,6 @@ class ModeResult:
     preemptions: float | None
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModeResult:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 @dataclass

@@ -18,8 +18,8 @@ where the prompt set reads one, the decision): the figures the server is to reac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +27,7 @@ import torch
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.core.repair import Repair
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.prompt_sets import same_decision
 from kvnotes_bench.serving.skills_config import GUARDED_POLICIES
 
@@ -46,7 +47,7 @@ class EngineAnswer:
 
 
 @dataclass(frozen=True)
-class EngineCheck:
+class EngineCheck(Record):
     """One spliced policy at one concurrency level against the engine (see the module doc)."""
 
     policy: str
@@ -59,13 +60,6 @@ class EngineCheck:
     engine_decision: int | None  # ... and the decision, where the prompt set reads one
     server_decision: int | None  # the server's decision equal to its exact answer's
     guard_fires: int | None = None  # guarded policies: prompts the engine answered exactly
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> EngineCheck:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _answer(engine: Engine, nb: Notebook, query: str, tokens: int) -> EngineAnswer:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.core.errors import InvalidArgumentError, ServingError, UnknownNameError
 from kvnotes.ops.decisions import parse_answer
 from kvnotes_bench.kit.machine import MachineRecord, load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving import kit
 from kvnotes_bench.serving.client import Client, StreamResult, open_client, stream_chat
 from kvnotes_bench.serving.kit import (
@@ -133,15 +134,6 @@ class ErratumBenchConfig:
         """Sessions of a row at this concurrency."""
         return max(self.sessions, concurrency, math.ceil(self.requests_per_row / self.edits))
 
-    def total_requests(self, contexts: int | None = None) -> int:
-        """An upper bound on the requests a run sends (warm-ups included)."""
-        n = 0
-        for c in self.concurrency:
-            s = self.sessions_for(c)
-            for p in self.policies:
-                n += s * self.edits + (0 if p == "cold" else s)
-        return n * (len(self.context_tokens) if contexts is None else contexts)
-
 
 def matrix_config(**overrides: Any) -> ErratumBenchConfig:
     """The full matrix: contexts 1k/4k/8k (16k where the model allows it), concurrency 1/4/16,
@@ -154,7 +146,7 @@ def matrix_config(**overrides: Any) -> ErratumBenchConfig:
 
 
 @dataclass
-class RequestRecord:
+class RequestRecord(Record):
     """One measured request."""
 
     context_tokens: int
@@ -174,10 +166,6 @@ class RequestRecord:
     skipped: bool = False
     error_kind: str | None = None
     stale: str | None = None  # the answer the session's original value gives
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> RequestRecord:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 class _Deadline:

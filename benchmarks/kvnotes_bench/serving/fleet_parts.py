@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.kit.stats import bootstrap_ci, median, percentile
 from kvnotes_bench.serving.agent_traffic_client import Answer
 
@@ -237,7 +238,7 @@ async def fleet_compiles(hosts: Sequence[HostView], settle_s: float = 3.0
 
 # ---- cost ---------------------------------------------------------------------------------------
 @dataclass
-class TtftRun:
+class TtftRun(Record):
     """One store at one concurrency: per round, the p90 TTFT of its requests."""
 
     store: str  # "redis" or "folder"
@@ -264,10 +265,6 @@ class TtftRun:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "median_p90_s": self.median_p90_s,
                 "median_p90_ci_s": self.median_p90_ci_s, "share": self.share}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TtftRun:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 async def ttft_round(sender: OpenAISender, requests: Sequence[AgentRequest], concurrency: int,
@@ -301,7 +298,7 @@ def ttft_overhead(runs: Sequence[TtftRun], concurrency: int) -> float | None:
 
 
 @dataclass
-class FetchCost:
+class FetchCost(Record):
     """What fetching entries from the store costs: a timed ``get`` of each from here, and the
     host's mirror counters (None: its front reports none)."""
 
@@ -326,10 +323,6 @@ class FetchCost:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "s_per_mb": self.s_per_mb,
                 "mirror_s_per_mb": self.mirror_s_per_mb}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FetchCost:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def fetch_cost(url: str, mirror: dict[str, Any] | None = None) -> FetchCost:

@@ -18,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.serving.agent_traffic_client import Answer
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def parse_faults(text: str) -> tuple[tuple[str, float], ...]:
 
 
 @dataclass
-class FaultEvent:
+class FaultEvent(Record):
     """One fault as it happened (``ok`` False: it failed, or the soak ended first)."""
 
     name: str
@@ -92,13 +93,6 @@ class FaultEvent:
     ok: bool = False
     error: str | None = None
     load: list[float] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> FaultEvent:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def host_of(index: int, hosts: Sequence[str]) -> str:

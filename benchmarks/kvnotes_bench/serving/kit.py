@@ -16,7 +16,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvnotes.core.errors import ServingError
@@ -24,6 +24,7 @@ from kvnotes.serving.vllm_endpoints import Client, info_labels
 from kvnotes_bench.kit.failures import count_kinds
 from kvnotes_bench.kit.formats import fmt_kinds, fmt_pct, fmt_s
 from kvnotes_bench.kit.machine import load_now
+from kvnotes_bench.kit.records import Record
 from kvnotes_bench.kit.stats import percentile
 from kvnotes_bench.serving.metrics import (
     HISTOGRAMS,
@@ -165,7 +166,7 @@ def run_phase(items: Sequence[Item], concurrency: int,
 
 
 @dataclass
-class PhaseSummary:
+class PhaseSummary(Record):
     """The figures every serving workload reports for one phase.
 
     ``hit_rate`` comes from the delta of vLLM's prefix-cache counters (what its own prefix cache
@@ -205,11 +206,6 @@ class PhaseSummary:
         if self.context_tokens is None:
             del out["context_tokens"]
         return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PhaseSummary:
-        """Read back :meth:`to_dict`."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _delta(run: PhaseRun) -> tuple[PrefixCacheCounters | None, str | None]:
