@@ -46,6 +46,27 @@ def test_a_chunk_seen_twice_on_one_host_is_compiled_once_for_the_fleet(hosts, to
     assert a.seen(None, tool, times=3) == 0  # learned here now: no more counting
 
 
+def test_a_chunk_another_host_learned_behind_another_prefix_is_taken_not_compiled(hosts,
+                                                                                  tokenizer):
+    # agent traffic: the same tool behind a different prefix on each host (other tools before
+    # it). Host B learned it; host A's own sightings come due behind its own prefix: A takes
+    # B's entry (its tokens are the tool's; the connector re-rotates it), as one host learns a
+    # chunk once whatever prefix it comes due behind. Recompiling it cost a compile per host,
+    # and compiles are what a saturated fleet lacks (issue 56: the fleet soak's hit rate).
+    a, b = hosts("a"), hosts("b")
+    tool_on_b = chunk(tokenizer, TOOL, after=HEADER)
+    tool_on_a = chunk(tokenizer, TOOL, after=HEADER + OTHER)
+    assert b.seen(None, tool_on_b, times=2) == 1 and compiles(b) == 1
+    (info,) = b.store.list(b.model)
+    a.mirror.sync_once()
+    assert a.has(info.key)
+    assert a.seen(None, tool_on_a, times=2) == 1  # due on A, behind its own prefix
+    assert compiles(a, b) == 1 and a.learner.fleet_counters()["adopted"] == 1
+    assert a.learner.bounds.holds(info.key) and info.key not in a.mirror.copies()
+    assert [i.key for i in a.store.list(a.model)] == [info.key]  # one entry for the fleet
+    assert a.seen(None, tool_on_a, times=3) == 0  # learned here now: no more counting
+
+
 def test_a_host_that_dies_mid_compile_leaves_no_entry_and_its_lease_expires(hosts, tokenizer,
                                                                             redis_server):
     b = hosts("b", lease_s=1.0)

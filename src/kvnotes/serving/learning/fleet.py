@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 from kvnotes.core.errors import KvnotesError, StoreUnavailableError
 from kvnotes.serving.learning.compiles import Compiled, Compiler
 from kvnotes.serving.learning.learner import Learner, LearnSettings
-from kvnotes.serving.learning.sightings import Job, LocalSightings
+from kvnotes.serving.learning.sightings import Job, LocalSightings, skill_id
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
 from kvnotes.serving.store import bounds as store_bounds
@@ -314,6 +314,23 @@ class Publisher:
                  key, i.name, self.store.url)
         return True
 
+    def adopt_skill(self, skill: str, tenant: str | None) -> LearnedEntry | None:
+        """Take the learned entry of chunk ``skill`` (its tokens and tenant:
+        :func:`~kvnotes.serving.learning.sightings.skill_id`) that another host compiled,
+        whatever prefix it was compiled behind (:meth:`adopt`); its registry row, or None when
+        the store holds none (or does not answer): the caller compiles it."""
+        try:
+            listed = self.store.list(self.model, tenant)
+        except StoreUnavailableError:
+            return None
+        found = [i for i in listed if i.learned and i.skill == skill and i.tenant == tenant
+                 and i.variant_of is None]
+        # the most recently used first (a listing is least recently used first)
+        for info in reversed(found):
+            if self.adopt(info.key, tenant):
+                return self.registry.get(info.key)
+        return None
+
 
 class FleetCompiler(Compiler):
     """A :class:`Compiler` that takes an entry another host compiled from the store instead of
@@ -325,6 +342,14 @@ class FleetCompiler(Compiler):
         self.publisher = publisher
 
     def compile(self, job: Job) -> Compiled:
+        if job.chunk is not None and job.variant is None:
+            # learned by another host, behind whatever prefix: taken, not compiled again (a
+            # chunk is compiled once for the fleet, as once on one host; a variant behind
+            # this host's prefix is learned on its own when a request would splice better)
+            taken = self.publisher.adopt_skill(skill_id(job.tenant, job.chunk.token_ids),
+                                               job.tenant)
+            if taken is not None:
+                return Compiled(taken.key, taken)
         done = super().compile(job)
         if done.entry is not None and done.new:
             self.publisher.publish(done.entry)
