@@ -212,10 +212,10 @@ class OpenAISender:
 
     async def send(self, request: AgentRequest, *, splice: bool, max_tokens: int,
                    repair: int | None = None) -> Answer:
+        args = self._args(request, splice, max_tokens, repair)  # a bad request raises here
         t0 = time.perf_counter()
         try:
-            resp = await self.client.chat.completions.create(
-                **self._args(request, splice, max_tokens, repair))
+            resp = await self.client.chat.completions.create(**args)
         except Exception as err:  # noqa: BLE001 -- every server failure is an outcome
             failure = classify(err)
             return Answer(ok=False, error=failure.message, error_kind=failure.kind)
@@ -224,11 +224,11 @@ class OpenAISender:
         return answer
 
     async def stream(self, request: AgentRequest, *, splice: bool, max_tokens: int) -> Answer:
+        args = self._args(request, splice, max_tokens)  # a bad request raises here
         reader = _DeltaReader()
         seen = await stream(
             lambda: self.client.chat.completions.create(
-                **self._args(request, splice, max_tokens), stream=True,
-                stream_options={"include_usage": True}),
+                **args, stream=True, stream_options={"include_usage": True}),
             reader)
         if seen.failure is not None:
             return Answer(ok=False, error=seen.failure.message, error_kind=seen.failure.kind,
