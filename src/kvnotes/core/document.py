@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import kvnotes.core.validate as validate
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
@@ -129,18 +129,27 @@ def as_parts(parts: Sequence[Part] | Document | str) -> Document:
 
 
 # ---- the document a notebook remembers --------------------------------------------------------
-def document_meta(doc: Document, offset: int) -> dict[str, Any]:
+class DocumentRecord(TypedDict):
+    """A notebook's ``meta["document"]``: its parts (``["text", str]`` or ``["field", name,
+    value]``) and the notebook index of the document's first token."""
+
+    parts: list[list[str]]
+    offset: int
+
+
+def document_meta(doc: Document, offset: int) -> DocumentRecord:
     """JSON-able record of ``doc`` prefilled with its first token at notebook index ``offset``."""
     parts = [["field", p.name, p.value] if isinstance(p, Field) else ["text", p]
              for p in doc.parts]
     return {"parts": parts, "offset": int(offset)}
 
 
-def remembered_document(meta: Mapping[str, Any]) -> tuple[Document, int]:
+def remembered_document(meta: Mapping[str, object]) -> tuple[Document, int]:
     """The document a notebook whose meta is ``meta`` (``nb.meta``) was prefilled from, and the
-    index of its first token (the record :func:`document_meta` wrote)."""
+    index of its first token (the record :func:`document_meta` wrote; a loaded notebook's was
+    checked by :mod:`kvnotes.core.files`)."""
     record = meta.get("document")
-    if not record:
+    if not record or not isinstance(record, dict):
         raise KvnotesError("this notebook does not remember a document, so it has no fields to "
                            "edit; prefill a kvnotes.Document (engine.prefill(doc)) to edit fields")
     parts = [Field(p[1], p[2]) if p[0] == "field" else p[1] for p in record["parts"]]

@@ -6,11 +6,11 @@ over the softmax distributions; top-1 agreement of the argmax tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass
 
 import torch
+
+from kvnotes.core.records import adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +33,10 @@ class LogitComparison:
         return {**asdict(self), "top1_agree": self.top1_agree}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> LogitComparison:
+    def from_dict(cls, data: object) -> LogitComparison:
         """Reads :meth:`to_dict`'s output (``top1_agree`` is derived, so not read)."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        out: LogitComparison = adapter(cls).validate_python(data)
+        return out
 
 
 def logit_cosine(reference: torch.Tensor, method: torch.Tensor) -> float:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import computed_field
+from pydantic.dataclasses import dataclass as record
 
 from kvnotes.core import validate
 from kvnotes.core.chat import chat_turn, has_template
@@ -40,6 +42,7 @@ from kvnotes.core.document import Document, Field, document_meta, remembered_doc
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownNameError
 from kvnotes.core.notebook import Notebook, Span
+from kvnotes.core.records import JsonRecord
 from kvnotes.core.repair import repair_budget, repair_selector
 
 STRATEGIES = ("recompute", "prefix", "overwrite", "erratum", "repair")
@@ -56,8 +59,8 @@ ERRATUM_TEMPLATES: dict[str, str] = {
 DEFAULT_ERRATUM = "correction"
 
 
-@dataclass(frozen=True, slots=True)
-class EditReport:
+@record(frozen=True, slots=True)
+class EditReport(JsonRecord):
     """What an edit did and what it cost.
 
     ``tokens_total`` is what a full recompute of the edited notebook computes; the compute
@@ -82,12 +85,10 @@ class EditReport:
     seconds: float = 0.0
     delta: int = 0  # change of the field's token length
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def compute_fraction(self) -> float:
         return (self.tokens_recomputed + self.tokens_appended) / max(1, self.tokens_total)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "compute_fraction": self.compute_fraction}
 
 
 # ---- planning ---------------------------------------------------------------------------------

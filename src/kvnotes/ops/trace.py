@@ -48,6 +48,7 @@ from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.core.metrics import normalized_effect
 from kvnotes.core.notebook import LayerKV, Notebook
+from kvnotes.core.records import Json
 from kvnotes.ops.decisions import first_token_ids
 
 DIRECTIONS = ("denoising", "noising")
@@ -165,13 +166,14 @@ class TraceResult:
                                "only the noising direction (use result.noising)")
         return self.denoising
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
         """Plain JSON-ready data (NaN becomes None)."""
         data = asdict(self)
         data.update(denominator=self.denominator, flips=self.flips,
                     field_effect=self.denoising.field if self.denoising else None,
                     notes_effect=self.denoising.notes if self.denoising else None)
-        return _finite(data)
+        out: Json = _finite(data)
+        return out
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from kvnotes.core import validate
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError, UnknownNameError
+from kvnotes.core.records import Json
 from kvnotes.core.repair import Repair, as_repair, repair_selector
 from kvnotes.ops.edit import DEFAULT_ERRATUM, erratum_text
 
@@ -119,5 +119,6 @@ class AgentConfig:
         """Whether other skills are compiled behind each opening (needs ``anchored``)."""
         return self.variants and self.anchored
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> Json:
+        out: Json = asdict(self)  # every setting is a plain JSON value
+        return out

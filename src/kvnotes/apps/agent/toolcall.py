@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvnotes.core.jsontext import first_object
+from kvnotes.core.records import Json
 
 # tool name -> {argument: type}; every argument is required, no others are allowed
 TOOLS: dict[str, dict[str, type]] = {
@@ -33,10 +33,10 @@ class ToolCall:
     raw: str
     ok: bool
     tool: str | None = None
-    args: dict[str, Any] = field(default_factory=dict)
+    args: Json = field(default_factory=dict)
     error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> Json:
         return {"raw": self.raw, "ok": self.ok, "tool": self.tool, "args": self.args,
                 "error": self.error}
 

@@ -38,10 +38,9 @@ def evaluate_case(engine: Engine, case: EditCase, settings: SuiteSettings) -> Ca
         if name == "recompute":
             edits.append((label, ref_nb, ref_report))
             continue
-        if name == "repair":
-            options = {**options, "memo": memo}
+        shared = memo if name == "repair" else None
         edits.append((label, *edit(engine, nb_old, case.field, case.new_value, strategy=name,
-                                   **options)))
+                                   memo=shared, **options)))
     asked = [nb_old, ref_nb, *(nb for _, nb, _ in edits if nb is not ref_nb)]
     decisions = iter(decide_batch(engine, asked, query, case.answers, cot=cot, budget=budget)
                      if settings.batch else

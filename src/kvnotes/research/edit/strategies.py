@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from kvnotes.core.errors import InvalidArgumentError, UnknownNameError
 
@@ -14,7 +14,15 @@ DEFAULT_STRATEGIES: tuple[str, ...] = (
 ERRATUM_WORDINGS: tuple[str, ...] = ("erratum:update", "erratum:strong", "erratum:restate")
 
 
-def parse_strategy(spec: str) -> tuple[str, dict[str, Any]]:
+class EditOptions(TypedDict, total=False):
+    """A strategy's keyword arguments of :func:`kvnotes.edit`."""
+
+    select: str
+    k: int
+    template: str
+
+
+def parse_strategy(spec: str) -> tuple[str, EditOptions]:
     """``"repair:kv_deviation:32"`` -> ``("repair", {"select": "kv_deviation", "k": 32})``;
     ``"erratum:strong"`` -> ``("erratum", {"template": "strong"})``; the options are keyword
     arguments of :func:`kvnotes.edit`."""
