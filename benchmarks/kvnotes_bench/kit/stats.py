@@ -60,7 +60,7 @@ def bootstrap_ci(values: Sequence[float],
         >>> lo < 3.0 < hi
         True
     """
-    from scipy.stats import bootstrap  # type: ignore[import-untyped]  # no stubs installed
+    from scipy.stats import bootstrap
 
     xs = np.asarray(values, dtype=float)
     if xs.size < 2:
