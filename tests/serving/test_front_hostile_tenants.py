@@ -144,6 +144,22 @@ def test_variant_counts_stay_bounded():
     assert len(hits.names) == 3 and len(hits.exact) <= 3
 
 
+def test_the_fronts_counts_of_an_evicted_entry_go_with_it(upstream, published, tokenizer,
+                                                         tmp_path):
+    registry = LearnedRegistry(tmp_path)
+    for key in ("k1", "k2"):
+        (tmp_path / f"{key}.safetensors").write_bytes(b"\0" * 10)
+        registry.record(LearnedEntry(key, None, key, "tool", 4, 10))
+    learner = Learner(LearnConfig(), SimpleNamespace(folder=tmp_path), registry)
+    front = Front(FrontConfig(upstream=upstream.url, block_size=16, model=MODEL),
+                  SkillCatalog(published.folder, tokenizer), learner)
+    for key in ("k1", "k2"):
+        piece = SimpleNamespace(key=key, name="tool", behind=None, origin=0)
+        front.service.variant_hits.record([SimpleNamespace(piece=piece, token_ids=(1, 2))])
+    assert learner.evict("k1")
+    assert [k for k, *_ in front.service.variant_hits.rows()] == ["k2"]  # no scrape needed
+
+
 def test_serve_takes_a_metrics_key_and_refuses_it_without_the_front(tmp_path):
     runner = CliRunner()
     config = tmp_path / "serve.toml"

@@ -197,3 +197,38 @@ def test_the_worker_keeps_the_index_in_step_on_its_own(tmp_path):
     finally:
         learner.stop()
     assert sorted(e.key for e in registry.entries()) == ["k0", "k2"]
+
+
+# ---- the front's per-entry state follows the index -----------------------------------------------
+def test_evicted_and_forgotten_entries_leave_the_known_map_and_the_hit_counts(tmp_path):
+    from kvnotes.serving.learning.sightings import chunk_id
+    from kvnotes.serving.planning.variant_demand import VariantHits
+
+    skills = FakeSkills(tmp_path, nbytes=100)
+    learner = Learner(LearnConfig(after=1, min_tokens=4, library_cap=400), skills)
+    hits = VariantHits()
+    learner.on_gone(lambda keys: hits.forget(*keys))
+    chunks = [seen(f"tool number {i:02d}") for i in range(40)]
+    for chunk in chunks:
+        learner.observe(None, [chunk])
+        assert learner.run_pending() == 1
+        with hits._lock:  # each entry spliced once, as the front counts it
+            key = skills.path_for(chunk.text, after=chunk.after_ids).stem
+            hits.used[key], hits.names[key] = 1, "tool"
+    held = {e.key for e in learner.registry.entries()}
+    assert len(held) == 4 and learner.counters()["evictions"] == 36
+    known = {learner.sightings.known(chunk_id(None, c.token_ids)) for c in chunks}
+    assert known - {None} == held  # the 36 evicted are no longer known, at once
+    assert {row[0] for row in hits.rows()} == held  # nor counted, with no scrape
+    with LearnedRegistry(tmp_path) as cli:  # kvnotes skills forget, another process
+        gone = sorted(held)[0]
+        cli.remove(gone)
+    (tmp_path / f"{gone}.safetensors").unlink()
+    learner.upkeep()
+    assert {row[0] for row in hits.rows()} == held - {gone}
+    assert gone not in {learner.sightings.known(chunk_id(None, c.token_ids)) for c in chunks}
+    swept = sorted(held - {gone})[0]
+    (tmp_path / f"{swept}.safetensors").unlink()  # by hand: the sweep finds it
+    assert learner.sweep() == 1
+    assert {row[0] for row in hits.rows()} == held - {gone, swept}
+    assert len(learner.sightings._known) == 2 == len(learner.sightings._idents)

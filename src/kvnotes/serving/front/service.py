@@ -120,6 +120,8 @@ class FrontService:
         if learner is not None:
             self.metrics.watch_learner(learner.counters)
         self.variant_hits = VariantHits()
+        if learner is not None:  # a learned entry's counts go when it does, not at a scrape
+            learner.on_gone(lambda keys: self.variant_hits.forget(*keys))
         learned = None if learner is None else learner.registry.__contains__
         self.metrics.watch_variants(self.variant_hits, getattr(catalog, "folder", None), learned)
         # a fleet's shared store (FrontConfig.store): mirrored into the folder, in /metrics

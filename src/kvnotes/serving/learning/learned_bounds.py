@@ -193,12 +193,15 @@ class Bounds:
         with self._lock:
             return self._index.remove(key)
 
-    def reload(self, entries: Iterable[LearnedEntry]) -> None:
-        """Replace the index with ``entries`` (the registry's rows, read by the caller)."""
+    def reload(self, entries: Iterable[LearnedEntry]) -> list[str]:
+        """Replace the index with ``entries`` (the registry's rows, read by the caller);
+        returns the keys it held that ``entries`` lack (forgotten by another process)."""
         index = LearnedIndex(entries)
         with self._lock:
+            gone = [key for key in self._index.keys() if key not in index]
             self._index = index
             self._to_verify.clear()
+        return gone
 
     def claim(self, key: str) -> bool:
         """Take ``key`` out of the index to delete it, unless a request holds it."""

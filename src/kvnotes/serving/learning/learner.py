@@ -25,6 +25,11 @@ chores (every ``flush_s``) write the hits counted, reload the index when another
 the registry (``kvnotes skills pin/forget``), and check a bounded batch of entries' files
 (:data:`SWEEP_BATCH`, round robin), dropping the rows of files deleted by hand; :meth:`sweep`
 checks them all. A chunk whose entry is gone is counted from scratch and learned again.
+
+Whatever removes an entry from the index (an eviction, a reload that finds it forgotten, a
+sweep that finds its file gone) tells the :meth:`Learner.on_gone` listeners at once: the
+sightings' map of learned chunks and the front's per-entry hit counts then hold no key of an
+entry that is gone, rather than until a bound or a scrape pushes it out.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -150,6 +155,7 @@ class Learner:
         self.bounds = Bounds(LearnedIndex(self.registry.entries()))
         self.sightings = Sightings(config.after, config.min_tokens, config.max_tracked,
                                    sightings)
+        self._gone: list[Callable[[Sequence[str]], None]] = [self.sightings.gone]
         self.compile_leases: CompileLease = (LocalCompileLeases() if compile_leases is None
                                               else compile_leases)
         self.compiler: ChunkCompiler = (compiler if compiler is not None
@@ -199,6 +205,20 @@ class Learner:
 
     def leased(self, key: str) -> bool:
         return self.bounds.leased(key)
+
+    def on_gone(self, listener: Callable[[Sequence[str]], None]) -> None:
+        """Call ``listener`` with the keys of entries as they leave the learned index
+        (evicted, forgotten, their files gone), from the worker's thread."""
+        self._gone.append(listener)
+
+    def _went(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        for listener in self._gone:
+            try:
+                listener(keys)
+            except Exception:  # noqa: BLE001 -- bookkeeping; the entry is gone whatever it says
+                log.exception("kvnotes learner: a listener failed on %d entries gone", len(keys))
 
     def counters(self) -> dict[str, int]:
         total, count, variants, variant_bytes = self.bounds.totals()
@@ -313,6 +333,7 @@ class Learner:
 
     def _delete(self, key: str) -> None:
         forget(self.skills.folder, key, self.registry)
+        self._went([key])
         self._count("evictions")
         log.info("kvnotes learner: evicted %s", key)
 
@@ -334,7 +355,7 @@ class Learner:
                 return False
             self._flush()
             self._seen_version = version
-            self.bounds.reload(self.registry.entries())
+            self._went(self.bounds.reload(self.registry.entries()))
             return True
 
     def sweep(self, limit: int | None = None) -> int:
@@ -342,13 +363,14 @@ class Learner:
         of those that are gone (deleted by hand) are dropped: they hold no bytes. Returns how
         many were dropped."""
         with self._chores:
-            gone = 0
+            gone: list[str] = []
             for entry in self.bounds.to_verify(limit):
                 if not (self.skills.folder / f"{entry.key}{ENTRY_SUFFIX}").is_file():
                     self.registry.remove(entry.key)
                     self.bounds.drop(entry.key)
-                    gone += 1
-            return gone
+                    gone.append(entry.key)
+            self._went(gone)
+            return len(gone)
 
     def _flush(self) -> None:
         when = time.time()

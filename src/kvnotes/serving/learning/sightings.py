@@ -153,6 +153,7 @@ class Sightings:
         # index holds it: an entry evicted or forgotten since is counted from scratch, and
         # learned again if it keeps coming.
         self._known: OrderedDict[bytes, str] = OrderedDict()
+        self._idents: dict[str, set[bytes]] = {}  # key -> the identities _known maps to it
 
     def chunk_jobs(self, tenant: str | None, chunks: Iterable[SeenChunk]) -> list[Job]:
         """One request's chunks long enough to learn, one job per distinct chunk."""
@@ -198,17 +199,36 @@ class Sightings:
                 return False
             with self._lock:  # gone since: counted from scratch
                 if self._known.get(job.ident) == key:
-                    del self._known[job.ident]
+                    self._unknow(job.ident)
         return True
 
     def learned(self, ident: bytes, key: str) -> None:
         """``ident`` was compiled to entry ``key`` ("": it is never learned)."""
         with self._lock:
-            self._known.pop(ident, None)
+            self._unknow(ident)
             self._known[ident] = key
+            if key:
+                self._idents.setdefault(key, set()).add(ident)
             while len(self._known) > self.max_tracked:
-                self._known.popitem(last=False)
+                self._unknow(next(iter(self._known)))
         self.counter.clear(ident)
+
+    def gone(self, keys: Iterable[str]) -> None:
+        """Entries ``keys`` were evicted or forgotten: their identities are no longer known
+        (the map holds no key of an entry that is gone; one that keeps coming is counted from
+        scratch)."""
+        with self._lock:
+            for key in keys:
+                for ident in self._idents.pop(key, ()):
+                    self._known.pop(ident, None)
+
+    def _unknow(self, ident: bytes) -> None:
+        """Drop ``ident`` from the map and from its key's identities (under the lock)."""
+        key = self._known.pop(ident, None)
+        idents = self._idents.get(key, set()) if key else set()
+        idents.discard(ident)
+        if key and not idents:
+            self._idents.pop(key, None)
 
     def known(self, ident: bytes) -> str | None:
         """The entry key ``ident`` was compiled to ("": never learned; None: not known)."""

@@ -146,10 +146,11 @@ class VariantHits:
                     counts.pop(oldest, None)
         return used, exact
 
-    def forget(self, key: str) -> None:
+    def forget(self, *keys: str) -> None:
         with self._lock:
-            for counts in (self.used, self.exact, self.names):
-                counts.pop(key, None)
+            for key in keys:
+                for counts in (self.used, self.exact, self.names):
+                    counts.pop(key, None)
 
     def rows(self) -> list[tuple[str, str, int, int]]:
         """``(key, name, used, exact)`` of each entry counted (a snapshot)."""
