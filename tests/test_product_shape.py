@@ -10,7 +10,7 @@ from kvnotes_bench.shape import hand_written_validators, measure, untyped_signat
 # Open goals: the figure when the bench package left the wheel. Lower these as the figures
 # fall; the goal itself is each Goal's limit.
 CEILINGS = {"lines in src/kvnotes": 31_000, "lines in the bench package": 15_000,
-            "dict[str, Any] in src signatures": 94}
+            "dict[str, Any] in src signatures": 15}
 
 
 def test_goals_met_hold_and_open_ones_do_not_grow(capsys):
