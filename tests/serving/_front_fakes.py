@@ -131,10 +131,13 @@ class FakeVLLM:
             if k is not None:
                 lp = {key: [v for c in choices for v in c["logprobs"][key]]
                       for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs")}
+            finish, stop = "length", _stop_at(text, body.get("stop"))
+            if stop is not None:  # as vLLM: cut before it, and its frontend drops the report
+                text, finish = text[:text.index(stop)], "stop"
             data = {**head, "object": "text_completion", "usage": usage, "choices": [
-                {"index": 0, "text": text, "logprobs": lp, "finish_reason": "length",
-                 "stop_reason": None}]}
-            if self.report is not None and body.get("kv_transfer_params"):
+                {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish,
+                 "stop_reason": stop}]}
+            if self.report is not None and body.get("kv_transfer_params") and stop is None:
                 data["kv_transfer_params"] = self.report(body)
             handler._json(200, data)  # type: ignore[attr-defined]
             return
@@ -195,3 +198,7 @@ class FakeVLLM:
         self.server.server_close()
 
 
+def _stop_at(text: str, stops: Any) -> str | None:
+    """The stop string (of ``stops``, a string or a list) that vLLM would end ``text`` on."""
+    found = [s for s in ([stops] if isinstance(stops, str) else stops or []) if s in text]
+    return min(found, key=text.index) if found else None

@@ -137,6 +137,36 @@ def test_a_report_the_front_cannot_read_is_left_out_and_logged(front, fake, clie
     assert usage.report is None and usage.spliced_tokens > 0
     assert "the connector's report was refused: kvnotes splice report: version 9; this " \
            "kvnotes reads version 1" in caplog.text
+    assert usage.no_report == "refused"
+
+
+def test_a_stop_string_answer_is_vllms_text_and_says_why_it_has_no_report(front, fake, client):
+    fake.report = connector_report
+    got = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER,
+                                    max_tokens=3, stop=["xyz", "ans"])
+    assert fake.posted()[-1]["stop"] == ["xyz", "ans"]  # vLLM applies it, as asked
+    assert got.choices[0].text == "spliced "  # vLLM's text, cut where vLLM cut it
+    assert got.choices[0].finish_reason == "stop"
+    usage = UsageKvnotes.from_dict(kvnotes_usage(got.usage))
+    assert usage.report is None and usage.no_report == "stop_string"
+    assert usage.spliced_tokens > 0 and usage.plan is not None
+    got = client.completions.create(model=MODEL, prompt=HEADER + REFUNDS + USER, max_tokens=3)
+    usage = UsageKvnotes.from_dict(kvnotes_usage(got.usage))
+    assert usage.report is not None and usage.no_report is None
+
+
+def test_a_stream_ends_with_the_plan_and_says_the_report_is_not_streamed(front, fake, client):
+    fake.report = connector_report
+    stream = client.completions.create(model=MODEL, prompt=HEADER + BAGGAGE + REFUNDS + USER,
+                                       max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})
+    last = list(stream)[-1]
+    assert last.choices == []
+    usage = UsageKvnotes.from_dict(kvnotes_usage(last.usage))
+    assert usage.plan is not None and usage.plan.skills == ("header", "baggage", "refunds")
+    assert usage.spliced_tokens > 0 and usage.phases == len(usage.phase_reports) > 0
+    assert all(r is not None for r in usage.phase_reports)  # the phases are not streamed
+    assert usage.report is None and usage.no_report == "stream"
 
 
 def test_completion_without_max_tokens_keeps_vllms_default(front, fake, client):

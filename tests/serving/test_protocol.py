@@ -20,6 +20,7 @@ from kvnotes.serving.protocol import (
     ProtocolError,
     SpliceReport,
     SpliceRequest,
+    UsageBuilder,
     UsageKvnotes,
     WirePlan,
     repair_from_dict,
@@ -145,7 +146,8 @@ def test_a_report_this_version_cannot_read_is_refused(change, message):
 @pytest.mark.parametrize("change, message", [
     ({"v": 2}, "usage.kvnotes: version 2; this kvnotes reads version 1"),
     ({"tag": "f32a16"}, "usage.kvnotes: unknown field 'tag' (fields: v, spliced_tokens, "
-                        "phases, guard_fired, plan, exact, phase_reports, report)"),
+                        "phases, guard_fired, plan, exact, phase_reports, report, "
+                        "no_report)"),
     ({"guard_fired": 1}, "usage.kvnotes: guard_fired: input should be a valid boolean, got 1"),
     ({"plan": {**PLAN.to_dict(), "repair": "f32a16"}},
      "usage.kvnotes: plan.repair: expected a JSON object, got str"),
@@ -224,3 +226,13 @@ def test_outcomes_keep_their_label_strings():
                         "upstream_error", "bad_request", "unauthorized", "rejected",
                         "disconnected", "internal_error")
     assert Outcome.SPLICED == "spliced" and json.dumps(Outcome.GUARD_FIRED) == '"guard_fired"'
+
+
+def test_no_report_is_on_the_wire_only_when_it_says_something():
+    assert "no_report" not in USAGE.to_dict()
+    streamed = UsageKvnotes(58, 1, False, PLAN, None, (REPORT,), None, "stream")
+    assert streamed.to_dict()["no_report"] == "stream"
+    assert UsageKvnotes.from_dict(streamed.to_dict()) == streamed
+    built = UsageBuilder(58, PLAN, guard_fired=True, report=None).done()
+    assert built.no_report == "guard_fired"
+    assert UsageBuilder(exact="no_skill").done().no_report is None

@@ -75,6 +75,11 @@ PARAMS_KEY = "kvnotes"
 # PARAMS_KEY, so a reader of splice requests never meets one.
 SAVE_KEY = "kvnotes_save"
 _CLOSED = ConfigDict(extra="forbid")  # an unknown field is refused, never dropped
+# Why a planned answer's ``usage.kvnotes.report`` is None (its ``no_report``): vLLM puts the
+# connector's report in ``kv_transfer_params`` of a non-streamed answer's last engine output
+# only, so a stream never has one, nor an answer ended on a stop string (vLLM's frontend
+# finds the string and aborts the request: the output that would carry the report is not sent).
+NO_REPORT = ("stream", "stop_string", "guard_fired", "refused", "not_returned")
 
 
 class ProtocolError(InvalidArgumentError):
@@ -531,8 +536,9 @@ class UsageKvnotes(_Message):
     - ``plan``: the plan (None: sent exactly); ``exact``: why it was sent exactly (a planning
       reason code), None when it was planned;
     - ``phase_reports``/``report``: what the connector did for each phase (None where vLLM
-      returned none) and for the request that answered (None: none returned, e.g. a streamed
-      answer, or the guard fired: the answer is the exact request's).
+      returned none) and for the request that answered;
+    - ``no_report``: why ``report`` is None although the request was planned (one of
+      :data:`NO_REPORT`); None when there is a report or nothing was planned.
     """
 
     spliced_tokens: Count = 0
@@ -542,10 +548,16 @@ class UsageKvnotes(_Message):
     exact: StrictStr | None = None
     phase_reports: tuple[SpliceReport | None, ...] = ()
     report: SpliceReport | None = None
+    no_report: StrictStr | None = None
 
     _WHAT: ClassVar[str] = "usage.kvnotes"
     _WIRE: ClassVar[tuple[str, ...]] = ("v", "spliced_tokens", "phases", "guard_fired", "plan",
-                                        "exact", "phase_reports", "report")
+                                        "exact", "phase_reports", "report", "no_report")
+
+    def _trim(self, body: JsonObject) -> JsonObject:
+        # absent when None: an answer with its report reads the same as before the field
+        return body if self.no_report is not None else \
+            {k: v for k, v in body.items() if k != "no_report"}
 
     @property
     def reports(self) -> tuple[SpliceReport, ...]:
@@ -566,7 +578,11 @@ class UsageBuilder:
     phase_reports: list[SpliceReport | None] = dataclasses.field(default_factory=list)
     phases: int = 0
     report: SpliceReport | None = None
+    no_report: str = "not_returned"  # why report is None, when it is (see NO_REPORT)
 
     def done(self) -> UsageKvnotes:
+        why = None
+        if self.report is None and self.plan is not None:
+            why = "guard_fired" if self.guard_fired else self.no_report
         return UsageKvnotes(self.spliced_tokens, self.phases, self.guard_fired, self.plan,
-                            self.exact, tuple(self.phase_reports), self.report)
+                            self.exact, tuple(self.phase_reports), self.report, why)

@@ -111,12 +111,13 @@ class Proxy:
         if salt is not None:
             exact_ids["cache_salt"] = salt
         if req.stream:
+            info.no_report = "stream"
             return await self._stream(req, fp, model, tau, info, shaper, headers, call, exact_ids)
         status, data = await self.up.post_json(COMPLETIONS, real_body(fp, req, model, tau))
         if status != 200:
             return self._upstream_failed(status, data, call)
         answer = _loads(data)
-        info.report = _report(answer.get("kv_transfer_params"), call)
+        _answer_report(answer, info, call)
         if guard_fires(first_top_logprobs(answer), tau):
             info.guard_fired, info.report = True, None
             status, data = await self.up.post_json(COMPLETIONS, exact_ids)
@@ -270,6 +271,23 @@ def _report(params: object, call: Call) -> SpliceReport | None:
     except ProtocolError as err:
         log.warning("request %s: the connector's report was refused: %s", call.id, err)
         return None
+
+
+def _answer_report(answer: Completion, info: UsageBuilder, call: Call) -> None:
+    """The connector's report of the answer, or why there is none: an answer that vLLM ended
+    on a stop string (``stop_reason`` a string) has none, because vLLM's frontend aborts the
+    request there and the engine's last output, which would carry it, is never sent. The text
+    is vLLM's own either way: applying the stop strings here instead would cost generating up
+    to ``max_tokens`` past the stop, and vLLM's matching (per new token, in the list's order,
+    after ``min_tokens``) would have to be copied exactly."""
+    params = answer.get("kv_transfer_params")
+    info.report = _report(params, call)
+    if info.report is not None:
+        return
+    if params is not None:
+        info.no_report = "refused"
+    elif any(isinstance(c.get("stop_reason"), str) for c in answer.get("choices") or []):
+        info.no_report = "stop_string"
 
 
 def _phase_report(data: bytes, call: Call) -> SpliceReport | None:
