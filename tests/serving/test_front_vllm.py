@@ -68,12 +68,24 @@ def test_openai_clients_through_the_front_get_the_phased_answer(served, smollm2)
     assert info["spliced_tokens"] == want.spliced_tokens
     assert got.usage.prompt_tokens == want.prompt_tokens
     assert got.usage.prompt_tokens_details.cached_tokens >= info["spliced_tokens"]
+    assert info["report"] is not None and "no_report" not in info
+
+    # ended on a stop string: vLLM's text cut where vLLM cuts it, and the report's absence said
+    stop = want.text[len(want.text) // 2:][:3]
+    cut = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                  stop=[stop])
+    assert cut.choices[0].text == want.text[:want.text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    cut_info = cut.usage.model_extra["kvnotes"]
+    assert cut_info["report"] is None and cut_info["no_report"] == "stop_string"
+    assert cut_info["plan"]["ranges"] == info["plan"]["ranges"]
 
     stream = sync.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
                                      stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].usage.model_extra["kvnotes"]["plan"]["ranges"] == want.plan.to_dict()["ranges"]
+    assert chunks[-1].usage.model_extra["kvnotes"]["no_report"] == "stream"
 
     async def through_async() -> str:
         client = openai.AsyncOpenAI(base_url=launch.url + "/v1", api_key="x", max_retries=0,
