@@ -7,9 +7,10 @@ from pathlib import Path
 
 from kvnotes_bench.shape import hand_written_validators, measure, untyped_signatures
 
-# Open goals: the figure when the bench package left the wheel. Lower these as the figures
-# fall; the goal itself is each Goal's limit.
-CEILINGS = {"lines in src/kvnotes": 31_000, "lines in the bench package": 15_000,
+# Open goals: the figures at 0.12.0 (the wheel grew by the compile-through-vLLM path and the
+# store's fault handling after the bench package left it). Lower these as the figures fall;
+# the goal itself is each Goal's limit.
+CEILINGS = {"lines in src/kvnotes": 32_500, "lines in the bench package": 15_000,
             "dict[str, Any] in src signatures": 15}
 
 
