@@ -28,6 +28,7 @@ CORE_RANKS = {
     "kvnotes.core.errors": 0,
     "kvnotes.core.sizes": 1,  # over errors
     "kvnotes.core.jsontext": 0,
+    "kvnotes.core.records": 0,  # pydantic JSON records, nothing of kvnotes
     "kvnotes.core.positions": 1,
     "kvnotes.core.fingerprint": 1,
     "kvnotes.core.validate": 1,

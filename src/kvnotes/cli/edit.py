@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvnotes.cli.app import app, emit_json, fail
+from kvnotes.cli.app import app, emit_json, fail, folder_option
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
 from kvnotes.core.errors import InvalidArgumentError, KvnotesError
 
@@ -42,7 +42,7 @@ def edit_eval(
     erratum_wordings: bool = typer.Option(False, "--erratum-wordings",
                                           help="also measure the other erratum templates"),
     out: Path | None = typer.Option(None, help="folder for results.json, report.md, edit.png "
-                                        "(default: out/edit-eval-<model>[-cot])"),
+                                        "(default: out/edit-<model>[-cot])"),
     resume: bool = typer.Option(False, "--resume",
                                 help="keep the cases already in OUT/results.json (a stopped "
                                      "run's checkpoint or a smaller run with the same "
@@ -77,7 +77,8 @@ def edit_eval(
             settings=SuiteSettings(tuple(chosen), cot=cot, budget=budget, batch=batch),
             cases=_pick_cases(families, per_family, shard),
             model=ModelOptions(model, device, dtype, threads or None),
-            folder=out or Path("out") / f"edit-eval-{Path(model).stem}{'-cot' if cot else ''}",
+            folder=folder_option(out or Path("out") / f"edit-{Path(model).stem}{'-cot' if cot else ''}",
+                                 "--out"),
             resume=resume, resume_from=tuple(resume_from or ()), workers=workers)
         result, paths = command.run()
     except KvnotesError as err:
@@ -103,7 +104,7 @@ def _pick_cases(families: str | None, per_family: int, shard: str | None) -> tup
 
 @dataclass(frozen=True)
 class EditEvalCommand:
-    """What ``edit-eval`` runs: the suite's settings and cases, the model, the output folder,
+    """What ``kvnotes edit`` runs: the suite's settings and cases, the model, the output folder,
     the earlier results kept (``resume``: the folder's own ``results.json`` too) and the worker
     processes."""
 

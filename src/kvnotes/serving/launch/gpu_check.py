@@ -105,12 +105,12 @@ def _check(launch: Any, engine: Any) -> JsonObject:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import kvnotes
+    from kvnotes.core.models import load
     from kvnotes.serving.launch.launcher import LaunchConfig, prepare
 
     args = _args(argv)
     root = Path(tempfile.mkdtemp(prefix="kvnotes-gpu-check-"))
-    engine = kvnotes.load(args.model)
+    engine = load(args.model)
     config = LaunchConfig(model=args.model, skills=root / "skills", dtype=args.dtype,
                           block_size=args.block_size, max_model_len=2048,
                           vllm_python=args.vllm_python, log_path=root / "server.log",
