@@ -111,7 +111,7 @@ vllm: $(VLLM_STAMP)
 # object of figures on stdout, exit 1 when a save, a splice or the first token is wrong.
 GPU_VLLM_PYTHON ?= python3
 gpu-check: models
-	timeout 600 $(PY) -m kvnotes.serving.launch.gpu_check --vllm-python $(GPU_VLLM_PYTHON)
+	timeout 600 $(PY) -m kvnotes_bench.gpu_check --vllm-python $(GPU_VLLM_PYTHON)
 
 # A Redis server for the shared skill store's tests (tests/store/ start their own on a free
 # loopback port, without persistence, and stop it by its pid); Debian's package, as root.

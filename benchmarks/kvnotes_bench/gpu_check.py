@@ -1,5 +1,5 @@
 """A short check of the connector's load and save on whatever device vLLM runs on (a GPU):
-``python -m kvnotes.serving.launch.gpu_check`` (``make gpu-check``).
+``python -m kvnotes_bench.gpu_check`` (``make gpu-check``).
 
 It starts vLLM with kvnotes' connector over a fresh skills folder (SmolLM2 by default, block
 16, prefix caching on), then:
@@ -35,7 +35,7 @@ USER = "\n\nCustomer: my bag arrived torn. What do I do?\nAgent:"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvnotes.serving.launch.gpu_check")
+    p = argparse.ArgumentParser(prog="python -m kvnotes_bench.gpu_check")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--block-size", type=int, default=16)
@@ -58,16 +58,14 @@ def _entry_error(path: Path, fingerprint: Any, nb: Any) -> tuple[float, float]:
 
 def _first(launch: Any, ids: list[int], extra: JsonObject) -> tuple[str, float]:
     """The first token of a greedy completion of ``ids`` and its time (s)."""
-    import urllib.request
+    import openai
 
-    body = {"model": launch.server.served_name, "prompt": ids, "max_tokens": 1,
-            "temperature": 0.0, **extra}
-    req = urllib.request.Request(launch.server.url + "/v1/completions",
-                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    client = openai.OpenAI(base_url=launch.server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out = json.loads(resp.read())
-    return str(out["choices"][0]["text"]), time.perf_counter() - t0
+    out = client.completions.create(model=launch.server.served_name, prompt=ids, max_tokens=1,
+                                    temperature=0.0, extra_body=extra)
+    return out.choices[0].text, time.perf_counter() - t0
 
 
 def _check(launch: Any, engine: Any) -> JsonObject:
