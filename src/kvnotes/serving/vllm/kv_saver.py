@@ -230,10 +230,14 @@ class KvSaver:
         tensors: dict[str, torch.Tensor] = {
             "token_ids": torch.tensor(spec.token_ids, dtype=torch.long),
             "positions": torch.arange(spec.start, spec.end, dtype=torch.long)}
+        slots = spec.slots()  # the same slots in every layer: moved to a device once
+        on_device: dict[torch.device, torch.Tensor] = {}
         for i, layer in layers:
             reader = self.reader(layer)
-            slots = spec.slots().to(layer.kv_cache.device)
-            keys, values = reader.read(layer.kv_cache, slots)  # [n, heads, head_dim]
+            device = layer.kv_cache.device
+            if device not in on_device:
+                on_device[device] = slots.to(device)
+            keys, values = reader.read(layer.kv_cache, on_device[device])  # [n, heads, head_dim]
             # the HF cache's layout, as the engine saves: [1, heads, n, head_dim] float32
             tensors[f"layers.{i}.keys"] = keys.float().transpose(0, 1).unsqueeze(0).cpu()
             tensors[f"layers.{i}.values"] = values.float().transpose(0, 1).unsqueeze(0).cpu()
