@@ -69,6 +69,11 @@ class CompileLease(Protocol):
         """Hold ``ident``'s compile; False when it is held already (queued or compiling)."""
         ...
 
+    def take_all(self, idents: Sequence[bytes]) -> list[bool]:
+        """:meth:`take` for each of a request's due jobs at once (a shared implementation: one
+        round trip); an ident repeated in ``idents`` is taken once, at its first place."""
+        ...
+
     def give_back(self, ident: bytes) -> None:
         """Let ``ident`` be compiled again (done, failed, or never queued)."""
         ...
@@ -95,6 +100,9 @@ class LocalCompileLeases:
                 return False
             self._held.add(ident)
             return True
+
+    def take_all(self, idents: Sequence[bytes]) -> list[bool]:
+        return [self.take(ident) for ident in idents]
 
     def give_back(self, ident: bytes) -> None:
         with self._lock:

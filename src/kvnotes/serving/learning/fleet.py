@@ -400,20 +400,6 @@ class FleetLearner(Learner):
         self._evicted_at = 0.0
         self._epoch: str | None = None
 
-    def _sighted(self, jobs: list[Job]) -> None:
-        """:meth:`Learner._sighted` with the leases of all of a request's due jobs taken in one
-        store call: the request path's second and last round trip (the first counts its
-        sightings)."""
-        due = [job for job, is_due in zip(jobs, self.sightings.due_all(jobs, self.bounds.holds),
-                                          strict=True) if is_due]
-        if not due:
-            return
-        for job, taken in zip(due, self.fleet_leases.take_all([j.ident for j in due]),
-                              strict=True):
-            if taken and not self.worker.submit(job):
-                self.fleet_leases.give_back(job.ident)
-                self._count("dropped")  # counted on: the next sighting queues it again
-
     def lease(self, keys: Iterable[str], *, used: Iterable[str] | None = None,
               exact: Iterable[str] = ()) -> tuple[str, ...]:
         held = super().lease(keys, used=used, exact=exact)

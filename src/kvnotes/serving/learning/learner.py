@@ -180,13 +180,16 @@ class Learner:
         self._sighted(jobs)
 
     def _sighted(self, jobs: list[Job]) -> None:
-        """Count one request's jobs (one call to the counter) and queue the due ones."""
-        for job, due in zip(jobs, self.sightings.due_all(jobs, self.bounds.holds), strict=True):
-            if not due:
-                continue
-            if not self.compile_leases.take(job.ident):
-                continue  # queued or compiling already
-            if not self.worker.submit(job):
+        """Count one request's jobs (one call to the counter) and queue the due ones whose
+        compile lease this host takes (all of them in one call: a shared store's one round
+        trip); a job queued or compiling already is not taken."""
+        due = [job for job, is_due in zip(jobs, self.sightings.due_all(jobs, self.bounds.holds),
+                                          strict=True) if is_due]
+        if not due:
+            return
+        for job, taken in zip(due, self.compile_leases.take_all([j.ident for j in due]),
+                              strict=True):
+            if taken and not self.worker.submit(job):
                 self.compile_leases.give_back(job.ident)
                 self._count("dropped")  # counted on: the next sighting queues it again
 
