@@ -52,7 +52,8 @@ def test_a_chunk_another_host_learned_behind_another_prefix_is_taken_not_compile
     # it). Host B learned it; host A's own sightings come due behind its own prefix: A takes
     # B's entry (its tokens are the tool's; the connector re-rotates it), as one host learns a
     # chunk once whatever prefix it comes due behind. Recompiling it cost a compile per host,
-    # and compiles are what a saturated fleet lacks (issue 56: the fleet soak's hit rate).
+    # and compiles are what a saturated fleet lacks (docs/results/areas/fleet.md, the quiet
+    # soak's hit rate).
     a, b = hosts("a"), hosts("b")
     tool_on_b = chunk(tokenizer, TOOL, after=HEADER)
     tool_on_a = chunk(tokenizer, TOOL, after=HEADER + OTHER)
