@@ -3,7 +3,8 @@
 Every host of a fleet runs a :class:`FleetLearner` over the same shared
 :class:`~kvnotes.serving.store.base.Store` (Redis): a chunk's sightings are counted across hosts
 (:class:`StoreSightings`), one host compiles it (:class:`StoreCompileLeases`: a lease with a
-time to live, so a host that dies mid-compile leaves the lease to expire and no entry behind:
+short time to live that its holder renews, so a host that dies mid-compile leaves the lease to
+expire within ``FleetSettings.lease_s`` and no entry behind:
 an entry is written locally and published atomically only once whole), and the compiled entry is
 published to the store (:class:`Publisher`) as well as written to the host's folder. The other
 hosts' :class:`~kvnotes.serving.store.mirror.LocalMirror` fetch it in the background into their
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kvnotes.core.errors import KvnotesError, StoreUnavailableError
 from kvnotes.serving.learning.compiles import Compiled, Compiler
+from kvnotes.serving.learning.fleet_leases import StoreCompileLeases
 from kvnotes.serving.learning.learner import Learner, LearnSettings
 from kvnotes.serving.learning.sightings import Job, LocalSightings, skill_id
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
@@ -71,7 +73,9 @@ def request_path_settings() -> RedisSettings:
 class FleetSettings:
     """How a :class:`FleetLearner` uses its store."""
 
-    lease_s: float = 600.0  # a compile lease's time to live (a dead holder's expires)
+    # a compile lease's time to live, renewed every third of it by its holder: a dead
+    # holder's expires within this
+    lease_s: float = 30.0
     sighting_ttl_s: float = 86400.0  # a chunk not seen for this long is counted from zero
     retry_s: float = 2.0  # after a store fault, the request path leaves the store alone
     evict_s: float = 30.0  # the fleet's bounds are enforced at most this often
@@ -180,45 +184,6 @@ class StoreSightings:
         self.fallback.clear(ident)
         name = self._name(ident)
         self.gate.call("clear_sighting", lambda s: s.clear_sighting(name))
-
-
-class StoreCompileLeases:
-    """A :class:`~kvnotes.serving.learning.compiles.CompileLease` in a store: one host of the
-    fleet compiles a job at a time; a lease lives ``ttl_s`` seconds unless given back, so a host
-    that dies holding it stops no one for longer. No store, no compile: a job is compiled once
-    for the fleet, or waits for the store."""
-
-    def __init__(self, gate: StoreGate, model: str, ttl_s: float) -> None:
-        self.gate, self.model, self.ttl_s = gate, model, ttl_s
-
-    def _name(self, ident: bytes) -> str:
-        return f"compile:{self.model}:{ident.hex()}"
-
-    def take(self, ident: bytes) -> bool:
-        return self.take_all([ident])[0]
-
-    def take_all(self, idents: Sequence[bytes]) -> list[bool]:
-        """Take each of ``idents``' leases in one store call (a request's due jobs: one round
-        trip); an ident repeated in ``idents`` is taken once."""
-        unique = list(dict.fromkeys(idents))
-        names = [self._name(ident) for ident in unique]
-        ok, got = self.gate.call("acquire_leases",
-                                 lambda s: s.acquire_leases(names, self.ttl_s))
-        if not ok or got is None or len(got) != len(unique):
-            self.gate.stats.add("skipped_compiles", len(unique))
-            return [False] * len(idents)
-        taken = dict(zip(unique, got, strict=True))
-        return [taken.pop(ident, False) for ident in idents]
-
-    def give_back(self, ident: bytes) -> None:
-        name = self._name(ident)
-        # a lease not given back (the store down meanwhile) is given back by the store's next
-        # lease call, or expires on its own
-        self.gate.call("release_lease", lambda s: s.release_lease(name))
-
-    def settle(self) -> None:
-        """Give back the leases whose take or give-back got no answer (a timeout)."""
-        self.gate.call("settle_leases", lambda s: s.settle_leases())
 
 
 class Publisher:

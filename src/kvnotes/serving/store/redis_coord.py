@@ -6,6 +6,8 @@ was lost (a timeout: the server may have applied it) leaves its leases *uncertai
 gives them back (only if they still hold that call's value) first thing in its next lease call
 or :meth:`LearnerCalls.settle_leases`, so that no chunk waits out a lease that nobody believes
 it holds. A request's due chunks' leases are one call (:meth:`LearnerCalls.acquire_leases`).
+The values this store's takes set are remembered until given back, so that the holder renews
+exactly its own leases (:meth:`LearnerCalls.renew_leases`: a compare-and-set on that value).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import redis
 
 from kvnotes.core.errors import StoreUnavailableError
 from kvnotes.serving.store.redis_data import text
+from kvnotes.serving.store.redis_scripts import RENEW
 from kvnotes.serving.store.redis_settings import RedisSettings
 
 UNCERTAIN_KEPT = 10_000  # uncertain leases remembered to be given back (the oldest go first)
@@ -89,7 +92,38 @@ class LearnerCalls:
         keys = [self._lease_key(n) for n in names]
         value = f"{self._token}:{secrets.token_hex(8)}"
         got = self._lease_call("acquire_leases", keys, value, max(1, int(ttl_s * 1000)))
+        with self._state_lock:
+            self._held_values().update((k, value) for k, x in zip(keys, got, strict=True) if x)
         return [bool(x) for x in got]
+
+    def _held_values(self) -> dict[str, str]:
+        """Lease key -> the value this store's take set, for the leases it holds (under
+        ``_state_lock``; made on first use: the store's constructor does not know it)."""
+        held: dict[str, str] | None = self.__dict__.get("_held")
+        if held is None:
+            held = self.__dict__["_held"] = {}
+        return held
+
+    def renew_leases(self, names: Sequence[str], ttl_s: float) -> builtins.list[bool]:
+        """Set the time to live of each of ``names`` to ``ttl_s`` seconds again, where it still
+        holds the value this store's take set (one script call); per name, whether it is still
+        held (False: it expired, was given back, or is another holder's now)."""
+        keys = [self._lease_key(n) for n in names]
+        with self._state_lock:
+            held = self._held_values()
+            ours = [k for k in keys if k in held]
+            values = [held[k] for k in ours]
+        if not ours:
+            return [False] * len(names)
+        with self._guard("renew_leases"):
+            got = self.client.register_script(RENEW)(
+                keys=ours, args=[max(1, int(ttl_s * 1000)), *values])
+        kept = {k for k, x in zip(ours, got, strict=True) if int(x)}
+        with self._state_lock:
+            held = self._held_values()
+            for k in set(ours) - kept:
+                held.pop(k, None)
+        return [k in kept for k in keys]
 
     def settle_leases(self) -> int:
         """Give back the uncertain leases now (a learner's chores call it); how many were
@@ -129,6 +163,8 @@ class LearnerCalls:
 
     def release_lease(self, name: str) -> bool:
         key = self._lease_key(name)
+        with self._state_lock:
+            self._held_values().pop(key, None)
         try:
             with self._guard("release_lease"):
                 n = self._release(keys=[key], args=[self._token])

@@ -14,6 +14,8 @@ store makes is safe to run twice, and each script says why:
   forget finds the key in the forgotten set with the same time and reports it done;
 * :data:`LEASES`: a lease holds ``TOKEN:NONCE``, the nonce fresh per call, so the call's own
   retry finds its value and takes it again, while another call of the same holder does not;
+* :data:`RENEW`: a ``PEXPIRE`` of a lease that still holds the value its take set (the same
+  state however often it runs; a lease that expired and was taken by another holder is left);
 * ``INCR`` of a sighting, ``XADD`` to the change feed: a retry counts a sighting twice or
   repeats a feed row (harmless: a chunk comes due one sighting early; a mirror skips an entry
   it has). The request path's client does not retry at all (``retries=0``).
@@ -142,4 +144,20 @@ local v = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ':'
 if v and string.sub(v, 1, #mine) == mine then return redis.call('DEL', KEYS[1]) end
 return 0
+"""
+
+# KEYS[1..n] leases this holder took; ARGV[1] ttl (ms), ARGV[2..n+1] the TOKEN:NONCE each take
+# set. Per lease: 1 when it still holds that value (its time to live set again), 0 when it
+# expired or is another's (nothing done).
+RENEW = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
 """
