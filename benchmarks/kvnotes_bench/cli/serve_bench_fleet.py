@@ -1,7 +1,8 @@
-"""``kvnotes-bench serve fleet``: two kvnotes hosts over one Redis store, what the shared store
+"""``kvnotes-bench serve fleet``: kvnotes hosts over one Redis store, what the shared store
 gives a fleet and what it costs.
 
-Starts a ``redis-server`` on a free loopback port and two hosts (vLLM with kvnotes' connector,
+Starts a ``redis-server`` on a free loopback port and ``--hosts`` hosts (vLLM with kvnotes'
+connector,
 the learning OpenAI front on ``--store redis://...``), runs the ``share``, ``cost`` and ``soak``
 parts (:mod:`kvnotes_bench.serving.fleet`) and writes ``result.json``, ``report.md`` and
 ``fleet.png`` in ``--out``.
@@ -44,13 +45,15 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 @bench_app.command("fleet")
 def fleet(
-    model: Annotated[str, typer.Option("--model", help="Model alias (both hosts)")] =
+    model: Annotated[str, typer.Option("--model", help="Model alias (every host)")] =
     "smollm2-135m",
+    hosts: Annotated[int, typer.Option("--hosts", help="Hosts over the one Redis (soak "
+                                       "requests round-robin)")] = 3,
     parts: Annotated[str, typer.Option(
         "--parts", help="Parts to run, comma-separated, of share (learned on host a, spliced "
         "on host b), cost (TTFT through Redis vs a folder store; a miss vs splice: false; "
-        "fetch cost; runs share too), soak (both hosts while Redis is killed, restarted and "
-        "flushed; every answer checked)")] = "share,cost,soak",
+        "fetch cost; runs share too), soak (every host while Redis and a host fail; every "
+        "answer checked)")] = "share,cost,soak",
     cases: Annotated[int, typer.Option("--cases", help="BFCL live_multiple development tool "
                                        "lists of the share part")] = 8,
     sightings: Annotated[int, typer.Option("--learn-after", help="The fronts' "
@@ -71,18 +74,18 @@ def fleet(
                                               "timing")] = 10,
     clients: Annotated[int, typer.Option("--clients", help="Soak clients")] = 4,
     soak_requests: Annotated[int, typer.Option("--soak-requests", help="Soak requests in "
-                                               "all")] = 80,
+                                               "all")] = 120,
     pool_tools: Annotated[int, typer.Option("--pool-tools", help="Soak: tools drawn "
                                             "from")] = 12,
     faults: Annotated[str, typer.Option(
         "--faults", help="Soak: NAME@FRACTION of the requests sent, in order, NAME one of "
-        "kill, restart, flush")] = "kill@0.15,restart@0.25,flush@0.45,kill@0.65,restart@0.75",
+        "kill, restart, flush, pause, drop, evict, sigkill (default: every one)")] = "",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     dtype: Annotated[str, typer.Option("--dtype", help="The servers' dtype")] = "float32",
     block_size: Annotated[int, typer.Option("--block-size", help="vLLM's KV block size "
                                             "(tokens)")] = 32,
     kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", help="Each server's CPU KV "
-                                              "cache, whole GiB")] = 2,
+                                              "cache, whole GiB")] = 1,
     startup_timeout: Annotated[float, typer.Option("--startup-timeout")] = 900.0,
     vllm_python: Annotated[str | None, typer.Option(
         "--vllm-python", help="Python of the vLLM environment (default .venv-vllm/bin/python)")
@@ -92,13 +95,13 @@ def fleet(
                                       "logs and libraries")] = Path("out/serve-bench/fleet"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
 ) -> None:
-    """Two hosts, one Redis store: a tool list learned on one host spliced on the other, what
-    the store costs a request, and a soak through both while Redis fails."""
+    """Hosts over one Redis store: a tool list learned on one host spliced on another, what
+    the store costs a request, and a soak through all of them while Redis and a host fail."""
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.launch.launcher import LaunchConfig
     from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig
     from kvnotes_bench.serving.fleet import FleetBenchConfig, check_fleet_wiring
-    from kvnotes_bench.serving.fleet_soak import parse_faults
+    from kvnotes_bench.serving.fleet_soak import DEFAULT_FAULTS, parse_faults
 
     folder_option(out, "--out")
     try:
@@ -107,7 +110,8 @@ def fleet(
             cases=cases, sightings=sightings, max_tokens=max_tokens,
             learn_timeout_s=learn_timeout, mirror_timeout_s=mirror_timeout,
             concurrency=_ints(concurrency, "--concurrency"), rounds=rounds,
-            per_round=per_round, miss_repeats=miss_repeats, faults=parse_faults(faults),
+            per_round=per_round, miss_repeats=miss_repeats, hosts=hosts,
+            faults=parse_faults(faults) if faults else DEFAULT_FAULTS,
             soak=AgentSoakConfig(clients=clients, requests=soak_requests, pool=pool_tools,
                                  max_tokens=max_tokens, sightings=sightings, seed=seed))
         base = LaunchConfig(model=model, dtype=dtype, block_size=block_size,

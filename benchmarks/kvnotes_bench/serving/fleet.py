@@ -1,11 +1,11 @@
-"""``kvnotes-bench serve fleet``: two kvnotes hosts over one Redis store, what the shared store
-gives a fleet and what it costs.
+"""``kvnotes-bench serve fleet``: kvnotes hosts (three by default) over one Redis store, what
+the shared store gives a fleet and what it costs.
 
 One ``redis-server`` is started here on a free loopback port
 (:class:`~kvnotes.serving.store.redis_process.RedisProcess`, stopped by its pid at the end) and
-two hosts are launched (:mod:`kvnotes.serving.launch.launcher`), each a vLLM server with
-kvnotes' connector over its own local folder and the OpenAI front learning on sight
-(``kvnotes serve --learn --store redis://...``) with the same store. Three parts, each optional:
+``hosts`` hosts ``a``, ``b``, ... are launched (:mod:`kvnotes.serving.launch.launcher`), each
+a vLLM server with kvnotes' connector over its own local folder and the OpenAI front learning
+on sight (``kvnotes serve --learn --store redis://...``) with the same store. Three parts, each optional:
 
 - ``share`` (:mod:`~kvnotes_bench.serving.fleet_parts`): BFCL ``live_multiple`` development tool
   lists seen twice through host A, then host B's first request with the same tools: the share of
@@ -17,10 +17,15 @@ kvnotes' connector over its own local folder and the OpenAI front learning on si
   ``--store``), rounds alternating, at each concurrency, once the entries are local (goal:
   within 10%); the fetch cost per MB of the store's entries; a miss's TTFT on host B against
   ``splice: false`` (goal: <= 5% over);
-- ``soak`` (:mod:`~kvnotes_bench.serving.fleet_soak`): clients through both hosts while the
-  Redis server is killed and restarted twice and flushed once; every answer checked against the
-  engine as the agent soak checks it; failed and wrong answers and the hit rate per window
-  between faults (goal: 0 failed, 0 wrong).
+- ``soak`` (:mod:`~kvnotes_bench.serving.fleet_soak`): clients through every host while Redis
+  fails: killed and restarted, flushed, paused 3 s as a compile starts, its replies to host
+  ``b`` dropped for 30 s (``b`` talks to it through a loopback proxy), a small ``maxmemory``
+  (``volatile-lru``: the store refuses ``allkeys-*`` at connect), and the last host SIGKILLed
+  with a compile under way (it runs in a process group of its own,
+  :mod:`~kvnotes_bench.serving.fleet_host`); every answer checked against the engine as the
+  agent soak checks it; failed and wrong answers, the hit rate per window between faults, and
+  the entries published after the last destructive fault that the store lost (goal: 0 failed,
+  0 wrong, 0 lost, hit rate >= 90% in every window).
 
 The fronts run without a guard (the soak's answers are checked against the engine's splice).
 The result (:class:`FleetResult`) records the date, the command, the machine and its load, the
@@ -47,7 +52,7 @@ if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import LaunchConfig
 
 PARTS = ("share", "cost", "soak")
-HOSTS = ("a", "b")
+HOSTS = ("a", "b")  # the share and cost parts' hosts (the first two of the fleet)
 # FrontConfig's (or LearnConfig's) shared-store URL, as the fleet wiring may name it
 STORE_FIELDS = ("store", "store_url")
 
@@ -71,9 +76,11 @@ class FleetBenchConfig:
             ``per_round`` times).
         per_round: how many times a round sends each request.
         miss_repeats: pairs of the miss timing.
-        soak: the soak's traffic (its ``requests`` in all, through both hosts).
+        hosts: hosts of the fleet (>= 2; request ``i`` of the soak goes to host ``i % hosts``).
+        soak: the soak's traffic (its ``requests`` in all, through every host).
         soak_cases: the development cases whose tools make the soak's pool.
-        faults: ``(kill|restart|flush, fraction of the soak's requests sent)`` in order.
+        faults: ``(name, fraction of the soak's requests sent)`` in order, a name of
+            :data:`~kvnotes_bench.serving.fleet_soak.FAULTS`.
     """
 
     model: str = "smollm2-135m"
@@ -88,7 +95,8 @@ class FleetBenchConfig:
     rounds: int = 5
     per_round: int = 2
     miss_repeats: int = 10
-    soak: AgentSoakConfig = field(default_factory=lambda: AgentSoakConfig(requests=80))
+    hosts: int = 3
+    soak: AgentSoakConfig = field(default_factory=lambda: AgentSoakConfig(requests=120))
     soak_cases: int = 40
     faults: tuple[tuple[str, float], ...] = DEFAULT_FAULTS
 
@@ -111,6 +119,9 @@ class FleetBenchConfig:
         if self.learn_timeout_s <= 0 or self.mirror_timeout_s <= 0:
             raise InvalidArgumentError("the learning and mirror timeouts must be positive")
         object.__setattr__(self, "faults", check_faults(self.faults))
+        if self.hosts < 2 + ("sigkill" in dict(self.faults)):
+            raise InvalidArgumentError("--hosts: at least 2 (3 with a sigkill fault: one host "
+                                       "is killed, two go on)")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

@@ -103,14 +103,18 @@ def _soak(result: FleetResult) -> list[str]:
     summary = result.soak_summary()
     if summary is None:
         return []
-    lines = ["## soak: both hosts, Redis killed, restarted and flushed", "",
+    lost = result.soak.get("published_lost") or {}
+    lines = ["## soak: every host while Redis (and one host) fail", "",
              f"{summary.requests} requests in {result.soak.get('wall_s', '-')} s: "
              f"{summary.failed} failed, {summary.wrong} wrong, {summary.near_tie} near tie, "
-             f"{summary.unchecked} unchecked; hit rate {fmt_pct(summary.hit_rate)}", "",
-             "| fault | at | after requests | done |", "|---|---|---|---|"]
+             f"{summary.unchecked} unchecked; hit rate {fmt_pct(summary.hit_rate)}; "
+             f"{result.soak.get('rerouted', 0)} sent again after their host was killed; "
+             f"{lost.get('lost', '-')} of {lost.get('published', '-')} entries published after "
+             f"the last destructive fault ({', '.join(lost.get('after') or []) or 'none'}) "
+             "lost", "", "| fault | at | after requests | done |", "|---|---|---|---|"]
     for e in result.faults:
-        lines.append(f"| {e.name} | {e.at:g} | {_value(e.at_request)} | "
-                     f"{'yes' if e.ok else f'no: {e.error}'} |")
+        done = f"yes{f': {e.detail}' if e.detail else ''}" if e.ok else f"no: {e.error}"
+        lines.append(f"| {e.name} | {e.at:g} | {_value(e.at_request)} | {done} |")
     lines += ["", "| window | requests | failed | wrong | unchecked | eligible | hit rate |",
               "|---|---|---|---|---|---|---|"]
     for w in soak_windows(result):

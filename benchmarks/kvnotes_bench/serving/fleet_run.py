@@ -1,10 +1,11 @@
-"""``serve-bench fleet``'s run: the Redis server, the two hosts, and each part in turn (see
+"""``serve-bench fleet``'s run: the Redis server, the hosts, and each part in turn (see
 :mod:`kvnotes_bench.serving.fleet`).
 
-Layout of ``out``: ``redis/`` (the server's log), ``hosts/a`` and ``hosts/b`` (each host's
-``server.log`` and ``skills`` folder), ``folder-store/`` (the ``cost`` part's folder-store host,
-on a copy of host B's folder), ``soak-entries/`` (every entry either host held during the soak,
-kept for the check) and ``soak-requests.jsonl`` (the soak's per-request records).
+Layout of ``out``: ``redis/`` (the server's log), ``hosts/a``, ``hosts/b``, ... (each host's
+``server.log`` and ``skills`` folder; a host in its own process also its ``host.log``),
+``folder-store/`` (the ``cost`` part's folder-store host, on a copy of host B's folder),
+``soak-entries/`` (every entry a host held during the soak, kept for the check) and
+``soak-requests.jsonl`` (the soak's per-request records).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import string
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -27,6 +29,7 @@ from kvnotes_bench.serving.agent_traffic import (
     utc_minute,
 )
 from kvnotes_bench.serving.fleet import HOSTS, FleetBenchConfig, FleetResult, host_config
+from kvnotes_bench.serving.fleet_host import HostProcess
 from kvnotes_bench.serving.fleet_parts import (
     HostView,
     ShareSettings,
@@ -37,6 +40,7 @@ from kvnotes_bench.serving.fleet_parts import (
     share_case,
     ttft_round,
 )
+from kvnotes_bench.serving.fleet_soak import FaultKit
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -61,10 +65,11 @@ def request_sets(config: FleetBenchConfig, tokenizer: Any
     return requests[:config.cases], requests[:config.soak_cases], skipped
 
 
-def _sender(launch: Launch, timeout: float) -> OpenAISender:
+def _sender(launch: Launch | HostProcess, timeout: float) -> OpenAISender:
     from kvnotes_bench.serving.agent_traffic_client import OpenAISender
 
-    return OpenAISender(launch.url, launch.server.served_name, timeout=timeout)
+    name = launch.served_name if isinstance(launch, HostProcess) else launch.server.served_name
+    return OpenAISender(launch.url, name, timeout=timeout)
 
 
 def _view(name: str, launch: Launch, timeout: float) -> HostView:
@@ -85,42 +90,66 @@ def _redis_info(server: RedisProcess) -> dict[str, Any]:
 def run_fleet(config: FleetBenchConfig, base: LaunchConfig, engine: Engine, *, out: Path,
               request_timeout_s: float = 600.0, command: str = "", say: Say = print
               ) -> FleetResult:
-    """Every part of ``config`` on two hosts launched from ``base`` over one Redis server."""
+    """Every part of ``config`` on ``config.hosts`` hosts launched from ``base`` over one Redis
+    server: with a ``drop`` fault host ``b`` talks to it through a :class:`DropProxy`, with a
+    ``sigkill`` fault the last host runs in a process group of its own (:class:`HostProcess`)."""
     from kvnotes.serving.launch import launcher
     from kvnotes.serving.store.redis_process import RedisProcess
+    from kvnotes_bench.serving.redis_proxy import DropProxy
 
     result = FleetResult(config=config, machine=MachineRecord.now(), started=utc_minute(),
                          command=command, threads=thread_counts())
     share_set, soak_set, result.skipped = request_sets(config, engine.tokenizer)
     redis_server = RedisProcess(out / "redis")
-    launches: dict[str, Launch] = {}
+    launches: dict[str, Launch | HostProcess] = {}
     traffic: SoakTraffic | None = None
+    faults = dict(config.faults) if "soak" in config.parts else {}
+    names = list(string.ascii_lowercase[:config.hosts])
     try:
         redis_server.start()
         result.redis = _redis_info(redis_server)
         say(f"redis-server {result.redis['version']} at {redis_server.url} "
             f"(pid {redis_server.pid})")
         with ExitStack() as stack:
-            for name in HOSTS:  # one at a time: each picks its free ports as it starts
-                launch = launches[name] = launcher.prepare(host_config(
-                    base, out / "hosts" / name, config.sightings, request_timeout_s,
-                    redis_server.url), engine)
+            kit = FaultKit(redis_server)
+            if "drop" in faults:
+                kit.proxy = DropProxy(redis_server.port)
+                stack.callback(kit.proxy.stop)
+                result.redis["proxy"] = {"host": names[1], "url": kit.proxy.url}
+            for name in names:  # one at a time: each picks its free ports as it starts
+                folder, url = out / "hosts" / name, redis_server.url
+                if kit.proxy is not None and name == names[1]:
+                    url = kit.proxy.url
+                if "sigkill" in faults and name == names[-1]:
+                    host = HostProcess(name, base, folder, config.sightings, request_timeout_s,
+                                       url)
+                    kit.victim, kit.kill, kit.busy = name, host.kill, host.busy
+                    say(f"host {name}: starting in a process group of its own; log: "
+                        f"{folder / 'host.log'}")
+                    launches[name] = stack.enter_context(host)
+                    say(f"host {name}: up at {host.url} after {host.ready['startup_s']} s")
+                    continue
+                launch = launcher.prepare(host_config(
+                    base, folder, config.sightings, request_timeout_s, url), engine)
+                launches[name] = launch
                 say(f"host {name}: starting vLLM with the connector and the learning front; "
                     f"log: {launch.server.log_path}")
                 stack.enter_context(launch)
                 say(f"host {name}: up at {launch.url} after {launch.server.startup_s:.0f} s")
+            launched = {n: h for n, h in launches.items() if not isinstance(h, HostProcess)}
             if "share" in config.parts:
-                asyncio.run(_share(config, launches, share_set, result, request_timeout_s,
+                asyncio.run(_share(config, launched, share_set, result, request_timeout_s,
                                    engine.tokenizer, say))
             if "cost" in config.parts:
-                _cost(config, launches, base, engine, share_set, result, out=out,
+                _cost(config, launched, base, engine, share_set, result, out=out,
                       timeout=request_timeout_s, redis_url=redis_server.url, say=say)
             if "soak" in config.parts:
-                traffic = _soak_traffic(config, launches, redis_server, soak_set, result,
+                traffic = _soak_traffic(config, launches, kit, soak_set, result,
                                         out=out, timeout=request_timeout_s, say=say)
     finally:
-        for name, launch in launches.items():
-            result.launches[name] = launch.record().to_dict()
+        for name, running in launches.items():
+            result.launches[name] = (running.record() if isinstance(running, HostProcess)
+                                     else running.record().to_dict())
         redis_server.stop()
     if traffic is not None:  # checked with the servers stopped: the engine has the CPU
         _soak_check(config, traffic, engine, result, out=out, say=say)
@@ -207,7 +236,7 @@ async def _timings(config: FleetBenchConfig, redis_host: Launch, folder_host: La
             await sender.close()
 
 
-def _metrics(launches: Mapping[str, Launch]) -> dict[str, dict[str, float]]:
+def _metrics(launches: Mapping[str, Launch | HostProcess]) -> dict[str, dict[str, float]]:
     from kvnotes.core.errors import KvnotesError
     from kvnotes.serving.vllm_endpoints import Client
     from kvnotes_bench.serving.fleet_soak import store_series
@@ -221,14 +250,14 @@ def _metrics(launches: Mapping[str, Launch]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch],
-                  redis_server: RedisProcess, cases: Sequence[AgentRequest],
+def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch | HostProcess],
+                  kit: FaultKit, cases: Sequence[AgentRequest],
                   result: FleetResult, *, out: Path, timeout: float, say: Say
                   ) -> SoakTraffic | None:
     from kvnotes.serving.library.manifest import ServingManifest
     from kvnotes_bench.serving.agent_traffic_requests import tool_pool
     from kvnotes_bench.serving.agent_traffic_soak import EntryKeeper
-    from kvnotes_bench.serving.fleet_soak import series_delta
+    from kvnotes_bench.serving.fleet_soak import published_lost, series_delta
 
     everything = tool_pool(cases)
     pool = random.Random(f"kvnotes-agent-pool:{config.soak.seed}").sample(
@@ -242,19 +271,26 @@ def _soak_traffic(config: FleetBenchConfig, launches: Mapping[str, Launch],
         f"{len(launches)} hosts over {len(pool)} tools; faults "
         + ", ".join(f"{n}@{a:g}" for n, a in config.faults))
     before = _metrics(launches)
-    records, wall = asyncio.run(_soak_clients(config, launches, redis_server, pool, questions,
+    records, wall = asyncio.run(_soak_clients(config, launches, kit, pool, questions,
                                               keeper, result, timeout, say))
     after = _metrics(launches)
-    result.soak = {"wall_s": round(wall, 2), "pool_tools": len(pool),
-                   "entries_kept": len(keeper.kept), "routing": "request i -> host i % 2",
-                   "store_series": {h: series_delta(before.get(h, {}), after[h]) for h in after}}
-    skills = launches[HOSTS[0]].skills
+    result.soak.update({
+        "wall_s": round(wall, 2), "pool_tools": len(pool), "entries_kept": len(keeper.kept),
+        "routing": f"request i -> host i % {len(launches)}, a killed host's to the next live one",
+        "store_series": {h: series_delta(before.get(h, {}), after[h]) for h in after},
+        "published_lost": published_lost(kit.redis.url, result.faults)})
+    lost = result.soak["published_lost"]
+    say(f"soak: {lost['published']} entries published after the last destructive fault, "
+        f"{lost['lost']} of them lost")
+    first = launches[HOSTS[0]]
+    assert not isinstance(first, HostProcess)  # host a runs here
+    skills = first.skills
     assert skills is not None  # the connector is on
     return records, keeper, ServingManifest.read(skills.folder).fingerprint_obj
 
 
-async def _soak_clients(config: FleetBenchConfig, launches: Mapping[str, Launch],
-                        redis_server: RedisProcess, pool: Sequence[dict[str, Any]],
+async def _soak_clients(config: FleetBenchConfig, launches: Mapping[str, Launch | HostProcess],
+                        kit: FaultKit, pool: Sequence[dict[str, Any]],
                         questions: Sequence[str], keeper: EntryKeeper, result: FleetResult,
                         timeout: float, say: Say
                         ) -> tuple[list[tuple[SoakRecord, AgentRequest]], float]:
@@ -265,13 +301,14 @@ async def _soak_clients(config: FleetBenchConfig, launches: Mapping[str, Launch]
     done, kept = asyncio.Event(), asyncio.Event()
     keeping = asyncio.create_task(keeper.run(kept))
     t0 = time.monotonic()
-    faults = asyncio.create_task(run_faults(redis_server, config.faults, fleet,
+    faults = asyncio.create_task(run_faults(kit, config.faults, fleet,
                                             config.soak.requests, t0, done, say))
     try:
         return await soak_clients(fleet, pool, questions, config.soak, say=say)
     finally:
         done.set()
         result.faults = await faults
+        result.soak["rerouted"] = fleet.rerouted
         kept.set()
         await keeping
         for sender in fleet.senders.values():

@@ -19,6 +19,8 @@ from kvnotes_bench.serving.fleet_parts import (
 )
 from kvnotes_bench.serving.fleet_soak import FaultEvent, Window, windows
 
+HIT_GOAL = 0.9  # the soak's hit rate in every window between faults
+
 if TYPE_CHECKING:
     from kvnotes_bench.serving.agent_traffic_soak import SoakRecord, SoakSummary
 
@@ -33,6 +35,7 @@ class FleetFigures(Protocol):
     miss: Any  # agent_traffic_overhead.Timing | None
     soak_records: list[SoakRecord]
     faults: list[FaultEvent]
+    soak: dict[str, Any]
 
     def soak_summary(self) -> SoakSummary | None: ...
 
@@ -103,4 +106,13 @@ def goals(result: FleetFigures) -> dict[str, dict[str, Any]]:
         done = sum(e.ok for e in result.faults)
         out["soak_faults"] = _goal(done, f"{len(result.faults)} faults done",
                                    done == len(result.faults))
+        low = [w.label for w in soak_windows(result)
+               if w.hit_rate is not None and w.hit_rate < HIT_GOAL]
+        out["soak_hit_rate"] = _goal(low, f"hit rate >= {HIT_GOAL:.0%} in every window between "
+                                     "faults (the windows below it named)", not low)
+        lost = (result.soak or {}).get("published_lost") or {}
+        if lost:
+            out["soak_lost"] = _goal(lost.get("lost"), f"0 of the {lost.get('published')} "
+                                     "entries published after the last destructive fault "
+                                     "lost", lost.get("lost") == 0)
     return out

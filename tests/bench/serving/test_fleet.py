@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,10 @@ from kvnotes_bench.serving.fleet_parts import (
 )
 from kvnotes_bench.serving.fleet_report import markdown, write_outputs
 from kvnotes_bench.serving.fleet_soak import (
+    DEFAULT_FAULTS,
+    FAULTS,
     FaultEvent,
+    FaultKit,
     FleetSender,
     parse_faults,
     run_faults,
@@ -78,6 +82,12 @@ def test_config_checks_parts_and_faults() -> None:
         parse_faults("flush@0.5,flush@0.4")
     with pytest.raises(InvalidArgumentError, match="NAME@FRACTION"):
         parse_faults("kill")
+    with pytest.raises(InvalidArgumentError, match="once at most"):
+        parse_faults("sigkill@0.2,sigkill@0.3")
+    with pytest.raises(InvalidArgumentError, match="--hosts"):
+        FleetBenchConfig(hosts=2)  # the default schedule kills a host: two must go on
+    assert {name for name, _ in DEFAULT_FAULTS} == set(FAULTS)  # the goal soak: every fault
+    assert FleetBenchConfig().hosts == 3 and FleetBenchConfig(hosts=2, faults=()).hosts == 2
     config = FleetBenchConfig(cases=3, concurrency=(1, 2), faults=parse_faults("flush@0.5"))
     assert FleetBenchConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
@@ -254,7 +264,7 @@ def test_run_faults_kills_restarts_and_flushes_a_real_server(tmp_path) -> None:
         async def go() -> list[FaultEvent]:
             stop = asyncio.Event()
             task = asyncio.create_task(run_faults(
-                server, parse_faults("kill@0.2,restart@0.4,flush@0.6,kill@0.8"),
+                FaultKit(server), parse_faults("kill@0.2,restart@0.4,flush@0.6,kill@0.8"),
                 sender, 10, 0.0, stop, poll_s=0.01))  # type: ignore[arg-type]
             for _ in range(10):
                 sender.started += 1
@@ -272,6 +282,76 @@ def test_run_faults_kills_restarts_and_flushes_a_real_server(tmp_path) -> None:
         # the last kill is undone: the server is left running, empty after the flush
         assert server.alive and server.pid != first_pid
         assert server.client().get("k") is None
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_run_faults_pauses_drops_evicts_and_kills_a_host(tmp_path, monkeypatch) -> None:
+    import redis
+
+    from kvnotes_bench.serving import fleet_soak
+    from kvnotes_bench.serving.redis_proxy import DropProxy
+
+    monkeypatch.setattr(fleet_soak, "DROP_S", 1.0)
+    monkeypatch.setattr(fleet_soak, "EVICT_HOLD_S", 0.5)
+    fleet = FleetSender({"a": _FakeSender(), "c": _FakeSender()})  # type: ignore[dict-item]
+    killed: list[str] = []
+    with RedisProcess(tmp_path / "redis") as server:
+        server.client().set("kvn:lease:compile:m:ab", "token:nonce", px=60_000)  # a compile
+        proxy = DropProxy(server.port)
+        kit = FaultKit(server, proxy, "c", lambda: killed.append("c"), lambda: True)
+        through = redis.Redis(port=proxy.port, socket_timeout=0.3)
+
+        async def go() -> list[FaultEvent]:
+            stop = asyncio.Event()
+            task = asyncio.create_task(run_faults(
+                kit, parse_faults("pause@0.2,drop@0.4,evict@0.6,sigkill@0.8"), fleet, 5, 0.0,
+                stop, poll_s=0.01))
+            for _ in range(5):
+                fleet.started += 1
+                await asyncio.sleep(0.05)
+            while not task.done():
+                await asyncio.sleep(0.05)
+            return await task
+
+        t0 = time.monotonic()
+        events = asyncio.run(go())
+        assert [e.name for e in events] == ["pause", "drop", "evict", "sigkill"]
+        assert all(e.ok for e in events), [e.error for e in events]
+        assert time.monotonic() - t0 >= fleet_soak.PAUSE_S  # the server slept
+        assert "once a compile lease was taken" in (events[0].detail or "")
+        # answered only once the drop is over: redis-py retries after each dropped reply
+        assert through.ping() is True and proxy.dropped > 0
+        assert "volatile-lru" in (events[2].detail or "")
+        assert server.client().config_get("maxmemory-policy")["maxmemory-policy"] == \
+            "volatile-lru"
+        assert killed == ["c"] and fleet.dead == {"c"}
+        assert "holding a compile lease" in (events[3].detail or "")
+        time.sleep(0.6)  # the eviction's hold is over
+        assert server.client().config_get("maxmemory")["maxmemory"] == "0"
+        proxy.stop()
+
+
+def test_fleet_sender_sends_a_killed_hosts_requests_to_a_live_one() -> None:
+    class Dying(_FakeSender):
+        async def send(self, request, *, splice, max_tokens, repair=None) -> Answer:
+            self.sent.append((request.id, splice))
+            return _answer(ok=False)
+
+    senders = {"a": _FakeSender(), "b": Dying()}
+    fleet = FleetSender(senders)  # type: ignore[arg-type]
+    fleet.kill("b")  # b died while soak-1 was on its way to it
+
+    async def go() -> list[Answer]:
+        return [await fleet.send(_request(i), splice=True, max_tokens=1) for i in range(4)]
+
+    assert all(a.ok for a in asyncio.run(go()))
+    assert [i for i, _ in senders["a"].sent] == ["soak-0", "soak-1", "soak-2", "soak-3"]
+    assert senders["b"].sent == [] and fleet.rerouted == 0
+    fleet.dead.clear()
+    asyncio.run(fleet.send(_request(1), splice=True, max_tokens=1))  # fails on b: b lives
+    fleet.kill("b")
+    answer = asyncio.run(fleet.send(_request(3), splice=True, max_tokens=1))
+    assert answer.ok and fleet.rerouted == 0  # routed to a from the start
 
 
 # ---- report -------------------------------------------------------------------------------------
