@@ -147,9 +147,42 @@ def test_plain_prepare_has_no_connector(exported, tmp_path):
     assert _arg(launch.server.cmd, "--max-model-len") == "1024"
 
 
-def test_skills_need_the_engine(exported, tmp_path):
-    with pytest.raises(InvalidArgumentError, match=r"pass the model's engine too"):
-        prepare(LaunchConfig(model="tiny", skills=tmp_path, vllm_python=sys.executable))
+def test_a_serving_launch_loads_no_weights_and_compiles_on_the_server(exported, tiny_folder,
+                                                                      tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from kvnotes.serving.skills import manifest_for
+
+    engine = kvnotes.load(str(tiny_folder))  # before the loaders are refused: the reference
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the front loaded the model's weights")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(kvnotes, "load", refuse)
+    launch = prepare(LaunchConfig(model=str(tiny_folder), skills=tmp_path / "skills",
+                                  dtype="float32", port=5124, vllm_python=sys.executable,
+                                  front=FrontConfig(learn=LearnConfig())))
+    skills = launch.skills
+    assert skills is not None and skills.engine is None and skills.server is not None
+    assert skills.folder == tmp_path / "skills" / engine.fingerprint.id
+    assert (skills.folder / "serving.json").read_text() == manifest_for(engine).to_json()
+    launch.register("REFUNDS: within 30 days.", "refunds")  # queued until vLLM is up
+    assert launch.registered == [] and not list(skills.folder.glob("*.safetensors"))
+    assert launch.front is not None and launch.front.desk is not None
+    assert not launch.front.desk.ready.is_set()  # /health: 503 until the skills are written
+
+
+def test_the_manifest_read_from_the_files_is_the_engines(smollm2, tmp_path):
+    """SmolLM2's manifest from its folder alone, byte for byte the loaded engine's."""
+    from kvnotes.serving.library.model_facts import ModelFacts
+    from kvnotes.serving.skills import ServingSkills, manifest_for
+
+    facts = ModelFacts.read("smollm2-135m")
+    assert facts.fingerprint == smollm2.fingerprint
+    assert manifest_for(facts).to_json() == manifest_for(smollm2).to_json()
+    assert ServingSkills(tmp_path, facts).path_for("x y", after="H.\n") == ServingSkills(
+        tmp_path, smollm2).path_for("x y", after="H.\n")
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [

@@ -227,17 +227,41 @@ def test_a_bfloat16_servers_entries_are_keyed_apart_from_the_engines():
 
 
 # ---- serve: one copy of the weights ------------------------------------------------------------
-def test_serve_releases_the_weights_unless_a_learner_compiles_with_them(tokenizer, tmp_path):
-    from conftest import make_tiny_engine
+def test_a_library_without_a_model_is_compiled_by_its_server(tmp_path, monkeypatch):
+    """Gemma 3 (a BOS model) read from its folder, its weights never loaded: the start entry
+    and each skill are the server's prefill of the ids the engine's library would compile,
+    under the engine's keys."""
+    from transformers import AutoModelForCausalLM
 
-    from kvnotes.serving.launch.launcher import release_model
+    from kvnotes.core.document import encode
+    from kvnotes.core.errors import ServingError
+    from kvnotes.ops.store import skill_key
+    from kvnotes.serving.library.model_facts import ModelFacts
+    from kvnotes.serving.skills import ServingSkills
 
-    engine = make_tiny_engine("llama", tokenizer)
-    with_engine = NS(front=NS(service=NS(learner=NS(compiler=object()))))
-    assert not release_model(with_engine, engine)
-    assert all(p.device.type == "cpu" for p in engine.model.parameters())
-    vllm_learner = NS(compiler=VllmCompiler(tmp_path, LearnedRegistry(tmp_path),
-                                            EntryAddress.of(manifest()), FakeServer(tmp_path)))
-    assert release_model(NS(front=NS(service=NS(learner=vllm_learner))), engine)
-    assert all(p.device.type == "meta" for p in engine.model.parameters())
-    assert engine.tokenizer("hi")["input_ids"]  # the front's tokenizer stays
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    facts = ModelFacts.read("gemma3-270m")
+    bos, tok = facts.bos_id, facts.tokenizer
+    assert bos is not None
+    skills = ServingSkills(tmp_path, facts)
+    header, text = "You are the desk of Fjord Air.\n", "REFUNDS: unworn items within 30 days."
+    with pytest.raises(ServingError, match="--server"):
+        skills.add(text)
+    server = FakeServer(skills.folder)
+    skills.attach(server)
+    skills.start_entry()
+    ((prompt, msg),) = server.sent
+    assert prompt == [bos] and (msg.start, msg.end, msg.name) == (0, 1, "bos")
+    assert msg.key == skill_key(facts.fingerprint.id, "rope", "start", [bos])
+    info = skills.add(text, name="refunds", after=header)
+    prompt, msg = server.sent[-1]
+    lead = [bos, *encode(tok, header)]
+    assert prompt == [*lead, *encode(tok, text)] and (msg.start, msg.end) == (
+        len(lead), len(prompt))
+    assert (info.key, info.origin, info.behind) == (msg.key, len(lead), tuple(lead))
+    assert info.key == skill_key(facts.fingerprint.id, "rope", "bos", list(info.token_ids),
+                                 after=lead) == skills.path_for(text, after=header).stem
+    assert skills.add(text, name="refunds", after=header) == info and len(server.sent) == 2

@@ -154,8 +154,9 @@ def ServeOptions(**flat: Any) -> ServeConfig:  # the name it had as a class
 
 # ---- the run ----------------------------------------------------------------------------------
 def run_serve(opts: ServeConfig) -> None:
-    """Start what ``opts`` asks for and serve until Ctrl-C (or vLLM exits: an error)."""
-    import kvnotes
+    """Start what ``opts`` asks for and serve until Ctrl-C (or vLLM exits: an error). No
+    model is loaded here: vLLM holds the only copy and compiles the configured skills once it
+    is up."""
     from kvnotes.serving.front.guard_defaults import resolve_guard
     from kvnotes.serving.launch import launcher
 
@@ -165,23 +166,20 @@ def run_serve(opts: ServeConfig) -> None:
     config = opts.launch_config(front)
     texts = skill_files(list(opts.skill))
     head = read_text_file(opts.header, "header") if opts.header else None
-    engine = kvnotes.load(opts.model)
-    launch = launcher.prepare(config, engine)
-    lib, server = launch.skills, launch.server
-    assert lib is not None  # config.skills is set
+    launch = launcher.prepare(config)
+    server = launch.server
     if head:
-        lib.add(head, name="header")
+        launch.register(head, "header")
     for name, text in texts:
-        info = lib.add(text, name=name, after=head)
-        typer.echo(f"skill {name}: {len(info)} tokens", err=True)
-    # registered skills are compiled; learning compiles through vLLM: one copy of the weights
-    if launcher.release_model(launch, engine):
-        typer.echo("model weights released: vLLM holds the only copy", err=True)
+        launch.register(text, name, after=head)
+    assert launch.skills is not None  # config.skills is set
     typer.echo(f"starting vLLM for {opts.model} (log: {server.log_path}); skills in "
-               f"{lib.folder}", err=True)
+               f"{launch.skills.folder}", err=True)
     if opts.request_log and front is not None:
         log_requests_to_stderr()
     with launch:
+        for info in launch.registered:
+            typer.echo(f"skill {info.name}: {len(info)} tokens", err=True)
         _say_served(launch, opts)
         typer.echo(launch.url)
         try:

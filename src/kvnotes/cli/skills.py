@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvnotes.cli.app import app, folder_option, read_text_file
-from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.core.errors import InvalidArgumentError, ServingError
+from kvnotes.serving.json_types import JsonObject
 
 if TYPE_CHECKING:
     from kvnotes.serving.library.registry import LearnedEntry
@@ -28,7 +29,12 @@ app.add_typer(skills_app, name="skills")
 def skills_add(
     files: list[Path] = typer.Argument(..., help="Text files, one skill each (name: file stem)"),
     model: str = typer.Option("smollm2-135m", "--model"),
-    skills: Path = typer.Option(..., "--skills", help="The folder given to `kvnotes serve`"),
+    skills: Path | None = typer.Option(None, "--skills", help="The folder given to `kvnotes "
+                                       "serve` (compiled here by kvnotes' engine)"),
+    server: str | None = typer.Option(None, "--server", metavar="URL", help="A running `kvnotes "
+                                      "serve`: its vLLM compiles them (no model loaded here)"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="KVNOTES_API_KEY", help="The "
+                                       "server's operator key (with --server)"),
     header: Path | None = typer.Option(None, "--header", help="Compile the skills behind this system "
                                        "header (as `kvnotes serve --header`)"),
     after: str | None = typer.Option(None, "--after", help="Compile them as variants behind the "
@@ -37,12 +43,22 @@ def skills_add(
     max_variants: int = typer.Option(4, "--max-variants", min=1, help="Variants kept per skill "
                                      "(the oldest are deleted)"),
 ) -> None:
-    """Compile skills with kvnotes and publish them (a running server picks them up)."""
+    """Compile skills and publish them (a running server picks them up): by that server with
+    --server, else here with kvnotes' engine into --skills."""
+    texts = skill_files(files)
+    head = read_text_file(header, "--header") if header else None
+    if (server is None) == (skills is None):
+        raise InvalidArgumentError("give --skills DIR (compiled here) or --server URL (compiled "
+                                   "by that server), one of them")
+    if server is not None:
+        for row in register_on_server(server, texts, head, after, api_key):
+            typer.echo(f"{row['name']}\t{row['tokens']} tokens\t{row['key']}"
+                       + (f"\tafter {after}" if after else ""))
+        return
     import kvnotes
     from kvnotes.serving.skills import ServingSkills
 
-    texts = skill_files(files)
-    head = read_text_file(header, "--header") if header else None
+    assert skills is not None
     folder_option(skills, "--skills")
     lib = ServingSkills(skills, kvnotes.load(model), max_variants=max_variants)
     prefix: str | list[int] | None = head if after is None else lib.after_skill(after, header=head)
@@ -50,6 +66,32 @@ def skills_add(
         info = lib.add(text, name=name, after=prefix)
         typer.echo(f"{name}\t{len(info)} tokens\t{info.key}"
                    + (f"\tafter {after}" if after else ""))
+
+
+def register_on_server(url: str, texts: list[tuple[str, str]], header: str | None,
+                       after: str | None, api_key: str | None) -> list[JsonObject]:
+    """Register ``texts`` on the ``kvnotes serve`` at ``url`` (``POST /kvnotes/skills``): its
+    rows (name, tokens, key) once the server has written them."""
+    import httpx2
+
+    from kvnotes.serving.front.skill_desk import SKILLS_PATH
+
+    body = {"skills": [{"name": n, "text": t} for n, t in texts], "header": header,
+            "after": after}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx2.post(url.rstrip("/") + SKILLS_PATH, json=body, headers=headers,
+                           timeout=None)
+    except httpx2.HTTPError as err:
+        raise ServingError(f"cannot reach the server at {url}: {err}") from err
+    if resp.status_code != 200:
+        try:
+            why = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = resp.text[:500]
+        raise ServingError(f"the server at {url} refused the skills ({resp.status_code}): {why}")
+    rows: list[JsonObject] = resp.json()["skills"]
+    return rows
 
 
 def folder_list(

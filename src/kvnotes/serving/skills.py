@@ -1,20 +1,24 @@
-"""Publishing skills for a vLLM server: compiled by kvnotes' engine, stored per model.
+"""Publishing skills for a vLLM server, stored per model.
 
-The skills live in an ordinary :class:`~kvnotes.SkillLibrary` (one folder per model
+The skills live in an ordinary :class:`~kvnotes.SkillLibrary` layout (one folder per model
 fingerprint, one content-addressed notebook file per skill) beside the serving manifest
 (:mod:`kvnotes.serving.library.manifest` describes the folder and reads it without an engine).
 
-Compilation happens in kvnotes' engine (float32), not in the server: an entry holds the same
+Two compilers write the same entries. Offline (``kvnotes skills add`` without ``--server``,
+an :class:`~kvnotes.Engine` given), kvnotes' engine compiles them (float32): an entry holds the
 notes ``engine.compile`` gives, so a spliced request can be checked token for token against
-``engine.compose``. A skill's first token sits at position 0 for a model without BOS, and at 1
-for a model whose tokenizer adds BOS (prefilled behind a BOS whose notes are dropped, the
-attention-sink convention); such models also get a one-token ``bos`` entry at position 0, so a
-prompt's leading run starts at token 0.
+``engine.compose``. In ``kvnotes serve`` the front holds no weights, only the model's
+:class:`~kvnotes.serving.library.model_facts.ModelFacts`: the running server's own prefill
+compiles them and its connector saves them (:meth:`ServingSkills.attach`). A skill's first
+token sits at position 0 for a model without BOS, and at 1 for a model whose tokenizer adds
+BOS (prefilled behind a BOS whose notes are dropped, the attention-sink convention); such
+models also get a one-token ``bos`` entry at position 0, so a prompt's leading run starts at
+token 0.
 
 Library entries are published atomically and are content-addressed, so a server that rescans
 the folder sees a skill completely or not at all.
 
-The manifest records the digests of the weights the engine was loaded from
+The manifest records the digests of the model's weight files
 (:mod:`kvnotes.serving.library.weights`), so a server running other weights of the same shape (a
 fine-tune) is refused at start.
 """
@@ -23,18 +27,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
+from kvnotes.core.document import encode
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     NotebookFileError,
+    ServingError,
     UnknownNameError,
     UnsupportedModelError,
 )
 from kvnotes.core.positions.rope import RopeAdapter
-from kvnotes.ops.store import SkillLibrary, skill_key
+from kvnotes.ops.store import SkillLibrary
+from kvnotes.serving.learning.compiles import EntryAddress, PrefillClient, save_by_server
 from kvnotes.serving.library.manifest import (
     ENTRY_SUFFIX,
     ServingManifest,
@@ -42,6 +50,7 @@ from kvnotes.serving.library.manifest import (
     read_entry,
     splice_salt,
 )
+from kvnotes.serving.library.model_facts import ModelFacts
 from kvnotes.serving.library.skill_variants import (
     DEFAULT_MAX_VARIANTS,
     SkillVariants,
@@ -54,17 +63,17 @@ from kvnotes.serving.library.weights import weight_files, weights_digest
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
 
 
-def check_servable(engine: Engine) -> RopeAdapter:
-    """The engine's adapter when a server can move its keys exactly; otherwise a clear error."""
-    adapter = engine.adapter
+def check_servable(model: Engine | ModelFacts) -> RopeAdapter:
+    """The model's adapter when a server can move its keys exactly; otherwise a clear error."""
+    adapter, name = model.adapter, model.name
     if adapter.name not in SERVABLE_SCHEMES or not isinstance(adapter, RopeAdapter):
         raise UnsupportedModelError(
-            f"the kvnotes connector splices half-split RoPE caches only; {engine.name} uses the "
+            f"the kvnotes connector splices half-split RoPE caches only; {name} uses the "
             f"{adapter.name!r} position scheme (interleaved RoPE, MLA, M-RoPE, ALiBi and learned "
             "positions lay keys out differently in vLLM). Serve it without --skills.")
     if not adapter.exact_shift:
         raise UnsupportedModelError(
-            f"{engine.name}: keys cannot be moved exactly ({adapter.approximate_reason}); the "
+            f"{name}: keys cannot be moved exactly ({adapter.approximate_reason}); the "
             "connector refuses approximate re-rotation. Serve it without --skills.")
     return adapter
 
@@ -77,56 +86,88 @@ def weights_folder(engine: Engine) -> Path | None:
     return folder if folder is not None and folder.is_dir() and weight_files(folder) else None
 
 
-def manifest_for(engine: Engine, weights: str | os.PathLike[str] | None = None
-                 ) -> ServingManifest:
-    """The manifest a server of ``engine``'s model checks against (refuses what it cannot splice).
+def facts_of(model: Engine | ModelFacts, weights: str | os.PathLike[str] | None = None
+             ) -> ModelFacts:
+    """``model``'s :class:`ModelFacts` (an engine's read from it; ``weights``: the folder of
+    the weights it runs, default the one it was loaded from)."""
+    if isinstance(model, ModelFacts):
+        return model if weights is None else replace(model, folder=Path(weights))
+    check_servable(model)  # before the prefill that reads the key shape
+    return ModelFacts.of_engine(model, Path(weights) if weights is not None
+                                else weights_folder(model))
 
-    ``weights``: the folder of the weights ``engine`` runs (default: the one it was loaded
+
+def manifest_for(model: Engine | ModelFacts, weights: str | os.PathLike[str] | None = None
+                 ) -> ServingManifest:
+    """The manifest a server of ``model``'s model checks against (refuses what it cannot
+    splice); the same for an engine and for the :class:`ModelFacts` of its folder.
+
+    ``weights``: the folder of the weights ``model`` runs (default: the one it was loaded
     from); its digests go into the manifest. Without one the manifest records none, and a
     server refuses it.
     """
-    adapter = check_servable(engine)
-    folder = Path(weights) if weights is not None else weights_folder(engine)
-    cfg = adapter.config
-    # the cache's own shapes, whatever the config calls them: one token prefilled
-    k = engine.prefill(engine.encode(".")[:1], bos=False).keys(0)  # [1, kv_heads, 1, head_dim]
+    facts = facts_of(model, weights)
+    adapter = check_servable(facts)
     return ServingManifest(
-        fingerprint=engine.fingerprint.to_dict(), model=engine.name, scheme=adapter.name,
-        num_layers=adapter.num_layers, num_kv_heads=int(k.shape[1]), head_dim=int(k.shape[-1]),
-        vocab_size=int(getattr(cfg, "vocab_size", 0) or len(engine.tokenizer)),
-        bos_id=engine.bos_id, inv_freqs=[f.tolist() for f in adapter.inv_freqs],
-        weights=weights_digest(folder).to_dict() if folder is not None else None)
+        fingerprint=facts.fingerprint.to_dict(), model=facts.name, scheme=adapter.name,
+        num_layers=adapter.num_layers, num_kv_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim, vocab_size=facts.vocab_size, bos_id=facts.bos_id,
+        inv_freqs=[f.tolist() for f in adapter.inv_freqs],
+        weights=weights_digest(facts.folder).to_dict() if facts.folder is not None else None)
 
 
 class ServingSkills:
     """One model's skills as a server uses them: a skill library plus the serving manifest.
 
-    ``weights``: the folder of ``*.safetensors`` files ``engine`` runs, whose digests the
-    manifest records (default: the folder the engine was loaded from).
+    ``model``: a loaded :class:`~kvnotes.Engine`, which compiles skills in this process
+    (offline, float32), or the model's :class:`ModelFacts`, with no weights in this process:
+    its skills are compiled by the running server's own prefill once :meth:`attach` gave it one
+    (``kvnotes serve``). ``weights``: the folder of ``*.safetensors`` files the model runs,
+    whose digests the manifest records (default: the folder it was read from).
 
     Example:
         >>> skills = ServingSkills("skills/", engine)                       # doctest: +SKIP
         >>> skills.add("REFUNDS: unworn items within 30 days ...", name="refunds")  # doctest: +SKIP
     """
 
-    def __init__(self, root: str | os.PathLike[str], engine: Engine, *,
+    def __init__(self, root: str | os.PathLike[str], model: Engine | ModelFacts, *,
                  weights: str | os.PathLike[str] | None = None,
                  max_variants: int = DEFAULT_MAX_VARIANTS) -> None:
         if isinstance(max_variants, bool) or not isinstance(max_variants, int) \
                 or max_variants < 1:
             raise InvalidArgumentError(f"max_variants must be at least 1, got {max_variants!r}")
-        self.engine = engine
+        self.engine = model if isinstance(model, Engine) else None
         self.max_variants = max_variants
+        self.facts = facts_of(model, weights)
+        self.tokenizer = self.facts.tokenizer
         # refuses a model the connector cannot splice; records the weights' digests
-        self.manifest = manifest_for(engine, weights)
+        self.manifest = manifest_for(self.facts)
         # BOS models: skills prefilled behind a BOS (dropped), so they keep positions 1..L
-        self.library = SkillLibrary(root, engine, anchor="bos" if engine.bos_id is not None
-                                    else "none")
-        self.folder = self.library.root
+        self.anchor = "bos" if self.facts.bos_id is not None else "none"
+        self.library = None if self.engine is None else SkillLibrary(root, self.engine,
+                                                                     anchor=self.anchor)
+        self.folder = Path(root) / self.facts.fingerprint.id
         self.folder.mkdir(parents=True, exist_ok=True)
         self.manifest.write(self.folder)
-        if engine.bos_id is not None:
-            self._add_bos(engine.bos_id)
+        self.address = EntryAddress.of(self.manifest)
+        self.server: PrefillClient | None = None
+        if self.engine is not None and self.facts.bos_id is not None:
+            self._add_bos(self.facts.bos_id)
+
+    def attach(self, client: PrefillClient, kv_dtype: str = "float32") -> None:
+        """Compile from now on by the server ``client`` sends to (its connector saves the
+        entries into this folder; ``kv_dtype``: the server's, the entries' numerics)."""
+        self.address = EntryAddress.of(self.manifest, kv_dtype)
+        self.server = client
+
+    def start_entry(self) -> None:
+        """The BOS alone at position 0, compiled by the attached server (a model without BOS
+        has none). :meth:`attach` first; an engine's is written at construction."""
+        bos = self.facts.bos_id
+        if bos is None or self.engine is not None:
+            return
+        save_by_server(self.folder, self._server(), self.address.start_key(bos), [], [bos],
+                       "bos", None)
 
     def add(self, text: str, *, name: str = "skill",
             after: str | Sequence[int] | None = None, tenant: str | None = None,
@@ -147,20 +188,54 @@ class ServingSkills:
         ``tenant``: whose entry it is (None: the operator's, spliced for every tenant). A
         tenant's entry is spliced only into that tenant's requests, and its address includes
         the tenant, so two tenants never share one.
+
+        Without an engine, the attached server compiles it (:meth:`attach`); a
+        :class:`~kvnotes.ServingError` when none is.
         """
         if not isinstance(text, str) or not text:
             raise ArgumentTypeError(f"a serving skill is a non-empty string, not {text!r}")
         splice_salt(tenant)  # the tenant's spelling rule
-        skill = self.library.get(text, name=name, after=after, tenant=tenant)
-        meta_ids = skill.meta.get("prefix_ids")
-        behind = tuple(int(t) for t in meta_ids) if isinstance(meta_ids, list) else ()
-        info = PieceInfo(self.path_for(text, after=after, tenant=tenant).stem, name,
-                         tuple(int(t) for t in skill.token_ids.tolist()),
-                         int(skill.positions[0]), tenant, behind)
+        if self.library is None:
+            info = self._server_add(text, name, self._after_ids(after), tenant)
+        else:
+            skill = self.library.get(text, name=name, after=after, tenant=tenant)
+            meta_ids = skill.meta.get("prefix_ids")
+            behind = tuple(int(t) for t in meta_ids) if isinstance(meta_ids, list) else ()
+            info = PieceInfo(self.path_for(text, after=after, tenant=tenant).stem, name,
+                             tuple(int(t) for t in skill.token_ids.tolist()),
+                             int(skill.positions[0]), tenant, behind)
         if capped:
             cap_variants(self.folder, self.manifest.fingerprint_obj, info.token_ids, tenant,
                          self.max_variants, keep=info.key)
         return info
+
+    def _server_add(self, text: str, name: str, after: list[int], tenant: str | None
+                    ) -> PieceInfo:
+        ids = encode(self.tokenizer, text)
+        if not ids:
+            raise ArgumentTypeError(f"a serving skill has tokens: {text!r} has none")
+        key, lead = self.address.key(ids, after, tenant), self.address.lead(after)
+        save_by_server(self.folder, self._server(), key, lead, ids, name, tenant)
+        return PieceInfo(key, name, tuple(ids), len(lead), tenant, tuple(lead))
+
+    def _server(self) -> PrefillClient:
+        if self.server is None:
+            raise ServingError(
+                "no model is loaded in this process and no server is attached to compile "
+                "skills: register them through the running server (`kvnotes skills add "
+                "--server URL`), or give ServingSkills an engine")
+        return self.server
+
+    def _lead(self, header: str | None) -> list[int]:
+        """The anchor (BOS per the library) and ``header``'s ids when given."""
+        bos = [self.facts.bos_id] if self.facts.bos_id is not None else []
+        return [*bos, *(encode(self.tokenizer, header) if header else [])]
+
+    def _after_ids(self, after: str | Sequence[int] | None) -> list[int]:
+        """The prefix a skill is compiled behind, as ids (``SkillLibrary``'s rule)."""
+        if after is None:
+            return []
+        return self._lead(after) if isinstance(after, str) else [int(t) for t in after]
 
     def after_skill(self, name: str, *, header: str | None = None) -> list[int]:
         """The prefix a variant of a skill that follows skill ``name`` is compiled behind: the
@@ -171,8 +246,7 @@ class ServingSkills:
         found = next((g for g in groups if name in {v.piece.name for v in g.variants}), None)
         if found is None:
             raise UnknownNameError("skill", name, sorted({g.name for g in groups}))
-        lead = self.engine.anchor_ids(header, anchor=self.library.anchor)
-        return [*lead, *found.token_ids]
+        return [*self._lead(header), *found.token_ids]
 
     def variants(self) -> list[SkillVariants]:
         """The folder's skills, each with its variants and their bytes on disk."""
@@ -181,7 +255,10 @@ class ServingSkills:
     def path_for(self, text: str, *, after: str | Sequence[int] | None = None,
                  tenant: str | None = None) -> Path:
         """The file :meth:`add` publishes ``text`` to (it may not exist yet)."""
-        return self.library.path_for(text, after=after, tenant=tenant)
+        if self.library is not None:
+            return self.library.path_for(text, after=after, tenant=tenant)
+        key = self.address.key(encode(self.tokenizer, text), self._after_ids(after), tenant)
+        return self.entry_path(key)
 
     def entry_path(self, key: str) -> Path:
         """The file of the entry whose key (file stem) is ``key``."""
@@ -189,8 +266,8 @@ class ServingSkills:
 
     def _add_bos(self, bos: int) -> None:
         """The BOS alone at position 0 (exact: that is what every BOS-led prompt starts with)."""
-        key = skill_key(self.engine.fingerprint.id, self.engine.adapter.name, "start", [bos])
-        path = self.folder / f"{key}.safetensors"
+        assert self.engine is not None
+        path = self.entry_path(self.address.start_key(bos))
         if not path.is_file():
             nb = self.engine.prefill([bos], bos=False, name="bos", kind="skill")
             nb.with_meta(kind="skill", name="bos", anchor="start").save(path)

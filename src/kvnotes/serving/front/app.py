@@ -16,7 +16,11 @@ here. Routes:
   (:mod:`~kvnotes.serving.front.format`);
 - ``GET /v1/models`` and ``GET /health``: vLLM's, passed on;
 - ``GET /metrics``: the front's Prometheus metrics (:mod:`~kvnotes.serving.front.prometheus`);
-- ``GET /kvnotes/stats``: the front's counters; any other route is a 404.
+- ``GET /kvnotes/stats``: the front's counters;
+- ``POST /kvnotes/skills``: registers skills, compiled by the server
+  (:mod:`~kvnotes.serving.front.skill_desk`; a front given a desk only, as ``kvnotes serve``'s
+  is, whose ``/health`` is then a 503 until its configured skills are written);
+  any other route is a 404.
 
 Per request, ``extra_body={"kvnotes": {...}}``
 (:class:`~kvnotes.serving.planning.request.FrontOptions`): ``splice`` (false: answered exactly;
@@ -89,6 +93,7 @@ from kvnotes.serving.protocol import Outcome
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from kvnotes.serving.front.skill_desk import SkillDesk
     from kvnotes.serving.learning import Learner
 
 __all__ = ["STATS_PATH", "Front", "FrontConfig", "FrontService", "build_app"]
@@ -103,9 +108,10 @@ class Front:
     (:attr:`service`); ``with front:`` serves it in a thread."""
 
     def __init__(self, config: FrontConfig, catalog: SkillCatalog,
-                 learner: Learner | None = None) -> None:
+                 learner: Learner | None = None, desk: SkillDesk | None = None) -> None:
         self.service = FrontService(config, catalog, learner)
-        self.app = build_app(self.service)
+        self.desk = desk
+        self.app = build_app(self.service, desk)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -355,10 +361,13 @@ async def _disconnected(receive: Any) -> None:
 
 
 # ---- the ASGI app ------------------------------------------------------------------------------
-def build_app(service: FrontService) -> FastAPI:
-    """The FastAPI app serving ``service``: its error shapes, lifespan and routes."""
+def build_app(service: FrontService, desk: SkillDesk | None = None) -> FastAPI:
+    """The FastAPI app serving ``service`` (and ``desk``'s registrations): its error shapes,
+    lifespan and routes."""
     app = _new_app(service)
-    _add_routes(app, service)
+    _add_routes(app, service, desk)
+    if desk is not None:
+        _add_desk(app, service, desk)
     return app
 
 
@@ -407,7 +416,7 @@ def _new_app(service: FrontService) -> FastAPI:
     return app
 
 
-def _add_routes(app: FastAPI, service: FrontService) -> None:
+def _add_routes(app: FastAPI, service: FrontService, desk: SkillDesk | None) -> None:
     """The front's routes, each a call of one public method of ``service``."""
     from fastapi.responses import JSONResponse, Response
 
@@ -434,6 +443,8 @@ def _add_routes(app: FastAPI, service: FrontService) -> None:
 
     @app.get(HEALTH)
     async def health() -> Response:
+        if desk is not None and not desk.ready.is_set():
+            return JSONResponse(error_body(503, "the server is compiling its skills"), 503)
         return passed(await service.health())
 
     @app.get("/metrics")
@@ -444,6 +455,19 @@ def _add_routes(app: FastAPI, service: FrontService) -> None:
     @app.get(STATS_PATH)
     async def stats(request: Request) -> Response:
         return JSONResponse(service.stats_for(_auth(request)))
+
+
+def _add_desk(app: FastAPI, service: FrontService, desk: SkillDesk) -> None:
+    """``POST /kvnotes/skills``: skills registered through ``desk``."""
+    from fastapi.responses import JSONResponse, Response
+
+    from kvnotes.serving.front.skill_desk import SKILLS_PATH
+
+    @app.post(SKILLS_PATH)
+    async def register(request: Request) -> Response:
+        desk.authorize(service.config, service.keys, _auth(request))
+        body = await read_body(request, service.config)
+        return JSONResponse(await asyncio.to_thread(desk.register, body))
 
 
 def _auth(request: Request) -> str | None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import DEFAULT_MIRROR_BYTES, FrontConfig
 from kvnotes.serving.json_types import JsonObject
+from kvnotes.serving.learning.compiles import PrefillClient, VllmPrefill
 from kvnotes.serving.learning.fleet import FleetLearner, request_path_settings
 from kvnotes.serving.store.base import Store
 from kvnotes.serving.store.mirror import LocalMirror, MirrorConfig
@@ -77,11 +78,14 @@ class StoreLink:
         return link
 
     def fleet_learner(self, config: LearnSettings, skills: ServingSkills, *,
-                      settings: FleetSettings | None = None) -> FleetLearner:
-        """This host's learner over the store (kept as :attr:`learner`)."""
+                      settings: FleetSettings | None = None,
+                      prefill: PrefillClient | None = None,
+                      kv_dtype: str = "float32") -> FleetLearner:
+        """This host's learner over the store (kept as :attr:`learner`); ``prefill``: the
+        server that compiles (its entries in ``kv_dtype``'s numerics), else skills' engine."""
         self.learner = FleetLearner(config, skills, store=self.store,
                                     request_store=self.request_store, mirror=self.mirror,
-                                    settings=settings)
+                                    settings=settings, prefill=prefill, kv_dtype=kv_dtype)
         return self.learner
 
     def collector(self) -> Any:
@@ -128,16 +132,21 @@ class StoreLink:
             self.catalog.refresh(force=True)
 
 
-def fleet_learner(config: FrontConfig, skills: ServingSkills) -> FleetLearner:
+def fleet_learner(config: FrontConfig, skills: ServingSkills,
+                  kv_dtype: str = "float32") -> FleetLearner:
     """The learner of a front whose ``config`` has both ``learn`` and ``store``: learning over
     the shared store, with its clients and this host's mirror into ``skills.folder`` (the
-    front's :class:`~kvnotes.serving.front.service.FrontService` starts and stops them)."""
+    front's :class:`~kvnotes.serving.front.service.FrontService` starts and stops them).
+    With ``config.upstream`` set, the server there compiles (``kv_dtype``: its dtype)."""
     if config.learn is None or config.store is None:
         raise InvalidArgumentError("fleet_learner: FrontConfig.learn and FrontConfig.store "
                                    "are both needed")
     link = StoreLink.open(config.store, config.store_password_file, skills.folder,
                           mirror_bytes=config.mirror_bytes)
-    return link.fleet_learner(config.learn, skills)
+    prefill = None
+    if config.upstream is not None and config.model is not None:
+        prefill = VllmPrefill(config.upstream, config.model, api_key=config.upstream_api_key)
+    return link.fleet_learner(config.learn, skills, prefill=prefill, kv_dtype=kv_dtype)
 
 
 def link_for(config: FrontConfig, catalog: Any, learner: Learner | None) -> StoreLink | None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvnotes.serving.front.app import Front, FrontConfig
     from kvnotes.serving.front.config import LearnConfig
     from kvnotes.serving.learning import Learner
+    from kvnotes.serving.library.splice import PieceInfo
     from kvnotes.serving.skills import ServingSkills
 
 log = logging.getLogger("kvnotes.serving.launch")
@@ -232,8 +233,10 @@ class LaunchRecord:
 class Launch:
     """A prepared server (from :func:`prepare`): ``with launch:`` runs it.
 
-    ``skills`` is the library to publish skills to (before the start or while it runs) when the
-    connector is on, else None.
+    ``skills`` is the library to publish skills to when the connector is on, else None. Without
+    an engine in this process, its skills are compiled by the server once it is up:
+    :meth:`register` queues them until then (``with launch:`` returns once they are written,
+    and the front's ``/health`` is a 503 until then).
     """
 
     config: LaunchConfig
@@ -242,11 +245,24 @@ class Launch:
     max_model_len: int
     skills: ServingSkills | None = field(default=None)
     front: Front | None = field(default=None)
+    registered: list[PieceInfo] = field(default_factory=list)
+    _pending: list[tuple[str, str, str | None]] = field(default_factory=list)
+    _up: bool = False
 
     @property
     def url(self) -> str:
         """The URL clients use: the front's when there is one, else vLLM's."""
         return self.front.url if self.front is not None else self.server.url
+
+    def register(self, text: str, name: str, *, after: str | None = None) -> None:
+        """Publish skill ``text`` behind ``after`` (a header's text): now when this process
+        can compile it (an engine, or the server is up), else once the server is up."""
+        if self.skills is None:
+            raise InvalidArgumentError("this launch has no skill library (LaunchConfig.skills)")
+        if self.skills.engine is None and not self._up:
+            self._pending.append((text, name, after))
+        else:
+            self.registered.append(self.skills.add(text, name=name, after=after))
 
     def __enter__(self) -> Launch:
         # the front listens first: a port in use fails at once, not after vLLM's minutes of
@@ -255,13 +271,30 @@ class Launch:
             self.front.start()
         try:
             self.server.__enter__()
+            self._up = True
+            self._compile_pending()
         except BaseException:
+            self._up = False
             if self.front is not None:
                 self.front.stop()
+            if self.server.proc is not None:
+                self.server.__exit__(None, None, None)
             raise
         return self
 
+    def _compile_pending(self) -> None:
+        """The skills queued before the server was up (and a BOS model's start entry),
+        compiled by it; then the front is ready."""
+        if self.skills is not None:
+            self.skills.start_entry()
+            pending, self._pending = self._pending, []
+            for text, name, after in pending:
+                self.registered.append(self.skills.add(text, name=name, after=after))
+        if self.front is not None and self.front.desk is not None:
+            self.front.desk.ready.set()
+
     def __exit__(self, *exc: object) -> None:
+        self._up = False
         try:
             if self.front is not None:
                 self.front.stop()
@@ -280,24 +313,24 @@ class Launch:
 def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
     """Export the model and build a (not yet started) server for ``config``.
 
-    ``engine`` (the same model, loaded by kvnotes) is needed when ``config.skills`` is set: it
-    refuses a model whose keys the connector cannot move exactly
-    (:class:`~kvnotes.UnsupportedModelError`, before anything starts) and writes the serving
-    manifest. A plain launch never imports the engine.
+    With ``config.skills`` set, a model whose keys the connector cannot move exactly is refused
+    (:class:`~kvnotes.UnsupportedModelError`, before anything starts) and the serving manifest
+    is written, from the model's files (:class:`~kvnotes.serving.library.model_facts.ModelFacts`:
+    no weights are loaded; vLLM holds the only copy and compiles the skills). ``engine`` (the
+    same model, loaded by kvnotes) makes the library compile in this process instead. A plain
+    launch never reads the model here.
     """
     skills: ServingSkills | None = None
     extra = list(config.extra_args)
     if config.skills is not None:
-        if engine is None:
-            raise InvalidArgumentError(
-                "LaunchConfig.skills is set: pass the model's engine too "
-                "(prepare(config, kvnotes.load(config.model))) so its skills can be checked "
-                "and published")
+        from kvnotes.serving.library.model_facts import ModelFacts
         from kvnotes.serving.skills import ServingSkills
         from kvnotes.serving.vllm.checks import check_vllm_args
 
         check_vllm_args(config.extra_args)  # what the connector cannot run with, before anything
-        skills = ServingSkills(config.skills, engine)  # checks the scheme, writes the manifest
+        # checks the scheme, writes the manifest
+        skills = ServingSkills(config.skills, engine if engine is not None
+                               else ModelFacts.read(config.model))
         extra += ["--kv-transfer-config",
                   json.dumps(kv_transfer_config(skills.folder, max_gib=config.connector_max_gib))]
     exported = export_model(config.model, config.dtype)
@@ -313,8 +346,14 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
                         dtype=exported.dtype, kv_cache_gib=config.kv_cache_gib,
                         extra_args=extra, env=env, startup_timeout=config.startup_timeout)
     front = None
-    if config.front is not None and skills is not None and engine is not None:
-        front = _front(config, config.front, server.url, skills, engine, exported.dtype)
+    if skills is not None:
+        from kvnotes.serving.learning.compiles import VllmPrefill
+
+        if skills.engine is None:  # compiles go to the server, in its numerics
+            skills.attach(VllmPrefill(server.url, config.name,
+                                      api_key=vllm_api_key(config.extra_args)), exported.dtype)
+        if config.front is not None:
+            front = _front(config, config.front, server.url, skills, engine, exported.dtype)
     return Launch(config, exported, server, max_model_len, skills, front)
 
 
@@ -331,8 +370,11 @@ def vllm_api_key(args: tuple[str, ...]) -> str | None:
 
 
 def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
-           engine: Engine, dtype: str) -> Front:
+           engine: Engine | None, dtype: str) -> Front:
+    """The front over ``skills`` (its tokenizer; ``engine``: unused, the library holds what
+    it needs) with its learner and a desk for registering skills on the running server."""
     from kvnotes.serving.front.app import Front
+    from kvnotes.serving.front.skill_desk import SkillDesk
     from kvnotes.serving.planning.match import SkillCatalog
 
     settings = replace(front, upstream=upstream,
@@ -343,10 +385,11 @@ def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: Serv
     if front.learn is not None and front.store is not None:  # the fleet's, over its store
         from kvnotes.serving.front.store_link import fleet_learner
 
-        learner = fleet_learner(front, skills)
+        learner = fleet_learner(settings, skills, dtype)
     elif front.learn is not None:
         learner = _vllm_learner(front.learn, skills, settings, dtype)
-    return Front(settings, SkillCatalog(skills.folder, engine.tokenizer), learner)
+    return Front(settings, SkillCatalog(skills.folder, skills.tokenizer), learner,
+                 SkillDesk(skills))
 
 
 def _vllm_learner(learn: LearnConfig, skills: ServingSkills, settings: FrontConfig,
@@ -363,31 +406,3 @@ def _vllm_learner(learn: LearnConfig, skills: ServingSkills, settings: FrontConf
     compiler = VllmCompiler(skills.folder, registry, EntryAddress.of(skills.manifest, dtype),
                             client)
     return Learner(learn, skills, registry, compiler=compiler)
-
-
-def release_model(launch: Launch, engine: Engine) -> bool:
-    """Free ``engine``'s weights once the launch no longer compiles with it: the front keeps
-    the tokenizer, and its learner (if any) compiles through vLLM. True when freed. A fleet's
-    learner (``--store``) still compiles with the engine, which is then kept."""
-    import gc
-
-    learner = None if launch.front is None else launch.front.service.learner
-    if learner is not None:
-        from kvnotes.serving.learning.compiles import VllmCompiler
-
-        if not isinstance(getattr(learner, "compiler", None), VllmCompiler):
-            return False
-    model = getattr(engine, "model", None)
-    if model is None:
-        return False
-    # the module stays (its tokenizer, config and fingerprint are read); its tensors go
-    model.to("meta")
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give the freed heap back to the system
-    except (OSError, AttributeError):
-        pass
-    log.info("kvnotes serve: the model's weights were released; vLLM holds the only copy")
-    return True

@@ -160,7 +160,7 @@ class Compiler:
         cand, tenant = job.variant, job.tenant
         assert cand is not None
         after = list(cand.after)
-        text = self.skills.engine.tokenizer.decode(list(cand.token_ids))
+        text = self.skills.tokenizer.decode(list(cand.token_ids))
         done = self._publish(job, text, cand.name, after, cand.token_ids,
                              f"skill {cand.name} decodes to a text that encodes to other "
                              "tokens; its variant is not learned")
@@ -261,8 +261,17 @@ class EntryAddress:
         """The entry's key: the library's content address (``ops.store.skill_key``)."""
         from kvnotes.ops.store import skill_key
 
-        key = skill_key(self.fingerprint_id, self.scheme, self.anchor,
-                        [int(t) for t in token_ids], None, after=list(after), tenant=tenant)
+        return self._tagged(skill_key(self.fingerprint_id, self.scheme, self.anchor,
+                                      [int(t) for t in token_ids], None, after=list(after),
+                                      tenant=tenant))
+
+    def start_key(self, bos: int) -> str:
+        """The key of the BOS alone at position 0 (the entry a BOS-led prompt starts with)."""
+        from kvnotes.ops.store import skill_key
+
+        return self._tagged(skill_key(self.fingerprint_id, self.scheme, "start", [bos]))
+
+    def _tagged(self, key: str) -> str:
         if self.producer_tag is None:
             return key
         return hashlib.sha256(f"{key}|{self.producer_tag}".encode()).hexdigest()[:32]
@@ -281,30 +290,43 @@ class VllmCompiler:
 
     def compile(self, job: Job) -> Compiled:
         tenant = job.tenant
-        if job.variant is not None:
-            cand = job.variant
-            ids, after, name = cand.token_ids, cand.after, cand.name
-        else:
-            assert job.chunk is not None
-            chunk = job.chunk
-            ids, after = chunk.token_ids, chunk.after_ids
-            name = f"{chunk.kind}-{job.ident.hex()[:8]}"
+        ids, after, name = job_tokens(job)
         key = self.address.key(ids, after, tenant)
         path = self.folder / f"{key}{ENTRY_SUFFIX}"
         existed = path.is_file()
         if existed and key not in self.registry:
             return Compiled("")  # the operator registered this very entry: theirs
-        if not existed:
-            lead = self.address.lead(after)
-            self.client.prefill([*lead, *ids], SaveRequest(key, len(lead), len(lead) + len(ids),
-                                                           name, tenant))
-            if not path.is_file():
-                raise SaveFailed(f"the server answered the compile of {name} but saved no "
-                                 f"entry {key} (see its log)")
+        save_by_server(self.folder, self.client, key, self.address.lead(after), ids, name,
+                       tenant)
         log.info("kvnotes learner: learned %s by vLLM's prefill (%d tokens behind %d%s)", name,
                  len(ids), len(after), f", tenant {tenant}" if tenant else "")
         return Compiled(key, learned_entry(job, key, name, len(after), path.stat().st_size),
                         not existed)
+
+
+def job_tokens(job: Job) -> tuple[Sequence[int], Sequence[int], str]:
+    """``(ids, after, name)`` of a job: what is compiled, the ids it is compiled behind (its
+    anchor when empty) and its entry's name."""
+    if job.variant is not None:
+        return job.variant.token_ids, job.variant.after, job.variant.name
+    assert job.chunk is not None
+    chunk = job.chunk
+    return chunk.token_ids, chunk.after_ids, f"{chunk.kind}-{job.ident.hex()[:8]}"
+
+
+def save_by_server(folder: Path, client: PrefillClient, key: str, lead: Sequence[int],
+                   ids: Sequence[int], name: str, tenant: str | None) -> Path:
+    """The file of entry ``key`` in ``folder``: ``ids`` prefilled by the server behind
+    ``lead`` and saved by its connector, unless it is there already; :class:`SaveFailed` when
+    the server saved none."""
+    path = Path(folder) / f"{key}{ENTRY_SUFFIX}"
+    if not path.is_file():
+        client.prefill([*lead, *ids], SaveRequest(key, len(lead), len(lead) + len(ids), name,
+                                                  tenant))
+        if not path.is_file():
+            raise SaveFailed(f"the server answered the compile of {name} but saved no "
+                             f"entry {key} (see its log)")
+    return path
 
 
 def learned_entry(job: Job, key: str, name: str, behind: int, size: int) -> LearnedEntry:

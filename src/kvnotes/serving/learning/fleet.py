@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kvnotes.core.errors import KvnotesError, StoreUnavailableError
-from kvnotes.serving.learning.compiles import Compiled, Compiler
+from kvnotes.serving.learning.compiles import (
+    Compiled,
+    Compiler,
+    EntryAddress,
+    PrefillClient,
+    VllmCompiler,
+    job_tokens,
+)
 from kvnotes.serving.learning.fleet_leases import StoreCompileLeases
 from kvnotes.serving.learning.learner import Learner, LearnSettings
 from kvnotes.serving.learning.sightings import Job, LocalSightings, skill_id
@@ -50,7 +57,6 @@ from kvnotes.serving.store.entry import EntryInfo, StoredEntry, sha256
 from kvnotes.serving.store.folder import write_entry_file
 
 if TYPE_CHECKING:
-    from kvnotes.serving.library.splice import PieceInfo
     from kvnotes.serving.skills import ServingSkills
     from kvnotes.serving.store.mirror import LocalMirror
     from kvnotes.serving.store.redis_store import RedisSettings
@@ -297,14 +303,16 @@ class Publisher:
         return None
 
 
-class FleetCompiler(Compiler):
-    """A :class:`Compiler` that takes an entry another host compiled from the store instead of
-    compiling it again, and publishes the entries it compiles."""
+class FleetCompiler:
+    """Compiles a job with ``inner`` (the server's own prefill, :class:`VllmCompiler`, or an
+    engine's :class:`Compiler`) unless another host compiled it: the store's entry is taken
+    instead; the entries it compiles are published. ``address`` gives a job's entry key
+    before it is compiled (the inner compiler's)."""
 
-    def __init__(self, skills: ServingSkills, registry: LearnedRegistry,
-                 publisher: Publisher) -> None:
-        super().__init__(skills, registry)
-        self.publisher = publisher
+    def __init__(self, inner: Compiler | VllmCompiler, registry: LearnedRegistry,
+                 publisher: Publisher, address: EntryAddress) -> None:
+        self.inner, self.registry, self.publisher = inner, registry, publisher
+        self.address = address
 
     def compile(self, job: Job) -> Compiled:
         if job.chunk is not None and job.variant is None:
@@ -315,18 +323,14 @@ class FleetCompiler(Compiler):
                                                job.tenant)
             if taken is not None:
                 return Compiled(taken.key, taken)
-        done = super().compile(job)
+        ids, after, _ = job_tokens(job)
+        key = self.address.key(ids, after, job.tenant)
+        if key not in self.registry:  # compiled by another host behind this very prefix
+            self.publisher.adopt(key, job.tenant)
+        done = self.inner.compile(job)
         if done.entry is not None and done.new:
             self.publisher.publish(done.entry)
         return done
-
-    def _publish(self, job: Job, text: str, name: str, after: list[int] | None,
-                 token_ids: Sequence[int], mismatch: str
-                 ) -> tuple[PieceInfo, int, bool] | Compiled:
-        key = self.skills.path_for(text, after=after, tenant=job.tenant).stem
-        if key not in self.registry:
-            self.publisher.adopt(key, job.tenant)
-        return super()._publish(job, text, name, after, token_ids, mismatch)
 
 
 class FleetLearner(Learner):
@@ -346,7 +350,8 @@ class FleetLearner(Learner):
     def __init__(self, config: LearnSettings, skills: ServingSkills,
                  registry: LearnedRegistry | None = None, *, store: Store,
                  request_store: Store | None = None, mirror: LocalMirror | None = None,
-                 settings: FleetSettings | None = None) -> None:
+                 settings: FleetSettings | None = None, prefill: PrefillClient | None = None,
+                 kv_dtype: str = "float32") -> None:
         s = self.fleet_settings = settings or FleetSettings()
         model = skills.folder.name
         self.fleet_stats = FleetStats()
@@ -361,7 +366,12 @@ class FleetLearner(Learner):
         self.store, self.mirror, self.model = store, mirror, model
         self.publisher = Publisher(store, skills.folder, self.registry, self.fleet_stats,
                                    mirror=mirror, unpublished=s.unpublished)
-        self.compiler = FleetCompiler(skills, self.registry, self.publisher)
+        # the server's own prefill compiles (no model in this process), else skills' engine
+        address = EntryAddress.of(skills.manifest, kv_dtype if prefill is not None
+                                  else "float32")
+        inner: Compiler | VllmCompiler = Compiler(skills, self.registry) if prefill is None \
+            else VllmCompiler(skills.folder, self.registry, address, prefill)
+        self.compiler = FleetCompiler(inner, self.registry, self.publisher, address)
         self._evicted_at = 0.0
         self._epoch: str | None = None
 

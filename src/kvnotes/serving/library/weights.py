@@ -162,3 +162,36 @@ def served_digest(folder: str | os.PathLike[str]) -> tuple[str, str]:
     dtype = served_dtype(folder)
     sha, _ = _digests(Path(folder), (dtype,))
     return dtype, sha[dtype]
+
+
+def leading_values(folder: str | os.PathLike[str], names: list[str], count: int
+                   ) -> dict[str, torch.Tensor]:
+    """The first ``count`` elements (row-major, as stored) of each tensor ``names`` holds that
+    the folder's files have, as stored: a few bytes per tensor, never a whole file."""
+    table = {t.name: t for t in _table(Path(folder))}
+    out: dict[str, torch.Tensor] = {}
+    fds: dict[Path, int] = {}
+    try:
+        for name in names:
+            t = table.get(name)
+            if t is None:
+                continue
+            if t.dtype not in _DTYPES:
+                raise NotebookFileError(f"{t.path}: tensor {name} has dtype {t.dtype}")
+            fd = fds.get(t.path)
+            if fd is None:
+                fd = fds[t.path] = os.open(t.path, os.O_RDONLY)
+            dtype = _DTYPES[t.dtype]
+            numel = 1
+            for d in t.shape:
+                numel *= d
+            size = torch.empty(0, dtype=dtype).element_size() * min(count, numel)
+            data = os.pread(fd, size, t.offset)
+            if len(data) != size:
+                raise NotebookFileError(f"{t.path}: tensor {name} runs past the end of the file")
+            out[name] = torch.frombuffer(bytearray(data), dtype=dtype) if size else \
+                torch.empty(0, dtype=dtype)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
