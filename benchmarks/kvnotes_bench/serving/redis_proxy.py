@@ -57,14 +57,24 @@ class DropProxy:
         t.start()
 
     def _accept(self) -> None:
-        while not self._stop.is_set() and len(self._sockets) < 2 * _MAX_CONNECTIONS:
+        while not self._stop.is_set():
+            # the connections closed since are forgotten: a long run reconnects many times
+            self._sockets = [s for s in self._sockets if s.fileno() != -1]
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if len(self._sockets) >= 2 * _MAX_CONNECTIONS:
+                time.sleep(_POLL_S)
+                continue
             try:
                 client, _ = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:  # the server is down (killed): so is this connection
+                _close(client)
+                continue
             for s in (client, server):
                 s.settimeout(_POLL_S)
             self._sockets += [client, server]

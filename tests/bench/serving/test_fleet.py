@@ -331,6 +331,25 @@ def test_run_faults_pauses_drops_evicts_and_kills_a_host(tmp_path, monkeypatch) 
         proxy.stop()
 
 
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
+def test_the_proxy_passes_again_once_a_killed_server_is_restarted(tmp_path) -> None:
+    import redis
+
+    from kvnotes_bench.serving.redis_proxy import DropProxy
+
+    with RedisProcess(tmp_path / "redis") as server:
+        proxy = DropProxy(server.port)
+        through = redis.Redis(port=proxy.port, socket_timeout=0.5, retry_on_error=[],
+                              retry=None)
+        assert through.ping() is True
+        server.stop()
+        with pytest.raises(redis.ConnectionError):
+            through.ping()
+        server.start()  # the same port
+        assert through.ping() is True
+        proxy.stop()
+
+
 def test_fleet_sender_sends_a_killed_hosts_requests_to_a_live_one() -> None:
     class Dying(_FakeSender):
         async def send(self, request, *, splice, max_tokens, repair=None) -> Answer:
