@@ -136,7 +136,7 @@ class ServingSkills:
         if isinstance(max_variants, bool) or not isinstance(max_variants, int) \
                 or max_variants < 1:
             raise InvalidArgumentError(f"max_variants must be at least 1, got {max_variants!r}")
-        self.engine = model if isinstance(model, Engine) else None
+        self._engine = model if isinstance(model, Engine) else None
         self.max_variants = max_variants
         self.facts = facts_of(model, weights)
         self.tokenizer = self.facts.tokenizer
@@ -144,15 +144,35 @@ class ServingSkills:
         self.manifest = manifest_for(self.facts)
         # BOS models: skills prefilled behind a BOS (dropped), so they keep positions 1..L
         self.anchor = "bos" if self.facts.bos_id is not None else "none"
-        self.library = None if self.engine is None else SkillLibrary(root, self.engine,
-                                                                     anchor=self.anchor)
+        self._library = None if self._engine is None else SkillLibrary(
+            root, self._engine, anchor=self.anchor)
         self.folder = Path(root) / self.facts.fingerprint.id
         self.folder.mkdir(parents=True, exist_ok=True)
         self.manifest.write(self.folder)
         self.address = EntryAddress.of(self.manifest)
         self.server: PrefillClient | None = None
-        if self.engine is not None and self.facts.bos_id is not None:
+        if self._engine is not None and self.facts.bos_id is not None:
             self._add_bos(self.facts.bos_id)
+
+    @property
+    def offline(self) -> bool:
+        """True when this process compiles (an engine was given), False when the attached
+        server does."""
+        return self._engine is not None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that compiles here; :class:`~kvnotes.ServingError` without one."""
+        if self._engine is None:
+            raise ServingError("this skill library has no engine: its server compiles")
+        return self._engine
+
+    @property
+    def library(self) -> SkillLibrary:
+        """The engine's skill library; :class:`~kvnotes.ServingError` without an engine."""
+        if self._library is None:
+            raise ServingError("this skill library has no engine: its server compiles")
+        return self._library
 
     def attach(self, client: PrefillClient, kv_dtype: str = "float32") -> None:
         """Compile from now on by the server ``client`` sends to (its connector saves the
@@ -164,7 +184,7 @@ class ServingSkills:
         """The BOS alone at position 0, compiled by the attached server (a model without BOS
         has none). :meth:`attach` first; an engine's is written at construction."""
         bos = self.facts.bos_id
-        if bos is None or self.engine is not None:
+        if bos is None or self.offline:
             return
         save_by_server(self.folder, self._server(), self.address.start_key(bos), [], [bos],
                        "bos", None)
@@ -195,7 +215,7 @@ class ServingSkills:
         if not isinstance(text, str) or not text:
             raise ArgumentTypeError(f"a serving skill is a non-empty string, not {text!r}")
         splice_salt(tenant)  # the tenant's spelling rule
-        if self.library is None:
+        if not self.offline:
             info = self._server_add(text, name, self._after_ids(after), tenant)
         else:
             skill = self.library.get(text, name=name, after=after, tenant=tenant)
@@ -255,7 +275,7 @@ class ServingSkills:
     def path_for(self, text: str, *, after: str | Sequence[int] | None = None,
                  tenant: str | None = None) -> Path:
         """The file :meth:`add` publishes ``text`` to (it may not exist yet)."""
-        if self.library is not None:
+        if self.offline:
             return self.library.path_for(text, after=after, tenant=tenant)
         key = self.address.key(encode(self.tokenizer, text), self._after_ids(after), tenant)
         return self.entry_path(key)
@@ -266,7 +286,6 @@ class ServingSkills:
 
     def _add_bos(self, bos: int) -> None:
         """The BOS alone at position 0 (exact: that is what every BOS-led prompt starts with)."""
-        assert self.engine is not None
         path = self.entry_path(self.address.start_key(bos))
         if not path.is_file():
             nb = self.engine.prefill([bos], bos=False, name="bos", kind="skill")

@@ -259,7 +259,7 @@ class Launch:
         can compile it (an engine, or the server is up), else once the server is up."""
         if self.skills is None:
             raise InvalidArgumentError("this launch has no skill library (LaunchConfig.skills)")
-        if self.skills.engine is None and not self._up:
+        if not self.skills.offline and not self._up:
             self._pending.append((text, name, after))
         else:
             self.registered.append(self.skills.add(text, name=name, after=after))
@@ -349,7 +349,7 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
     if skills is not None:
         from kvnotes.serving.learning.compiles import VllmPrefill
 
-        if skills.engine is None:  # compiles go to the server, in its numerics
+        if not skills.offline:  # compiles go to the server, in its numerics
             skills.attach(VllmPrefill(server.url, config.name,
                                       api_key=vllm_api_key(config.extra_args)), exported.dtype)
         if config.front is not None:
