@@ -104,15 +104,25 @@ def _table(folder: Path) -> list[_Tensor]:
 
 
 def _samples(t: _Tensor, fd: int) -> torch.Tensor:
+    numel = _numel(t)
+    return _elements(t, fd, sorted({i * numel // SAMPLES for i in range(SAMPLES)}) if numel
+                     else [])
+
+
+def _numel(t: _Tensor) -> int:
+    numel = 1
+    for d in t.shape:
+        numel *= d
+    return numel
+
+
+def _elements(t: _Tensor, fd: int, flat: list[int]) -> torch.Tensor:
+    """The elements at flat indices ``flat`` of tensor ``t``, as stored."""
     if t.dtype not in _DTYPES:
         raise NotebookFileError(f"{t.path}: tensor {t.name} has dtype {t.dtype}, which the "
                                 "weights digest does not read")
     dtype = _DTYPES[t.dtype]
-    numel = 1
-    for d in t.shape:
-        numel *= d
     size = torch.empty(0, dtype=dtype).element_size()
-    flat = sorted({i * numel // SAMPLES for i in range(SAMPLES)}) if numel else []
     data = b"".join(os.pread(fd, size, t.offset + i * size) for i in flat)
     if len(data) != size * len(flat):
         raise NotebookFileError(f"{t.path}: tensor {t.name} runs past the end of the file")
@@ -166,32 +176,18 @@ def served_digest(folder: str | os.PathLike[str]) -> tuple[str, str]:
 
 def leading_values(folder: str | os.PathLike[str], names: list[str], count: int
                    ) -> dict[str, torch.Tensor]:
-    """The first ``count`` elements (row-major, as stored) of each tensor ``names`` holds that
-    the folder's files have, as stored: a few bytes per tensor, never a whole file."""
+    """The first ``count`` elements (row-major, as stored) of each tensor of ``names`` that
+    the folder's files hold: a few bytes per tensor, never a whole file."""
     table = {t.name: t for t in _table(Path(folder))}
-    out: dict[str, torch.Tensor] = {}
     fds: dict[Path, int] = {}
     try:
-        for name in names:
-            t = table.get(name)
-            if t is None:
-                continue
-            if t.dtype not in _DTYPES:
-                raise NotebookFileError(f"{t.path}: tensor {name} has dtype {t.dtype}")
+        out = {}
+        for t in (table[n] for n in names if n in table):
             fd = fds.get(t.path)
             if fd is None:
                 fd = fds[t.path] = os.open(t.path, os.O_RDONLY)
-            dtype = _DTYPES[t.dtype]
-            numel = 1
-            for d in t.shape:
-                numel *= d
-            size = torch.empty(0, dtype=dtype).element_size() * min(count, numel)
-            data = os.pread(fd, size, t.offset)
-            if len(data) != size:
-                raise NotebookFileError(f"{t.path}: tensor {name} runs past the end of the file")
-            out[name] = torch.frombuffer(bytearray(data), dtype=dtype) if size else \
-                torch.empty(0, dtype=dtype)
+            out[t.name] = _elements(t, fd, list(range(min(count, _numel(t)))))
+        return out
     finally:
         for fd in fds.values():
             os.close(fd)
-    return out
