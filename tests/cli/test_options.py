@@ -262,15 +262,3 @@ def test_the_example_config_lists_every_key_and_loads(tmp_path, monkeypatch):
     assert tomllib.loads(example.read_text())  # TOML
     monkeypatch.chdir(tmp_path)
     assert isinstance(load_serve_config(example, env={}), ServeConfig)
-
-
-def test_serve_options_keeps_the_former_flat_names():
-    from kvnotes.cli.serve import ServeOptions
-    from kvnotes.serving.front.config import LearnConfig
-
-    cfg = ServeOptions(skills=Path("x"), learn=True, learn_after=3, library_cap="1GiB",
-                       learn_compile_nice=19, block_size=64)
-    assert cfg.learn_config() == LearnConfig(after=3, library_cap=1 << 30, compile_nice=19)
-    assert cfg.launch_config(cfg.front_config()).block_size == 64
-    with pytest.raises(InvalidArgumentError, match="add --learn"):
-        ServeOptions(skills=Path("x"), tenant_quota="1GiB")

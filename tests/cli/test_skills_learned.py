@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 import kvnotes
 from kvnotes.cli import app
-from kvnotes.cli.serve import ServeOptions
 from kvnotes.core.document import encode
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.config_file import ServeConfig, load_serve_config
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.learning import Learner
 from kvnotes.serving.library.registry import LearnedRegistry
@@ -83,25 +83,32 @@ def test_unknown_short_and_registered_keys_are_clear_errors(served, command):
     assert lib.entry_path(registered).exists()
 
 
-def _learning(**flags) -> LearnConfig | None:
-    return ServeOptions(skills=Path("x"), **flags).learn_config()
+def _serve(**learning) -> ServeConfig:
+    """``kvnotes serve --skills x`` with ``learning.<key>`` settings (``enabled``: --learn)."""
+    return load_serve_config(None, given={"skills": Path("x"), **{
+        f"learning.{k}": v for k, v in learning.items()}}, env={})
+
+
+def _learning(**learning) -> LearnConfig | None:
+    return _serve(**learning).learn_config()
 
 
 def test_serve_learning_flags():
     assert _learning() is None
-    cfg = _learning(learn=True, learn_after=3, learn_min_tokens=16, library_cap="256MiB",
+    cfg = _learning(enabled=True, after=3, min_tokens=16, library_cap="256MiB",
                     tenant_quota="1MB")
     assert cfg == LearnConfig(after=3, min_tokens=16, library_cap=256 << 20,
                               tenant_quota=10**6)
-    assert _learning(learn=True) == LearnConfig()  # the library's defaults, all of them
-    assert _learning(learn=True, learn_max_variants=2).max_variants == 2
-    assert _learning(learn=True, learn_compile_nice=19).compile_nice == 19
+    assert _learning(enabled=True) == LearnConfig()  # the library's defaults, all of them
+    assert _learning(enabled=True, max_variants=2).max_variants == 2
+    assert _learning(enabled=True, compile_nice=19).compile_nice == 19
     # vLLM's block: the one given, else the library's for a learning front, else vLLM's
-    opts = ServeOptions(skills=Path("x"), learn=True)
+    opts = _serve(enabled=True)
     assert opts.launch_config(opts.front_config()).block_size == LearnConfig().block_size == 32
-    plain = ServeOptions(skills=Path("x"))
+    plain = _serve()
     assert plain.launch_config(plain.front_config()).block_size is None
-    given = ServeOptions(skills=Path("x"), learn=True, block_size=128)
+    given = load_serve_config(None, given={"skills": Path("x"), "learning.enabled": True,
+                                           "block_size": 128}, env={})
     assert given.launch_config(given.front_config()).block_size == 128
     with pytest.raises(InvalidArgumentError, match="add --learn"):
         _learning(library_cap="1GiB")

@@ -39,6 +39,7 @@ CORE_RANKS = {
     "kvnotes.core.variants": 1,
     "kvnotes.core.model_defaults": 2,  # a table over repair's Repair
     "kvnotes.core.document": 2,
+    "kvnotes.core.meta": 1,  # types over records' JSON
     "kvnotes.core.chat": 2,
     "kvnotes.core.files": 2,
     "kvnotes.core.storage": 2,
@@ -308,7 +309,8 @@ IN_VLLM_MAY_IMPORT = ("kvnotes.serving.vllm", "kvnotes.serving.library", "kvnote
                       "kvnotes.serving.json_types",  # types only: nothing runs
                       "kvnotes.core.errors", "kvnotes.core.fingerprint", "kvnotes.core.files",
                       "kvnotes.core.positions", "kvnotes.core.document", "kvnotes.core.repair",
-                      "kvnotes.core.jsontext", "kvnotes.core.variants")
+                      "kvnotes.core.jsontext", "kvnotes.core.variants",
+                      "kvnotes.core.meta", "kvnotes.core.records")  # types, pydantic only
 
 
 def test_code_that_runs_inside_vllm_imports_only_the_serving_library_and_light_core():

@@ -46,11 +46,12 @@ def test_bad_sizes_are_refused_naming_the_setting(value, message):
 def test_the_cli_and_the_library_read_sizes_alike():
     from pathlib import Path
 
-    from kvnotes.cli.serve import ServeOptions
+    from kvnotes.serving.config_file import load_serve_config
     from kvnotes.serving.front.config import LearnConfig
 
-    cli = ServeOptions(skills=Path("x"), learn=True, library_cap="64M",
-                       tenant_quota="64MiB").learn_config()
+    cli = load_serve_config(None, given={
+        "skills": Path("x"), "learning.enabled": True, "learning.library_cap": "64M",
+        "learning.tenant_quota": "64MiB"}, env={}).learn_config()
     assert cli is not None
     assert (cli.library_cap, cli.tenant_quota) == (64_000_000, 67_108_864)
     lib = LearnConfig(library_cap="64M", tenant_quota="64MiB")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from kvnotes.ops.quant import (
     ROUND_TRIP_STEPS,
     SHIFT_STEPS,
     QuantizedNotebook,
-    error_in_steps,
+    QuantizedTensor,
     quantize,
     quantize_tensor,
 )
@@ -27,6 +27,11 @@ EPS = 1e-6  # float slack on top of the stated bounds
 @pytest.fixture(scope="module", params=["llama", "deepseek_v2"])
 def engine(request) -> kvnotes.Engine:
     return kvnotes.Engine.from_model(tiny_model(request.param, 256), ByteTokenizer(256))
+
+
+def error_in_steps(x: torch.Tensor, qt: QuantizedTensor) -> float:
+    """Largest ``|x - dequantize|`` in quantization steps of its group."""
+    return float(((x.to(torch.float32) - qt.dequantize()).abs() / qt.scale).max())
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])

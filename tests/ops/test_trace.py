@@ -17,7 +17,7 @@ from kvnotes.ops.trace import (
     TraceLengthError,
     TraceOptions,
     logit_difference,
-    patched_metric,
+    patch_metrics,
     splice,
     trace,
 )
@@ -61,7 +61,7 @@ def _effect(engine, setup, sites, direction="denoising") -> float:
     m_old = metric(engine.next_logits(old_nb, query))
     m_new = metric(engine.next_logits(new_nb, query))
     base, source = (old_nb, new_nb) if direction == "denoising" else (new_nb, old_nb)
-    m = patched_metric(engine, base, source, sites, query, metric)
+    (m,) = patch_metrics(engine, base, source, [sites], query, metric)
     e = normalized_effect(m, m_old, m_new)
     return e if direction == "denoising" else 1.0 - e
 
@@ -123,8 +123,8 @@ def test_noising_is_one_minus_denoising_of_the_complement(engine, setup):
     assert r.noising.field == pytest.approx(_effect(engine, setup, _field_sites(old_nb),
                                                     "noising"), abs=1e-5)
     # by definition: denoising reads (m - m_old)/d, noising (m_new - m)/d of the other splice
-    m = patched_metric(engine, setup[1], setup[0], _field_sites(old_nb), setup[2],
-                       logit_difference(setup[3]))
+    (m,) = patch_metrics(engine, setup[1], setup[0], [_field_sites(old_nb)], setup[2],
+                         logit_difference(setup[3]))
     assert r.noising.field == pytest.approx((r.m_new - m) / r.denominator, abs=1e-5)
 
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 import kvnotes
 import kvnotes.serving.launch.launcher as launch_mod
 from kvnotes.cli import app
-from kvnotes.cli.serve import ServeOptions
 from kvnotes.core.errors import InvalidArgumentError
+from kvnotes.serving.config_file import load_serve_config
 from kvnotes.serving.front.app import Front
 from kvnotes.serving.front.config import FrontConfig, LearnConfig
 from kvnotes.serving.launch.launcher import LaunchConfig, _front
@@ -40,12 +40,14 @@ def test_the_front_config_checks_its_store_at_start(tmp_path):
 
 def test_serve_refuses_a_store_it_cannot_use_before_loading_a_model(tmp_path):
     with pytest.raises(InvalidArgumentError, match="--no-front"):
-        ServeOptions(skills=tmp_path, store="redis://127.0.0.1:6379/0", no_front=True)
+        load_serve_config(None, given={"skills": tmp_path, "store.url": "redis://127.0.0.1:6379/0",
+                                       "no_front": True}, env={})
     with pytest.raises(InvalidArgumentError, match="--store redis"):
-        ServeOptions(skills=tmp_path, store_password_file=tmp_path / "pw")
+        load_serve_config(None, given={"skills": tmp_path,
+                                       "store.password_file": tmp_path / "pw"}, env={})
     with pytest.raises(InvalidArgumentError, match="cannot read"):
-        ServeOptions(skills=tmp_path, store="redis://127.0.0.1:6379/0",
-                     store_password_file=tmp_path / "missing")
+        load_serve_config(None, given={"skills": tmp_path, "store.url": "redis://127.0.0.1:6379/0",
+                                       "store.password_file": tmp_path / "missing"}, env={})
 
 
 def test_serve_passes_the_store_to_the_front(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import inspect
 import time
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Union
 
@@ -35,8 +36,7 @@ from kvnotes.serving.config_file import (
 if TYPE_CHECKING:
     from kvnotes.serving.launch.launcher import Launch
 
-__all__ = ["MOVED", "ServeConfig", "ServeOptions", "log_requests_to_stderr", "run_serve",
-           "serve"]
+__all__ = ["MOVED", "ServeConfig", "log_requests_to_stderr", "run_serve", "serve"]
 
 # The options ``kvnotes serve`` took before ``--config``, and the key of the file that sets each
 # now (docs/guide/serving.md has the same table).
@@ -104,17 +104,20 @@ def _parameters() -> list[inspect.Parameter]:
     return [ctx, model, *(_option(k, f) for k, f in FLAGS.items()), config, vllm_args]
 
 
-def _given(ctx: typer.Context, values: dict[str, Any]) -> dict[str, Any]:
+def _given(ctx: typer.Context, values: Mapping[str, object]) -> dict[str, object]:
     """The settings the command line gave (by key): options left at their default are not,
-    so the file's value holds."""
+    so the file's value holds. ``values``: click's, each of its option's type
+    (:class:`ServeConfig` checks them)."""
     given = {key: values[_param_name(flag)] for key, flag in FLAGS.items()
              if ctx.get_parameter_source(_param_name(flag)) not in (None,
                                                                     ParameterSource.DEFAULT)}
-    model, vllm_args = values["model"], list(values["vllm_args"] or ())
-    if model is not None and model.startswith("-"):
+    model, raw_args = values["model"], values["vllm_args"]
+    vllm_args = [str(a) for a in raw_args] if isinstance(raw_args, (list, tuple)) else []
+    if isinstance(model, str) and model.startswith("-"):
         # no MODEL before `--`: click took the first vLLM flag for it (a model never starts
         # with "-")
-        model, vllm_args = None, [model, *vllm_args]
+        vllm_args = [model, *vllm_args]
+        model = None
     if model is not None:
         given["model"] = model
     if vllm_args:
@@ -139,17 +142,6 @@ _serve.__annotations__ = {p.name: p.annotation for p in _SIGNATURE.parameters.va
 serve = app.command("serve", epilog=(
     "Moved to --config (key in the file): " + "; ".join(
         f"{flag} -> {key}" for flag, key in MOVED.items())))(_serve)
-
-
-def ServeOptions(**flat: Any) -> ServeConfig:  # the name it had as a class
-    """A :class:`ServeConfig` from the settings' former flat names (``learn=True``,
-    ``learn_after=3``, ``store_password_file=...``): what ``ServeOptions`` took before
-    ``--config``."""
-    names = {_param_name(flag): key for flag, key in MOVED.items()}
-    names |= {_param_name(flag): key for key, flag in FLAGS.items()}
-    names |= {"model": "model", "vllm_args": "vllm_args"}
-    return load_serve_config(None, given={names[name]: value for name, value in flat.items()},
-                             env={})
 
 
 # ---- the run ----------------------------------------------------------------------------------

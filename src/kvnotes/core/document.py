@@ -10,12 +10,12 @@ in kvnotes always uses the same ids, so comparisons stay exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypedDict
 
 import kvnotes.core.validate as validate
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownFieldError
+from kvnotes.core.meta import DocumentRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,23 +120,7 @@ def added_bos(tokenizer: object) -> int | None:
     return bos if bos is not None and probe and probe[0] == bos else None
 
 
-def as_parts(parts: Sequence[Part] | Document | str) -> Document:
-    if isinstance(parts, Document):
-        return parts
-    if isinstance(parts, str):
-        return Document([parts])
-    return Document(parts)
-
-
 # ---- the document a notebook remembers --------------------------------------------------------
-class DocumentRecord(TypedDict):
-    """A notebook's ``meta["document"]``: its parts (``["text", str]`` or ``["field", name,
-    value]``) and the notebook index of the document's first token."""
-
-    parts: list[list[str]]
-    offset: int
-
-
 def document_meta(doc: Document, offset: int) -> DocumentRecord:
     """JSON-able record of ``doc`` prefilled with its first token at notebook index ``offset``."""
     parts = [["field", p.name, p.value] if isinstance(p, Field) else ["text", p]

@@ -27,19 +27,22 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
 
 from kvnotes.core.errors import NotebookFileError, NotebookMismatchError, UnsafePathError
 from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.core.meta import NotebookMeta
+from kvnotes.core.records import Json
 
 # Layout of the kvnotes header itself. 1 (unmarked): the checksum covered the tensors only;
 # such files cannot be verified and are refused (a 0.x project breaks cleanly).
@@ -74,7 +77,7 @@ NOTEBOOK_LAYER_TENSORS: dict[str, tuple[torch.dtype, ...]] = {
     "keys": FLOAT_DTYPES, "values": FLOAT_DTYPES}
 
 
-def checksum(tensors: Mapping[str, torch.Tensor], header: Mapping[str, Any] | None = None) -> str:
+def checksum(tensors: Mapping[str, torch.Tensor], header: Json | None = None) -> str:
     """SHA-256 over the header (without its ``checksum``) and every tensor's name, dtype, shape
     and bytes, in name order."""
     h = hashlib.sha256()
@@ -197,7 +200,7 @@ def _check_target_file(path: Path) -> None:
 
 
 def write(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
-          header: dict[str, Any]) -> Path:
+          header: Json) -> Path:
     """Write ``tensors`` with ``header`` (plus a checksum over both), atomically.
 
     The target is either the old file or the complete new one, whatever happens: the data is
@@ -268,6 +271,27 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
                                 "file was modified or damaged")
     _check_writer(path, check_header(path, header, tensors, layer_tensors), fingerprint)
     return header, tensors
+
+
+class NotebookHeader(BaseModel):
+    """The fields of a checked notebook header a loader builds the notebook from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_layers: int
+    origin: int
+    spans: tuple[tuple[str, str, int, int], ...]
+    meta: NotebookMeta = {}
+
+
+def notebook_header(path: str | os.PathLike[str], header: Json) -> NotebookHeader:
+    """``header`` (from :func:`read`, which checked it) typed, its ``meta`` read through
+    :class:`~kvnotes.core.meta.NotebookMeta`; a field of the wrong type is a
+    :class:`NotebookFileError`."""
+    try:
+        return NotebookHeader.model_validate(header)
+    except ValidationError as err:
+        raise NotebookFileError(f"{path}: malformed header: {err}") from err
 
 
 def _check_kind(path: Path, header: object, file_format: str, version: int, what: str,
@@ -403,7 +427,7 @@ def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_header(path: Path, header: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+def check_header(path: Path, header: Json, tensors: Mapping[str, torch.Tensor],
                  layer_tensors: Mapping[str, tuple[torch.dtype, ...]]) -> ModelFingerprint:
     """Validate every field of a notebook header against itself and the tensors.
 
@@ -462,7 +486,7 @@ def check_header(path: Path, header: dict[str, Any], tensors: Mapping[str, torch
     return saved
 
 
-def _check_document_meta(doc: object, n: int, bad: Any) -> None:
+def _check_document_meta(doc: object, n: int, bad: Callable[[str], NotebookFileError]) -> None:
     if doc is None:
         return
     if not isinstance(doc, dict) or not isinstance(doc.get("parts"), list):

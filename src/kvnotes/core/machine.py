@@ -15,9 +15,15 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import (
+    Any,
+    NotRequired,  # pydantic reads these from Python 3.11
+)
 
 import torch
+from typing_extensions import TypedDict
+
+from kvnotes.core.records import Json, adapter
 
 SIMD_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma",
               "neon", "asimd")
@@ -107,12 +113,53 @@ def cpu_model() -> str:
 BUSY_SHARE = 0.10  # other work (or steal) above this share of the CPUs contaminates a timing
 
 
-def cpu_counters() -> dict[str, float | None]:
+class CpuCounters(TypedDict):
+    """CPU seconds so far (:func:`cpu_counters`); None where ``/proc/stat`` has none."""
+
+    wall_s: float
+    own_s: float
+    busy_s: float | None
+    steal_s: float | None
+
+
+class CpuUse(TypedDict):
+    """What the CPUs did between two :func:`cpu_counters` (:func:`cpu_use`)."""
+
+    wall_s: float
+    own_cpu_s: float
+    other_cpu_s: float
+    steal_s: float
+    other_share: float
+    steal_share: float
+
+
+class MachineInfo(TypedDict):
+    """The record :func:`machine_info` writes (``cpu_use`` only after a ``since``)."""
+
+    torch_threads: int
+    cpus: int
+    load_average: list[float]
+    busy: bool
+    physical_cores: NotRequired[int]
+    cpu_flags: NotRequired[list[str]]
+    machine: NotRequired[str]
+    cpu_counters: NotRequired[CpuCounters]
+    cpu_use: NotRequired[CpuUse]
+
+
+def read_machine(record: object) -> MachineInfo:
+    """A :func:`machine_info` record (as stored in a result's JSON) read back, checked;
+    ``ValueError`` for one that is not."""
+    out: MachineInfo = adapter(MachineInfo).validate_python(record)
+    return out
+
+
+def cpu_counters() -> CpuCounters:
     """CPU seconds so far: the machine's busy and steal time over all CPUs (``/proc/stat``;
     None where there is none), this process's own (all its threads and waited-for children),
     and a wall clock, for :func:`cpu_use`."""
     own = os.times()
-    out: dict[str, float | None] = {
+    out: CpuCounters = {
         "wall_s": time.monotonic(),
         "own_s": own.user + own.system + own.children_user + own.children_system,
         "busy_s": None, "steal_s": None}
@@ -129,29 +176,26 @@ def cpu_counters() -> dict[str, float | None]:
     return out
 
 
-def cpu_use(before: dict[str, float | None], after: dict[str, float | None], cpus: int
-            ) -> dict[str, float] | None:
+def cpu_use(before: CpuCounters, after: CpuCounters, cpus: int) -> CpuUse | None:
     """What the CPUs did between two :func:`cpu_counters`: this process's seconds, other work's
     (the machine's busy time minus this process's) and steal, and their shares of the
     ``cpus`` x wall seconds available. None without ``/proc/stat``."""
-    if before.get("busy_s") is None or after.get("busy_s") is None:
+    busy_before, busy_after = before["busy_s"], after["busy_s"]
+    if busy_before is None or busy_after is None:
         return None
-
-    def delta(key: str) -> float:
-        start, end = before.get(key), after.get(key)
-        return 0.0 if start is None or end is None else end - start
-
-    wall = max(delta("wall_s"), 1e-9)
-    own = delta("own_s")
-    other = max(0.0, delta("busy_s") - own)
-    steal = delta("steal_s")
+    steal_before, steal_after = before["steal_s"], after["steal_s"]
+    wall = max(after["wall_s"] - before["wall_s"], 1e-9)
+    own = after["own_s"] - before["own_s"]
+    other = max(0.0, busy_after - busy_before - own)
+    steal = 0.0 if steal_before is None or steal_after is None else steal_after - steal_before
     return {"wall_s": round(wall, 3), "own_cpu_s": round(own, 3), "other_cpu_s": round(other, 3),
             "steal_s": round(steal, 3), "other_share": round(other / (wall * cpus), 4),
             "steal_share": round(steal / (wall * cpus), 4)}
 
 
-def machine_info(since: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON.
+def machine_info(since: Json | None = None) -> dict[str, Any]:
+    """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON (a
+    :class:`MachineInfo`; :func:`read_machine` reads it back).
 
     ``since``: an earlier ``machine_info()`` of this process (the run's "before"). The result
     then also says what the CPUs did in between (``cpu_use``, see :func:`cpu_use`), and
@@ -162,11 +206,12 @@ def machine_info(since: dict[str, Any] | None = None) -> dict[str, Any]:
     load = load_average()
     cpus = available_cpus()
     counters = cpu_counters()
-    use = cpu_use(since["cpu_counters"], counters, cpus) if since and "cpu_counters" in since \
+    before = read_machine(since) if since else None
+    use = cpu_use(before["cpu_counters"], counters, cpus) if before and "cpu_counters" in before \
         else None
     busy = (use["other_share"] > BUSY_SHARE or use["steal_share"] > BUSY_SHARE) if use \
         else load[0] > cpus
-    info = {
+    info: MachineInfo = {
         "torch_threads": torch.get_num_threads(), "physical_cores": physical_cores(),
         "cpus": cpus, "load_average": [round(x, 2) for x in load],
         "busy": bool(busy), "cpu_flags": cpu_flags(),
@@ -175,11 +220,15 @@ def machine_info(since: dict[str, Any] | None = None) -> dict[str, Any]:
     }
     if use is not None:
         info["cpu_use"] = use
-    return info
+    # the benchmarks' records hold it as a plain dict (their fields are dict[str, Any])
+    out: dict[str, Any] = adapter(MachineInfo).dump_python(info)
+    return out
 
 
-def load_note(info: dict[str, Any]) -> str:
-    """One line for a report: the load beside the CPU count, and a warning when busy."""
+def load_note(record: Json) -> str:
+    """One line for a report: the load beside the CPU count, and a warning when busy
+    (``record``: a :func:`machine_info`)."""
+    info = read_machine(record)
     load = info["load_average"][0]
     line = (f"load average {load:.2f} on {info['cpus']} CPUs, {info['torch_threads']} torch "
             f"threads")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import torch
+from typing_extensions import Unpack
 
 import kvnotes.core.files as files
 import kvnotes.core.validate as validate
@@ -39,7 +40,9 @@ from kvnotes.core.errors import (
     UnknownFieldError,
 )
 from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.core.meta import NotebookMeta, meta_json
 from kvnotes.core.positions import PositionAdapter
+from kvnotes.core.records import checked
 from kvnotes.core.storage import Claim, KVStore
 
 SPAN_KINDS = ("text", "field", "skill", "erratum", "query")
@@ -131,7 +134,7 @@ class Notebook:
         spans: Iterable[Span],
         adapter: PositionAdapter,
         fingerprint: ModelFingerprint,
-        meta: dict[str, Any] | None = None,
+        meta: NotebookMeta | None = None,
         origin: int = 0,
         *,
         last_logits: torch.Tensor | None = None,
@@ -150,12 +153,12 @@ class Notebook:
 
     def _init(self, store: KVStore, start: int, end: int, spans: Iterable[Span],
               adapter: PositionAdapter, fingerprint: ModelFingerprint,
-              meta: dict[str, Any] | None, origin: int, last_logits: torch.Tensor | None) -> None:
+              meta: NotebookMeta | None, origin: int, last_logits: torch.Tensor | None) -> None:
         self._store, self._start, self._end = store, start, end
         self.spans: tuple[Span, ...] = tuple(spans)
         self.adapter = adapter
         self.fingerprint = fingerprint
-        self.meta: dict[str, Any] = dict(meta or {})
+        self.meta: NotebookMeta = meta.copy() if meta else {}
         self.origin = origin  # where the first token sits (the only position an empty one has)
         # FloatTensor[vocab]: the next-token logits after the last token, when the forward that
         # wrote it kept them (next_logits/greedy then need no forward)
@@ -166,7 +169,7 @@ class Notebook:
     @classmethod
     def from_storage(cls, store: KVStore, start: int, end: int, spans: Iterable[Span],
                      adapter: PositionAdapter, fingerprint: ModelFingerprint,
-                     meta: dict[str, Any] | None = None, origin: int = 0, *,
+                     meta: NotebookMeta | None = None, origin: int = 0, *,
                      last_logits: torch.Tensor | None = None) -> Notebook:
         """The view ``[start, end)`` of ``store`` as a notebook (no copy)."""
         nb = cls.__new__(cls)
@@ -175,7 +178,7 @@ class Notebook:
 
     @classmethod
     def empty(cls, adapter: PositionAdapter, fingerprint: ModelFingerprint, *, origin: int = 0,
-              capacity: int = 0, meta: dict[str, Any] | None = None) -> Notebook:
+              capacity: int = 0, meta: NotebookMeta | None = None) -> Notebook:
         """A notebook with no tokens whose first token will sit at ``origin``, in new storage
         with room for ``capacity`` tokens."""
         return cls.from_storage(KVStore(adapter.num_layers, capacity), 0, 0, (), adapter,
@@ -373,7 +376,7 @@ class Notebook:
         return write
 
     # ---- new notebooks from this one ------------------------------------------------------
-    def _with(self, *, spans: Iterable[Span] | None = None, meta: dict[str, Any] | None = None,
+    def _with(self, *, spans: Iterable[Span] | None = None, meta: NotebookMeta | None = None,
               last_logits: torch.Tensor | None | _Keep = _Keep.KEEP) -> Notebook:
         """The same view with other spans, meta or last logits (no tensor is touched)."""
         return Notebook.from_storage(
@@ -394,7 +397,8 @@ class Notebook:
     def with_spans(self, spans: Iterable[Span]) -> Notebook:
         return self._with(spans=tuple(spans))
 
-    def with_meta(self, **meta: Any) -> Notebook:
+    def with_meta(self, **meta: Unpack[NotebookMeta]) -> Notebook:
+        """The same view with ``meta`` laid over its meta (keys and types: :class:`NotebookMeta`)."""
         return self._with(meta={**self.meta, **meta})
 
     def _check_shift(self, delta: int, allow_approximate: bool) -> None:
@@ -454,7 +458,7 @@ class Notebook:
 
     @staticmethod
     @torch.inference_mode()
-    def concat(parts: Sequence[Notebook], *, meta: dict[str, Any] | None = None) -> Notebook:
+    def concat(parts: Sequence[Notebook], *, meta: NotebookMeta | None = None) -> Notebook:
         """Join notebooks of one model, in order; positions are kept as they are.
 
         The first part is extended (in place when it ends at its storage's fill point) and the
@@ -497,9 +501,10 @@ class Notebook:
             tensors[f"layers.{l}.values"] = layer.values
         return files.write(path, tensors, {
             "format": FILE_FORMAT, "version": FILE_VERSION,
-            "fingerprint": self.fingerprint.to_dict(), "scheme": self.adapter.name,
+            "fingerprint": checked(self.fingerprint.to_dict()), "scheme": self.adapter.name,
             "length": len(self), "num_layers": len(self.layers), "origin": self.origin,
-            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans], "meta": self.meta,
+            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans],
+            "meta": meta_json(self.meta),
         })
 
     @classmethod
@@ -513,16 +518,17 @@ class Notebook:
         if not all(hasattr(engine, a) for a in ("fingerprint", "adapter", "device")):
             raise ArgumentTypeError(f"Notebook.load needs the Engine whose model wrote the file, "
                                     f"got {type(engine).__name__}")
-        header, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
-                                     version=FILE_VERSION, what="notebook")
+        raw, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
+                                  version=FILE_VERSION, what="notebook")
+        header = files.notebook_header(path, raw)
         device = engine.device  # files are read on the CPU
         layers = [LayerKV(tensors[f"layers.{l}.keys"].to(device),
                           tensors[f"layers.{l}.values"].to(device))
-                  for l in range(header["num_layers"])]
+                  for l in range(header.num_layers)]
         return cls(
             layers=layers, token_ids=tensors["token_ids"], positions=tensors["positions"],
-            spans=[Span(*s) for s in header["spans"]], adapter=engine.adapter,
-            fingerprint=engine.fingerprint, meta=header.get("meta"), origin=header["origin"],
+            spans=[Span(*s) for s in header.spans], adapter=engine.adapter,
+            fingerprint=engine.fingerprint, meta=header.meta, origin=header.origin,
         )
 
 

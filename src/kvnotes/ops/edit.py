@@ -41,6 +41,7 @@ from kvnotes.core.chat import chat_turn, has_template
 from kvnotes.core.document import Document, Field, document_meta, remembered_document
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import EmptyInputError, KvnotesError, UnknownNameError
+from kvnotes.core.meta import Erratum, NotebookMeta
 from kvnotes.core.notebook import Notebook, Span
 from kvnotes.core.records import JsonRecord
 from kvnotes.core.repair import repair_budget, repair_selector
@@ -152,7 +153,7 @@ def _edited_spans(spans: Sequence[Span], fs: int, fe: int, delta: int, field: st
 
 
 def _finish(engine: Engine, nb: Notebook, plan: _Plan, field: str) -> Notebook:
-    meta = {**nb.meta, "document": document_meta(plan.new_doc, plan.offset)}
+    meta: NotebookMeta = {**nb.meta, "document": document_meta(plan.new_doc, plan.offset)}
     return Notebook(nb.layers, nb.token_ids, nb.positions, plan.new_spans, nb.adapter,
                     nb.fingerprint, meta=meta, origin=nb.start_position)
 
@@ -341,7 +342,8 @@ def edit(engine: Engine, nb: Notebook, field: str, new_value: str, strategy: str
     if strategy == "erratum":
         out, appended = _erratum(engine, nb, plan, field, template, chat, label)
         seconds = time.perf_counter() - t0
-        errata = [*nb.meta.get("errata", []), {"field": field, "value": new_value}]
+        errata: list[Erratum] = [*nb.meta.get("errata", []),
+                                 {"field": field, "value": new_value}]
         out = out.with_meta(errata=errata)
         report = EditReport(strategy, field, old_value, new_value, len(plan.new_ids) + appended,
                             0, len(nb), tokens_appended=appended, seconds=seconds,

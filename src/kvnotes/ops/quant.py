@@ -35,15 +35,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvnotes.core import files
 from kvnotes.core.errors import NotebookFileError, UnknownNameError
 from kvnotes.core.fingerprint import ModelFingerprint
+from kvnotes.core.meta import NotebookMeta, meta_json
 from kvnotes.core.notebook import LayerKV, Notebook, Span
 from kvnotes.core.positions import PositionAdapter
+from kvnotes.core.records import checked
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -101,7 +103,7 @@ class QuantizedNotebook:
     def __init__(self, layers: Sequence[tuple[QuantizedTensor, QuantizedTensor]],
                  token_ids: torch.Tensor, positions: torch.Tensor, spans: Sequence[Span],
                  adapter: PositionAdapter, fingerprint: ModelFingerprint, *, axis: str,
-                 dtype: torch.dtype = torch.float32, meta: dict[str, Any] | None = None,
+                 dtype: torch.dtype = torch.float32, meta: NotebookMeta | None = None,
                  origin: int = 0) -> None:
         if axis not in AXES:
             raise UnknownNameError("axis", axis, AXES)
@@ -111,7 +113,7 @@ class QuantizedNotebook:
         self.spans = tuple(spans)
         self.adapter = adapter
         self.fingerprint = fingerprint
-        self.meta = dict(meta or {})
+        self.meta: NotebookMeta = meta.copy() if meta else {}
         self.origin = origin
         self.axis = axis
         self.dtype = dtype
@@ -149,7 +151,7 @@ class QuantizedNotebook:
         """Dequantize, move every token ``delta`` positions (exact rotation), quantize again."""
         moved = self.dequantize().shifted(delta, allow_approximate=allow_approximate)
         out = QuantizedNotebook.from_notebook(moved, self.axis)
-        out.meta = dict(self.meta)
+        out.meta = self.meta.copy()
         return out
 
     # ---- files ----------------------------------------------------------------------------
@@ -164,9 +166,10 @@ class QuantizedNotebook:
         return files.write(path, tensors, {
             "format": FILE_FORMAT, "version": FILE_VERSION, "axis": self.axis,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "fingerprint": self.fingerprint.to_dict(), "scheme": self.adapter.name,
+            "fingerprint": checked(self.fingerprint.to_dict()), "scheme": self.adapter.name,
             "length": len(self), "num_layers": len(self.layers), "origin": self.origin,
-            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans], "meta": self.meta,
+            "spans": [[s.name, s.kind, s.start, s.end] for s in self.spans],
+            "meta": meta_json(self.meta),
         })
 
     @classmethod
@@ -177,32 +180,29 @@ class QuantizedNotebook:
             NotebookFileError: missing, truncated, tampered with or not a quantized notebook.
             NotebookMismatchError: written by a different model.
         """
-        header, tensors = files.read(
+        raw, tensors = files.read(
             path, engine.fingerprint, file_format=FILE_FORMAT, version=FILE_VERSION,
             what="quantized notebook", wrong_format_hint="; use Notebook.load for full-precision files",
             layer_tensors=_LAYER_TENSORS)
-        if header.get("axis") not in AXES:
+        axis, dtype = raw.get("axis"), raw.get("dtype")
+        if not isinstance(axis, str) or axis not in AXES:
             raise NotebookFileError(f"{path}: malformed header: axis must be one of {AXES}, got "
-                                    f"{header.get('axis')!r}")
-        if header.get("dtype") not in _DTYPES:
+                                    f"{axis!r}")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise NotebookFileError(f"{path}: malformed header: dtype must be one of "
-                                    f"{sorted(_DTYPES)}, got {header.get('dtype')!r}")
+                                    f"{sorted(_DTYPES)}, got {dtype!r}")
+        header = files.notebook_header(path, raw)
         layers = [
             (QuantizedTensor(tensors[f"layers.{i}.keys.q"], tensors[f"layers.{i}.keys.scale"]),
              QuantizedTensor(tensors[f"layers.{i}.values.q"], tensors[f"layers.{i}.values.scale"]))
-            for i in range(header["num_layers"])
+            for i in range(header.num_layers)
         ]
         return cls(layers, tensors["token_ids"], tensors["positions"],
-                   [Span(*s) for s in header["spans"]], engine.adapter, engine.fingerprint,
-                   axis=header["axis"], dtype=_DTYPES[header["dtype"]],
-                   meta=header.get("meta"), origin=header["origin"])
+                   [Span(*s) for s in header.spans], engine.adapter, engine.fingerprint,
+                   axis=axis, dtype=_DTYPES[dtype], meta=header.meta, origin=header.origin)
 
 
 def quantize(nb: Notebook, axis: str = "token") -> QuantizedNotebook:
     """Shorthand for :meth:`QuantizedNotebook.from_notebook`."""
     return QuantizedNotebook.from_notebook(nb, axis)
 
-
-def error_in_steps(x: torch.Tensor, qt: QuantizedTensor) -> float:
-    """Largest ``|x - dequantize|`` measured in quantization steps of its group (for tests)."""
-    return float(((x.to(torch.float32) - qt.dequantize()).abs() / qt.scale).max())

@@ -27,7 +27,7 @@ A normalized effect is only meaningful when the field moves the decision: every 
 its denominator ``d`` and ``sensitive = |d| >= min_denominator`` (docs/design.md: about one logit);
 :func:`summarize` keeps insensitive cases out of the aggregates and counts them.
 
-One generic patch loop (:func:`splice`, :func:`patched_metric`) with thin named analyses over
+One generic patch loop (:func:`splice`, :func:`patch_metrics`) with thin named analyses over
 it, in the TransformerLens manner; the case-suite runner lives in :mod:`kvnotes.research.trace.suite`.
 """
 
@@ -201,12 +201,6 @@ def splice(base: Notebook, source: Notebook, sites: torch.Tensor) -> Notebook:
             layers.append(LayerKV(torch.where(pick, s.keys, b.keys),
                                   torch.where(pick, s.values, b.values)))
     return base.with_layers(layers)
-
-
-def patched_metric(engine: Engine, base: Notebook, source: Notebook, sites: torch.Tensor,
-                   query: Sequence[int], metric: Metric) -> float:
-    """``metric`` of the next-token logits after ``query`` on top of ``splice(base, source, sites)``."""
-    return patch_metrics(engine, base, source, [sites], query, metric)[0]
 
 
 @torch.inference_mode()

@@ -73,9 +73,6 @@ class State:
     def __repr__(self) -> str:
         return f"State({self._values!r})"
 
-    def as_dict(self) -> dict[str, str]:
-        return dict(self._values)
-
     def apply(self, events: Iterable[Event]) -> State:
         values = dict(self._values)
         for e in events:

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from kvnotes.core.machine import read_machine
+from kvnotes.core.records import Json
 from kvnotes.research.agent.summary import BenchSettings, BenchSummary
 
 
-def _machine_line(machine: dict[str, Any] | None) -> str:
+def _machine_line(machine: Json | None) -> str:
+    """``machine``: ``{"before": ..., "after": ...}``, each a ``machine_info`` record."""
     if not machine:
         return ""
-    b, a = machine["before"], machine["after"]
+    b, a = (read_machine(machine[k]) for k in ("before", "after"))
     # "after" is busy when other work took CPU time during the run (cpu_use); the load average
     # after a run counts the run's own threads, so it is only reported
     busy = " (busy: latency ratios are contaminated)" if b["busy"] or a["busy"] else ""

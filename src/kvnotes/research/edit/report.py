@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvnotes.eval.reports import write_bundle
@@ -139,10 +138,3 @@ def plot(result: SuiteResult, path: Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-def rewrite_report(folder: str | Path) -> dict[str, Path]:
-    """Re-aggregate ``folder/results.json`` and write the report and chart again (after the
-    metrics or tables change, without re-running the models)."""
-    folder = Path(folder)
-    result = SuiteResult.from_dict(json.loads((folder / "results.json").read_text()))
-    return write_outputs(result.reaggregated(), folder)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pydantic import model_validator
 from pydantic.dataclasses import dataclass as record
@@ -183,11 +183,6 @@ class SuiteResult(JsonRecord):
                 new=sum(r.decision_new == r.expected_new for r in cases)),
             seconds=seconds, per_strategy=per_strategy, per_family=per_family,
             cases=tuple(cases), workers=workers)
-
-    def reaggregated(self) -> SuiteResult:
-        """The same cases aggregated again (after the metrics change, without re-running)."""
-        per_strategy, per_family = aggregates(self.cases, self.strategies)
-        return replace(self, per_strategy=per_strategy, per_family=per_family)
 
     @model_validator(mode="before")
     @classmethod
