@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean gpu-check
+.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean gpu-check peers
 
 $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -105,6 +105,26 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# kvboost 0.9.0 (the peers benchmark, `kvnotes-bench peers`) in its own virtual environment, so
+# `make test` never depends on it. Its pins (torch>=2.1, transformers>=4.38, accelerate>=0.27,
+# sentencepiece) admit the project's: the same torch wheel and the main venv's transformers, so
+# both sides run the same model code. kvnotes and the bench package go in without their
+# dependencies: the worker runs as `python -m kvnotes_bench.peers.kvboost_worker` and imports
+# only torch, transformers and kvboost.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.kvnotes-peers
+
+$(PEERS_STAMP): $(STAMP)
+	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q torch==2.13.0
+	$(PEERS_VENV)/bin/pip install -q kvboost==0.9.0 \
+		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+	$(PEERS_VENV)/bin/pip install -q --no-deps -e . -e benchmarks
+	touch $@
+
+peers: $(PEERS_STAMP)
 
 # The connector's load and save on a GPU (a few minutes): vLLM's CUDA build in the Python given
 # by GPU_VLLM_PYTHON (default: `python3`, the machine's own), the bundled SmolLM2; one JSON
