@@ -41,6 +41,8 @@ def test_summary_percentiles_identity_and_errors():
     s = ServerRun.of("kvnotes", 4, replies, exact).summary()
     assert abs(s["ttft_p50_s"] - 0.5) < 1e-9 and abs(s["ttft_p90_s"] - 0.82) < 1e-9
     assert s["compared"] == 9 and abs(s["identical"] - 6 / 9) < 1e-9 and s["errors"] == 1
+    assert s["no_delta"] == 0
+    assert ServerRun.of("vllm", 1, [Reply(None, "")], None).summary()["no_delta"] == 1
     itself = ServerRun.of("vllm", 1, replies, None).summary()
     assert itself["identical"] is None and itself["compared"] == 0
     assert "100%" in itself["reference"]

@@ -130,6 +130,8 @@ class ServerRun:
                 "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
                 "identical": sum(compared) / len(compared) if compared else None,
                 "compared": len(compared), "errors": sum(e is not None for e in self.errors),
+                "no_delta": sum(t is None and e is None  # answered, nothing streamed
+                                for t, e in zip(self.ttft_s, self.errors, strict=True)),
                 "reference": REFERENCES.get(self.server, "")}
 
 

@@ -3,7 +3,9 @@
 Plain vLLM comes from :func:`kvnotes.serving.launch.launcher.prepare` (no skills, no front:
 prefix caching on, as vLLM's default); ``kvnotes serve MODEL --learn`` runs as a user starts
 it; kvboost's server (``python -m kvboost.server``, its own ``.venv-peers``) loads the same
-exported HF folder on the CPU in float32, with its hermes tool parser on as vLLM's is.
+exported HF folder on the CPU in float32, its tool parser off: that parser holds a whole
+``<tool_call>`` block back until it closes (after 16 tokens, at the request's end), so its
+first delta would time the parser, not the prefill.
 """
 
 from __future__ import annotations
@@ -72,7 +74,6 @@ def kvboost_cmd(config: ServersConfig, folder: Path, *, cold: bool) -> list[str]
     return [config.peers_python, "-m", "kvboost.server", "--model", str(folder),
             "--model-name", config.model, "--device", "cpu", "--dtype", "float32",
             "--recompute-strategy", config.kvboost_recompute, "--host", "127.0.0.1",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--log-level", "warning", *(["--release-cache-after-request"] if cold else [])]
 
 
