@@ -74,7 +74,7 @@ def test_the_launchers_learning_front_learns_for_the_fleet(tmp_path, engine, red
     skills = ServingSkills(tmp_path / "skills", engine)
     front = _front(LaunchConfig(model="tiny", skills=tmp_path / "skills"),
                    FrontConfig(learn=LearnConfig(), store=redis_server.url),
-                   "http://127.0.0.1:9", skills, engine, "float32")
+                   "http://127.0.0.1:9", skills, "float32")
     learner, link = front.service.learner, front.service.store
     assert isinstance(learner, FleetLearner) and link is not None
     assert link.learner is learner and link.mirror.folder == skills.folder

@@ -353,7 +353,7 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
             skills.attach(VllmPrefill(server.url, config.name,
                                       api_key=vllm_api_key(config.extra_args)), exported.dtype)
         if config.front is not None:
-            front = _front(config, config.front, server.url, skills, engine, exported.dtype)
+            front = _front(config, config.front, server.url, skills, exported.dtype)
     return Launch(config, exported, server, max_model_len, skills, front)
 
 
@@ -370,9 +370,9 @@ def vllm_api_key(args: tuple[str, ...]) -> str | None:
 
 
 def _front(config: LaunchConfig, front: FrontConfig, upstream: str, skills: ServingSkills,
-           engine: Engine | None, dtype: str) -> Front:
-    """The front over ``skills`` (its tokenizer; ``engine``: unused, the library holds what
-    it needs) with its learner and a desk for registering skills on the running server."""
+           dtype: str) -> Front:
+    """The front over ``skills`` (its tokenizer) with its learner and a desk for registering
+    skills on the running server."""
     from kvnotes.serving.front.app import Front
     from kvnotes.serving.front.skill_desk import SkillDesk
     from kvnotes.serving.planning.match import SkillCatalog
