@@ -69,10 +69,10 @@ def _first(launch: Any, ids: list[int], extra: JsonObject) -> tuple[str, float]:
 
 
 def _check(launch: Any, engine: Any) -> JsonObject:
-    from kvnotes.serving.learning.compiles import EntryAddress, VllmPrefill
     from kvnotes.serving.library.manifest import ENTRY_SUFFIX, splice_salt
     from kvnotes.serving.planning.layout import prompt_ids
     from kvnotes.serving.protocol import SaveRequest, SpliceRequest
+    from kvnotes.serving.server_prefill import EntryAddress, VllmPrefill
 
     skills = launch.skills
     skills.add(HEADER, name="header")

@@ -9,8 +9,9 @@ import time
 
 import _fleet_hosts as fleet
 
-from kvnotes.serving.learning.fleet import FleetStats, StoreGate, request_path_settings
+from kvnotes.serving.learning.fleet import request_path_settings
 from kvnotes.serving.learning.fleet_leases import StoreCompileLeases
+from kvnotes.serving.learning.store_gate import FleetStats, StoreGate
 from kvnotes.serving.store.redis_store import RedisStore
 
 redis_server = fleet.redis_server  # a redis-server of each test's own

@@ -20,16 +20,13 @@ from kvnotes.core.positions.rope import rotate_keys
 from kvnotes.serving.compose_client import ComposeClient, cold_salt
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.learning import Learner
-from kvnotes.serving.learning.compiles import (
-    EntryAddress,
-    VllmCompiler,
-    VllmPrefill,
-)
+from kvnotes.serving.learning.compiles import VllmCompiler
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX, read_entry, splice_salt
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.planning.layout import prompt_ids
 from kvnotes.serving.planning.phases import completion_body
 from kvnotes.serving.protocol import SaveRequest, SpliceRequest
+from kvnotes.serving.server_prefill import EntryAddress, VllmPrefill
 
 pytestmark = pytest.mark.vllm
 

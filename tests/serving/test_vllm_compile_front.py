@@ -12,9 +12,10 @@ from conftest import wait_for_rescan
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.config import LearnConfig
 from kvnotes.serving.learning import Learner
-from kvnotes.serving.learning.compiles import EntryAddress, VllmCompiler, VllmPrefill
+from kvnotes.serving.learning.compiles import VllmCompiler
 from kvnotes.serving.library.registry import LearnedRegistry
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.server_prefill import EntryAddress, VllmPrefill
 
 pytestmark = pytest.mark.vllm
 

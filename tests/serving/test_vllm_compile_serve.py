@@ -15,9 +15,9 @@ from kvnotes.cli import app
 from kvnotes.core import files
 from kvnotes.serving.front.app import Front, FrontConfig
 from kvnotes.serving.front.skill_desk import SkillDesk
-from kvnotes.serving.learning.compiles import VllmPrefill
 from kvnotes.serving.library.model_facts import ModelFacts
 from kvnotes.serving.planning.match import SkillCatalog
+from kvnotes.serving.server_prefill import VllmPrefill
 from kvnotes.serving.skills import ServingSkills, manifest_for
 
 pytestmark = pytest.mark.vllm

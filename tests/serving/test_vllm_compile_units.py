@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.serving.learning.compiles import EntryAddress, SaveFailed, VllmCompiler
+from kvnotes.serving.learning.compiles import VllmCompiler
 from kvnotes.serving.learning.sightings import Job
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX, ServingManifest, read_entry
 from kvnotes.serving.library.registry import LearnedRegistry
 from kvnotes.serving.planning.chunks import SeenChunk
 from kvnotes.serving.protocol import ProtocolError, SaveRequest, SpliceRequest
+from kvnotes.serving.server_prefill import EntryAddress, SaveFailed
 from kvnotes.serving.vllm.kv_saver import CacheReader, KvSaver, UnreadableCache
 from kvnotes.serving.vllm.saves import SaveTracker, save_request
 

@@ -42,7 +42,6 @@ from kvnotes.core.errors import (
 )
 from kvnotes.core.positions.rope import RopeAdapter
 from kvnotes.ops.store import SkillLibrary
-from kvnotes.serving.learning.compiles import EntryAddress, PrefillClient, save_by_server
 from kvnotes.serving.library.manifest import (
     ENTRY_SUFFIX,
     ServingManifest,
@@ -59,6 +58,7 @@ from kvnotes.serving.library.skill_variants import (
 )
 from kvnotes.serving.library.splice import PieceInfo
 from kvnotes.serving.library.weights import weight_files, weights_digest
+from kvnotes.serving.server_prefill import EntryAddress, PrefillClient, save_by_server
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
 

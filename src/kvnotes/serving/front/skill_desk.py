@@ -21,7 +21,7 @@ from kvnotes.core.errors import KvnotesError
 from kvnotes.serving.front.config import FrontConfig, Keys, key_digest
 from kvnotes.serving.front.errors import ApiError
 from kvnotes.serving.json_types import JsonObject
-from kvnotes.serving.learning.compiles import SaveFailed
+from kvnotes.serving.server_prefill import SaveFailed
 from kvnotes.serving.skills import ServingSkills
 
 SKILLS_PATH = "/kvnotes/skills"

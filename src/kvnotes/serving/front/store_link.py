@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.front.config import DEFAULT_MIRROR_BYTES, FrontConfig
 from kvnotes.serving.json_types import JsonObject
-from kvnotes.serving.learning.compiles import PrefillClient, VllmPrefill
 from kvnotes.serving.learning.fleet import FleetLearner, request_path_settings
+from kvnotes.serving.server_prefill import PrefillClient, VllmPrefill
 from kvnotes.serving.store.base import Store
 from kvnotes.serving.store.mirror import LocalMirror, MirrorConfig
 from kvnotes.serving.store.url import parse_store_url, store_from_url

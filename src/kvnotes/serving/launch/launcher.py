@@ -347,7 +347,7 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
                         extra_args=extra, env=env, startup_timeout=config.startup_timeout)
     front = None
     if skills is not None:
-        from kvnotes.serving.learning.compiles import VllmPrefill
+        from kvnotes.serving.server_prefill import VllmPrefill
 
         if not skills.offline:  # compiles go to the server, in its numerics
             skills.attach(VllmPrefill(server.url, config.name,
@@ -397,8 +397,9 @@ def _vllm_learner(learn: LearnConfig, skills: ServingSkills, settings: FrontConf
     """A learner whose compiles are the server's own prefill, saved by its connector (no
     model in this process is used for them; ``dtype``: the server's, the entries' numerics)."""
     from kvnotes.serving.learning import Learner
-    from kvnotes.serving.learning.compiles import EntryAddress, VllmCompiler, VllmPrefill
+    from kvnotes.serving.learning.compiles import VllmCompiler
     from kvnotes.serving.library.registry import LearnedRegistry
+    from kvnotes.serving.server_prefill import EntryAddress, VllmPrefill
 
     assert settings.upstream is not None and settings.model is not None
     registry = LearnedRegistry(skills.folder)

@@ -29,28 +29,27 @@ library cap and tenant quotas over the whole store, pins kept) run on the learne
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING
 
 from kvnotes.core.errors import KvnotesError, StoreUnavailableError
 from kvnotes.serving.learning.compiles import (
     Compiled,
     Compiler,
-    EntryAddress,
-    PrefillClient,
     VllmCompiler,
     job_tokens,
 )
 from kvnotes.serving.learning.fleet_leases import StoreCompileLeases
 from kvnotes.serving.learning.learner import Learner, LearnSettings
 from kvnotes.serving.learning.sightings import Job, LocalSightings, skill_id
+from kvnotes.serving.learning.store_gate import FleetStats, StoreGate
 from kvnotes.serving.library.manifest import ENTRY_SUFFIX
 from kvnotes.serving.library.registry import LearnedEntry, LearnedRegistry
+from kvnotes.serving.server_prefill import EntryAddress, PrefillClient
 from kvnotes.serving.store import bounds as store_bounds
 from kvnotes.serving.store.base import Store
 from kvnotes.serving.store.entry import EntryInfo, StoredEntry, sha256
@@ -62,7 +61,6 @@ if TYPE_CHECKING:
     from kvnotes.serving.store.redis_store import RedisSettings
 
 log = logging.getLogger("kvnotes.serving.front")
-T = TypeVar("T")
 
 
 def request_path_settings() -> RedisSettings:
@@ -86,77 +84,6 @@ class FleetSettings:
     retry_s: float = 2.0  # after a store fault, the request path leaves the store alone
     evict_s: float = 30.0  # the fleet's bounds are enforced at most this often
     unpublished: int = 1024  # compiled entries whose publish failed, kept to try again
-
-
-@dataclass
-class FleetStats:
-    """What the fleet side of a learner did (``to_dict()`` at the JSON boundary)."""
-
-    local_sightings: int = 0  # sightings counted in this process: the store did not answer
-    skipped_compiles: int = 0  # due jobs not compiled: the fleet's lease could not be taken
-    published: int = 0  # entries compiled here and published to the store
-    publish_failures: int = 0  # publishes the store refused or missed (tried again later)
-    adopted: int = 0  # entries another host compiled, taken from the store instead
-    fleet_evictions: int = 0  # entries forgotten in the store by the fleet's bounds
-
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def add(self, name: str, n: int = 1) -> None:
-        """Count (from any thread)."""
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def to_dict(self) -> dict[str, int]:
-        with self._lock:
-            return asdict(self)
-
-
-class StoreGate:
-    """The request path's door to a store: a call is made unless the store failed less than
-    ``retry_s`` seconds ago; a fault (counted by the store, by reason) closes the door for that
-    long and is logged once. Thread-safe."""
-
-    def __init__(self, store: Store, retry_s: float, stats: FleetStats) -> None:
-        self.store, self.retry_s, self.stats = store, retry_s, stats
-        self._lock = threading.Lock()
-        self._closed_until = 0.0
-        self._reason: str | None = None
-
-    @property
-    def open(self) -> bool:
-        with self._lock:
-            return time.monotonic() >= self._closed_until
-
-    def call(self, what: str, op: Callable[[Store], T]) -> tuple[bool, T | None]:
-        """``(True, op(store))``, or ``(False, None)`` when the door is closed or ``op``
-        failed."""
-        if not self.open:
-            return False, None
-        try:
-            value = op(self.store)
-        except StoreUnavailableError as err:
-            self._fault(what, err.reason, str(err))
-            return False, None
-        except Exception as err:  # noqa: BLE001 -- the store is an optimization: serve on
-            self.store.faults.count("error")
-            self._fault(what, "error", f"{type(err).__name__}: {err}")
-            return False, None
-        with self._lock:
-            was, self._reason = self._reason, None
-        if was is not None:
-            log.warning("kvnotes learner: store %s answers again; sightings and compiles are "
-                        "the fleet's again", self.store.url)
-        return True, value
-
-    def _fault(self, what: str, reason: str, detail: str) -> None:
-        with self._lock:
-            first = self._reason is None
-            self._reason = reason
-            self._closed_until = time.monotonic() + self.retry_s
-        if first:
-            log.warning("kvnotes learner: store %s failed (%s) during %s: sightings are counted "
-                        "on this host and nothing is compiled until it answers (tried again "
-                        "every %.1f s): %s", self.store.url, reason, what, self.retry_s, detail)
 
 
 class StoreSightings:

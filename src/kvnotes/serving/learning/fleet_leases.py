@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from kvnotes.serving.learning.fleet import StoreGate
+    from kvnotes.serving.learning.store_gate import StoreGate
 
 log = logging.getLogger("kvnotes.serving.front")
 
