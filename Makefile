@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvnotes-installed
 MODELS_STAMP := $(VENV)/.kvnotes-models
 OUT ?= out
 
-.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean gpu-check peers
+.PHONY: install models models-qwen demo test test-fast test-large lint typecheck bench vllm redis clean gpu-check peers bfcl-harness
 
 $(STAMP): pyproject.toml benchmarks/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -105,6 +105,21 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# BFCL's own evaluation harness (bfcl-eval with its dependencies) in its own environment, for
+# `kvnotes-bench bfcl-harness`; its data ships in the wheel, and it runs offline.
+BFCL_VENV := .venv-bfcl
+BFCL_STAMP := $(BFCL_VENV)/.kvnotes-bfcl
+
+$(BFCL_STAMP):
+	test -x $(BFCL_VENV)/bin/python || python3 -m venv $(BFCL_VENV)
+	$(BFCL_VENV)/bin/pip install -q --upgrade pip
+	$(BFCL_VENV)/bin/pip install -q torch==2.13.0
+	# qwen-agent (imported by bfcl-eval's model table) imports soundfile without declaring it
+	$(BFCL_VENV)/bin/pip install -q bfcl-eval==2026.3.23 soundfile
+	touch $@
+
+bfcl-harness: $(BFCL_STAMP) models-qwen vllm
 
 # kvboost 0.9.0 (the peers benchmark, `kvnotes-bench peers`) in its own virtual environment, so
 # `make test` never depends on it. Its pins (torch>=2.1, transformers>=4.38, accelerate>=0.27,

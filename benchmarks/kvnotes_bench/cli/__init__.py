@@ -4,6 +4,7 @@
 from kvnotes_bench.cli import agent_bench as _agent_bench  # noqa: F401  (agent)
 from kvnotes_bench.cli import bench as _bench  # noqa: F401  (tools, tools-report)
 from kvnotes_bench.cli import bench_guard as _bench_guard  # noqa: F401  (guard, guard-report, divergence)
+from kvnotes_bench.cli import bfcl_harness as _bfcl_harness  # noqa: F401  (bfcl-harness)
 from kvnotes_bench.cli import peers as _peers  # noqa: F401  (peers)
 from kvnotes_bench.cli import peers_servers as _peers_servers  # noqa: F401  (peers-servers)
 from kvnotes_bench.cli import serve_bench as _serve_bench  # noqa: F401  (serve erratum)
