@@ -135,10 +135,10 @@ def plot(result: PeersResult, path: Path) -> None:
     """Greedy identity against TTFT p50, one point per method, one panel per workload."""
     workloads = list(dict.fromkeys(r.workload for r in result.summary))
     methods = list(dict.fromkeys(r.method for r in result.summary))
-    with panels(path, len(workloads), size=(4.2 * len(workloads), 4.2),
-                title=f"{result.model}: {result.greedy_tokens}-token greedy identity with "
-                      f"recompute vs TTFT p50 ({result.split} split, {result.torch_threads} "
-                      "threads)", title_size=10) as axes:
+    with panels(path, len(workloads), size=(max(7.0, 4.2 * len(workloads)), 4.4),
+                title=f"{result.model}: {result.greedy_tokens}-token greedy identity vs TTFT "
+                      f"p50\n({result.split} split, {result.torch_threads} threads)",
+                title_size=10) as axes:
         for ax, workload in zip(axes, workloads, strict=True):
             for i, method in enumerate(methods):
                 row = next((r for r in result.summary
