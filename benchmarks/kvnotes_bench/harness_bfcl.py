@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.core.errors import InvalidArgumentError, ServingError
-from kvnotes.serving.json_types import JsonObject
+from kvnotes.serving.json_types import JsonObject, JsonValue
 from kvnotes_bench.kit.machine import MachineRecord
 
 HELD_OUT = frozenset({"multiple"})
@@ -178,8 +178,9 @@ def register_tools(url: str, texts: Sequence[str]) -> int:
 
     client = Client(url, timeout=1800.0)
     for at in range(0, len(texts), 32):
-        batch = [{"name": "bfcl-" + hashlib.sha256(t.encode()).hexdigest()[:16], "text": t}
-                 for t in texts[at:at + 32]]
+        batch: list[JsonValue] = [
+            {"name": "bfcl-" + hashlib.sha256(t.encode()).hexdigest()[:16], "text": t}
+            for t in texts[at:at + 32]]
         status, body = client.request("POST", "/kvnotes/skills", {"skills": batch})
         if status != 200:
             raise ServingError(f"POST /kvnotes/skills answered {status}: {body[:300]!r}")
