@@ -134,7 +134,8 @@ $(PEERS_STAMP): $(STAMP)
 	test -x $(PEERS_VENV)/bin/python || python3 -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q --upgrade pip
 	$(PEERS_VENV)/bin/pip install -q torch==2.13.0
-	$(PEERS_VENV)/bin/pip install -q kvboost==0.9.0 \
+	# fastapi and uvicorn: its OpenAI server (`kvnotes-bench peers-servers`)
+	$(PEERS_VENV)/bin/pip install -q kvboost==0.9.0 "fastapi>=0.110" "uvicorn>=0.29" \
 		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
 	$(PEERS_VENV)/bin/pip install -q --no-deps -e . -e benchmarks
 	touch $@

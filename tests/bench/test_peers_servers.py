@@ -2,7 +2,7 @@
 
 import json
 
-from kvnotes_bench.peers.servers import Reply, ServerRun, ServersResult, build_prompts
+from kvnotes_bench.peers.servers import Reply, ServerRun, ServersResult, build_prompts, reordered
 from kvnotes_bench.tools.data import ToolCase
 
 
@@ -60,3 +60,16 @@ def test_result_round_trips_through_json(tmp_path):
     assert back == result
     assert back.to_dict()["summary"][0]["identical"] == 0.5
     assert "kvboost" in back.table() and "50%" in back.table()
+
+
+def test_measured_prompts_are_the_warmed_tools_in_a_new_order():
+    tools = [{"function": {"name": f"t{i}"}} for i in range(5)]
+    bodies = [{"id": "a", "messages": [], "tools": tools},
+              {"id": "b", "messages": [], "tools": tools[:1]}]
+    once, again = reordered(bodies, seed=1), reordered(bodies, seed=1)
+    assert once == again  # seeded
+    assert once[0]["tools"][0] is not tools[0]  # the first tool moved: no whole-prompt prefix
+    assert sorted(t["function"]["name"] for t in once[0]["tools"]) == [f"t{i}" for i in range(5)]
+    assert once[1]["tools"] == tools[:1]  # one tool: nothing to reorder
+    assert bodies[0]["tools"] == tools  # the warmed bodies are left as they were
+    assert reordered(bodies, seed=4)[0]["tools"] != once[0]["tools"]

@@ -3,7 +3,9 @@
 kvboost 0.9.0's server, plain vLLM with prefix caching, and ``kvnotes serve --learn`` answer
 the same ~2k-token BFCL ``live_multiple`` development prompts, streamed through the ``openai``
 SDK at each concurrency, after a warm pass (each prompt sent ``sightings`` times) that lets
-kvnotes learn the tools and kvboost cache its chunks. Per server and concurrency: TTFT (to the
+kvnotes learn the tools and kvboost cache its chunks; each concurrency then sends the same
+prompts with their tools in a new order (:func:`reordered`), so no server answers from an exact
+prefix hit on the whole prompt. Per server and concurrency: TTFT (to the
 first delta that carries content or a tool call), whether the 16 greedy tokens equal the
 server's own exact answer, and errors. Launching the servers is :mod:`.servers_launch`.
 """
@@ -51,6 +53,22 @@ def build_prompts(cases: Sequence[Any], count: Callable[[str], int], *, n: int, 
                 names.add(t["function"]["name"])
         bodies.append({"id": r.id, "messages": r.messages(), "tools": tools})
     return bodies
+
+
+def reordered(bodies: Sequence[dict[str, Any]], *, seed: int) -> list[dict[str, Any]]:
+    """The same bodies, each with its tools in a new seeded order (the first tool moved, so a
+    prefix cache holds at most the text before the tools): a known tool list in a new order,
+    the case prompt-prefix reuse misses and chunk reuse is for."""
+    rng = random.Random(f"kvnotes-peers-servers-order:{seed}")
+    out = []
+    for body in bodies:
+        tools = list(body["tools"])
+        if len(tools) > 1:
+            first = tools[0]
+            while tools[0] is first:
+                rng.shuffle(tools)
+        out.append({**body, "tools": tools})
+    return out
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvnotes.core.errors import ServingError
-from kvnotes_bench.peers.servers import Reply, ServerRun, send_all
+from kvnotes_bench.peers.servers import Reply, ServerRun, reordered, send_all
 
 
 @dataclass(frozen=True)
@@ -127,24 +127,29 @@ def wait_learned(url: str, timeout_s: float, say: Callable[[str], None]) -> None
 
 def measure(name: str, config: ServersConfig, bodies: Sequence[dict[str, Any]], out: Path,
             say: Callable[[str], None]) -> tuple[list[ServerRun], list[str]]:
-    """One server's runs (warm pass, then each concurrency) and the command that started it."""
-    def send(url: str, c: int, extra: dict[str, Any] | None = None) -> list[Reply]:
-        return asyncio.run(send_all(url, config.model, bodies, concurrency=c,
+    """One server's runs (warm pass on ``bodies``, then each concurrency on the same prompts
+    with their tools in a new order, :func:`reordered`) and the command that started it."""
+    sets = {c: reordered(bodies, seed=c) for c in config.concurrency}
+
+    def send(url: str, c: int, batch: Sequence[dict[str, Any]],
+             extra: dict[str, Any] | None = None) -> list[Reply]:
+        return asyncio.run(send_all(url, config.model, batch, concurrency=c,
                                     max_tokens=config.max_tokens, extra=extra))
 
-    exact: list[Reply] | None = None
+    exact: dict[int, list[Reply]] = {}
     if name == "kvboost":
         with server(name, config, out, cold=True) as (url, _):
-            exact = send(url, 1)
+            exact = {c: send(url, 1, sets[c]) for c in config.concurrency}
     with server(name, config, out) as (url, cmd):
         for _ in range(config.sightings):
-            send(url, 1)
+            send(url, 1, bodies)
         if name == "kvnotes":
             wait_learned(url, config.learn_timeout_s, say)
-        timed = {c: send(url, c) for c in config.concurrency}
+        timed = {c: send(url, c, sets[c]) for c in config.concurrency}
         if name == "kvnotes":
-            exact = send(url, 1, {"kvnotes": {"splice": False}})
-    runs = [ServerRun.of(name, c, replies, exact) for c, replies in timed.items()]
+            exact = {c: send(url, 1, sets[c], {"kvnotes": {"splice": False}})
+                     for c in config.concurrency}
+    runs = [ServerRun.of(name, c, replies, exact.get(c)) for c, replies in timed.items()]
     for r in runs:
         say(f"  {name} c{r.concurrency}: {r.summary()}")
     return runs, cmd
