@@ -115,11 +115,15 @@ def _soak(result: FleetResult) -> list[str]:
     for e in result.faults:
         done = f"yes{f': {e.detail}' if e.detail else ''}" if e.ok else f"no: {e.error}"
         lines.append(f"| {e.name} | {e.at:g} | {_value(e.at_request)} | {done} |")
-    lines += ["", "| window | requests | failed | wrong | unchecked | eligible | hit rate |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "Hit rate per window: over requests sent once one of their tools was seen twice "
+              "(eligible), and over those sent once one of their tools was known compiled (an "
+              "earlier answer spliced all of its request's tools: the goal's).", "",
+              "| window | requests | failed | wrong | unchecked | eligible | hit rate | "
+              "after a compile | hit rate after a compile |", "|---|---|---|---|---|---|---|---|---|"]
     for w in soak_windows(result):
         lines.append(f"| {w.label} | {w.requests} | {w.failed} | {w.wrong} | {w.unchecked} | "
-                     f"{w.eligible} | {fmt_pct(w.hit_rate)} |")
+                     f"{w.eligible} | {fmt_pct(w.hit_rate)} | {w.compiled} | "
+                     f"{fmt_pct(w.hit_rate_compiled)} |")
     series = result.soak.get("store_series") or {}
     if any(series.values()):
         lines += ["", "Store counters over the soak (per host, what grew):", ""]
@@ -162,9 +166,12 @@ def plot(result: FleetResult, path: Path) -> None:
         if levels:
             bx.legend(fontsize=8)
         spans = soak_windows(result)
-        cx.bar(range(len(spans)), [w.hit_rate or 0.0 for w in spans])
-        cx.set_xticks(range(len(spans)), [w.label.replace(" @", "\n@") for w in spans], fontsize=7)
+        grouped_bars(cx, [w.label.replace(" @", "\n@") for w in spans], {
+            "seen twice": [w.hit_rate or 0.0 for w in spans],
+            "after a compile (goal)": [w.hit_rate_compiled or 0.0 for w in spans]})
+        cx.tick_params(axis="x", labelsize=7, labelrotation=40)
         cx.set_ylim(0, 1.05)
+        cx.legend(fontsize=7)
         cx.set_title("soak hit rate between faults", fontsize=9)
 
 

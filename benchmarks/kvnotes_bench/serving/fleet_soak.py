@@ -297,22 +297,49 @@ class Window:
     unchecked: int = 0
     eligible: int = 0
     spliced: int = 0
+    compiled: int = 0  # eligible once one of its tools' entries is known to exist (see windows)
+    compiled_spliced: int = 0
 
     @property
     def hit_rate(self) -> float | None:
         return self.spliced / self.eligible if self.eligible else None
 
+    @property
+    def hit_rate_compiled(self) -> float | None:
+        """The goal's hit rate: over requests sent after one of their tools was compiled."""
+        return self.compiled_spliced / self.compiled if self.compiled else None
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate,
+                "hit_rate_compiled": self.hit_rate_compiled}
+
+
+def compiled_by(records: Sequence[SoakRecord]) -> dict[str, float]:
+    """Each tool's earliest proof that its entry existed in the fleet: the send time of the
+    first request whose answer spliced an entry for every one of its tools (a lower bound on
+    when the first compile was done: the compile itself finished earlier)."""
+    out: dict[str, float] = {}
+    for rec in sorted(records, key=lambda r: r.sent_s):
+        plan = (rec.answer.kvnotes or {}).get("plan") or {}
+        if rec.splice and rec.answer.ok and len(plan.get("entries") or []) == len(rec.tools):
+            for tool in rec.tools:
+                out.setdefault(tool, rec.sent_s)
+    return out
 
 
 def windows(records: Sequence[SoakRecord], events: Sequence[FaultEvent]) -> list[Window]:
-    """The records cut at each fault that happened (by the time each request was sent)."""
+    """The records cut at each fault that happened (by the time each request was sent).
+
+    Two hit rates per window: over requests sent once one of their tools had been seen
+    ``sightings`` times (``eligible``: compiled or not, so a request sent while its chunk is
+    still compiling counts as a miss), and over requests sent once one of their tools was known
+    to be compiled (``compiled``, :func:`compiled_by`: the goal's "after the first compile")."""
     done = sorted((e for e in events if e.at_s is not None), key=lambda e: e.at_s or 0.0)
     cuts = [("before the faults", 0.0)] + [(f"after {e.name} @{e.at:g}", e.at_s or 0.0)
                                            for e in done]
     out = [Window(label, start, cuts[i + 1][1] if i + 1 < len(cuts) else None)
            for i, (label, start) in enumerate(cuts)]
+    compiled_at = compiled_by(records)
     for rec in records:
         w = next(w for w in reversed(out) if rec.sent_s >= w.start_s)
         w.requests += 1
@@ -326,6 +353,10 @@ def windows(records: Sequence[SoakRecord], events: Sequence[FaultEvent]) -> list
         if rec.answer.ok and rec.eligible:
             w.eligible += 1
             w.spliced += rec.answer.spliced_tokens > 0
+        if rec.answer.ok and rec.splice and any(compiled_at.get(t, rec.sent_s) < rec.sent_s
+                                                for t in rec.tools):
+            w.compiled += 1
+            w.compiled_spliced += rec.answer.spliced_tokens > 0
     return out
 
 

@@ -41,6 +41,7 @@ from kvnotes_bench.serving.fleet_soak import (
     FaultEvent,
     FaultKit,
     FleetSender,
+    compiled_by,
     parse_faults,
     run_faults,
     series_delta,
@@ -250,6 +251,24 @@ def test_windows_cut_at_each_fault() -> None:
     assert [w.requests for w in ws] == [1, 1, 3]
     assert ws[0].hit_rate == 1.0 and ws[1].hit_rate == 0.0
     assert ws[2].failed == 1 and ws[2].wrong == 1 and ws[2].eligible == 1
+
+
+def _spliced_all(i: int, sent_s: float, tools: list[str], entries: int) -> SoakRecord:
+    answer = _answer(10 if entries else 0)
+    answer.kvnotes = {"plan": {"entries": [{"name": f"e{k}"} for k in range(entries)]}}
+    return SoakRecord(i, 0, sent_s, tools, 0, True, True, answer, verdict={"status": "ok"})
+
+
+def test_the_goals_hit_rate_counts_requests_after_one_of_their_tools_was_compiled() -> None:
+    records = [_spliced_all(0, 1.0, ["a", "b"], 0),  # a miss while both still compile
+               _spliced_all(1, 2.0, ["a", "b"], 1),  # one of two spliced: proves neither
+               _spliced_all(2, 3.0, ["a"], 1),  # a proven at 3.0
+               _spliced_all(3, 4.0, ["a", "c"], 0),  # after a's compile, not spliced: a miss
+               _spliced_all(4, 5.0, ["c"], 0)]  # c never proven: not counted
+    assert compiled_by(records) == {"a": 3.0}
+    (w,) = windows(records, [])
+    assert (w.eligible, w.spliced) == (5, 2)  # seen twice: every request counts
+    assert (w.compiled, w.compiled_spliced, w.hit_rate_compiled) == (1, 0, 0.0)
 
 
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
