@@ -11,7 +11,7 @@ from kvnotes_bench.shape import hand_written_validators, measure, untyped_signat
 # limit. The two dict[str, Any] signatures left (files.read, machine.machine_info) return what
 # serving's readers and the bench package's records index as plain dicts: they go when those
 # callers take the typed forms (files.NotebookHeader, machine.MachineInfo).
-CEILINGS = {"lines in src/kvnotes": 33_100, "lines in the bench package": 17_200,
+CEILINGS = {"lines in src/kvnotes": 33_100, "lines in the bench package": 17_400,
             "dict[str, Any] in src signatures": 2}
 
 
