@@ -38,7 +38,11 @@ def test_run_fleet_over_fake_hosts(tmp_path, monkeypatch, tiny_llama) -> None:
     config = FleetBenchConfig(
         cases=3, soak_cases=6, concurrency=(1, 2), rounds=2, per_round=1, miss_repeats=2,
         learn_timeout_s=5.0, mirror_timeout_s=5.0,
-        soak=AgentSoakConfig(clients=2, requests=20, pool=6, max_tokens=2))
+        soak=AgentSoakConfig(clients=2, requests=20, pool=6, max_tokens=2),
+        # two fake hosts and the Redis faults (the pause, drop, evict and host kill are
+        # tests/bench/serving/test_fleet.py's, against a real server)
+        hosts=2, faults=(("kill", 0.15), ("restart", 0.25), ("flush", 0.45), ("kill", 0.65),
+                         ("restart", 0.75)))
     lines: list[str] = []
     result = fleet_run.run_fleet(config, LaunchConfig(model="smollm2-135m", block_size=32),
                                  tiny_llama, out=tmp_path, request_timeout_s=30.0,
