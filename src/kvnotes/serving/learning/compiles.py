@@ -135,6 +135,16 @@ class Compiler:
             return self._variant(job)
         return self._chunk(job)
 
+    def key_for(self, job: Job) -> str:
+        """The key of ``job``'s entry before it is compiled (the one :meth:`compile` writes)."""
+        if job.variant is not None:
+            cand = job.variant
+            text = self.skills.tokenizer.decode(list(cand.token_ids))
+            return self.skills.path_for(text, after=list(cand.after), tenant=job.tenant).stem
+        assert job.chunk is not None
+        return self.skills.path_for(job.chunk.text, after=list(job.chunk.after_ids) or None,
+                                    tenant=job.tenant).stem
+
     def _chunk(self, job: Job) -> Compiled:
         chunk, tenant = job.chunk, job.tenant
         assert chunk is not None
@@ -202,6 +212,11 @@ class VllmCompiler:
                  client: PrefillClient) -> None:
         self.folder, self.registry = Path(folder), registry
         self.address, self.client = address, client
+
+    def key_for(self, job: Job) -> str:
+        """The key of ``job``'s entry before it is compiled (the one :meth:`compile` writes)."""
+        ids, after, _ = job_tokens(job)
+        return self.address.key(ids, after, job.tenant)
 
     def compile(self, job: Job) -> Compiled:
         tenant = job.tenant

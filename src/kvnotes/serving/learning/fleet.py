@@ -41,7 +41,6 @@ from kvnotes.serving.learning.compiles import (
     Compiled,
     Compiler,
     VllmCompiler,
-    job_tokens,
 )
 from kvnotes.serving.learning.fleet_leases import StoreCompileLeases
 from kvnotes.serving.learning.learner import Learner, LearnSettings
@@ -233,13 +232,12 @@ class Publisher:
 class FleetCompiler:
     """Compiles a job with ``inner`` (the server's own prefill, :class:`VllmCompiler`, or an
     engine's :class:`Compiler`) unless another host compiled it: the store's entry is taken
-    instead; the entries it compiles are published. ``address`` gives a job's entry key
-    before it is compiled (the inner compiler's)."""
+    instead; the entries it compiles are published (a job's key before it is compiled: the
+    inner compiler's ``key_for``)."""
 
     def __init__(self, inner: Compiler | VllmCompiler, registry: LearnedRegistry,
-                 publisher: Publisher, address: EntryAddress) -> None:
+                 publisher: Publisher) -> None:
         self.inner, self.registry, self.publisher = inner, registry, publisher
-        self.address = address
 
     def compile(self, job: Job) -> Compiled:
         if job.chunk is not None and job.variant is None:
@@ -250,8 +248,7 @@ class FleetCompiler:
                                                job.tenant)
             if taken is not None:
                 return Compiled(taken.key, taken)
-        ids, after, _ = job_tokens(job)
-        key = self.address.key(ids, after, job.tenant)
+        key = self.inner.key_for(job)
         if key not in self.registry:  # compiled by another host behind this very prefix
             self.publisher.adopt(key, job.tenant)
         done = self.inner.compile(job)
@@ -294,11 +291,10 @@ class FleetLearner(Learner):
         self.publisher = Publisher(store, skills.folder, self.registry, self.fleet_stats,
                                    mirror=mirror, unpublished=s.unpublished)
         # the server's own prefill compiles (no model in this process), else skills' engine
-        address = EntryAddress.of(skills.manifest, kv_dtype if prefill is not None
-                                  else "float32")
         inner: Compiler | VllmCompiler = Compiler(skills, self.registry) if prefill is None \
-            else VllmCompiler(skills.folder, self.registry, address, prefill)
-        self.compiler = FleetCompiler(inner, self.registry, self.publisher, address)
+            else VllmCompiler(skills.folder, self.registry,
+                              EntryAddress.of(skills.manifest, kv_dtype), prefill)
+        self.compiler = FleetCompiler(inner, self.registry, self.publisher)
         self._evicted_at = 0.0
         self._epoch: str | None = None
 
