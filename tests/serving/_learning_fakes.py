@@ -23,7 +23,8 @@ class FakeSkills:
         self.folder, self.nbytes = folder, nbytes
         self.gate: threading.Event | None = None  # set: compiles wait for it
         self.entered = threading.Event()  # a compile started
-        self.engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=text_of))
+        self.tokenizer = SimpleNamespace(decode=text_of)
+        self.engine = SimpleNamespace(tokenizer=self.tokenizer)
 
     def path_for(self, text: str, *, after: Sequence[int] | None = None,
                  tenant: str | None = None) -> Path:
