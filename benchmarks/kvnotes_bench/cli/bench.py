@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
-from kvnotes_bench.cli.app import app
+from kvnotes_bench.cli.app import app, invocation
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when a command runs
     from kvnotes.research.tool_runs import BenchResult, CaseResult
@@ -76,7 +74,7 @@ def tools(
     parse_strategies(list(chosen))
     folder = folder_option(out or Path(f"out/bench-tools-{Path(model).name}-{set_name}"),
                            "--out")
-    line = "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    line = invocation()
     opening = skill_opening.replace("\\n", "\n").replace("\\t", "\t")
     config = ToolsBenchConfig(set=set_name, cases=cases, strategies=chosen, greedy_tokens=greedy,
                          call_tokens=call_tokens, max_context=max_context, guard_target=guard_target,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +13,7 @@ from rich.console import Console
 
 from kvnotes.cli.app import emit_json, folder_option
 from kvnotes.cli.options import ModelOptions, device_option, dtype_option
+from kvnotes_bench.cli.app import invocation
 from kvnotes_bench.cli.bench import bench_app
 
 if TYPE_CHECKING:
@@ -25,7 +24,7 @@ def _settings(device: str, dtype: str) -> dict[str, object]:
     from kvnotes.core.machine import machine_info
 
     return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "command": invocation(),
             "device": device, "dtype": dtype, "machine_at_start": machine_info()}
 
 

@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import typer
 
-from kvnotes_bench.cli.app import app
+from kvnotes_bench.cli.app import app, invocation
 from kvnotes_bench.harness_bfcl import HarnessConfig, run_harness, summary_lines
 
 _DEFAULT = HarnessConfig()
@@ -29,7 +27,7 @@ def bfcl_harness(
     """Score the same BFCL cases through plain vLLM and through `kvnotes serve --learn`."""
     config = HarnessConfig(model=model, categories=tuple(c for c in categories.split(",") if c),
                            per_category=per_category, passes=passes, handler=handler)
-    command = "kvnotes-bench " + shlex.join(sys.argv[1:])
+    command = invocation()
     result = run_harness(config, out, command)
     (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1) + "\n", "utf-8")
     typer.echo("\n".join(summary_lines(result)))

@@ -10,8 +10,6 @@ a learning server's (:class:`~kvnotes.serving.front.config.LearnConfig`), for ``
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,6 +19,7 @@ from kvnotes.cli.app import emit_json
 from kvnotes.cli.options import default_of
 from kvnotes.core.sizes import format_size
 from kvnotes.serving.front.config import LearnConfig
+from kvnotes_bench.cli.app import invocation
 from kvnotes_bench.cli.serve_bench import (
     Dtype,
     KvCacheGib,
@@ -156,7 +155,7 @@ def agent(
     target = server.target(max_model_len=4096)
     assert target.launch is not None  # ServerOptions(launch=True)
     result = run_agent(bench, target.launch, engine, out=out, request_timeout_s=request_timeout,
-                       command="kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                       command=invocation(),
                        say=say)
     data = result.to_dict()
     paths = write_outputs(data, out)

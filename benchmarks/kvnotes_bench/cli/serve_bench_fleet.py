@@ -14,14 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvnotes.cli.app import emit_json, folder_option
+from kvnotes_bench.cli.app import invocation
 from kvnotes_bench.cli.serve_bench import bench_app
 
 if TYPE_CHECKING:  # the CLI starts fast: the benchmark is imported when the command runs
@@ -133,7 +132,7 @@ def _run(bench: FleetBenchConfig, base: LaunchConfig, *, out: Path, request_time
     engine = kvnotes.load(bench.model)
     out.mkdir(parents=True, exist_ok=True)
     result = run_fleet(bench, base, engine, out=out, request_timeout_s=request_timeout,
-                       command="kvnotes " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                       command=invocation(),
                        say=_log)
     data = result.to_dict()
     paths = write_outputs(data, out)

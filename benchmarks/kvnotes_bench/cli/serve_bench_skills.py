@@ -7,8 +7,6 @@ from it; the server options are :class:`~kvnotes_bench.cli.serve_bench.ServerOpt
 from __future__ import annotations
 
 import dataclasses
-import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,6 +15,7 @@ import typer
 
 from kvnotes.cli.app import folder_option
 from kvnotes.cli.options import default_of
+from kvnotes_bench.cli.app import invocation
 from kvnotes_bench.cli.serve_bench import (
     AsJson,
     BlockSize,
@@ -138,8 +137,7 @@ class SkillsCommand:
         result = run_skills(self.bench, target, engine,
                             skills_dir=self.skills_dir or self.server.out / "skills",
                             anchor=self.anchor, log=say)
-        result = dataclasses.replace(result, command="kvnotes " + " ".join(
-            shlex.quote(a) for a in sys.argv[1:]))
+        result = dataclasses.replace(result, command=invocation())
         data = result.to_dict()
         return data, write_outputs(data, self.server.out)
 

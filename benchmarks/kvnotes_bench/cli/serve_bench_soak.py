@@ -6,7 +6,6 @@ Its options' defaults are :class:`~kvnotes_bench.serving.soak_workload.SoakConfi
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,6 +14,7 @@ import typer
 
 from kvnotes.cli.app import emit_json
 from kvnotes.cli.options import default_of
+from kvnotes_bench.cli.app import invocation
 from kvnotes_bench.cli.serve_bench import (
     AsJson,
     Dtype,
@@ -119,7 +119,7 @@ def soak(
                        disconnect_fraction=disconnect_fraction, event_interval_s=interval,
                        damage_after_s=0.4 * interval, retire_after_s=0.8 * interval,
                        block_size=block_size, kv_blocks=kv_blocks, seed=seed)
-    how = "kvnotes " + " ".join(sys.argv[1:])
+    how = invocation()
     if recheck:
         import kvnotes
         from kvnotes_bench.serving.soak import recheck as check_again
