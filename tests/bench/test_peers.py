@@ -1,4 +1,4 @@
-"""The peers benchmark's workloads and result record (no kvboost, no model)."""
+"""The peers benchmark: workloads, the result record and the kvnotes policies (a tiny model; no kvboost)."""
 
 from __future__ import annotations
 
@@ -106,3 +106,24 @@ def test_config_refuses_unknown_methods_and_policies_and_rounds_rotate():
         PeersConfig(best="nope")
     assert rounds(["a", "b", "c"], 2) == [(0, ["a", "b", "c"]), (1, ["b", "c", "a"]),
                                          (2, ["c", "a", "b"])]
+
+
+def test_the_seen_policy_reuses_a_prompt_in_its_seen_order_exactly(tokenizer):
+    from conftest import make_tiny_engine
+
+    from kvnotes_bench.peers.runner import CaseRunner, FedCounter
+    from kvnotes_bench.peers.workloads import PeerCase
+
+    engine = make_tiny_engine("llama", tokenizer)
+    chunks = (" The lamp ships in two days.", " The rug ships in nine days.",
+              " The kettle is out of stock until May.")
+    seen = PeerCase("c", "chat", "Support notes:", chunks, " Which ships first?")
+    moved = PeerCase("c", "chat", "Support notes:", chunks[::-1], " Which ships first?", (),
+                     chunks)
+    for case, exact in ((seen, True), (moved, False)):
+        runner = CaseRunner(engine, case, "seen", FedCounter(engine.model), None)
+        ref, got = runner.run("recompute", 4), runner.run("kvnotes:seen", 4)
+        spliced = sum(len(engine.encode(c)) for c in chunks)
+        # in the order it was seen, every chunk is a prefill's notes: all reused, nothing fed
+        assert (got.reused == spliced and got.tokens == ref.tokens) is exact
+        assert runner.same_ids["kvnotes:seen"]

@@ -117,6 +117,25 @@ def test_compile_records_the_prefix_digest(tiny):
     assert (alone.meta["prefix_len"], alone.meta["prefix_digest"]) == (0, prefix_digest([]))
 
 
+
+def test_compile_skills_keeps_the_notes_of_the_prompt_that_showed_them(tiny):
+    refunds, shipping = tiny.compile_skills([REFUNDS, SHIPPING], names=["r", "s"], after=HEADER)
+    # each is the skill compiled behind everything before it in that prompt
+    _close(refunds, tiny.compile(REFUNDS, after=HEADER))
+    behind = [*tiny.anchor_ids(HEADER), *tiny.encode(REFUNDS)]
+    _close(shipping, tiny.compile(SHIPPING, after=behind))
+    assert (shipping.meta["prefix_len"], shipping.meta["name"]) == (len(behind), "s")
+    # in the order they were shown every note is a prefill's: nothing is recomputed
+    nb = tiny.compose([HEADER, refunds, shipping, " Answer:"])
+    stats = nb.meta["compose"]
+    assert stats["exact"] == [1, 2] and stats["repaired"] == 0
+    _close(nb, tiny.prefill(nb.token_ids))
+    # in another order both are repaired like any splice
+    swapped = tiny.compose([HEADER, shipping, refunds, " Answer:"]).meta["compose"]
+    assert swapped["exact"] == [] and len(swapped["regions"]) == 2
+    with pytest.raises(InvalidArgumentError, match="2 texts but 1 names"):
+        tiny.compile_skills([REFUNDS, SHIPPING], names=["r"])
+
 # ---- compose's default ------------------------------------------------------------------------
 def test_default_repairs_the_first_tokens_of_each_skill_not_exactly_placed(tiny):
     header, refunds = tiny.compile(HEADER), tiny.compile(REFUNDS, after=HEADER)

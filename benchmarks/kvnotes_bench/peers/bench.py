@@ -34,9 +34,9 @@ def describe(method: str, best: str) -> dict[str, object]:
     if method == "recompute":
         return {"library": "transformers", "forward": "whole prompt"}
     policy = policy_of(method, best)
-    behind, repair = POLICIES[policy]
-    return {"library": "kvnotes", "policy": policy, "compile_after_header": behind,
-            "repair": repair.tag()}
+    rule = POLICIES[policy]
+    return {"library": "kvnotes", "policy": policy, "compile_after_header": rule.behind,
+            "compiled_as_seen": rule.seen, "repair": rule.repair.tag()}
 
 
 def run_peers(config: PeersConfig, out: Path, say: Say = print) -> PeersResult:

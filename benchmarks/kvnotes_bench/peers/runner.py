@@ -45,13 +45,31 @@ KVBOOST_METHODS: dict[str, dict[str, Any]] = {  # InferenceEngine keywords (its 
     "kvboost-selective-rec": {"recompute_strategy": "selective", **REC},
     "kvboost-cacheblend-rec": {"recompute_strategy": "cacheblend", **REC},
 }
-# name -> (compile each chunk behind the header?, the compose repair)
-POLICIES: dict[str, tuple[bool, Repair]] = {
-    "default": (False, DEFAULT_REPAIR),
-    "anchor": (True, DEFAULT_REPAIR),
-    "share0.25": (False, Repair(first=32, share=0.25)),
-    "anchor-share0.25": (True, Repair(first=32, share=0.25)),
-    "anchor-kvdev0.1": (True, Repair(first=32, share=0.1, budget=0.1, select="kv_deviation")),
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How kvnotes warms a case's chunks and repairs them: ``behind``: each chunk compiled
+    behind the header; ``seen``: the chunks compiled as the warm-up prompt showed them
+    (``engine.compile_skills`` over the header and the chunks in their seen order, each behind
+    everything before it: what kvboost's prefix warm-up gets too); ``repair``: compose's."""
+
+    behind: bool
+    repair: Repair
+    seen: bool = False
+
+
+KVDEV = Repair(first=32, share=0.1, budget=0.1, select="kv_deviation")
+POLICIES: dict[str, Policy] = {
+    "default": Policy(False, DEFAULT_REPAIR),
+    "anchor": Policy(True, DEFAULT_REPAIR),
+    "share0.25": Policy(False, Repair(first=32, share=0.25)),
+    "anchor-share0.25": Policy(True, Repair(first=32, share=0.25)),
+    "anchor-kvdev0.1": Policy(True, KVDEV),
+    # CacheBlend's rule alone: the 15% of spliced tokens whose notes deviate most
+    "cacheblend0.15": Policy(False, Repair(first=0, budget=0.15, select="kv_deviation")),
+    "seen": Policy(True, DEFAULT_REPAIR, seen=True),
+    "seen-kvdev0.1": Policy(True, KVDEV, seen=True),
 }
 DEFAULT_METHODS = ("recompute", "kvnotes", "kvnotes-best", *KVBOOST_METHODS)
 
@@ -190,9 +208,17 @@ class CaseRunner:
 
     def compiled(self, policy: str) -> list[Notebook]:
         if policy not in self.skills:
-            behind = self.case.header if POLICIES[policy][0] else None
-            self.skills[policy] = [self.engine.compile(c, name=f"chunk{i}", after=behind)
-                                   for i, c in enumerate(self.case.chunks)]
+            rule = POLICIES[policy]
+            behind = self.case.header if rule.behind else None
+            if rule.seen:
+                seen = list(self.case.seen or self.case.chunks)
+                warm = dict(zip(seen, self.engine.compile_skills(
+                    seen, names=[f"chunk{self.case.chunks.index(c)}" for c in seen],
+                    after=behind), strict=True))
+                self.skills[policy] = [warm[c] for c in self.case.chunks]
+            else:
+                self.skills[policy] = [self.engine.compile(c, name=f"chunk{i}", after=behind)
+                                       for i, c in enumerate(self.case.chunks)]
         return self.skills[policy]
 
     def run(self, method: str, n: int) -> Outcome:
@@ -210,8 +236,8 @@ class CaseRunner:
                                    "max_new_tokens": n})
             return Outcome(r["tokens"], r["ttft_s"], r["reused"], r["fed"])
         policy = policy_of(method, self.best)
-        out, ids = kvnotes_run(self.engine, self.case, self.compiled(policy), POLICIES[policy][1],
-                               n, self.counter)
+        out, ids = kvnotes_run(self.engine, self.case, self.compiled(policy),
+                               POLICIES[policy].repair, n, self.counter)
         self.same_ids.setdefault(method, ids == self.ids)
         return out
 

@@ -106,15 +106,45 @@ def compile_skill(engine: ModelRunner, text: str, *, name: str = "skill",
         >>> skill = engine.compile(policy, after=system_header)    # doctest: +SKIP
         >>> nb = engine.compose([engine.compile(system_header), skill, request])  # doctest: +SKIP
     """
-    validate.compile_args(text, name)
+    return compile_skills(engine, [text], names=[name], after=after, anchor=anchor)[0]
+
+
+def compile_skills(engine: ModelRunner, texts: Sequence[str], *,
+                   names: Sequence[str] | None = None,
+                   after: str | Sequence[int] | torch.Tensor | None = None,
+                   anchor: str = "auto") -> list[Notebook]:
+    """Compile skills in the order one prompt shows them: one prefill of ``after`` and every
+    text, each skill keeping the notes it wrote there, behind everything before it.
+
+    Each result is what :func:`compile_skill` gives for that text compiled behind the prefix
+    and the texts before it (its ``prefix_digest`` covers them all), so :func:`compose` of
+    ``[after, *skills, ...]`` in this order reuses every note unrepaired (a prefill's notes,
+    as a prefix cache would serve them), while the same skills in another order or another
+    context are repaired like any splice. It is what a prompt already seen gives for free: a
+    server learns its chunks from the request that showed them.
+
+    Example:
+        >>> tools = engine.compile_skills([tool_a, tool_b], after=header)  # doctest: +SKIP
+        >>> nb = engine.compose([header, *tools, question])   # exact: nothing recomputed  # doctest: +SKIP
+    """
+    names = list(names) if names is not None else [f"skill{i}" for i in range(len(texts))]
+    if len(names) != len(texts):
+        raise InvalidArgumentError(f"compile_skills: {len(texts)} texts but {len(names)} names")
+    for text, name in zip(texts, names, strict=True):
+        validate.compile_args(text, name)
     prefix = anchor_ids(engine, after, anchor=anchor)
-    ids, _ = engine.tokens_of(text, bos=False)
-    nb = engine.forward(engine.empty(0), [*prefix, *ids]).notebook.slice(len(prefix))
+    parts = [engine.tokens_of(text, bos=False)[0] for text in texts]
+    whole = engine.forward(engine.empty(0), [*prefix, *(t for ids in parts for t in ids)]).notebook
     bos = "bos" if prefix[:1] == [engine.bos_id] and engine.bos_id is not None else "none"
-    return nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
-        kind="skill", name=name, anchor=bos, after_tokens=len(prefix) - (bos == "bos"),
-        prefix_len=len(prefix), prefix_digest=prefix_digest(prefix),
-        prefix_ids=[int(t) for t in prefix])
+    out, before = [], list(prefix)
+    for ids, name in zip(parts, names, strict=True):
+        nb = whole.slice(len(before), len(before) + len(ids))
+        out.append(nb.with_spans([Span(name, "skill", 0, len(ids))]).with_meta(
+            kind="skill", name=name, anchor=bos, after_tokens=len(before) - (bos == "bos"),
+            prefix_len=len(before), prefix_digest=prefix_digest(before),
+            prefix_ids=[int(t) for t in before]))
+        before += ids
+    return out
 
 
 def recompute(engine: ModelRunner, nb: Notebook, indices: Sequence[int] | torch.Tensor) -> Notebook:

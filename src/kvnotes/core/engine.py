@@ -148,6 +148,7 @@ class Engine(ModelRunner):
     # ---- compile, compose and boundary repair (kvnotes.core.compose) ------------------------
     anchor_ids = compose_ops.anchor_ids
     compile = compose_ops.compile_skill
+    compile_skills = compose_ops.compile_skills
     compose = compose_ops.compose
     recompute = compose_ops.recompute
     repair_choice = compose_ops.repair_choice
