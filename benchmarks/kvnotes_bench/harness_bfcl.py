@@ -155,17 +155,46 @@ def read_scores(root: Path) -> Iterator[Scored]:
                      int(head["total_count"]), [str(r["id"]) for r in rows[1:] if "id" in r])
 
 
+# BFCL's prompting system prompt ("Here is a list of functions in json format that you can
+# invoke.\n"), right before the functions' list as ``json.dumps(functions, indent=4)``
+_FUNCTIONS_HEAD = " format that you can invoke.\n"
+
+
+def prompt_tool_texts(prompt: str) -> list[str]:
+    """The text each tool is written as in one prompt BFCL sent: a line of its ``<tools>`` block
+    (FC handlers), else the lines of its object in the JSON list the prompting handlers' system
+    prompt lists the functions in (from the line ``    {`` to its ``    }``)."""
+    if "<tools>\n" in prompt:  # the block itself: the prompt names the tags in a sentence before it
+        block = prompt.partition("<tools>\n")[2].partition("\n</tools>")[0]
+        return [line for line in block.splitlines() if line.startswith("{")]
+    rest = prompt.partition(_FUNCTIONS_HEAD)[2]
+    if not rest.startswith("["):
+        return []
+    try:
+        end = json.JSONDecoder().raw_decode(rest)[1]
+    except ValueError:
+        return []
+    texts: list[str] = []
+    start: int | None = None
+    lines = rest[:end].splitlines()
+    for i, line in enumerate(lines):
+        if line == "    {":
+            start = i
+        elif start is not None and line in ("    }", "    },"):
+            texts.append("\n".join([*lines[start:i], "    }"]))
+            start = None
+    return texts
+
+
 def tool_texts(root: Path) -> list[str]:
-    """Each tool's line of the ``<tools>`` blocks of the prompts BFCL sent (its input log under
+    """Each tool's text in the prompts BFCL sent (:func:`prompt_tool_texts`; its input log under
     ``root/result``), once each, in order."""
     seen: dict[str, None] = {}
     for path in sorted((root / "result").rglob("*_result.json")):
         for row in _json_lines(path):
             for entry in row.get("inference_log") or []:
                 prompt = str((entry.get("content") or {}).get("formatted_prompt", ""))
-                # the block itself: the prompt names the tags in a sentence before it
-                block = prompt.partition("<tools>\n")[2].partition("\n</tools>")[0]
-                seen.update((line, None) for line in block.splitlines() if line.startswith("{"))
+                seen.update((text, None) for text in prompt_tool_texts(prompt))
     return list(seen)
 
 

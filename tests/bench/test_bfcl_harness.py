@@ -13,6 +13,7 @@ from kvnotes_bench.harness_bfcl import (
     ServerRun,
     differing,
     first_ids,
+    prompt_tool_texts,
     read_answers,
     read_scores,
     tool_texts,
@@ -49,6 +50,20 @@ def test_tool_lines_come_from_the_tools_block_not_the_sentence_naming_it(tmp_pat
            [{"id": "x", "result": "r", "inference_log": log},
             {"id": "y", "result": "r", "inference_log": log}])
     assert tool_texts(tmp_path) == ['{"name": "a"}', '{"name": "b"}']  # once each, in order
+
+
+def test_tool_texts_of_the_prompting_handlers_are_each_functions_object_in_the_listed_json(
+) -> None:
+    functions = [{"name": "a", "parameters": {"type": "dict"}}, {"name": "b"}]
+    listed = json.dumps(functions, indent=4)  # how BFCL's system prompt lists them
+    prompt = ("<|im_start|>system\nYou are an expert ... format of [func_name1(params)].\n\n"
+              f"Here is a list of functions in json format that you can invoke.\n{listed}\n\n"
+              "extra system text [x]<|im_end|>\n<|im_start|>user\nq<|im_end|>\n")
+    texts = prompt_tool_texts(prompt)
+    assert [json.loads(t) for t in texts] == functions
+    assert all(t in prompt and t.startswith("    {") and t.endswith("    }") for t in texts)
+    assert prompt_tool_texts("no functions listed here") == []
+    assert prompt_tool_texts(PROMPT) == ['{"name": "a"}', '{"name": "b"}']  # the FC format
 
 
 def test_scores_answers_and_differing_cases_are_read_from_bfcls_files(tmp_path: Path) -> None:
