@@ -11,6 +11,7 @@ both compile this way.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -57,7 +58,10 @@ class VllmPrefill:
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 resp.read()
-        except (urllib.error.URLError, OSError) as err:
+        # http.client.HTTPException too: a server that dies (or is restarted) while it
+        # answers cuts the answer short (IncompleteRead, BadStatusLine), which is no OSError;
+        # it is the same fault as a refused connection: no entry, the chunk stays uncompiled
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
             raise SaveFailed(f"the compile request to {self.url} failed: {err}") from err
 
 
