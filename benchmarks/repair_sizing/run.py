@@ -115,7 +115,7 @@ def main(argv: list[str]) -> int:
               flush=True)
     stop.set()
     sampler.join()
-    machine = machine_info(since=before)
+    machine: dict[str, object] = dict(machine_info(since=before))
     machine["load_samples"] = [json.loads(line) for line in
                                (out / "load.jsonl").read_text(encoding="utf-8").splitlines()
                                if line.strip()]

@@ -23,7 +23,7 @@ import torch
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.machine import MachineInfo, load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
 from kvnotes.eval.tasks import load_suite
@@ -86,8 +86,8 @@ class BatchDecodeResult:
     warmup: int
     dtype: str
     torch_threads: int
-    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records
-    machine_after: dict[str, Any]
+    machine_before: MachineInfo  # kvnotes.core.machine.machine_info records
+    machine_after: MachineInfo
     busy: bool
 
     def to_dict(self) -> dict[str, Any]:

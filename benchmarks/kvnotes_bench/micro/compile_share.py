@@ -34,7 +34,7 @@ from typing import Any
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import available_cpus, load_note, machine_info, set_threads
+from kvnotes.core.machine import MachineInfo, available_cpus, load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.serving.front.config import busy_core_share
 from kvnotes.serving.learning import lower_priority
@@ -107,8 +107,8 @@ class CompileShareResult:
     reps: int
     rows: tuple[CompileShareRow, ...]
     torch_threads: int
-    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info, before any load
-    machine_idle: dict[str, Any]  # the same after the idle timings
+    machine_before: MachineInfo  # kvnotes.core.machine.machine_info, before any load
+    machine_idle: MachineInfo  # the same after the idle timings
     command: str
     date: str
 

@@ -48,7 +48,7 @@ import numpy as np
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.machine import MachineInfo, load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import Notebook
 from kvnotes_bench.kit.plots import panels
@@ -163,8 +163,8 @@ class ComposeTtftResult:
     dtype: str
     torch_threads: int
     machine: str
-    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records
-    machine_after: dict[str, Any]
+    machine_before: MachineInfo  # kvnotes.core.machine.machine_info records
+    machine_after: MachineInfo
     busy: bool
     rows: tuple[TtftRow, ...]
     slopes: dict[str, float]

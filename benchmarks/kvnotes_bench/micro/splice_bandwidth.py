@@ -24,7 +24,7 @@ import torch
 
 from kvnotes.core.engine import Engine
 from kvnotes.core.errors import InvalidArgumentError
-from kvnotes.core.machine import load_note, machine_info, set_threads
+from kvnotes.core.machine import MachineInfo, load_note, machine_info, set_threads
 from kvnotes.core.models import load
 from kvnotes.core.notebook import LayerKV, Notebook
 from kvnotes_bench.kit.plots import panels
@@ -89,8 +89,8 @@ class SpliceBandwidthResult:
     warmup: int
     dtype: str
     torch_threads: int
-    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records
-    machine_after: dict[str, Any]
+    machine_before: MachineInfo  # kvnotes.core.machine.machine_info records
+    machine_after: MachineInfo
     busy: bool
     rows: tuple[BandwidthRow, ...]
 

@@ -288,7 +288,7 @@ def run_bench(engine: Engine, config: ToolsBenchConfig, *, model: str,
     if progress:
         progress(len(ordered), len(ordered), "")
     return assemble(results, strategies, model=model, set_name=config.set, taus=taus,
-                    skipped=skipped, machine=machine_info(since=before),
+                    skipped=skipped, machine=dict(machine_info(since=before)),
                     settings={"cases_asked": config.cases, "greedy_tokens": config.greedy_tokens,
                               "call_tokens": config.call_tokens, "context_limit": limit,
                               "guard_target": config.guard_target,

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields, replace
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from pydantic import SerializerFunctionWrapHandler, model_serializer, model_validator
 from pydantic.dataclasses import dataclass as record
@@ -19,7 +18,7 @@ from pydantic.dataclasses import dataclass as record
 from kvnotes.core.chat import chat_frame
 from kvnotes.core.compose import Part
 from kvnotes.core.engine import Engine
-from kvnotes.core.machine import load_note, machine_info
+from kvnotes.core.machine import MachineInfo, load_note, machine_info
 from kvnotes.core.notebook import Notebook
 from kvnotes.core.records import Json, JsonRecord
 from kvnotes.core.repair import DEFAULT_REPAIR, Repair, as_repair
@@ -115,8 +114,8 @@ class DemoTiming:
     repeats: int
     warmup: int
     statistic: str
-    machine_before: dict[str, Any]  # kvnotes.core.machine.machine_info records, as they are
-    machine_after: dict[str, Any]
+    machine_before: MachineInfo  # kvnotes.core.machine.machine_info records
+    machine_after: MachineInfo
     busy: bool
 
 

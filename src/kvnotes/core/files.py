@@ -31,18 +31,19 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import NotRequired, TypeGuard  # pydantic reads NotRequired from Python 3.11
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ConfigDict, ValidationError, with_config
 from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
+from typing_extensions import TypedDict  # pydantic reads typing.TypedDict only from Python 3.12
 
 from kvnotes.core.errors import NotebookFileError, NotebookMismatchError, UnsafePathError
 from kvnotes.core.fingerprint import ModelFingerprint
 from kvnotes.core.meta import NotebookMeta
-from kvnotes.core.records import Json
+from kvnotes.core.records import Json, adapter
 
 # Layout of the kvnotes header itself. 1 (unmarked): the checksum covered the tensors only;
 # such files cannot be verified and are refused (a 0.x project breaks cleanly).
@@ -77,7 +78,7 @@ NOTEBOOK_LAYER_TENSORS: dict[str, tuple[torch.dtype, ...]] = {
     "keys": FLOAT_DTYPES, "values": FLOAT_DTYPES}
 
 
-def checksum(tensors: Mapping[str, torch.Tensor], header: Json | None = None) -> str:
+def checksum(tensors: Mapping[str, torch.Tensor], header: Mapping[str, object] | None = None) -> str:
     """SHA-256 over the header (without its ``checksum``) and every tensor's name, dtype, shape
     and bytes, in name order."""
     h = hashlib.sha256()
@@ -91,6 +92,37 @@ def checksum(tensors: Mapping[str, torch.Tensor], header: Json | None = None) ->
         h.update(str(tuple(t.shape)).encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+@with_config(ConfigDict(extra="allow"))
+class FileHeader(TypedDict):
+    """A kvnotes file's JSON header as :func:`read` and :func:`read_head` return it, every key
+    typed (one this version does not name is kept as it came): ``spans`` are ``(name, kind,
+    start, end)``; ``axis`` and ``dtype`` are an int8 notebook's."""
+
+    format: str
+    version: int
+    container: int
+    checksum: str
+    fingerprint: Json
+    scheme: str
+    length: int
+    num_layers: int
+    origin: int
+    spans: list[tuple[str, str, int, int]]
+    meta: NotRequired[NotebookMeta]
+    axis: NotRequired[str]
+    dtype: NotRequired[str]
+
+
+def typed_header(path: str | os.PathLike[str], header: object) -> FileHeader:
+    """``header`` read through :class:`FileHeader`; a key of the wrong type is a
+    :class:`NotebookFileError`."""
+    try:
+        out: FileHeader = adapter(FileHeader).validate_python(header)
+    except ValidationError as err:
+        raise NotebookFileError(f"{path}: malformed header: {err}") from err
+    return out
 
 
 # ---- writing ------------------------------------------------------------------------------
@@ -233,7 +265,7 @@ def write(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
 def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_format: str,
          version: int, what: str, wrong_format_hint: str = "",
          layer_tensors: Mapping[str, tuple[torch.dtype, ...]] = NOTEBOOK_LAYER_TENSORS,
-         ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+         ) -> tuple[FileHeader, dict[str, torch.Tensor]]:
     """``(header, tensors)`` of a file written by :func:`write`, after every check.
 
     ``layer_tensors`` names the tensors each layer ``l`` has (``layers.{l}.<suffix>``) and the
@@ -270,28 +302,7 @@ def read(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, file_fo
         raise NotebookFileError(f"{path}: checksum mismatch over the header and tensors; the "
                                 "file was modified or damaged")
     _check_writer(path, check_header(path, header, tensors, layer_tensors), fingerprint)
-    return header, tensors
-
-
-class NotebookHeader(BaseModel):
-    """The fields of a checked notebook header a loader builds the notebook from."""
-
-    model_config = ConfigDict(frozen=True)
-
-    num_layers: int
-    origin: int
-    spans: tuple[tuple[str, str, int, int], ...]
-    meta: NotebookMeta = {}
-
-
-def notebook_header(path: str | os.PathLike[str], header: Json) -> NotebookHeader:
-    """``header`` (from :func:`read`, which checked it) typed, its ``meta`` read through
-    :class:`~kvnotes.core.meta.NotebookMeta`; a field of the wrong type is a
-    :class:`NotebookFileError`."""
-    try:
-        return NotebookHeader.model_validate(header)
-    except ValidationError as err:
-        raise NotebookFileError(f"{path}: malformed header: {err}") from err
+    return typed_header(path, header), tensors
 
 
 def _check_kind(path: Path, header: object, file_format: str, version: int, what: str,
@@ -328,11 +339,12 @@ class FileHead:
     """A kvnotes file's header and tensor table, with only a few small tensors read.
 
     ``table``: every tensor's safetensors dtype (``"F32"``, ``"I64"``, ...) and shape, from the
-    file's JSON header; ``tensors``: the int64 tensors asked for. Nothing here is checksummed
-    (that needs every byte): a reader that uses the data goes through :func:`read`.
+    file's JSON header; ``tensors``: the int64 tensors asked for; ``header``: its keys typed
+    (:class:`FileHeader`). Nothing here is checksummed (that needs every byte): a reader that
+    uses the data goes through :func:`read`.
     """
 
-    header: dict[str, Any]
+    header: FileHeader
     table: dict[str, tuple[str, tuple[int, ...]]]
     tensors: dict[str, torch.Tensor]
     size: int  # bytes on disk
@@ -408,7 +420,7 @@ def read_head(path: str | os.PathLike[str], fingerprint: ModelFingerprint, *, fi
     except (TypeError, ValueError) as err:
         raise NotebookFileError(f"{path}: malformed header: fingerprint: {err}") from err
     _check_writer(path, saved, fingerprint)
-    return FileHead(header, table, tensors, size)
+    return FileHead(typed_header(path, header), table, tensors, size)
 
 
 def _safetensors_metadata(data: bytes) -> dict[str, str]:

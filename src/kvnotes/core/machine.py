@@ -14,16 +14,14 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import (
-    Any,
-    NotRequired,  # pydantic reads these from Python 3.11
-)
+from typing import NotRequired  # pydantic reads it from Python 3.11
 
 import torch
 from typing_extensions import TypedDict
 
-from kvnotes.core.records import Json, adapter
+from kvnotes.core.records import adapter
 
 SIMD_FLAGS = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma",
               "neon", "asimd")
@@ -193,9 +191,9 @@ def cpu_use(before: CpuCounters, after: CpuCounters, cpus: int) -> CpuUse | None
             "steal_share": round(steal / (wall * cpus), 4)}
 
 
-def machine_info(since: Json | None = None) -> dict[str, Any]:
+def machine_info(since: MachineInfo | None = None) -> MachineInfo:
     """Threads, cores, load average, busy flag and CPU flags, for a benchmark's JSON (a
-    :class:`MachineInfo`; :func:`read_machine` reads it back).
+    :class:`MachineInfo`; :func:`read_machine` reads a stored one back).
 
     ``since``: an earlier ``machine_info()`` of this process (the run's "before"). The result
     then also says what the CPUs did in between (``cpu_use``, see :func:`cpu_use`), and
@@ -220,12 +218,10 @@ def machine_info(since: Json | None = None) -> dict[str, Any]:
     }
     if use is not None:
         info["cpu_use"] = use
-    # the benchmarks' records hold it as a plain dict (their fields are dict[str, Any])
-    out: dict[str, Any] = adapter(MachineInfo).dump_python(info)
-    return out
+    return info
 
 
-def load_note(record: Json) -> str:
+def load_note(record: Mapping[str, object]) -> str:
     """One line for a report: the load beside the CPU count, and a warning when busy
     (``record``: a :func:`machine_info`)."""
     info = read_machine(record)

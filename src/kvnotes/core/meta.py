@@ -2,7 +2,7 @@
 
 ``nb.meta`` is a plain dict (``nb.meta["compose"]["regions"]`` reads as it always did) whose
 keys and their types are :class:`NotebookMeta`'s. It is saved in a notebook file's JSON header
-as it is, and read back through pydantic (:func:`kvnotes.core.files.notebook_header`): every
+as it is, and read back through pydantic (:class:`kvnotes.core.files.FileHeader`): every
 field is checked, keys this version does not name are kept as they came (a newer writer's, a
 server's).
 """

@@ -518,17 +518,16 @@ class Notebook:
         if not all(hasattr(engine, a) for a in ("fingerprint", "adapter", "device")):
             raise ArgumentTypeError(f"Notebook.load needs the Engine whose model wrote the file, "
                                     f"got {type(engine).__name__}")
-        raw, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
-                                  version=FILE_VERSION, what="notebook")
-        header = files.notebook_header(path, raw)
+        header, tensors = files.read(path, engine.fingerprint, file_format=FILE_FORMAT,
+                                     version=FILE_VERSION, what="notebook")
         device = engine.device  # files are read on the CPU
         layers = [LayerKV(tensors[f"layers.{l}.keys"].to(device),
                           tensors[f"layers.{l}.values"].to(device))
-                  for l in range(header.num_layers)]
+                  for l in range(header["num_layers"])]
         return cls(
             layers=layers, token_ids=tensors["token_ids"], positions=tensors["positions"],
-            spans=[Span(*s) for s in header.spans], adapter=engine.adapter,
-            fingerprint=engine.fingerprint, meta=header.meta, origin=header.origin,
+            spans=[Span(*s) for s in header["spans"]], adapter=engine.adapter,
+            fingerprint=engine.fingerprint, meta=header.get("meta"), origin=header["origin"],
         )
 
 

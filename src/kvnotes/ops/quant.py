@@ -180,26 +180,25 @@ class QuantizedNotebook:
             NotebookFileError: missing, truncated, tampered with or not a quantized notebook.
             NotebookMismatchError: written by a different model.
         """
-        raw, tensors = files.read(
+        header, tensors = files.read(
             path, engine.fingerprint, file_format=FILE_FORMAT, version=FILE_VERSION,
             what="quantized notebook", wrong_format_hint="; use Notebook.load for full-precision files",
             layer_tensors=_LAYER_TENSORS)
-        axis, dtype = raw.get("axis"), raw.get("dtype")
+        axis, dtype = header.get("axis"), header.get("dtype")
         if not isinstance(axis, str) or axis not in AXES:
             raise NotebookFileError(f"{path}: malformed header: axis must be one of {AXES}, got "
                                     f"{axis!r}")
         if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise NotebookFileError(f"{path}: malformed header: dtype must be one of "
                                     f"{sorted(_DTYPES)}, got {dtype!r}")
-        header = files.notebook_header(path, raw)
         layers = [
             (QuantizedTensor(tensors[f"layers.{i}.keys.q"], tensors[f"layers.{i}.keys.scale"]),
              QuantizedTensor(tensors[f"layers.{i}.values.q"], tensors[f"layers.{i}.values.scale"]))
-            for i in range(header.num_layers)
+            for i in range(header["num_layers"])
         ]
         return cls(layers, tensors["token_ids"], tensors["positions"],
-                   [Span(*s) for s in header.spans], engine.adapter, engine.fingerprint,
-                   axis=axis, dtype=_DTYPES[dtype], meta=header.meta, origin=header.origin)
+                   [Span(*s) for s in header["spans"]], engine.adapter, engine.fingerprint,
+                   axis=axis, dtype=_DTYPES[dtype], meta=header.get("meta"), origin=header["origin"])
 
 
 def quantize(nb: Notebook, axis: str = "token") -> QuantizedNotebook:

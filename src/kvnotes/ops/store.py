@@ -185,9 +185,7 @@ class SkillLibrary:
             try:
                 head = files.read_head(path, self.engine.fingerprint, file_format=fmt,
                                        version=version, what="skill")
-                meta = head.header.get("meta") or {}
-                raw = meta.get("prefix_ids") if isinstance(meta, dict) else None
-                behind = tuple(int(t) for t in raw) if isinstance(raw, list) else ()
+                behind = tuple((head.header.get("meta") or {}).get("prefix_ids") or ())
                 tokens = tuple(int(t) for t in head.tensors["token_ids"].tolist())
                 origin = int(head.tensors["positions"][0]) if tokens else 0
             except (KvnotesError, OSError, KeyError, TypeError, ValueError, IndexError):

@@ -153,9 +153,9 @@ def read_entry(path: str | os.PathLike[str], fingerprint: ModelFingerprint
     try:
         ids = tuple(int(t) for t in tensors["token_ids"].tolist())
         origin = int(tensors["positions"][0]) if ids else 0
-        spans = header.get("spans") or []
+        spans = header["spans"]
         name = str(spans[0][0]) if spans else path.stem
-        num_layers = int(header["num_layers"])
+        num_layers = header["num_layers"]
         # stored as the HF cache holds them: [1, kv_heads, n, head_dim] per layer
         keys = torch.stack([tensors[f"layers.{l}.keys"][0].transpose(0, 1)
                             for l in range(num_layers)]).float()
@@ -170,19 +170,16 @@ def read_entry(path: str | os.PathLike[str], fingerprint: ModelFingerprint
     return PieceInfo(path.stem, name, ids, origin, tenant, behind), keys, values
 
 
-def entry_owner(header: JsonObject) -> tuple[str | None, tuple[int, ...]]:
+def entry_owner(header: files.FileHeader) -> tuple[str | None, tuple[int, ...]]:
     """``(tenant, behind)`` of an entry from its header's ``meta``: the tenant it belongs to
     (``meta["tenant"]``; None: the operator's, shared) and the token ids it was prefilled
     behind (``meta["prefix_ids"]``; () when not recorded). A malformed value raises
     :class:`NotebookFileError` (the entry is not indexed)."""
     meta = header.get("meta") or {}
-    if not isinstance(meta, dict):
-        raise NotebookFileError("the entry's meta is not an object")
-    tenant = meta.get("tenant")
-    if tenant is not None and (not isinstance(tenant, str) or not _TENANT.fullmatch(tenant)):
+    tenant = meta.get("tenant")  # the header's types are checked (files.FileHeader)
+    if tenant is not None and not _TENANT.fullmatch(tenant):
         raise NotebookFileError(f"the entry's tenant {tenant!r} is not a tenant name")
-    raw = meta.get("prefix_ids") or []
-    if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                            and t >= 0 for t in raw):
+    behind = tuple(meta.get("prefix_ids") or ())
+    if any(t < 0 for t in behind):
         raise NotebookFileError("the entry's prefix_ids are not token ids")
-    return tenant, tuple(t for t in raw if isinstance(t, int))  # all of them, checked above
+    return tenant, behind

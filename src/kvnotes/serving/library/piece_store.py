@@ -156,8 +156,8 @@ def index_entry(path: Path, fingerprint: ModelFingerprint) -> tuple[PieceInfo, t
     ids = tuple(int(t) for t in head.tensors["token_ids"].tolist())
     positions = head.tensors["positions"]
     try:
-        num_layers = int(head.header["num_layers"])
-        spans = head.header.get("spans") or []
+        num_layers = head.header["num_layers"]
+        spans = head.header["spans"]
         name = str(spans[0][0]) if spans else path.stem
         layer_tensors = [head.table[f"layers.{l}.{kind}"] for l in range(num_layers)
                          for kind in ("keys", "values")]

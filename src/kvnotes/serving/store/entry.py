@@ -127,7 +127,7 @@ def _safetensors_header(data: bytes) -> JsonObject:
     return table
 
 
-def kvnotes_header(data: bytes) -> tuple[JsonObject, JsonObject]:
+def kvnotes_header(data: bytes) -> tuple[files.FileHeader, JsonObject]:
     """``(kvnotes header, safetensors table)`` of an entry file's bytes, parsed without reading
     a tensor; :class:`NotebookFileError` when they are not a kvnotes skill entry."""
     try:
@@ -140,7 +140,7 @@ def kvnotes_header(data: bytes) -> tuple[JsonObject, JsonObject]:
     if not isinstance(header, dict) or header.get("format") != ENTRY_FORMAT \
             or header.get("version") != ENTRY_VERSION or header.get("container") != files.CONTAINER:
         raise NotebookFileError(f"not a kvnotes skill entry ({ENTRY_FORMAT} v{ENTRY_VERSION})")
-    return header, table
+    return files.typed_header("a kvnotes entry", header), table
 
 
 def _item(value: JsonValue, key: str | int) -> JsonValue:
@@ -164,8 +164,8 @@ def describe(data: bytes, key: str, model: str) -> EntryInfo:
         if not isinstance(shape, (int, float, str)):
             raise TypeError(f"a shape of {type(shape).__name__}")
         tokens = int(shape)
-        spans = header.get("spans") or []
-        name = str(_item(_item(spans, 0), 0)) if spans else key
+        spans = header["spans"]
+        name = str(spans[0][0]) if spans else key
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise NotebookFileError(f"entry {key}: no token ids in its table ({err})") from err
     return EntryInfo(key, model, tenant, name, tokens, len(data), sha256(data))
