@@ -8,13 +8,16 @@ folder), against two servers of the same weights in turn:
 
 - ``vllm``: plain vLLM (prefix caching on), the exact reference;
 - ``kvnotes``: ``kvnotes serve --learn`` (vLLM with kvnotes' connector behind its front), sent
-  the same cases ``passes`` times, each pass scored. With ``register_tools``, each tool's line
-  of the ``<tools>`` blocks BFCL sent to vLLM (its input log) is first registered as a skill on
-  the running server (``POST /kvnotes/skills``), so the front finds and splices them in BFCL's
-  completion texts.
+  the same cases ``passes`` times, each pass scored. With ``register_tools``, each tool's text
+  in the prompts BFCL sent to vLLM (its input log; :func:`prompt_tool_texts`) is first
+  registered as a skill on the running server (``POST /kvnotes/skills``), so the front finds
+  and splices them in BFCL's completion texts.
 
 BFCL has no Qwen2.5-Coder entry; its Qwen FC handler (``Qwen/Qwen3-1.7B-FC`` by default) writes
-the Hermes-style ``<tools>`` prompt Qwen2.5's template writes and parses ``<tool_call>`` answers.
+the Hermes-style ``<tools>`` prompt Qwen2.5's template writes and parses ``<tool_call>`` answers,
+which Qwen2.5-Coder-1.5B does not write (bare JSON: AST 0 on both servers). Its Qwen prompting
+handler (``--handler Qwen/Qwen3-1.7B``) lists the functions as JSON in BFCL's system prompt and
+parses ``[func(arg=value)]`` answers, which the 1.5B writes; its tool texts are registered too.
 Its OSS handlers send a raw text prompt to ``/v1/completions`` (never a chat with ``tools``), so
 kvnotes splices there only what its front finds in a completion text: registered skills (it
 learns chunks on sight from chats, which BFCL's handlers never send).
