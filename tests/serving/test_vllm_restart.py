@@ -11,8 +11,8 @@ restart is spliced by the restarted server too.
 The restart test starts (and stops) servers of its own, not the session's (``vllm_launch``):
 the whole launch (``kvnotes serve --learn``: front, learner and vLLM) on a fixed port, and a
 second vLLM with the very same command line on that port. Two vLLM starts beyond the
-session's (75-80 s each on a shared 2-core machine; the test took 3.7 min there, 6.5 min at a
-load average of 12-17) do not fit the 15 minutes of ``make test`` (13 min already), so it is in
+session's (40-80 s each on a shared 2-core machine: the test took 2 min there, up to 6.5 min
+while other jobs loaded it) do not fit the 15 minutes of ``make test`` (13 min already), so it is in
 the opt-in tier, marked ``large``: it runs with ``make test-large``, or alone with
 ``KVNOTES_TEST_LARGE=1 pytest -m large tests/serving/test_vllm_restart.py``. The other test
 here (a server that dies while answering a compile) needs no vLLM and runs in every tier.
