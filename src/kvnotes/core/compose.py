@@ -90,21 +90,15 @@ def compile_skill(engine: ModelRunner, text: str, *, name: str = "skill",
             anchor: str = "auto") -> Notebook:
     """Compile a skill: ``text`` prefilled once, ready to be spliced anywhere.
 
-    The skill is prefilled behind :func:`anchor_ids` ``(after, anchor=anchor)``, whose
-    notes are then dropped: the skill keeps its true positions (``len(prefix)`` on) and its
-    notes were written attending to that prefix, as they will be in a context that starts
-    with it. With no prefix at all it sits alone at position 0 and its first token becomes
-    an attention sink the real context never has. The default is the context's own start
-    (a BOS when the tokenizer adds one); ``after=header`` anchors it behind the system
-    header it will follow, which shrinks the splice error for the skill right after it
-    (and, less, for later ones). The prefix's length and :func:`prefix_digest` are kept in
-    ``meta`` (``prefix_len``, ``prefix_digest``, and the ids themselves, ``prefix_ids``: a
-    server tells variants of one skill apart by them): :func:`compose` splices a skill placed
-    right after that very prefix as it is (its notes are exactly a prefill's).
+    It is prefilled behind :func:`anchor_ids` ``(after, anchor=anchor)``, whose notes are then
+    dropped: it keeps its true positions and notes written attending to that prefix, as in a
+    context that starts with it (alone at 0, its first token would become an attention sink the
+    real context never has; the default prefix is the context's own start, a BOS when the
+    tokenizer adds one). ``meta`` keeps the prefix (``prefix_len``, ``prefix_digest``,
+    ``prefix_ids``): :func:`compose` splices a skill placed right after it as it is.
 
     Example:
         >>> skill = engine.compile(policy, after=system_header)    # doctest: +SKIP
-        >>> nb = engine.compose([engine.compile(system_header), skill, request])  # doctest: +SKIP
     """
     return compile_skills(engine, [text], names=[name], after=after, anchor=anchor)[0]
 
@@ -113,19 +107,14 @@ def compile_skills(engine: ModelRunner, texts: Sequence[str], *,
                    names: Sequence[str] | None = None,
                    after: str | Sequence[int] | torch.Tensor | None = None,
                    anchor: str = "auto") -> list[Notebook]:
-    """Compile skills in the order one prompt shows them: one prefill of ``after`` and every
-    text, each skill keeping the notes it wrote there, behind everything before it.
-
-    Each result is what :func:`compile_skill` gives for that text compiled behind the prefix
-    and the texts before it (its ``prefix_digest`` covers them all), so :func:`compose` of
-    ``[after, *skills, ...]`` in this order reuses every note unrepaired (a prefill's notes,
-    as a prefix cache would serve them), while the same skills in another order or another
-    context are repaired like any splice. It is what a prompt already seen gives for free: a
-    server learns its chunks from the request that showed them.
+    """Skills compiled as one prompt shows them: one prefill of ``after`` and every text, each
+    skill keeping its notes there, behind everything before it (its ``prefix_digest`` covers it
+    all). :func:`compose` of ``[after, *skills, ...]`` in this order then reuses every note
+    unrepaired (a prefill's, as a prefix cache serves them); in another order or context they
+    are repaired like any splice.
 
     Example:
         >>> tools = engine.compile_skills([tool_a, tool_b], after=header)  # doctest: +SKIP
-        >>> nb = engine.compose([header, *tools, question])   # exact: nothing recomputed  # doctest: +SKIP
     """
     names = list(names) if names is not None else [f"skill{i}" for i in range(len(texts))]
     if len(names) != len(texts):

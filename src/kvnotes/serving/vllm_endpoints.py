@@ -159,14 +159,3 @@ class Client:
         import json
 
         return int(json.loads(data[1])["count"])
-
-    def async_openai(self, *, timeout: float | None = None) -> Any:
-        """An ``openai.AsyncOpenAI`` for this server (no retries, no proxies from the
-        environment); create it inside the event loop that uses it."""
-        import openai
-
-        t = timeout or self.timeout
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="kvnotes", timeout=t,
-                                  max_retries=0,
-                                  http_client=openai.DefaultAsyncHttpxClient(trust_env=False,
-                                                                              timeout=t))
