@@ -13,11 +13,11 @@ folder), against two servers of the same weights in turn:
   registered as a skill on the running server (``POST /kvnotes/skills``), so the front finds
   and splices them in BFCL's completion texts.
 
-BFCL has no Qwen2.5-Coder entry; its Qwen FC handler (``Qwen/Qwen3-1.7B-FC`` by default) writes
-the Hermes-style ``<tools>`` prompt Qwen2.5's template writes and parses ``<tool_call>`` answers,
-which Qwen2.5-Coder-1.5B does not write (bare JSON: AST 0 on both servers). Its Qwen prompting
-handler (``--handler Qwen/Qwen3-1.7B``) lists the functions as JSON in BFCL's system prompt and
-parses ``[func(arg=value)]`` answers, which the 1.5B writes; its tool texts are registered too.
+BFCL has no Qwen2.5-Coder entry. Its Qwen prompting handler (``Qwen/Qwen3-1.7B``, the default)
+lists the functions as JSON in BFCL's system prompt and parses ``[func(arg=value)]`` answers,
+which Qwen2.5-Coder-1.5B writes. Its Qwen FC handler (``--handler Qwen/Qwen3-1.7B-FC``) writes
+the Hermes-style ``<tools>`` prompt and parses ``<tool_call>`` answers, which the 1.5B does not
+write (bare JSON: AST 0 on both servers); the tool texts of either are registered.
 Its OSS handlers send a raw text prompt to ``/v1/completions`` (never a chat with ``tools``), so
 kvnotes splices there only what its front finds in a completion text: registered skills (it
 learns chunks on sight from chats, which BFCL's handlers never send).
@@ -55,7 +55,7 @@ class HarnessConfig:
     model: str = "qwen2.5-coder-1.5b"
     categories: tuple[str, ...] = ("live_simple", "live_multiple")
     per_category: int = 20
-    handler: str = "Qwen/Qwen3-1.7B-FC"
+    handler: str = "Qwen/Qwen3-1.7B"
     passes: int = 2
     register_tools: bool = True
     bfcl_python: str = ".venv-bfcl/bin/python"
