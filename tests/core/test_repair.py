@@ -7,7 +7,12 @@ import torch
 from conftest import make_tiny_engine, make_tiny_model
 
 import kvnotes
-from kvnotes.core.errors import ArgumentTypeError, InvalidArgumentError, UnknownNameError
+from kvnotes.core.errors import (
+    ArgumentTypeError,
+    EmptyInputError,
+    InvalidArgumentError,
+    UnknownNameError,
+)
 from kvnotes.core.repair import (
     DEFAULT_FIRST,
     DEFAULT_REPAIR,
@@ -135,6 +140,10 @@ def test_compile_skills_keeps_the_notes_of_the_prompt_that_showed_them(tiny):
     assert swapped["exact"] == [] and len(swapped["regions"]) == 2
     with pytest.raises(InvalidArgumentError, match="2 texts but 1 names"):
         tiny.compile_skills([REFUNDS, SHIPPING], names=["r"])
+    with pytest.raises(ArgumentTypeError, match="not a bare string"):
+        tiny.compile_skills(REFUNDS)
+    with pytest.raises(EmptyInputError, match="at least one text"):
+        tiny.compile_skills([])
 
 # ---- compose's default ------------------------------------------------------------------------
 def test_default_repairs_the_first_tokens_of_each_skill_not_exactly_placed(tiny):

@@ -116,6 +116,10 @@ def compile_skills(engine: ModelRunner, texts: Sequence[str], *,
     Example:
         >>> tools = engine.compile_skills([tool_a, tool_b], after=header)  # doctest: +SKIP
     """
+    validate.not_bare_string(texts, "compile_skills texts", "engine.compile_skills([text])")
+    validate.not_bare_string(names, "compile_skills names", "names=[name]")
+    if not texts:
+        raise EmptyInputError("compile_skills needs at least one text")
     names = list(names) if names is not None else [f"skill{i}" for i in range(len(texts))]
     if len(names) != len(texts):
         raise InvalidArgumentError(f"compile_skills: {len(texts)} texts but {len(names)} names")
