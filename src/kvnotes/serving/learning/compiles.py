@@ -137,20 +137,24 @@ class Compiler:
 
     def key_for(self, job: Job) -> str:
         """The key of ``job``'s entry before it is compiled (the one :meth:`compile` writes)."""
+        text, after = self._source(job)
+        return self.skills.path_for(text, after=after, tenant=job.tenant).stem
+
+    def _source(self, job: Job) -> tuple[str, list[int] | None]:
+        """``(text, after)`` ``job`` compiles: a chunk's text behind its prefix (None: none);
+        a variant's ids decoded (they must encode back to them, or the entry would never
+        match), behind its predecessor's."""
         if job.variant is not None:
-            cand = job.variant
-            text = self.skills.tokenizer.decode(list(cand.token_ids))
-            return self.skills.path_for(text, after=list(cand.after), tenant=job.tenant).stem
+            return self.skills.tokenizer.decode(list(job.variant.token_ids)), list(job.variant.after)
         assert job.chunk is not None
-        return self.skills.path_for(job.chunk.text, after=list(job.chunk.after_ids) or None,
-                                    tenant=job.tenant).stem
+        return job.chunk.text, list(job.chunk.after_ids) or None
 
     def _chunk(self, job: Job) -> Compiled:
         chunk, tenant = job.chunk, job.tenant
         assert chunk is not None
-        after = list(chunk.after_ids) or None
+        text, after = self._source(job)
         name = f"{chunk.kind}-{job.ident.hex()[:8]}"
-        done = self._publish(job, chunk.text, name, after, chunk.token_ids,
+        done = self._publish(job, text, name, after, chunk.token_ids,
                              f"a {chunk.kind} chunk encodes alone to other tokens than in its "
                              "request; not learned")
         if not isinstance(done, tuple):
@@ -163,12 +167,10 @@ class Compiler:
             skill=skill_id(tenant, info.token_ids), behind_tokens=chunk.after_len), new)
 
     def _variant(self, job: Job) -> Compiled:
-        """Compile skill ``cand`` behind ``cand.after`` (its text: its ids decoded, which must
-        encode back to them, or the entry would never match)."""
+        """Compile skill ``cand`` behind ``cand.after`` (:meth:`_source`)."""
         cand, tenant = job.variant, job.tenant
         assert cand is not None
-        after = list(cand.after)
-        text = self.skills.tokenizer.decode(list(cand.token_ids))
+        text, after = self._source(job)
         done = self._publish(job, text, cand.name, after, cand.token_ids,
                              f"skill {cand.name} decodes to a text that encodes to other "
                              "tokens; its variant is not learned")
@@ -176,11 +178,11 @@ class Compiler:
             return done
         info, size, new = done
         log.info("kvnotes learner: learned a variant of %s behind %s (%d tokens%s)", cand.name,
-                 cand.predecessor or "?", len(after), f", tenant {tenant}" if tenant else "")
+                 cand.predecessor or "?", len(cand.after), f", tenant {tenant}" if tenant else "")
         return Compiled(info.key, LearnedEntry(
             info.key, tenant, cand.name, "variant", len(info), size,
             skill=skill_id(tenant, info.token_ids), variant_of=cand.name,
-            behind=cand.predecessor or None, behind_tokens=len(after)), new)
+            behind=cand.predecessor or None, behind_tokens=len(cand.after)), new)
 
     def _publish(self, job: Job, text: str, name: str, after: list[int] | None,
                  token_ids: Sequence[int], mismatch: str
