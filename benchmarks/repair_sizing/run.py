@@ -29,15 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvnotes.cli.options import ModelOptions
+from kvnotes.core.machine import load_average, machine_info
+from kvnotes.research.tool_runs import CaseResult, Skipped
 from kvnotes_bench.tools import runner as tools_runner
 from kvnotes_bench.tools.data import load_cases, spread
 from kvnotes_bench.tools.prompt import case_prompt
 from kvnotes_bench.tools.report import write_outputs
-from kvnotes.research.tool_runs import CaseResult, Skipped
 from kvnotes_bench.tools.runner import assemble, run_case
 from kvnotes_bench.tools.strategies import SkillCache, exact_ids, parse_strategies
-from kvnotes.cli.options import ModelOptions
-from kvnotes.core.machine import load_average, machine_info
 
 
 def _sample_load(path: Path, stop: threading.Event) -> None:

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvnotes.serving.launch.launcher import LaunchConfig
 from kvnotes_bench.serving.erratum import ErratumBenchConfig
 from kvnotes_bench.serving.runs import run_erratum_rows
-from kvnotes.serving.launch.launcher import LaunchConfig
 
 OUT = Path("out/serve-bench")
 ALL = ("in-place", "erratum", "cold")

@@ -8,7 +8,7 @@ from kvnotes_bench.cli import bfcl_harness as _bfcl_harness  # noqa: F401  (bfcl
 from kvnotes_bench.cli import peers as _peers  # noqa: F401  (peers)
 from kvnotes_bench.cli import peers_servers as _peers_servers  # noqa: F401  (peers-servers)
 from kvnotes_bench.cli import serve_bench as _serve_bench  # noqa: F401  (serve erratum)
-from kvnotes_bench.cli import serve_bench_agent as _serve_bench_agent  # noqa: F401  (serve agent, agent-check)
+from kvnotes_bench.cli import serve_bench_agent as _serve_bench_agent  # noqa: F401  (serve agent, spliceable)
 from kvnotes_bench.cli import serve_bench_fleet as _fleet  # noqa: F401  (serve fleet, fleet-check)
 from kvnotes_bench.cli import serve_bench_skills as _serve_bench_skills  # noqa: F401  (serve skills)
 from kvnotes_bench.cli import serve_bench_soak as _serve_bench_soak  # noqa: F401  (serve soak)

@@ -1,4 +1,4 @@
-"""``kvnotes-bench serve agent`` and ``agent-check``: agent traffic through the learning front.
+"""``kvnotes-bench serve agent`` and ``spliceable``: agent traffic through the learning front.
 
 Its options' defaults are the benchmark's configs'
 (:class:`~kvnotes_bench.serving.agent_traffic.AgentBenchConfig`,
@@ -166,22 +166,54 @@ def agent(
         typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
 
 
-@bench_app.command("agent-check")
-def agent_check(
-    folder: Annotated[Path, typer.Argument(help="A serve-bench agent output folder with a soak "
-                                           "run (result.json, soak-requests.jsonl, "
-                                           "soak-entries, soak-skills)")],
-    drift_tau: Annotated[float | None, typer.Option(
-        "--drift-tau", help="The drift rule's threshold (default: the run's own)")] = None,
+@bench_app.command("spliceable")
+def spliceable(
+    model: Model = "smollm2-135m",
+    cases: Annotated[int, typer.Option("--cases", help="New tool lists per round")] = 8,
+    tools: Annotated[int, typer.Option("--tools", help="Tools per list")] = 4,
+    background: Annotated[str, typer.Option(
+        "--background", help="Background clients per round, comma-separated (0: alone)")] = "0,4",
+    sightings: Sightings = 2,
+    answer_tokens: Annotated[int, typer.Option(
+        "--answer-tokens", help="Greedy tokens of each sighting's answer")] = 16,
+    learn_timeout: LearnTimeout = 120.0,
+    engine_arm: Annotated[bool, typer.Option(
+        "--engine/--no-engine", help="Also time the engine's compile of the same chunks")] = True,
+    dtype: Dtype = "float32",
+    kv_cache_gib: KvCacheGib = default_of(ServerOptions, "kv_cache_gib"),
+    startup_timeout: StartupTimeout = default_of(ServerOptions, "startup_timeout"),
+    vllm_python: VllmPython = None,
+    request_timeout: RequestTimeout = default_of(ServerOptions, "request_timeout"),
+    out: Out = Path("out/serve-bench/spliceable"),
 ) -> None:
-    """Check a stored agent soak run's answers again against the engine (no server) and
-    rewrite its bundle: records, result.json, report and plot."""
+    """Time from a tool list's due sighting to its entries being spliceable (vLLM's prefill,
+    and the engine's compile of the same chunks) against one exact request, and the share the
+    third request splices."""
+    import kvnotes
     from kvnotes.core.errors import KvnotesError
-    from kvnotes_bench.serving.agent_traffic_recheck import recheck_bundle
-    from kvnotes_bench.serving.agent_traffic_report import report
+    from kvnotes_bench.serving.spliceable import (
+        SpliceableConfig,
+        report,
+        run_spliceable,
+        write_outputs,
+    )
 
     try:
-        result = recheck_bundle(folder, drift_tau=drift_tau, say=say)
-    except (KvnotesError, OSError) as err:
+        config = SpliceableConfig(model=model, cases=cases, tools=tools,
+                                  background=tuple(int(x) for x in background.split(",")), after=sightings,
+                                  answer_tokens=answer_tokens,
+                                  learn_timeout_s=learn_timeout, engine=engine_arm)
+    except (KvnotesError, ValueError) as err:
         raise typer.BadParameter(str(err)) from err
+    server = ServerOptions(launch=True, model=model, dtype=dtype,
+                           block_size=default_of(LearnConfig, "block_size"),
+                           kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout,
+                           vllm_python=vllm_python, request_timeout=request_timeout, out=out)
+    engine = kvnotes.load(model)
+    target = server.target(max_model_len=4096)
+    assert target.launch is not None  # ServerOptions(launch=True)
+    result = run_spliceable(config, target.launch, engine, out=out, command=invocation(),
+                            request_timeout_s=request_timeout, say=say)
+    paths = write_outputs(result, out)
     typer.echo(report(result))
+    typer.echo(f"wrote {paths['json']}, {paths['report']}, {paths['plot']}")

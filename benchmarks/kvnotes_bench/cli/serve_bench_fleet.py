@@ -141,22 +141,3 @@ def _run(bench: FleetBenchConfig, base: LaunchConfig, *, out: Path, request_time
     else:
         typer.echo(markdown(data))
         typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
-
-
-@bench_app.command("fleet-check")
-def fleet_check(
-    folder: Annotated[Path, typer.Argument(help="A serve-bench fleet output folder with a soak "
-                                           "(result.json, soak-requests.jsonl, soak-entries, "
-                                           "hosts)")],
-) -> None:
-    """Check a stored fleet soak's answers again against the engine (no server) and rewrite
-    its bundle: records, result.json, report and plot."""
-    from kvnotes.core.errors import KvnotesError
-    from kvnotes_bench.serving.fleet_recheck import recheck_fleet
-    from kvnotes_bench.serving.fleet_report import report
-
-    try:
-        result = recheck_fleet(folder, say=_log)
-    except (KvnotesError, OSError) as err:
-        raise typer.BadParameter(str(err)) from err
-    typer.echo(report(result))

@@ -91,9 +91,6 @@ EngineCheck = Annotated[bool, typer.Option(
     "--engine-check", help="Also compose the fidelity prompts in kvnotes' engine from the "
     "notebooks the server splices, and count the server's answers equal to the engine's "
     "(after the server stops)")]
-RecheckEngine = Annotated[bool, typer.Option(
-    "--recheck-engine", help="Start no server: run the engine check on the skills run "
-    "stored in --out (its results.json and skills/), and rewrite its report")]
 Via = Annotated[str, typer.Option(
     "--via", help="Where the measured requests go: vllm (token ids planned by "
     "ComposeClient) or front (text prompts to kvnotes' OpenAI front, which plans them; "
@@ -157,7 +154,7 @@ def skills(
         map(str, _default("fidelity_concurrency"))),
     repair: Repair = _default("repair"),
     engine_check: EngineCheck = _default("engine_check"),
-    recheck_engine: RecheckEngine = False, via: Via = _default("via"),
+    via: Via = _default("via"),
     dtype: Dtype = "auto", block_size: BlockSize = None,
     kv_cache_gib: KvCacheGib = default_of(ServerOptions, "kv_cache_gib"),
     startup_timeout: StartupTimeout = default_of(ServerOptions, "startup_timeout"),
@@ -172,13 +169,6 @@ def skills(
     spliced policy's answers with the same prompts sent exactly."""
     from kvnotes_bench.serving.skills_report import markdown
 
-    if recheck_engine:
-        if url or launch:
-            raise typer.BadParameter("--recheck-engine starts no server: drop --url and "
-                                     "--launch (it reads the run stored in --out)")
-        data, paths = _recheck_skills(model, out, skills_dir)
-        print_result(data, paths, markdown(data), as_json)
-        return
     server = ServerOptions(
         url=url, launch=launch, model=model, dtype=dtype, block_size=block_size,
         kv_cache_gib=kv_cache_gib, startup_timeout=startup_timeout, vllm_python=vllm_python,
@@ -194,16 +184,3 @@ def skills(
     data, paths = SkillsCommand(bench=bench, server=server, skills_dir=skills_dir,
                                 anchor=not no_anchor).run()
     print_result(data, paths, markdown(data), as_json)
-
-
-def _recheck_skills(model: str, out: Path, skills_dir: Path | None) -> Written:
-    """The engine check of the skills run stored in ``out``, its bundle rewritten."""
-    import kvnotes
-    from kvnotes_bench.serving.runs import recheck_engine
-    from kvnotes_bench.serving.skills_report import write_outputs
-
-    folder_option(out, "--out")
-    data = recheck_engine(out, kvnotes.load(model), skills_dir=skills_dir, log=say)
-    return data, write_outputs(data, out)
-
-

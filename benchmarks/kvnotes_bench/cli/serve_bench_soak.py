@@ -98,9 +98,6 @@ def soak(
     corun_seconds: Annotated[float, typer.Option("--corun-seconds",
                                                  help="Seconds per co-running mode")] = (
         default_of(CorunConfig, "seconds")),
-    recheck: Annotated[bool, typer.Option(
-        "--recheck", help="Start no server: check the answers of the soak in --out again "
-        "(its result.json, skills/ and volatile/)")] = False,
     dtype: Dtype = "float32", startup_timeout: StartupTimeout = 900.0,
     vllm_python: VllmPython = None, request_timeout: RequestTimeout = 300.0,
     out: Out = Path("out/serve-bench/soak"), as_json: AsJson = False,
@@ -120,16 +117,6 @@ def soak(
                        damage_after_s=0.4 * interval, retire_after_s=0.8 * interval,
                        block_size=block_size, kv_blocks=kv_blocks, seed=seed)
     how = invocation()
-    if recheck:
-        import kvnotes
-        from kvnotes_bench.serving.soak import recheck as check_again
-        from kvnotes_bench.serving.soak_report import write_outputs
-
-        data = check_again(out, kvnotes.load(model), say=say)
-        paths = write_outputs(data, out)
-        typer.echo(markdown(data))
-        typer.echo(f"\nwrote {paths['json']}, {paths['report']}, {paths['plot']}")
-        return
     data, paths = SoakCommand(bench=bench, server=server, how=how,
                               corun=CorunConfig(seconds=corun_seconds, background=max(
                                   1, clients - 1)) if corun else None).run()

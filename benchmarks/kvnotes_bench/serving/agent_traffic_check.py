@@ -80,29 +80,6 @@ class KeptEntries:
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_ids.values())
 
-    def matches(self, ids: Sequence[int], before: Sequence[int],
-                key: str | None = None) -> list[Path]:
-        """Entries holding ``ids`` placed after the prompt's tokens ``before``: the entry
-        ``key`` first (the one the plan names: the connector loads that very entry, or
-        computes the range), then the others in the order the server prefers them
-        (:func:`~kvnotes.serving.library.splice.preferred`, the rule the front and the
-        connector share: the longest shared suffix of its compile prefix with ``before``, then
-        the one prefilled at that position, then the latest)."""
-        from kvnotes.serving.library.splice import preferred
-
-        left = list(self.by_ids.get(tuple(int(t) for t in ids), []))
-        pos, before = len(before), [int(t) for t in before]
-        out: list[Path] = []
-        named = self.by_key.get(key) if key else None
-        if named is not None and any(path == named for _, path in left):
-            out.append(named)
-            left = [(piece, path) for piece, path in left if path != named]
-        while left:
-            best = preferred([piece for piece, _ in left], pos, before)
-            at = next(i for i, (piece, _) in enumerate(left) if piece is best)
-            out.append(left.pop(at)[1])
-        return out
-
     def texts(self, usage: UsageKvnotes, tokenizer: Any) -> list[str]:
         """The texts of the kept entries ``usage`` names (its plan's entries, its reports'
         loaded ranges), in prompt order: where the front cut the prompt into parts."""

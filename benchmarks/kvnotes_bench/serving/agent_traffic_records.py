@@ -66,9 +66,3 @@ def write_records(records: Iterable[SoakRequestRecord], path: Path) -> Path:
         for r in records:
             f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
     return path
-
-
-def read_records(path: Path) -> list[SoakRequestRecord]:
-    """The records :func:`write_records` wrote."""
-    with path.open(encoding="utf-8") as f:
-        return [SoakRequestRecord.from_dict(json.loads(line)) for line in f if line.strip()]

@@ -39,7 +39,6 @@ from kvnotes_bench.serving.agent_traffic_records import SoakRequestRecord
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest, subset_request
 
 if TYPE_CHECKING:
-    from kvnotes.core.engine import Engine
     from kvnotes_bench.serving.agent_traffic_check import AgentOracle, CheckConfig
     from kvnotes_bench.serving.agent_traffic_render import Rendered
 
@@ -304,31 +303,3 @@ def summarize(records: Sequence[SoakRecord]) -> SoakSummary:
                             if not r.answer.ok)),
         cut=sum(cut.values()), cut_at=dict(sorted(cut.items(), key=lambda kv: int(kv[0]))),
         gapped=sum(g > GAP_TAU for g in gaps), gap_max=max(gaps) if gaps else None)
-
-
-def recheck(folder: Path, engine: Engine, config: CheckConfig,
-            say: Callable[[str], None] = lambda s: None, *, skills: str = "soak-skills"
-            ) -> tuple[list[SoakRequestRecord], int]:
-    """The per-request records of a soak run's output ``folder`` checked again (no server):
-    its ``soak-requests.jsonl`` against the entries it kept (``soak-entries``, read with the
-    fingerprint of the library under ``folder/skills``); the records with new verdicts, and
-    the references computed for them."""
-    from kvnotes.serving.library.manifest import MANIFEST_NAME, ServingManifest
-    from kvnotes_bench.serving.agent_traffic_check import AgentOracle, KeptEntries, check_request
-    from kvnotes_bench.serving.agent_traffic_records import RECORDS_NAME, read_records
-
-    rows = read_records(folder / RECORDS_NAME)
-    manifests = sorted((folder / skills).rglob(MANIFEST_NAME), key=lambda p: len(p.parts))
-    if not manifests:
-        raise InvalidArgumentError(f"{folder / skills}: no {MANIFEST_NAME} (the soak "
-                                   "server's library) to read the kept entries with")
-    fingerprint = ServingManifest.read(manifests[0].parent).fingerprint_obj
-    oracle = AgentOracle(engine, KeptEntries(folder / "soak-entries", fingerprint))
-    # in the order sent: a request's prefix-cache hit is taken from an earlier one's layout
-    for row in sorted(rows, key=lambda r: (r.sent_s, r.index)):
-        if row.ok and row.prompt_ids is not None:
-            row.verdict = check_request(row, oracle, engine.tokenizer, config).to_dict()
-            if row.verdict["status"] != "ok":
-                say(f"  request {row.index} (splice {row.splice}): {row.verdict['status']} "
-                    f"at {row.verdict.get('diverged_at')} {row.verdict.get('why') or ''}")
-    return rows, oracle.computed

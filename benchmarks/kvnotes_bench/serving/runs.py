@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes.serving.launch import launcher as launcher
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvnotes_bench.serving.skills import SkillsResult
     from kvnotes_bench.serving.skills_config import SkillsBenchConfig
 
-__all__ = ["Target", "erratum_launch", "recheck_engine", "run_erratum", "run_erratum_rows",
+__all__ = ["Target", "erratum_launch", "run_erratum", "run_erratum_rows",
            "run_skills"]
 
 # the chat template, the question and each edit's correction around a context (tokens)
@@ -219,40 +219,3 @@ def _with_engine_check(result: SkillsResult, engine: Engine, prompts: PromptSet,
             f"{c.server_equals_engine}/{c.samples} (exact {c.exact_equals_engine}/{c.samples}); "
             f"engine first token {c.engine_first_token}/{c.samples}")
     return result
-
-
-def recheck_engine(out: Path, engine: Engine, *, skills_dir: Path | None = None,
-                   log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The engine check of a stored skills run: ``out/results.json`` read, its fidelity
-    prompts rebuilt from its config, composed by ``engine`` from the run's skill folder
-    (default ``out/skills``), and the counts added to the JSON form, which is returned."""
-    import json
-
-    from kvnotes_bench.serving.engine_check import check_against_engine, engine_answers
-    from kvnotes_bench.serving.skills_config import config_from_dict, config_prompt_set
-    from kvnotes_bench.serving.skills_fidelity import Fidelity, fidelity_prompts
-
-    path = out / "results.json"
-    if not path.is_file():
-        raise InvalidArgumentError(f"no skills run in {out}: {path.name} is missing")
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if data.get("workload") != "skills" or not data.get("fidelity"):
-        raise InvalidArgumentError(f"{path} is not a skills run with fidelity measured")
-    folder = skills_dir or out / "skills"
-    if not folder.is_dir():
-        raise InvalidArgumentError(f"the run's skill folder {folder} is missing (pass --skills)")
-    block = (data.get("server") or {}).get("block_size")
-    if not block:
-        raise InvalidArgumentError(f"{path} records no server block size")
-    config = config_from_dict(data["config"])
-    prompts = config_prompt_set(config, engine.tokenizer)
-    fidelity = [Fidelity.from_dict(f) for f in data["fidelity"]]
-    answers = engine_answers(engine, fidelity_prompts(prompts, config), folder,
-                             anchor=data.get("skills_anchor") == "header", block_size=int(block),
-                             repair_tokens=config.repair, tokens=config.fidelity_tokens,
-                             variants=config.declares_variants, log=log)
-    checks = check_against_engine(answers, fidelity, tau=data.get("guard_tau"),
-                                  prompt_set=prompts)
-    data["engine_check"] = [c.to_dict() for c in checks]
-    data["config"]["engine_check"] = True
-    return data

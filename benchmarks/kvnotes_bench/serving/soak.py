@@ -38,9 +38,9 @@ from kvnotes_bench.kit.machine import MachineRecord, load_now
 from kvnotes_bench.serving.client import open_client
 from kvnotes_bench.serving.soak_check import EngineOracle, allowed, check
 from kvnotes_bench.serving.soak_client import PREEMPTIONS, read_counter, stream_completion
-from kvnotes_bench.serving.soak_events import EventLog, EventRecord, damage_times, run_events
-from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
-from kvnotes_bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name, volatile_text
+from kvnotes_bench.serving.soak_events import EventLog, damage_times, run_events
+from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult
+from kvnotes_bench.serving.soak_workload import SoakConfig, next_spec, splice_of
 
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
@@ -190,46 +190,10 @@ def run_soak(config: SoakConfig, base: LaunchConfig, engine: Engine, *, out: Pat
                         preemptions_after=after, server_log=scan_log(launch.server.log_path),
                         references=0, how=how, threads=torch.get_num_threads(),
                         launch=launch.record(), corun=corun_result, started=started)
-    # the answers, unchecked: `--recheck` can resume here (the report comes with the verdicts)
-    write_bundle(out, result.to_dict(), report="The answers are not checked yet: run "
-                 "`kvnotes-bench serve soak --recheck` on this folder.\n",
+    # the answers, unchecked, kept should the check fail (the report comes with the verdicts)
+    write_bundle(out, result.to_dict(), report="The answers are not checked yet.\n",
                  json_name="result.json", plot_name="latency.png")
     check_records(records, oracle, damage_times(events.events), eos=sorted(engine.eos_ids),
                   tie_tau=config.tie_tau, say=say)
     result.references = oracle.computed
     return result
-
-
-def recheck(out: Path, engine: Engine, *, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Check the answers of a finished soak again from its ``out`` folder (``result.json``, the
-    library in ``skills/``, the volatile skills' copies in ``volatile/``); returns the result's
-    JSON form with the new verdicts."""
-    import json
-
-    from kvnotes.apps.agent.prompt import HEADER
-    from kvnotes.core.notebook import Notebook
-    from kvnotes.serving.skills import ServingSkills
-    from kvnotes_bench.serving.prompt_sets import skill_texts
-
-    data: dict[str, Any] = json.loads((out / "result.json").read_text("utf-8"))
-    cfg = data["config"]
-    skills = ServingSkills(out / "skills", engine)
-    texts = skill_texts()
-    notebooks = {name: skills.library.get(text, name=name, after=HEADER)
-                 for name, text in texts.items()}
-    events = [EventRecord.from_dict(e) for e in data["events"]]
-    for e in events:
-        if e.kind == "publish":
-            name = volatile_name(e.skill)
-            texts[name] = volatile_text(e.skill)
-            notebooks[name] = Notebook.load(out / "volatile" / f"{name}.safetensors", engine)
-    oracle = EngineOracle(engine, (HEADER, skills.library.get(HEADER, name="header")),
-                          notebooks, texts, block_size=cfg["block_size"])
-    records = [record_from_dict(d) for d in data["requests"]]
-    check_records([(r, None) for r in records], oracle, damage_times(events),
-                  eos=sorted(engine.eos_ids), tie_tau=cfg["tie_tau"], say=say)
-    data["requests"] = [r.to_dict() for r in records]
-    data["references_computed"] = oracle.computed
-    data["summary"] = summarize(records, data["wall_s"], data["preemptions_before"],
-                                data["preemptions_after"]).to_dict()
-    return data

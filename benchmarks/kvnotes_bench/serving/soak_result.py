@@ -67,12 +67,6 @@ class SoakRecord:
                    bool(d.get("after_damage", False)))
 
 
-def record_from_dict(d: Mapping[str, Any]) -> SoakRecord:
-    """A record back from its JSON form, unchecked (without its verdict: checks are made
-    again)."""
-    return dataclasses.replace(SoakRecord.from_dict(d), verdict=None, after_damage=False)
-
-
 @dataclass
 class SoakResult:
     """Everything one soak measured; :meth:`to_dict` is the ``result.json`` schema."""

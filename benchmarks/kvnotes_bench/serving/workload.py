@@ -29,7 +29,6 @@ Everything here is pure and deterministic given the seed; token counts come from
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -336,7 +335,3 @@ def make_sessions(n: int, *, context_tokens: int, depth: float, edits: int,
                          errata=errata)
             for i in range(n)]
 
-
-def whitespace_tokens(text: str) -> int:
-    """A crude token count (words and punctuation) for tests and tokenizer-less use."""
-    return len(re.findall(r"\w+|[^\w\s]", text))

@@ -76,11 +76,3 @@ def test_run_fleet_over_fake_hosts(tmp_path, monkeypatch, tiny_llama) -> None:
     assert data["goals"]["soak_unchecked"]["met"]
     assert not data["goals"]["soak_wrong"]["met"]
     assert {r.verdict["status"] for r in result.soak_records} <= {"wrong", "near_tie"}
-    # checked again from the stored bundle (no server): the same verdicts; the fake's token
-    # counts are not the rendered prompts', so no reference is computed
-    from kvnotes_bench.serving.fleet_recheck import recheck_fleet
-
-    again = recheck_fleet(tmp_path, tiny_llama, say=lines.append)
-    assert [r.verdict for r in again.soak_records] == [r.verdict for r in result.soak_records]
-    assert again.soak["references"] == 0
-    assert "fleet-check" in json.loads((tmp_path / "result.json").read_text())["notes"][-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import sys
 import textwrap
@@ -40,12 +41,16 @@ from kvnotes_bench.serving.workload import (
     REFUND_STATUSES,
     make_session,
     make_sessions,
-    whitespace_tokens,
 )
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 import _fake_vllm  # noqa: E402
+
+
+def whitespace_tokens(text: str) -> int:
+    """A crude token count (words and punctuation)."""
+    return len(re.findall(r"\w+|[^\w\s]", text))
 
 
 def _bench(client, config):

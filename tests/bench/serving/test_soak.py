@@ -28,7 +28,7 @@ from kvnotes_bench.serving.soak_check import (
 from kvnotes_bench.serving.soak_client import Answer, stream_completion, token_id
 from kvnotes_bench.serving.soak_events import EventRecord, damage_file, damage_times
 from kvnotes_bench.serving.soak_report import markdown, report
-from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult, record_from_dict, summarize
+from kvnotes_bench.serving.soak_result import SoakRecord, SoakResult, summarize
 from kvnotes_bench.serving.soak_workload import SoakConfig, next_spec, splice_of, volatile_name
 
 PROMPT = Prompt(("refunds", "volatile-0"), "\n\nCustomer: hi\nAgent:", 4, volatile_at=1)
@@ -224,12 +224,8 @@ def test_a_record_survives_its_json_form():
                  total_s=0.9, chunk_s=[0.5, 0.9], chunk_tokens=[1, 1])
     rec = SoakRecord(3, 1, spec, 12.5, ans)
     rec.verdict, rec.after_damage = Verdict("wrong", diverged_at=1, expected=[7], margin=0.2), True
-    back = record_from_dict(rec.to_dict())
-    assert back.spec == spec
-    assert (back.answer.token_ids, back.answer.top) == (ans.token_ids, ans.top)
-    assert back.verdict is None and not back.after_damage  # unchecked: checks are made again
     typed = SoakRecord.from_dict(rec.to_dict())
-    assert (typed.verdict, typed.after_damage) == (rec.verdict, True)
+    assert (typed.verdict, typed.after_damage) == (rec.verdict, True) and typed.spec == spec
 
 
 def test_summary_counts_outcomes():
