@@ -129,7 +129,7 @@ class SpliceableResult(BaseModel):
 def tool_lists(config: SpliceableConfig, tokenizer: Any
                ) -> tuple[list[AgentRequest], list[AgentRequest], list[str]]:
     """``(measured, background, skipped)``: development cases with at least ``tools`` tools cut
-    to their first ``tools`` (the measured lists), and the rest as background traffic."""
+    to their first ``tools`` (measured), the cases after the first ``cases`` (background)."""
     n = config.cases * (1 + len(config.background))
     kept, _ = tool_set(AgentBenchConfig(model=config.model, parts=("tools",), cases=4 * n),
                        tokenizer)

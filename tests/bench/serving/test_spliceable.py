@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from kvnotes_bench.serving.spliceable import (
     SpliceableResult,
     measure_case,
     new_chunks,
+    report,
     run_round,
     write_outputs,
 )
@@ -119,3 +121,15 @@ def test_bad_settings_are_refused() -> None:
         SpliceableConfig(after=1)
     with pytest.raises(ValueError, match="cases"):
         SpliceableConfig(cases=0)
+
+
+BUNDLES = sorted((Path(__file__).resolve().parents[3] / "docs" / "results" / "spliceable")
+                 .glob("*/result.json"))
+
+
+def test_the_committed_bundles_read_back_and_render_as_committed() -> None:
+    assert BUNDLES
+    for path in BUNDLES:
+        result = SpliceableResult.model_validate_json(path.read_text())
+        assert result.rounds and all(r.cases for r in result.rounds)
+        assert report(result) == (path.parent / "report.md").read_text()
