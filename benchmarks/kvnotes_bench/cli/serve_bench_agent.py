@@ -198,6 +198,9 @@ def spliceable(
         write_outputs,
     )
 
+    if not all(x.strip().isdigit() for x in background.split(",")):
+        raise typer.BadParameter(f"--background {background}: give client counts >= 0, "
+                                 "comma-separated, e.g. 0,4")
     try:
         config = SpliceableConfig(model=model, cases=cases, tools=tools,
                                   background=tuple(int(x) for x in background.split(",")), after=sightings,

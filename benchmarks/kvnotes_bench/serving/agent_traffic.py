@@ -48,6 +48,7 @@ from kvnotes_bench.serving.agent_traffic_soak import AgentSoakConfig, SoakRecord
 if TYPE_CHECKING:
     from kvnotes.core.engine import Engine
     from kvnotes.serving.launch.launcher import Launch, LaunchConfig
+    from kvnotes.serving.planning.chunks import SeenChunk
 
 PARTS = ("tools", "documents", "overhead", "soak")
 
@@ -309,16 +310,17 @@ def run_agent(config: AgentBenchConfig, base: LaunchConfig, engine: Engine, *, o
     return result
 
 
-def learnable_chunks(tokenizer: Any) -> Callable[[AgentRequest], list[tuple[int, ...]]]:
-    """A request's chunks as the front lays them out (its learner counts these token ids)."""
+def laid_chunks(tokenizer: Any, request: AgentRequest) -> list[SeenChunk]:
+    """A request's chunks as the front lays them out (the ones its learner counts)."""
     from kvnotes.serving.planning.chat_render import lay_out_chat, render_chat_parts
 
-    def chunks(request: AgentRequest) -> list[tuple[int, ...]]:
-        laid = lay_out_chat(tokenizer, render_chat_parts(tokenizer, request.messages(),
-                                                         request.tools()).parts)
-        return [c.token_ids for c in laid.chunks]
+    return list(lay_out_chat(tokenizer, render_chat_parts(tokenizer, request.messages(),
+                                                          request.tools()).parts).chunks)
 
-    return chunks
+
+def learnable_chunks(tokenizer: Any) -> Callable[[AgentRequest], list[tuple[int, ...]]]:
+    """A request's chunks' token ids as the front lays them out (:func:`laid_chunks`)."""
+    return lambda request: [c.token_ids for c in laid_chunks(tokenizer, request)]
 
 
 def attach_breakdowns(result: AgentResult, tokenizer: Any) -> None:

@@ -34,13 +34,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, NonNegativeInt
 
 from kvnotes.core.errors import InvalidArgumentError
 from kvnotes_bench.kit.machine import MachineRecord, load_now
 from kvnotes_bench.kit.stats import median, percentile
-from kvnotes_bench.serving.agent_traffic import AgentBenchConfig, learning_launch, tool_set
+from kvnotes_bench.serving.agent_traffic import (
+    AgentBenchConfig,
+    laid_chunks,
+    learning_launch,
+    tool_set,
+    utc_minute,
+)
 from kvnotes_bench.serving.agent_traffic_client import OpenAISender
+from kvnotes_bench.serving.agent_traffic_protocol import ProtocolConfig, wait_learned
 from kvnotes_bench.serving.agent_traffic_requests import AgentRequest
 
 if TYPE_CHECKING:
@@ -57,7 +64,8 @@ class SpliceableConfig(BaseModel):
     model: str = "smollm2-135m"
     cases: int = Field(default=8, ge=1, description="new tool lists per round")
     tools: int = Field(default=4, ge=1, description="tools per list (cases with fewer are skipped)")
-    background: tuple[int, ...] = Field(default=(0, 4), description="background clients per round")
+    background: tuple[NonNegativeInt, ...] = Field(default=(0, 4), min_length=1,
+                                                   description="background clients per round")
     after: int = Field(default=2, ge=2, description="the server's --learn-after")
     answer_tokens: int = Field(default=16, ge=1, description="greedy tokens of each sighting's "
                                "answer (an agent's tool call; the third request waits for it)")
@@ -145,11 +153,7 @@ def tool_lists(config: SpliceableConfig, tokenizer: Any
 def new_chunks(tokenizer: Any, request: AgentRequest, min_tokens: int,
                known: set[tuple[int, ...]]) -> list[SeenChunk]:
     """The request's chunks the learner will compile (long enough, not learned before)."""
-    from kvnotes.serving.planning.chat_render import lay_out_chat, render_chat_parts
-
-    laid = lay_out_chat(tokenizer, render_chat_parts(tokenizer, request.messages(),
-                                                     request.tools()).parts)
-    return [c for c in laid.chunks if len(c.token_ids) >= min_tokens
+    return [c for c in laid_chunks(tokenizer, request) if len(c.token_ids) >= min_tokens
             and c.token_ids not in known]
 
 
@@ -167,19 +171,6 @@ def engine_compile_s(engine: Engine, chunks: Sequence[SeenChunk]) -> float:
         return time.perf_counter() - t0
 
 
-async def _compiled(sender: OpenAISender, c0: int, f0: int, expected: int,
-                    config: SpliceableConfig) -> tuple[float | None, int]:
-    """``(seconds, failures)``: poll the learner until ``expected`` compiles past ``c0``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < config.learn_timeout_s:
-        now = await sender.learner() or {}
-        done, failed = now.get("compiles", 0) - c0, now.get("failures", 0) - f0
-        if done >= expected or failed:
-            return (time.monotonic() - t0 if not failed else None), failed
-        await asyncio.sleep(config.poll_s)
-    return None, 0
-
-
 def _share(answer: Any) -> float | None:
     p = answer.prompt_tokens
     return answer.spliced_tokens / p if answer.ok and p else None
@@ -195,19 +186,19 @@ async def measure_case(sender: OpenAISender, base: AgentRequest, tag: str,
     case.exact_s = exact.total_s if exact.ok else None
     chunks = new_chunks(tokenizer, request, config.min_tokens, known)
     case.new_chunks = len(chunks)
-    before = await sender.learner() or {}
+    before = await sender.learner()
     for _ in range(config.after - 1):
         await sender.send(request, splice=True, max_tokens=config.answer_tokens)
-    watch = asyncio.create_task(_compiled(sender, before.get("compiles", 0),
-                                          before.get("failures", 0), len(chunks), config))
+    watch = asyncio.create_task(wait_learned(sender, before, len(chunks), ProtocolConfig(
+        learn_timeout_s=config.learn_timeout_s, poll_s=config.poll_s)))
     t0 = time.monotonic()
     await sender.send(request, splice=True, max_tokens=config.answer_tokens)
     case.due_s = time.monotonic() - t0
     third = await sender.send(request, splice=True, max_tokens=1)
     case.third_share, case.third_s = _share(third), third.total_s
     case.prompt_tokens = third.prompt_tokens
-    waited, case.failures = await watch
-    case.spliceable_s = None if waited is None else round(waited, 3)
+    learned, waited, _, counts = await watch
+    case.spliceable_s, case.failures = round(waited, 3) if learned else None, counts["failures"]
     known.update(c.token_ids for c in chunks)
     case.ready_share = _share(await sender.send(request, splice=True, max_tokens=1))
     if engine is not None and chunks:
@@ -261,7 +252,7 @@ def run_spliceable(config: SpliceableConfig, base: LaunchConfig, engine: Engine,
 
     machine = MachineRecord.now()
     result = SpliceableResult(config=config, command=command,
-                              started=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+                              started=utc_minute())
     measured, background, result.skipped = tool_lists(config, engine.tokenizer)
     launch = launcher.prepare(learning_launch(base, out / "skills", after=config.after,
                                               timeout=request_timeout_s), engine)
@@ -285,7 +276,7 @@ def run_spliceable(config: SpliceableConfig, base: LaunchConfig, engine: Engine,
     result.launch = launch.record().to_dict()
     machine.finish()
     result.machine = machine.to_dict()
-    result.finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    result.finished = utc_minute()
     return result
 
 

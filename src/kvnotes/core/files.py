@@ -87,7 +87,7 @@ def checksum(tensors: Mapping[str, torch.Tensor], header: Mapping[str, object] |
         h.update(json.dumps(body, sort_keys=True, ensure_ascii=True).encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())  # as three updates: one stream
+        h.update(f"{name}{t.dtype}{tuple(t.shape)}".encode())  # the header of each tensor, then its bytes
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 

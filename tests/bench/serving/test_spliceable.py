@@ -121,6 +121,8 @@ def test_bad_settings_are_refused() -> None:
         SpliceableConfig(after=1)
     with pytest.raises(ValueError, match="cases"):
         SpliceableConfig(cases=0)
+    with pytest.raises(ValueError, match="background"):
+        SpliceableConfig(background=(0, -1))
 
 
 BUNDLES = sorted((Path(__file__).resolve().parents[3] / "docs" / "results" / "spliceable")
