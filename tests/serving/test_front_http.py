@@ -459,30 +459,31 @@ def test_one_log_line_per_request(front, caplog):
     assert lines[0]["status"] == 200 and lines[1]["tenant"] is None
 
 
-def test_every_planning_thread_has_its_tokenizer_before_the_first_request(make_front):
-    front = make_front(plan_workers=3)
-    pool = front.service._pool
-    assert pool is not None and len(pool._threads) == 3  # started with the front, not per request
-    copies = {id(t) for t in _planner_tokenizers(front)}
-    assert len(copies) == 3 and id(front.service.catalog.tokenizer) not in copies
+def test_planning_threads_share_one_tokenizer_and_plan_as_one_thread_does(make_front, fake):
+    front = make_front(plan_workers=4)
+    bodies = [{"prompt": PROMPT + f" Order {i}: " + "item, " * (i * 7)} for i in range(12)]
 
+    def prompts_sent() -> list[str]:
+        return sorted(json.dumps(b["prompt"]) for b in fake.posted()[-len(bodies):])
 
-def _planner_tokenizers(front: Front) -> list[Any]:
-    """The tokenizer each planning thread holds, read on the threads themselves."""
-    import threading
+    for body in bodies:
+        assert completion(front, body).status_code == 200
+    alone = prompts_sent()
+    barrier = threading.Barrier(len(bodies))
 
-    held: list[Any] = []
-    ready = threading.Barrier(front.config.plan_workers)
+    def send(body: dict[str, Any]) -> int:
+        barrier.wait(timeout=10)
+        return completion(front, body).status_code
 
-    def read() -> None:
-        held.append(front.service._local.tokenizer)
-        ready.wait(timeout=10)
-
-    assert front.service._pool is not None
-    futures = [front.service._pool.submit(read) for _ in range(front.config.plan_workers)]
-    for f in futures:
-        f.result(timeout=10)
-    return held
+    threads_out: list[int] = []
+    workers = [threading.Thread(target=lambda b=b: threads_out.append(send(b))) for b in bodies]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert threads_out == [200] * len(bodies)
+    assert prompts_sent() == alone and len(set(alone)) == len(bodies)
+    assert front.stats["spliced"] == 2 * len(bodies)  # planned on the threads, not forwarded
 
 
 def test_a_planning_failure_is_answered_exactly(make_front, fake, monkeypatch):

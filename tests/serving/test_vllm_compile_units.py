@@ -266,3 +266,32 @@ def test_a_library_without_a_model_is_compiled_by_its_server(tmp_path, monkeypat
     assert info.key == skill_key(facts.fingerprint.id, "rope", "bos", list(info.token_ids),
                                  after=lead) == skills.path_for(text, after=header).stem
     assert skills.add(text, name="refunds", after=header) == info and len(server.sent) == 2
+
+
+def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code_out(tmp_path):
+    """``ServingSkills(root, NAME)`` (``kvnotes serve``'s front): the same manifest, folder and
+    tokenizer as from :class:`ModelFacts`, with neither the engine's modules nor transformers'
+    model classes imported in the serving process; a model it cannot read is the child's error,
+    raised here as the same class."""
+    import subprocess
+    import sys
+
+    from kvnotes.core.errors import UnknownModelError
+    from kvnotes.serving.library.model_facts import ModelFacts
+    from kvnotes.serving.skills import ServingSkills
+
+    code = ("import sys; from kvnotes.serving.skills import ServingSkills; "
+            f"s = ServingSkills({str(tmp_path / 'a')!r}, 'gemma3-270m'); "
+            "print(s.folder.name, s.bos_id, sorted(m for m in ('kvnotes.core.engine', "
+            "'transformers.modeling_utils') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    facts = ModelFacts.read("gemma3-270m")
+    by_facts = ServingSkills(tmp_path / "b", facts)
+    assert out == [by_facts.folder.name, str(facts.bos_id), "[]"]
+    by_name = ServingSkills(tmp_path / "c", "gemma3-270m")
+    assert by_name.manifest == by_facts.manifest and by_name.anchor == by_facts.anchor == "bos"
+    text = "REFUNDS: unworn items within 30 days."
+    assert by_name.tokenizer(text)["input_ids"] == facts.tokenizer(text)["input_ids"]
+    with pytest.raises(UnknownModelError, match="no-such-model"):
+        ServingSkills(tmp_path / "d", "no-such-model")

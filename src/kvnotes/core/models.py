@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
@@ -26,8 +26,10 @@ from tqdm.auto import tqdm
 import kvnotes.core.files as files
 import kvnotes.core.split_gguf as split_gguf
 import kvnotes.core.validate as validate
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import UnknownModelError
+
+if TYPE_CHECKING:  # the engine's modules are heavy: a front that only resolves names skips them
+    from kvnotes.core.engine import Engine
 
 
 def kvnotes_home() -> Path:
@@ -193,6 +195,8 @@ def resolve(name_or_path: str) -> Path | str:
 def load_folder(folder: Path | str, *, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu", name: str | None = None) -> Engine:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvnotes.core.engine import Engine
 
     dtype = validate.model_dtype(dtype)
     try:

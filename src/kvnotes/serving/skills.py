@@ -25,23 +25,27 @@ fine-tune) is refused at start.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvnotes.core import errors
 from kvnotes.core.document import encode
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
+    KvnotesError,
     NotebookFileError,
     ServingError,
     UnknownNameError,
     UnsupportedModelError,
 )
 from kvnotes.core.positions.rope import RopeAdapter
-from kvnotes.ops.store import SkillLibrary
 from kvnotes.serving.library.manifest import (
     ENTRY_SUFFIX,
     ServingManifest,
@@ -59,6 +63,10 @@ from kvnotes.serving.library.skill_variants import (
 from kvnotes.serving.library.splice import PieceInfo
 from kvnotes.serving.library.weights import weight_files, weights_digest
 from kvnotes.serving.server_prefill import EntryAddress, PrefillClient, save_by_server
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
+    from kvnotes.ops.store import SkillLibrary
 
 SERVABLE_SCHEMES = ("rope",)  # half-split RoPE: the layout vLLM's attention writes keys in
 
@@ -120,39 +128,49 @@ class ServingSkills:
     """One model's skills as a server uses them: a skill library plus the serving manifest.
 
     ``model``: a loaded :class:`~kvnotes.Engine`, which compiles skills in this process
-    (offline, float32), or the model's :class:`ModelFacts`, with no weights in this process:
-    its skills are compiled by the running server's own prefill once :meth:`attach` gave it one
-    (``kvnotes serve``). ``weights``: the folder of ``*.safetensors`` files the model runs,
-    whose digests the manifest records (default: the folder it was read from).
+    (offline, float32), or, with no weights in this process, the model's :class:`ModelFacts` or
+    its name (a bundled alias, ``.gguf`` file or HF folder: a child process reads its facts, so
+    that transformers' model classes and the model's skeleton, ~150 MiB, stay out of this one;
+    only the tokenizer is loaded here): its skills are then compiled by the running server's own
+    prefill once :meth:`attach` gave it one (``kvnotes serve``). ``weights``: the folder of
+    ``*.safetensors`` files the model runs, whose digests the manifest records (default: the
+    folder it was read from).
 
     Example:
         >>> skills = ServingSkills("skills/", engine)                       # doctest: +SKIP
         >>> skills.add("REFUNDS: unworn items within 30 days ...", name="refunds")  # doctest: +SKIP
     """
 
-    def __init__(self, root: str | os.PathLike[str], model: Engine | ModelFacts, *,
+    def __init__(self, root: str | os.PathLike[str], model: Engine | ModelFacts | str, *,
                  weights: str | os.PathLike[str] | None = None,
                  max_variants: int = DEFAULT_MAX_VARIANTS) -> None:
         if isinstance(max_variants, bool) or not isinstance(max_variants, int) \
                 or max_variants < 1:
             raise InvalidArgumentError(f"max_variants must be at least 1, got {max_variants!r}")
-        self._engine = model if isinstance(model, Engine) else None
+        if isinstance(model, str):
+            self._engine = None
+            self.manifest, self.tokenizer = _read_by_child(model, weights)
+        else:
+            self._engine = None if isinstance(model, ModelFacts) else model
+            facts = facts_of(model, weights)
+            # refuses a model the connector cannot splice; records the weights' digests
+            self.manifest, self.tokenizer = manifest_for(facts), facts.tokenizer
         self.max_variants = max_variants
-        self.facts = facts_of(model, weights)
-        self.tokenizer = self.facts.tokenizer
-        # refuses a model the connector cannot splice; records the weights' digests
-        self.manifest = manifest_for(self.facts)
+        self.bos_id = self.manifest.bos_id
         # BOS models: skills prefilled behind a BOS (dropped), so they keep positions 1..L
-        self.anchor = "bos" if self.facts.bos_id is not None else "none"
-        self._library = None if self._engine is None else SkillLibrary(
-            root, self._engine, anchor=self.anchor)
-        self.folder = Path(root) / self.facts.fingerprint.id
+        self.anchor = "bos" if self.bos_id is not None else "none"
+        self._library: SkillLibrary | None = None
+        if self._engine is not None:  # imported here: the engine's modules are heavy
+            from kvnotes.ops.store import SkillLibrary
+
+            self._library = SkillLibrary(root, self._engine, anchor=self.anchor)
+        self.folder = Path(root) / self.manifest.fingerprint_obj.id
         self.folder.mkdir(parents=True, exist_ok=True)
         self.manifest.write(self.folder)
         self.address = EntryAddress.of(self.manifest)
         self.server: PrefillClient | None = None
-        if self._engine is not None and self.facts.bos_id is not None:
-            self._add_bos(self.facts.bos_id)
+        if self._engine is not None and self.bos_id is not None:
+            self._add_bos(self.bos_id)
 
     @property
     def offline(self) -> bool:
@@ -183,7 +201,7 @@ class ServingSkills:
     def start_entry(self) -> None:
         """The BOS alone at position 0, compiled by the attached server (a model without BOS
         has none). :meth:`attach` first; an engine's is written at construction."""
-        bos = self.facts.bos_id
+        bos = self.bos_id
         if bos is None or self.offline:
             return
         save_by_server(self.folder, self._server(), self.address.start_key(bos), [], [bos],
@@ -248,7 +266,7 @@ class ServingSkills:
 
     def _lead(self, header: str | None) -> list[int]:
         """The anchor (BOS per the library) and ``header``'s ids when given."""
-        bos = [self.facts.bos_id] if self.facts.bos_id is not None else []
+        bos = [self.bos_id] if self.bos_id is not None else []
         return [*bos, *(encode(self.tokenizer, header) if header else [])]
 
     def _after_ids(self, after: str | Sequence[int] | None) -> list[int]:
@@ -300,3 +318,38 @@ class ServingSkills:
                 continue
         return out
 
+
+def _read_by_child(model: str, weights: str | os.PathLike[str] | None
+                   ) -> tuple[ServingManifest, Any]:
+    """``model``'s manifest, read by a child process, and its tokenizer, loaded here; the
+    child's :class:`~kvnotes.KvnotesError` is raised here as the same class."""
+    from transformers import AutoTokenizer
+
+    code = "import sys, kvnotes.serving.skills as s; s.print_manifest(*sys.argv[1:])"
+    source = str(Path(__file__).resolve().parents[2])  # this kvnotes, wherever it is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (source, os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-c", code, model, str(weights or "")],
+                          capture_output=True, text=True, env=env, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise ServingError(f"reading {model!r}'s facts failed:\n{done.stderr[-2000:]}")
+    reply = json.loads(lines[-1])
+    if "error" in reply:
+        kind = getattr(errors, reply["error"], ServingError)
+        if not (isinstance(kind, type) and issubclass(kind, KvnotesError)
+                and "__init__" not in vars(kind)):  # a class not made from a message alone
+            kind = ServingError
+        raise kind(reply["message"])
+    return ServingManifest(**reply["manifest"]), AutoTokenizer.from_pretrained(reply["folder"])
+
+
+def print_manifest(model: str, weights: str) -> None:
+    """The child of :func:`_read_by_child`: prints the manifest and the folder the tokenizer
+    is read from as one JSON line, or the error."""
+    try:
+        facts = ModelFacts.read(model)
+        print(json.dumps({"manifest": asdict(manifest_for(facts, weights or None)),
+                          "folder": str(facts.folder)}))
+    except KvnotesError as err:
+        print(json.dumps({"error": type(err).__name__, "message": str(err)}))

@@ -37,7 +37,7 @@ Keys and tenants (:mod:`~kvnotes.serving.front.config`): with keys on, ``/v1`` a
 ``/kvnotes`` need one (401), a request's tenant is its key's (a ``kvnotes.tenant`` naming
 another is a 400), and a tenant's exact requests are salted as its own too.
 
-Planning runs on a small thread pool (each thread with its own tokenizer copy, no global lock);
+Planning runs on a small thread pool sharing one tokenizer (encoding only reads it; no lock);
 the client leaving cancels its request: the planning wait, the phases and the upstream stream.
 
 The guard: the spliced request asks the first answer token's top-2 log-probs; when their margin

@@ -314,7 +314,7 @@ class FrontConfig:
     upstream_connections: Annotated[Count, Field(description=(
         "The pool of connections to vLLM"))] = 512
     plan_workers: Annotated[Count, Field(description=(
-        "Threads that plan requests (each with its own tokenizer copy)"))] = 4
+        "Threads that plan requests (sharing one tokenizer)"))] = 4
     max_plans_per_client: Annotated[int | None, Field(strict=True, ge=1, description=(
         "Plans of one client (its key, or its address without keys) on or waiting for a "
         "planning thread at once (None: plan_workers - 1, at least 1)"))] = None

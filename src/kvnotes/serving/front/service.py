@@ -30,18 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import hashlib
 import hmac
 import json
 import logging
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvnotes.core.errors import KvnotesError, ServingError
 from kvnotes.serving.front.admission import Admission, Slots
@@ -107,7 +105,6 @@ class FrontService:
         self.metrics = FrontMetrics()
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()
         # prompt parts' ids, shared by the planning threads (their tokenizer copies encode alike)
         self.part_cache = (PartTokenCache(config.part_cache_chars) if config.part_cache_chars
                            else None)
@@ -136,14 +133,7 @@ class FrontService:
 
     async def opened(self) -> None:
         """Inside the serving loop, before the first request."""
-        workers = self.config.plan_workers
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvnotes-plan")
-        # every planning thread starts now with its tokenizer copy (~70 ms each): made lazily,
-        # the copies would land on the first concurrent requests' time to first token
-        ready = threading.Barrier(workers)
-        loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._pool, self._warm_planner, ready)
-                               for _ in range(workers)))
+        self._pool = ThreadPoolExecutor(self.config.plan_workers, thread_name_prefix="kvnotes-plan")
         await self.up.open()
         if self.store is not None:
             self.store.start()
@@ -374,7 +364,9 @@ class FrontService:
         (:attr:`FrontRequest.sent_as_ids`: a structured chat, a completion text with a
         registered skill) that is not spliced, why not (it is then sent exactly as the same
         ids). ``block_size``: why not, when unknown or opted out."""
-        tokenizer = self._tokenizer()
+        # one tokenizer for every planning thread: planning only encodes (it never sets
+        # truncation or padding, the tokenizer's only state), and the Rust encode drops the GIL
+        tokenizer = self.catalog.tokenizer
         if deadline is not None:
             deadline.start()
             tokenizer = DeadlineTokenizer(tokenizer, deadline)
@@ -428,22 +420,3 @@ class FrontService:
             if span.is_piece:
                 keys += self.catalog.keys_of(fp.ids[span.start:span.end], tenant)
         return keys
-
-    def _warm_planner(self, ready: threading.Barrier) -> None:
-        """Make this planning thread's tokenizer copy; the barrier holds each warm-up task on a
-        thread of its own until all have one."""
-        self._tokenizer()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            ready.wait(timeout=30)
-
-    def _tokenizer(self) -> Any:
-        """This planning thread's own copy of the tokenizer (fast tokenizers are not meant to
-        be shared by threads)."""
-        tok = getattr(self._local, "tokenizer", None)
-        if tok is None:
-            try:
-                tok = copy.deepcopy(self.catalog.tokenizer)
-            except Exception:  # noqa: BLE001 -- a tokenizer that cannot be copied is shared
-                tok = self.catalog.tokenizer
-            self._local.tokenizer = tok
-        return tok

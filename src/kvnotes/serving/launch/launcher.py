@@ -323,14 +323,12 @@ def prepare(config: LaunchConfig, engine: Engine | None = None) -> Launch:
     skills: ServingSkills | None = None
     extra = list(config.extra_args)
     if config.skills is not None:
-        from kvnotes.serving.library.model_facts import ModelFacts
         from kvnotes.serving.skills import ServingSkills
         from kvnotes.serving.vllm.checks import check_vllm_args
 
         check_vllm_args(config.extra_args)  # what the connector cannot run with, before anything
         # checks the scheme, writes the manifest
-        skills = ServingSkills(config.skills, engine if engine is not None
-                               else ModelFacts.read(config.model))
+        skills = ServingSkills(config.skills, engine if engine is not None else config.model)
         extra += ["--kv-transfer-config",
                   json.dumps(kv_transfer_config(skills.folder, max_gib=config.connector_max_gib))]
     exported = export_model(config.model, config.dtype)
