@@ -271,7 +271,7 @@ def test_a_library_without_a_model_is_compiled_by_its_server(tmp_path, monkeypat
 def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code_out(tmp_path):
     """``ServingSkills(root, NAME)`` (``kvnotes serve``'s front): the same manifest, folder and
     tokenizer as from :class:`ModelFacts`, with neither the engine's modules nor transformers'
-    model classes imported in the serving process; a model it cannot read is the child's error,
+    model classes imported in the serving process (the CLI's included); a model it cannot read is the child's error,
     raised here as the same class."""
     import subprocess
     import sys
@@ -280,7 +280,7 @@ def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code
     from kvnotes.serving.library.model_facts import ModelFacts
     from kvnotes.serving.skills import ServingSkills
 
-    code = ("import sys; from kvnotes.serving.skills import ServingSkills; "
+    code = ("import sys, kvnotes.cli; from kvnotes.serving.skills import ServingSkills; "
             f"s = ServingSkills({str(tmp_path / 'a')!r}, 'gemma3-270m'); "
             "print(s.folder.name, s.bos_id, sorted(m for m in ('kvnotes.core.engine', "
             "'transformers.modeling_utils') if m in sys.modules))")

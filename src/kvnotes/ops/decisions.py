@@ -10,13 +10,16 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvnotes.core import validate
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import AnswerTokenError, EmptyAnswerError, InvalidArgumentError
 from kvnotes.core.notebook import Notebook
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 
 @dataclass(frozen=True, slots=True)

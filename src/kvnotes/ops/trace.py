@@ -38,18 +38,20 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvnotes.core import validate
 from kvnotes.core.document import Document
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.core.metrics import normalized_effect
 from kvnotes.core.notebook import LayerKV, Notebook
 from kvnotes.core.records import Json
 from kvnotes.ops.decisions import first_token_ids
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 DIRECTIONS = ("denoising", "noising")
 Metric = Callable[[torch.Tensor], float]

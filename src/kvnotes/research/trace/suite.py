@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field  # `field` names a result's figure below
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 from pydantic import BeforeValidator, Field, model_validator
@@ -32,11 +32,13 @@ from pydantic.dataclasses import dataclass as record
 
 from kvnotes.core.chat import has_template, turn_frame
 from kvnotes.core.document import Document
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import KvnotesError, TraceLengthError
 from kvnotes.core.records import Json, JsonRecord, NullableFloat
 from kvnotes.eval.tasks import EditCase
 from kvnotes.ops.trace import TraceOptions, TraceResult, _finite, trace
+
+if TYPE_CHECKING:
+    from kvnotes.core.engine import Engine
 
 
 def _is_none(value: object) -> bool:
