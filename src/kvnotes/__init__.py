@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.14.1"
+__version__ = "0.15.0"
 
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {

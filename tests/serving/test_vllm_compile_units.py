@@ -282,6 +282,7 @@ def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code
 
     code = ("import sys, kvnotes.cli; from kvnotes.serving.skills import ServingSkills; "
             f"s = ServingSkills({str(tmp_path / 'a')!r}, 'gemma3-270m'); "
+            "s.address.key((5, 6), (2,), None); "  # a learned entry's key, as the learner reads it
             "print(s.folder.name, s.bos_id, sorted(m for m in ('kvnotes.core.engine', "
             "'transformers.modeling_utils') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

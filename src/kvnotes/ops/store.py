@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvnotes.core import files, validate
-from kvnotes.core.engine import Engine
 from kvnotes.core.errors import (
     ArgumentTypeError,
     InvalidArgumentError,
@@ -37,7 +36,8 @@ from kvnotes.core.variants import variant_rank
 from kvnotes.ops.quant import FILE_FORMAT as QUANT_FORMAT
 from kvnotes.ops.quant import FILE_VERSION as QUANT_VERSION
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # keys (skill_key) are read where no engine is loaded: a server's front
+    from kvnotes.core.engine import Engine
     from kvnotes.ops.quant import QuantizedNotebook
 
 # a folder listing within this many ns of the folder's mtime may have missed an entry
@@ -78,6 +78,8 @@ class SkillLibrary:
             raise InvalidArgumentError(
                 f"quantize must be None, 'token' or 'channel', got {quantize!r}")
         validate.choice(anchor, "anchor", ("auto", "bos", "none"))
+        from kvnotes.core.engine import Engine
+
         if not isinstance(engine, Engine):
             raise ArgumentTypeError(f"engine must be a kvnotes.Engine, got {type(engine).__name__}")
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
