@@ -10,7 +10,7 @@ from kvnotes_bench.shape import hand_written_validators, measure, untyped_signat
 # Open goals: today's figures. Lower these as the figures fall; the goal itself is each Goal's
 # limit. dict[str, Any] in src signatures is at its goal (0): a file's header is a
 # files.FileHeader, a machine record a machine.MachineInfo.
-CEILINGS = {"lines in src/kvnotes": 33_100, "lines in the bench package": 17_400,
+CEILINGS = {"lines in src/kvnotes": 33_095, "lines in the bench package": 17_400,
             "dict[str, Any] in src signatures": 0}
 
 

@@ -3,14 +3,17 @@ entries read from a serving folder, and the Gemma "\\n" + "\\n" merge per-part i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import make_tiny_engine
 from transformers import AutoTokenizer
 
 from kvnotes.core.document import encode
-from kvnotes.core.errors import NotebookFileError
+from kvnotes.core.errors import NotebookFileError, NotebookMismatchError
 from kvnotes.core.models import BUNDLED, kvnotes_home
 from kvnotes.serving.library.manifest import entry_paths
+from kvnotes.serving.library.piece_store import index_entry
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo
 from kvnotes.serving.planning.front_plan import split_ids, strip_bos_text
 from kvnotes.serving.planning.layout import part_ids, prompt_ids
@@ -19,7 +22,6 @@ from kvnotes.serving.planning.match import (
     SkillCatalog,
     find_skills,
     lay_out,
-    read_piece_info,
     skill_texts,
 )
 from kvnotes.serving.planning.phases import part_spans, sent_spans
@@ -108,23 +110,24 @@ def published(tmp_path_factory, tokenizer):
     return lib
 
 
-def test_read_piece_info_matches_the_published_entry(published, tokenizer):
+def test_the_schedulers_reader_matches_the_published_entry(published, tokenizer):
     entries = {info.key: info for info in published.entries()}
     for path in entry_paths(published.folder):
-        light = read_piece_info(path, published.manifest.fingerprint)
+        light, _ = index_entry(path, published.manifest.fingerprint_obj)  # header and ids only
         assert light == entries[path.stem]
     anchored = [p for p in entries.values() if p.name == "refunds" and p.origin > 0]
     assert anchored and anchored[0].origin == len(encode(tokenizer, HEADER))
 
 
-def test_read_piece_info_refuses_other_files(published, tmp_path):
+def test_the_schedulers_reader_refuses_other_files(published, tmp_path):
     path = entry_paths(published.folder)[0]
-    with pytest.raises(NotebookFileError, match="another model"):
-        read_piece_info(path, {**published.manifest.fingerprint, "id": "other"})
+    other = replace(published.manifest.fingerprint_obj, tokenizer_sha="0" * 16)
+    with pytest.raises(NotebookMismatchError):
+        index_entry(path, other)
     bad = tmp_path / "x.safetensors"
     bad.write_bytes(b"\x01\x00")
-    with pytest.raises(NotebookFileError, match="unreadable"):
-        read_piece_info(bad, published.manifest.fingerprint)
+    with pytest.raises(NotebookFileError):
+        index_entry(bad, published.manifest.fingerprint_obj)
 
 
 def test_catalog_groups_anchorings_and_follows_the_folder(published, tokenizer):

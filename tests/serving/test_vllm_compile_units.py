@@ -271,8 +271,9 @@ def test_a_library_without_a_model_is_compiled_by_its_server(tmp_path, monkeypat
 def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code_out(tmp_path):
     """``ServingSkills(root, NAME)`` (``kvnotes serve``'s front): the same manifest, folder and
     tokenizer as from :class:`ModelFacts`, with neither the engine's modules nor transformers'
-    model classes imported in the serving process (the CLI's included); a model it cannot read is the child's error,
-    raised here as the same class."""
+    model classes imported in the serving process (the CLI's included); a model it cannot read
+    is the child's error, raised here as the same class."""
+    import json
     import subprocess
     import sys
 
@@ -280,19 +281,18 @@ def test_a_library_by_model_name_reads_its_facts_in_a_child_and_keeps_model_code
     from kvnotes.serving.library.model_facts import ModelFacts
     from kvnotes.serving.skills import ServingSkills
 
-    code = ("import sys, kvnotes.cli; from kvnotes.serving.skills import ServingSkills; "
+    text = "REFUNDS: unworn items within 30 days."
+    code = ("import json, sys, kvnotes.cli; from kvnotes.serving.skills import ServingSkills; "
             f"s = ServingSkills({str(tmp_path / 'a')!r}, 'gemma3-270m'); "
             "s.address.key((5, 6), (2,), None); "  # a learned entry's key, as the learner reads it
-            "print(s.folder.name, s.bos_id, sorted(m for m in ('kvnotes.core.engine', "
-            "'transformers.modeling_utils') if m in sys.modules))")
+            "print(json.dumps([s.folder.name, s.anchor, s.manifest.to_json(), "
+            f"s.tokenizer({text!r})['input_ids'], [m for m in ('kvnotes.core.engine', "
+            "'transformers.modeling_utils') if m in sys.modules]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.split()
+                         check=True).stdout.splitlines()[-1]
     facts = ModelFacts.read("gemma3-270m")
     by_facts = ServingSkills(tmp_path / "b", facts)
-    assert out == [by_facts.folder.name, str(facts.bos_id), "[]"]
-    by_name = ServingSkills(tmp_path / "c", "gemma3-270m")
-    assert by_name.manifest == by_facts.manifest and by_name.anchor == by_facts.anchor == "bos"
-    text = "REFUNDS: unworn items within 30 days."
-    assert by_name.tokenizer(text)["input_ids"] == facts.tokenizer(text)["input_ids"]
+    assert json.loads(out) == [by_facts.folder.name, "bos", by_facts.manifest.to_json(),
+                               facts.tokenizer(text)["input_ids"], []]
     with pytest.raises(UnknownModelError, match="no-such-model"):
         ServingSkills(tmp_path / "d", "no-such-model")

@@ -64,7 +64,7 @@ def test_pins_and_forgets_learned_entries_only(tmp_path, make_entry):
 
 def test_sightings_and_leases_in_one_process(tmp_path):
     store = FolderStore(tmp_path)
-    assert [store.incr_sighting("c"), store.incr_sighting("c")] == [1, 2]
+    assert [store.incr_sightings(["c"])[0], store.incr_sightings(["c"])[0]] == [1, 2]
     assert store.incr_sightings(["d", "c", "d"]) == [1, 3, 2] and store.incr_sightings([]) == []
     assert store.acquire_lease("l", 60) and not store.acquire_lease("l", 60)
     assert store.release_lease("l") and store.acquire_lease("l", 60)

@@ -34,7 +34,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvnotes.core import errors
 from kvnotes.core.document import encode
 from kvnotes.core.errors import (
     ArgumentTypeError,
@@ -42,6 +41,7 @@ from kvnotes.core.errors import (
     KvnotesError,
     NotebookFileError,
     ServingError,
+    UnknownModelError,
     UnknownNameError,
     UnsupportedModelError,
 )
@@ -326,21 +326,15 @@ def _read_by_child(model: str, weights: str | os.PathLike[str] | None
     from transformers import AutoTokenizer
 
     code = "import sys, kvnotes.serving.skills as s; s.print_manifest(*sys.argv[1:])"
-    source = str(Path(__file__).resolve().parents[2])  # this kvnotes, wherever it is imported from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (source, os.environ.get("PYTHONPATH", "")) if p)}
     done = subprocess.run([sys.executable, "-c", code, model, str(weights or "")],
-                          capture_output=True, text=True, env=env, check=False)
+                          capture_output=True, text=True, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise ServingError(f"reading {model!r}'s facts failed:\n{done.stderr[-2000:]}")
     reply = json.loads(lines[-1])
-    if "error" in reply:
-        kind = getattr(errors, reply["error"], ServingError)
-        if not (isinstance(kind, type) and issubclass(kind, KvnotesError)
-                and "__init__" not in vars(kind)):  # a class not made from a message alone
-            kind = ServingError
-        raise kind(reply["message"])
+    if "error" in reply:  # what ModelFacts.read and check_servable raise, by name
+        kinds = (UnknownModelError, UnsupportedModelError, NotebookFileError)
+        raise {k.__name__: k for k in kinds}.get(reply["error"], ServingError)(reply["message"])
     return ServingManifest(**reply["manifest"]), AutoTokenizer.from_pretrained(reply["folder"])
 
 

@@ -10,8 +10,9 @@ the rotary tables among them, are real), and the fingerprint is
 elements the fingerprint samples are read from the safetensors files: the same function
 over the same values, so the id equals the loaded engine's.
 
-Unlike the rest of :mod:`kvnotes.serving.library`, this module imports transformers: the
-connector never imports it.
+Unlike the rest of :mod:`kvnotes.serving.library`, this module imports transformers' model
+classes: the connector never imports it, and ``kvnotes serve``'s front reads the facts in a
+child process (``ServingSkills(root, MODEL)``) so that they stay out of it.
 """
 
 from __future__ import annotations

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvnotes.core.document import added_bos, encode
-from kvnotes.core.errors import KvnotesError, NotebookFileError, NotebookMismatchError
-from kvnotes.core.fingerprint import ModelFingerprint
-from kvnotes.serving.library.piece_store import PieceStore, index_entry
+from kvnotes.serving.library.piece_store import PieceStore
 from kvnotes.serving.library.prefix_index import PrefixIndex
 from kvnotes.serving.library.splice import PieceIndex, PieceInfo, preferred, visible
 from kvnotes.serving.planning.layout import SentPart, part_ids
@@ -61,29 +59,6 @@ class Part:
 
     text: str
     skill: Skill | None = None
-
-
-# ---- reading entries -------------------------------------------------------------------------
-def read_piece_info(path: str | os.PathLike[str], fingerprint: Mapping[str, object]
-                    ) -> PieceInfo:
-    """``PieceInfo`` of one library entry from its header and token ids alone (the scheduler's
-    reader, :func:`kvnotes.serving.library.piece_store.index_entry`).
-
-    Raises :class:`NotebookFileError` for a file that is not an entry of ``fingerprint``'s
-    model (another format, another model, unreadable).
-    """
-    path = Path(path)
-    try:
-        want = ModelFingerprint.from_dict(fingerprint)
-    except ValueError as err:  # no entry is written under a fingerprint that is not one
-        raise NotebookFileError(f"{path}: written by another model ({err})") from err
-    try:
-        piece, _ = index_entry(path, want)
-    except NotebookMismatchError as err:
-        raise NotebookFileError(f"{path}: written by another model ({err})") from err
-    except (KvnotesError, OSError) as err:
-        raise NotebookFileError(f"{path}: unreadable skill entry ({err})") from err
-    return piece
 
 
 def skill_texts(tokenizer: Any, pieces: Iterable[PieceInfo]) -> tuple[list[Skill], list[str]]:

@@ -137,16 +137,13 @@ class Store(Protocol):
         keeps no feed or it no longer reaches back to ``after`` (then read :meth:`list`)."""
         ...
 
-    def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
-        """Count one more sighting of ``name`` (a chunk's identity) and return the count; a
-        count not incremented for ``ttl_s`` seconds starts again from zero."""
-        ...
-
     def incr_sightings(self, names: Sequence[str],
                        ttl_s: float = 86400.0) -> builtins.list[int]:
-        """:meth:`incr_sighting` for each of ``names`` in one call (one round trip to a
-        server): their counts, in order. A fault raises for the whole call (a server may have
-        counted some of them: Redis runs a transaction's other commands when one fails)."""
+        """Count one more sighting of each of ``names`` (chunks' identities) in one call (one
+        round trip to a server) and return their counts, in order; a count not incremented for
+        ``ttl_s`` seconds starts again from zero. A fault raises for the whole call (a server
+        may have counted some of them: Redis runs a transaction's other commands when one
+        fails)."""
         ...
 
     def epoch(self) -> str:

@@ -235,9 +235,6 @@ class FolderStore:
         return None  # one host's folder: nobody else publishes into it
 
     # ---- what learners agree on ---------------------------------------------------------------
-    def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
-        return self._coord.incr(name, ttl_s)
-
     def incr_sightings(self, names: Sequence[str],
                        ttl_s: float = 86400.0) -> builtins.list[int]:
         return [self._coord.incr(name, ttl_s) for name in names]

@@ -45,9 +45,6 @@ class LearnerCalls:
     def _guard(self, op: str) -> AbstractContextManager[None]:
         raise NotImplementedError
 
-    def incr_sighting(self, name: str, ttl_s: float = 86400.0) -> int:
-        return self._incr_seen([name], ttl_s, "incr_sighting")[0]
-
     def incr_sightings(self, names: Sequence[str],
                        ttl_s: float = 86400.0) -> builtins.list[int]:
         return self._incr_seen(names, ttl_s, "incr_sightings")
