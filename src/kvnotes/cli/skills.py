@@ -101,10 +101,11 @@ def folder_list(
     """The skills a server for this model would splice: the registered ones, then the chunks
     and variants learned on sight (`kvnotes serve --learn`) with their tenant, what a variant
     is of and behind, its size and its use (hits, of them exactly placed)."""
+    from kvnotes.serving.library.model_facts import ModelFacts
     from kvnotes.serving.library.registry import LearnedRegistry, registry_path
     from kvnotes.serving.skills import ServingSkills
 
-    lib = ServingSkills(skills, model)  # the folder's entries: no weights
+    lib = ServingSkills(skills, ModelFacts.read(model))  # no weights, and no child: it exits
     learned: dict[str, LearnedEntry] = {}
     if registry_path(lib.folder).is_file():
         with LearnedRegistry(lib.folder) as reg:

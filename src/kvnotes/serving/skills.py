@@ -128,13 +128,12 @@ class ServingSkills:
     """One model's skills as a server uses them: a skill library plus the serving manifest.
 
     ``model``: a loaded :class:`~kvnotes.Engine`, which compiles skills in this process
-    (offline, float32), or, with no weights in this process, the model's :class:`ModelFacts` or
-    its name (a bundled alias, ``.gguf`` file or HF folder: a child process reads its facts, so
-    that transformers' model classes and the model's skeleton, ~150 MiB, stay out of this one;
-    only the tokenizer is loaded here): its skills are then compiled by the running server's own
-    prefill once :meth:`attach` gave it one (``kvnotes serve``). ``weights``: the folder of
-    ``*.safetensors`` files the model runs, whose digests the manifest records (default: the
-    folder it was read from).
+    (offline, float32), or, with no weights here, the model's :class:`ModelFacts` or its name
+    (an alias, ``.gguf`` file or folder: a child process reads the facts, so that transformers'
+    model classes stay out of a long-lived server; only the tokenizer is loaded here): then the
+    running server's own prefill compiles its skills once :meth:`attach` gave it one. ``weights``:
+    the folder of ``*.safetensors`` files the model runs, whose digests the manifest records
+    (default: the folder it was read from).
 
     Example:
         >>> skills = ServingSkills("skills/", engine)                       # doctest: +SKIP

@@ -105,7 +105,7 @@ class FrontService:
         self.metrics = FrontMetrics()
         self.up = Upstream(config)
         self._pool: ThreadPoolExecutor | None = None
-        # prompt parts' ids, shared by the planning threads (their tokenizer copies encode alike)
+        # prompt parts' ids, shared by the planning threads as their one tokenizer is
         self.part_cache = (PartTokenCache(config.part_cache_chars) if config.part_cache_chars
                            else None)
         self.slots = Slots(config.max_concurrent, self.metrics.in_flight.inc)
@@ -364,8 +364,8 @@ class FrontService:
         (:attr:`FrontRequest.sent_as_ids`: a structured chat, a completion text with a
         registered skill) that is not spliced, why not (it is then sent exactly as the same
         ids). ``block_size``: why not, when unknown or opted out."""
-        # one tokenizer for every planning thread: planning only encodes (it never sets
-        # truncation or padding, the tokenizer's only state), and the Rust encode drops the GIL
+        # shared by the planning threads: planning only encodes (it never sets truncation or
+        # padding, the tokenizer's only state), and the Rust encode drops the GIL
         tokenizer = self.catalog.tokenizer
         if deadline is not None:
             deadline.start()
